@@ -1,0 +1,14 @@
+"""kvflow.kernels: block-movement ops over paged KV caches, with pluggable backends.
+
+>>> from kvflow.kernels import gather_blocks, scatter_blocks, copy_blocks, available_backends
+
+Backends: ``torch`` (reference), ``numba`` (CPU), ``numba_cuda`` and ``triton`` (GPU),
+``native`` (the C++ host extension in ``xpu/``). See :mod:`kvflow.kernels.registry` for the
+contract and how ``backend="auto"`` and ``KVFLOW_BACKEND`` choose.
+"""
+
+from .ops import copy_blocks, gather_blocks, payload_bytes, scatter_blocks
+from .registry import available_backends, backend_names, get_backend, register_backend
+
+__all__ = ["gather_blocks", "scatter_blocks", "copy_blocks", "payload_bytes",
+           "available_backends", "backend_names", "get_backend", "register_backend"]

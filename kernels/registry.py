@@ -1,0 +1,104 @@
+"""Backend registry: one op signature, several implementations, chosen per device.
+
+Backend contract
+----------------
+A backend is an object with
+
+- ``name`` (str) and ``devices`` (set of device types it runs on, e.g. ``{"cpu"}``);
+- ``unavailable_reason() -> str | None``: None when it can run in this process;
+- ``gather(cache, ids, out, start, stop, max_ctas)``,
+  ``scatter(src, cache, ids, start, stop, max_ctas)``,
+  ``copy(src_cache, dst_cache, src_ids, dst_ids, start, stop, max_ctas)``,
+  called with arguments already checked by :mod:`kvflow.kernels.ops` (ids: 1-D int32/int64 on
+  the cache's device; layers as a half-open tensor range of layers ``[start, stop)``).
+  It must skip ids of -1 (and any id outside the cache), leaving the destination untouched.
+
+Choice (``backend=`` of every op): ``"auto"`` takes ``KVFLOW_BACKEND`` if set, else the first
+available backend of :data:`AUTO_ORDER` for the device; an explicitly named backend (argument or
+environment) that is unavailable or cannot run on the device raises, never falls back.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+import torch
+
+# Modules that define backends, imported on first lookup (so `import kvflow` compiles nothing).
+_MODULES = {
+    "torch": "kvflow.kernels.reference",
+    "numba": "kvflow.kernels.numba",
+    "numba_cuda": "kvflow.kernels.numba.cuda",
+    "triton": "kvflow.kernels.triton",
+    "native": "kvflow.kernels.native",
+}
+AUTO_ORDER = {"cpu": ("numba", "native", "torch"), "cuda": ("triton", "numba_cuda", "torch")}
+_BACKENDS: dict[str, Any] = {}
+
+
+def register_backend(backend: Any) -> Any:
+    """Register (or replace) a backend object; returns it (usable as a decorator on an instance)."""
+    _BACKENDS[backend.name] = backend
+    return backend
+
+
+def _load(name: str) -> Any | None:
+    if name not in _BACKENDS and name in _MODULES:
+        try:
+            importlib.import_module(_MODULES[name])
+        except ImportError:
+            return None
+    return _BACKENDS.get(name)
+
+
+def backend_names() -> list[str]:
+    """Every backend kvflow knows of, available here or not."""
+    return sorted(set(_MODULES) | set(_BACKENDS))
+
+
+def available_backends() -> dict[str, str]:
+    """Map each known backend to ``"available"`` or the reason it cannot run here."""
+    out = {}
+    for name in backend_names():
+        b = _load(name)
+        if b is None:
+            out[name] = f"not importable (module {_MODULES.get(name)})"
+        else:
+            out[name] = b.unavailable_reason() or "available"
+    return out
+
+
+def get_backend(name: str, device: torch.device) -> Any:
+    """Resolve ``name`` ("auto" or a backend name) for a cache on ``device``.
+
+    Raises
+    ------
+    ValueError
+        Unknown backend name, or a backend that cannot run on ``device``.
+    RuntimeError
+        An explicitly requested backend that is unavailable here (with the reason).
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a str, got {name!r}")
+    explicit = name != "auto"
+    if not explicit:
+        env = os.environ.get("KVFLOW_BACKEND", "").strip()
+        if env and env != "auto":
+            name, explicit = env, True
+    if explicit:
+        if name not in backend_names():
+            raise ValueError(f"backend={name!r} is unknown; known backends: {backend_names()}")
+        b = _load(name)
+        reason = "not importable" if b is None else b.unavailable_reason()
+        if reason:
+            raise RuntimeError(f"backend={name!r} is unavailable: {reason}")
+        if device.type not in b.devices:
+            raise ValueError(f"backend={name!r} runs on {sorted(b.devices)}, not on {device}")
+        return b
+    for cand in AUTO_ORDER.get(device.type, ("torch",)):
+        b = _load(cand)
+        if b is not None and b.unavailable_reason() is None and device.type in b.devices:
+            return b
+    raise RuntimeError(f"no kvflow backend can run on {device}")

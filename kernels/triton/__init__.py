@@ -1,0 +1,1 @@
+"""Triton GPU backend (see issue: Triton kernels)."""

@@ -1,0 +1,170 @@
+"""The paged KV cache of one instance, and the staging buffer that gathered blocks land in.
+
+Order of ``PagedKVCache.tensors()`` (fixed, relied on by every backend):
+``[layer 0 K, layer 0 V, layer 1 K, layer 1 V, ...]`` for NHD/HND and
+``[layer 0 latent, layer 1 latent, ...]`` for MLA, i.e. tensor ``i`` is layer
+``i // spec.tensors_per_layer``, quantity ``i % spec.tensors_per_layer``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .layout import KVCacheSpec, normalize_layers
+
+
+class PagedKVCache:
+    """Every per-layer tensor of one instance's paged KV cache.
+
+    Parameters
+    ----------
+    spec : KVCacheSpec
+        Geometry, dtype and layout.
+    num_blocks : int
+        Physical blocks per tensor.
+    device : str or torch.device, default "cpu"
+        Where to allocate (ignored when ``buffer`` is given).
+    buffer : torch.Tensor, optional
+        A flat ``uint8`` tensor of at least ``spec.num_tensors * num_blocks * spec.block_bytes``
+        bytes to lay the cache over (e.g. a shared-memory mapping); by default one zeroed
+        allocation is made. The tensors are consecutive views of it, in ``tensors()`` order.
+
+    Attributes
+    ----------
+    spec, num_blocks, device, buffer (the flat uint8 allocation, or None for
+    :meth:`from_tensors`), backend_state (per-backend data built once per cache, e.g.
+    a device-side table of per-layer base addresses).
+
+    Raises
+    ------
+    TypeError, ValueError
+        If ``num_blocks`` is not a positive int, or ``buffer`` is not a large enough flat
+        contiguous uint8 tensor.
+
+    Examples
+    --------
+    >>> spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=16,
+    ...                    dtype=torch.float16, layout="NHD")
+    >>> cache = PagedKVCache(spec, num_blocks=8)
+    >>> [tuple(t.shape) for t in cache.tensors()][:2]
+    [(8, 16, 2, 4), (8, 16, 2, 4)]
+    """
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: Any = "cpu", *,
+                 buffer: torch.Tensor | None = None) -> None:
+        if not isinstance(spec, KVCacheSpec):
+            raise TypeError(f"spec must be a KVCacheSpec, got {type(spec).__name__}")
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        self.spec = spec
+        self.num_blocks = num_blocks
+        per_tensor = num_blocks * spec.block_bytes
+        need = per_tensor * spec.num_tensors
+        if buffer is None:
+            buffer = torch.zeros(need, dtype=torch.uint8, device=device)
+        elif not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 \
+                or buffer.dim() != 1 or not buffer.is_contiguous():
+            raise TypeError(f"buffer must be a flat contiguous uint8 tensor, got "
+                            f"{getattr(buffer, 'dtype', type(buffer))} of shape "
+                            f"{tuple(getattr(buffer, 'shape', ()))}")
+        elif buffer.numel() < need:
+            raise ValueError(f"buffer holds {buffer.numel()} bytes; the cache needs {need}")
+        self.buffer = buffer
+        shape = spec.tensor_shape(num_blocks)
+        self._tensors = [buffer[i * per_tensor:(i + 1) * per_tensor].view(spec.dtype).view(shape)
+                         for i in range(spec.num_tensors)]
+        self.device = buffer.device
+        self.backend_state: dict[str, Any] = {}
+
+    @classmethod
+    def from_tensors(cls, spec: KVCacheSpec, tensors: Sequence[torch.Tensor]) -> "PagedKVCache":
+        """Wrap existing per-layer tensors (e.g. an engine's own cache) without copying.
+
+        ``tensors`` must be in :meth:`tensors` order, each contiguous, of ``spec.dtype`` and
+        shape ``spec.tensor_shape(num_blocks)``, all on one device.
+
+        Raises
+        ------
+        ValueError, TypeError
+            Naming the offending ``tensors[i]`` and what was expected.
+        """
+        tensors = list(tensors)
+        if len(tensors) != spec.num_tensors:
+            raise ValueError(f"tensors has {len(tensors)} entries; spec needs {spec.num_tensors} "
+                             f"({spec.num_layers} layers x {spec.tensors_per_layer})")
+        num_blocks = tensors[0].shape[0] if tensors and tensors[0].dim() else 0
+        expect = spec.tensor_shape(num_blocks)
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"tensors[{i}] must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype != spec.dtype:
+                raise TypeError(f"tensors[{i}].dtype is {t.dtype}; spec.dtype is {spec.dtype}")
+            if tuple(t.shape) != expect:
+                raise ValueError(f"tensors[{i}].shape is {tuple(t.shape)}; expected {expect}")
+            if not t.is_contiguous():
+                raise ValueError(f"tensors[{i}] must be contiguous, got strides {t.stride()}")
+            if t.device != tensors[0].device:
+                raise ValueError(f"tensors[{i}] is on {t.device}; tensors[0] is on {tensors[0].device}")
+        self = cls.__new__(cls)
+        self.spec, self.num_blocks, self.buffer = spec, num_blocks, None
+        self._tensors = tensors
+        self.device = tensors[0].device
+        self.backend_state = {}
+        return self
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every per-layer tensor, in the order of the module docstring."""
+        return list(self._tensors)
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """The tensors of one layer: ``(K, V)`` or ``(latent,)``."""
+        t = self.spec.tensors_per_layer
+        return tuple(self._tensors[layer * t:(layer + 1) * t])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all tensors."""
+        return self.num_blocks * self.spec.bytes_per_block
+
+    def ptr_table(self) -> torch.Tensor:
+        """int64 tensor (on the cache's device) of each tensor's base address, in
+        ``tensors()`` order; built once and kept in ``backend_state``."""
+        table = self.backend_state.get("ptr_table")
+        if table is None:
+            table = torch.tensor([t.data_ptr() for t in self._tensors], dtype=torch.int64)
+            table = table.to(self.device)
+            self.backend_state["ptr_table"] = table
+        return table
+
+    def __repr__(self) -> str:
+        return f"PagedKVCache({self.spec}, num_blocks={self.num_blocks}, device={self.device})"
+
+
+def staging_shape(spec: KVCacheSpec, num_blocks: int, layers: Any = None) -> tuple[int, ...]:
+    """Shape of the staging buffer for ``num_blocks`` blocks of a layer range:
+    ``[num_layers_in_range, spec.tensors_per_layer, num_blocks, *spec.block_shape]``.
+
+    Element ``[l, t, i]`` is block ``block_ids[i]`` of tensor ``t`` (K=0, V=1, or the MLA latent)
+    of layer ``layers.start + l``; each ``[l]`` (one layer) is contiguous.
+    """
+    start, stop = normalize_layers(layers, spec.num_layers)
+    return (stop - start, spec.tensors_per_layer, num_blocks, *spec.block_shape)
+
+
+def staging_buffer(spec: KVCacheSpec, num_blocks: int, layers: Any = None,
+                   device: Any = "cpu", *, pin_memory: bool = False) -> torch.Tensor:
+    """Allocate an (uninitialised) staging buffer of :func:`staging_shape` and ``spec.dtype``.
+
+    Parameters
+    ----------
+    spec, num_blocks, layers
+        As :func:`staging_shape`.
+    device : str or torch.device
+        Where to allocate.
+    pin_memory : bool
+        Page-locked host memory (for asynchronous host<->device copies); CPU only.
+    """
+    shape = staging_shape(spec, num_blocks, layers)
+    return torch.empty(shape, dtype=spec.dtype, device=device, pin_memory=pin_memory)

@@ -1,0 +1,252 @@
+"""KV-cache layouts as data.
+
+A paged KV cache holds, for every layer, one tensor per cached quantity: K and V for the
+``NHD`` and ``HND`` layouts, one latent tensor for ``MLA``. Every tensor is indexed by
+physical block id first, so one block of one tensor is ``block_bytes`` contiguous bytes in
+all three layouts; the layout only decides the order of the dimensions inside a block:
+
+========  ==========================================  ======================
+layout    tensor shape                                tensors per layer
+========  ==========================================  ======================
+``NHD``   [num_blocks, block_size, num_kv_heads, head_dim]   2 (K, V)
+``HND``   [num_blocks, num_kv_heads, block_size, head_dim]   2 (K, V)
+``MLA``   [num_blocks, block_size, latent_dim]               1 (latent)
+========  ==========================================  ======================
+
+NHD is vLLM's FlashAttention layout, HND FlashInfer's; MLA is DeepSeek's compressed latent
+(``latent_dim = head_dim`` with ``num_kv_heads = 1``). Kernels read these facts
+(shapes, strides, bytes) from :class:`KVCacheSpec`; they never branch on the layout name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+LAYOUTS = ("NHD", "HND", "MLA")
+
+_DTYPE_NAMES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e4m3": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "fp8_e5m2": torch.float8_e5m2,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+}
+
+
+def as_torch_dtype(dtype: Any) -> torch.dtype:
+    """Convert a torch, numpy or paddle dtype (or its name) to a ``torch.dtype``.
+
+    Raises
+    ------
+    TypeError
+        If ``dtype`` names no dtype kvflow can store, e.g. ``dtype='complex64'``.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = getattr(dtype, "name", None)  # numpy dtypes and numpy scalar types' dtype
+    if name is None and isinstance(dtype, type):
+        name = getattr(dtype, "__name__", None)  # np.float16 (a scalar type)
+    if name is None:
+        name = str(dtype)  # 'bfloat16', 'paddle.bfloat16', 'VarType.BF16'
+    key = name.rsplit(".", 1)[-1].lower()
+    key = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(key, key)
+    if key in _DTYPE_NAMES:
+        return _DTYPE_NAMES[key]
+    raise TypeError(f"dtype={dtype!r} is not a dtype kvflow can store; "
+                    f"use one of {sorted(set(str(d) for d in _DTYPE_NAMES.values()))}")
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KVCacheSpec:
+    """Geometry of a paged KV cache.
+
+    Parameters
+    ----------
+    num_layers : int
+        Transformer layers that own a KV cache.
+    num_kv_heads : int
+        KV heads per layer (after GQA grouping); must be 1 for ``MLA``.
+    head_dim : int
+        Elements per head; for ``MLA`` the latent width ``latent_dim``.
+    block_size : int
+        Tokens per block (page).
+    dtype : torch.dtype, numpy dtype, paddle dtype or str
+        Element type, stored as a ``torch.dtype`` (fp8 e4m3 included: kernels move bytes).
+    layout : {"NHD", "HND", "MLA"}
+        Order of the dimensions inside a block (see the module docstring).
+
+    Raises
+    ------
+    TypeError, ValueError
+        For a non-integer or non-positive size, an unknown dtype or layout, or MLA with
+        ``num_kv_heads != 1``; the message names the argument and its value.
+
+    Examples
+    --------
+    >>> spec = KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, block_size=64,
+    ...                    dtype=torch.bfloat16, layout="NHD")
+    >>> spec.block_shape, spec.block_bytes, spec.bytes_per_block
+    ((64, 8, 128), 131072, 8388608)
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+    layout: str = "NHD"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            _positive_int(name, getattr(self, name))
+        object.__setattr__(self, "dtype", as_torch_dtype(self.dtype))
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.layout == "MLA" and self.num_kv_heads != 1:
+            raise ValueError(f"layout='MLA' stores one latent per token: num_kv_heads must be 1, "
+                             f"got {self.num_kv_heads}")
+
+    # ---- derived geometry -------------------------------------------------------------
+    @property
+    def tensors_per_layer(self) -> int:
+        """2 (K and V) for NHD/HND, 1 (the latent) for MLA."""
+        return 1 if self.layout == "MLA" else 2
+
+    @property
+    def num_tensors(self) -> int:
+        """Per-layer tensors in the whole cache: ``num_layers * tensors_per_layer``."""
+        return self.num_layers * self.tensors_per_layer
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """Shape of one block of one tensor (everything after the block dimension)."""
+        if self.layout == "NHD":
+            return (self.block_size, self.num_kv_heads, self.head_dim)
+        if self.layout == "HND":
+            return (self.num_kv_heads, self.block_size, self.head_dim)
+        return (self.block_size, self.head_dim)
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of the MLA latent (``head_dim``); for other layouts heads x head_dim."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def block_numel(self) -> int:
+        """Elements in one block of one tensor."""
+        return math.prod(self.block_shape)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes in one block of one tensor (one contiguous run)."""
+        return self.block_numel * self.itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Payload bytes of one logical block over all layers and tensors."""
+        return self.block_bytes * self.num_tensors
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Payload bytes of one token's KV over all layers."""
+        return self.bytes_per_block // self.block_size
+
+    def tensor_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of one per-layer tensor of a cache with ``num_blocks`` blocks."""
+        return (num_blocks, *self.block_shape)
+
+    def tensor_strides(self, num_blocks: int) -> tuple[int, ...]:
+        """Contiguous strides (in elements) of :meth:`tensor_shape`."""
+        shape = self.tensor_shape(num_blocks)
+        strides, acc = [], 1
+        for n in reversed(shape):
+            strides.append(acc)
+            acc *= n
+        return tuple(reversed(strides))
+
+    def token_index(self, token: int) -> tuple[int, int]:
+        """(logical block, slot in block) of a token position."""
+        return divmod(token, self.block_size)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` tokens (ceil division)."""
+        return -(-num_tokens // self.block_size)
+
+    def with_(self, **changes: Any) -> "KVCacheSpec":
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-value form for messages and result rows (dtype as its name, e.g. 'bfloat16')."""
+        d = dataclasses.asdict(self)
+        d["dtype"] = str(self.dtype).removeprefix("torch.")
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "KVCacheSpec":
+        """Inverse of :meth:`to_dict`."""
+        return cls(**d)
+
+    def diff(self, other: "KVCacheSpec") -> list[str]:
+        """Fields that differ, each as ``'name: mine vs theirs'`` (empty if equal)."""
+        return [f"{f.name}: {getattr(self, f.name)} vs {getattr(other, f.name)}"
+                for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+
+
+def normalize_layers(layers: Any, num_layers: int) -> tuple[int, int]:
+    """Turn ``layers`` (None, an int, a step-1 ``range``/``slice``, or ``(start, stop)``)
+    into a half-open ``(start, stop)`` with ``0 <= start < stop <= num_layers``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming ``layers`` and its value.
+    """
+    if layers is None:
+        return 0, num_layers
+    if isinstance(layers, bool):
+        raise TypeError(f"layers must be None, an int, a range, a slice or (start, stop), got {layers!r}")
+    if isinstance(layers, int):
+        start, stop = layers, layers + 1
+    elif isinstance(layers, (range, slice)):
+        step = 1 if layers.step is None else layers.step
+        if step != 1:
+            raise ValueError(f"layers must be a contiguous range (step 1), got {layers!r}")
+        start = 0 if layers.start is None else layers.start
+        stop = num_layers if layers.stop is None else layers.stop
+    elif isinstance(layers, tuple) and len(layers) == 2 and all(isinstance(x, int) for x in layers):
+        start, stop = layers
+    else:
+        raise TypeError(f"layers must be None, an int, a range, a slice or (start, stop), got {layers!r}")
+    if not (0 <= start < stop <= num_layers):
+        raise ValueError(f"layers={layers!r} is outside the cache's {num_layers} layers "
+                         f"(need 0 <= start < stop <= {num_layers})")
+    return start, stop
