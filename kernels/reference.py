@@ -13,6 +13,11 @@ import torch
 from .registry import register_backend
 
 
+def _bytes_if_fp8(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as uint8 when its dtype is a one-byte float (same bytes, same shape)."""
+    return t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
+
+
 def _valid_pairs(src_ids: torch.Tensor, dst_ids: torch.Tensor, src_n: int, dst_n: int):
     keep = (src_ids >= 0) & (src_ids < src_n) & (dst_ids >= 0) & (dst_ids < dst_n)
     return src_ids[keep].long(), dst_ids[keep].long()
@@ -30,7 +35,7 @@ class TorchBackend:
         slots = torch.arange(n, device=ids.device)
         src, dst = _valid_pairs(ids, slots, cache.num_blocks, n)
         T = cache.spec.tensors_per_layer
-        tensors = cache.tensors()
+        tensors, out = [_bytes_if_fp8(t) for t in cache.tensors()], _bytes_if_fp8(out)
         for j in range(T * (stop - start)):
             out[j // T, j % T].index_copy_(0, dst, tensors[start * T + j].index_select(0, src))
 
@@ -39,7 +44,7 @@ class TorchBackend:
         slots = torch.arange(n, device=ids.device)
         s, d = _valid_pairs(slots, ids, n, cache.num_blocks)
         T = cache.spec.tensors_per_layer
-        tensors = cache.tensors()
+        tensors, src = [_bytes_if_fp8(t) for t in cache.tensors()], _bytes_if_fp8(src)
         for j in range(T * (stop - start)):
             tensors[start * T + j].index_copy_(0, d, src[j // T, j % T].index_select(0, s))
 
@@ -48,7 +53,8 @@ class TorchBackend:
                             src_cache.num_blocks, dst_cache.num_blocks)
         s = s.to(src_cache.device)
         T = src_cache.spec.tensors_per_layer
-        src_t, dst_t = src_cache.tensors(), dst_cache.tensors()
+        src_t = [_bytes_if_fp8(t) for t in src_cache.tensors()]
+        dst_t = [_bytes_if_fp8(t) for t in dst_cache.tensors()]
         for j in range(start * T, stop * T):
             blocks = src_t[j].index_select(0, s)
             dst_t[j].index_copy_(0, d, blocks.to(dst_t[j].device, non_blocking=True))
