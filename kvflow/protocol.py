@@ -1,0 +1,202 @@
+"""Typed control messages between the router, prefill (P) and decode (D) instances.
+
+Every message is a :class:`msgspec.Struct` tagged by its class name (field ``type`` on the
+wire) and encoded as MessagePack; a frame is decoded against the union of all known messages,
+so an unknown tag, a missing field or a wrong type is rejected (:class:`ProtocolError`) and
+logged by the receiver, never executed. Nothing is ever unpickled from a socket.
+
+Flow of one disaggregated request (see DESIGN.md, "Data flow of one request")::
+
+    router --Allocate--> D --Allocated/Rejected--> router
+    router --Prefill (D's block ids)--> P
+    P --KVReady (ipc: P's block ids) or KVData + payload frames (tcp)--> D --KVAck--> P
+    D --Tokens--> router   (first token, then one per decode step; ``finished`` ends it)
+    router --Abort--> P, D (on done-by-error, timeout, client disconnect, peer death)
+
+KV payload bytes (tcp) travel as extra raw frames after a :class:`KVData` header frame; they
+are never msgpack-encoded.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Union
+
+import msgspec
+
+log = logging.getLogger("kvflow.protocol")
+
+PROTOCOL_VERSION = 1
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a known, well-formed kvflow control message."""
+
+
+class _Msg(msgspec.Struct, tag_field="type", tag=str.lower, forbid_unknown_fields=True):
+    pass
+
+
+# ---- instance <-> router -----------------------------------------------------------------
+class Register(_Msg):
+    """Instance -> router, once after start-up (after the profile run)."""
+    instance_id: str
+    role: str                       # "prefill" | "decode" | "colocated"
+    spec: dict[str, Any]            # KVCacheSpec.to_dict()
+    num_blocks: int
+    free_blocks: int
+    max_model_len: int
+    transfer: str                   # "ipc" | "tcp" | "none"
+    pid: int
+    data_addr: str = ""             # D: ZMQ address P connects to; "" otherwise
+    shm_name: str = ""              # P with ipc: name of its shared-memory cache segment
+    version: int = PROTOCOL_VERSION
+
+
+class Heartbeat(_Msg):
+    """Instance -> router, every heartbeat interval; carries block counts."""
+    instance_id: str
+    free_blocks: int
+    num_running: int = 0
+
+
+class Pair(_Msg):
+    """Router -> P and D: meet this peer (its spec is checked before any request)."""
+    peer_id: str
+    peer_role: str
+    peer_spec: dict[str, Any]
+    peer_num_blocks: int
+    data_addr: str = ""             # to P: D's data address
+    shm_name: str = ""              # to D (ipc): P's cache segment
+
+
+class PairResult(_Msg):
+    """P or D -> router: the pairing was accepted (``ok``) or refused with ``error``."""
+    instance_id: str
+    peer_id: str
+    ok: bool
+    error: str = ""
+
+
+class Allocate(_Msg):
+    """Router -> D (or colocated): admit and allocate blocks for prompt + max_tokens."""
+    req_id: str
+    prompt_len: int
+    max_tokens: int
+
+
+class Allocated(_Msg):
+    """D -> router: the block table D allocated for the request (D's own ids)."""
+    req_id: str
+    block_ids: list[int]
+
+
+class Rejected(_Msg):
+    """Any instance -> router: the request cannot be served; ``kind`` is "capacity" (never
+    fits: HTTP 400), "busy" (no free blocks now: retry) or "error"."""
+    req_id: str
+    kind: str
+    error: str
+
+
+class Prefill(_Msg):
+    """Router -> P (disagg) or colocated instance: run the prefill of ``token_ids``."""
+    req_id: str
+    token_ids: list[int]
+    max_tokens: int
+    temperature: float
+    seed: int
+    ignore_eos: bool = False
+    decode_id: str = ""
+    decode_block_ids: list[int] = []
+
+
+class Tokens(_Msg):
+    """D (or colocated) -> router: new tokens for requests; ``kvflow`` rides on the first."""
+    req_id: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str = ""         # "stop" | "length" | "abort" | "error"
+    error: str = ""
+    kvflow: dict[str, Any] = {}
+
+
+class Abort(_Msg):
+    """Router -> P and D: drop the request and give its blocks back."""
+    req_id: str
+    reason: str = ""
+
+
+# ---- P <-> D (data link) -----------------------------------------------------------------
+class KVReady(_Msg):
+    """P -> D (ipc): the request's KV is in P's shared cache at ``src_block_ids``; pull it."""
+    req_id: str
+    src_block_ids: list[int]
+    first_token: int
+    num_prompt_tokens: int
+    t_start: float                  # time.time() when P began the transfer
+
+
+class KVData(_Msg):
+    """P -> D (tcp): header frame; the staging buffer of ``num_blocks`` blocks follows as
+    ``num_frames`` raw frames, one per layer ([tensors_per_layer, num_blocks, *block_shape])."""
+    req_id: str
+    num_blocks: int
+    num_frames: int
+    first_token: int
+    num_prompt_tokens: int
+    t_start: float
+    gather_ms: float = 0.0
+
+
+class KVAck(_Msg):
+    """D -> P: the blocks of ``req_id`` are in D's cache (``ok``) or were dropped; P may free."""
+    req_id: str
+    ok: bool
+    error: str = ""
+
+
+Message = Union[Register, Heartbeat, Pair, PairResult, Allocate, Allocated, Rejected, Prefill,
+                Tokens, Abort, KVReady, KVData, KVAck]
+MESSAGE_TYPES = Message.__args__
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Any) -> bytes:
+    """Encode a control message to one msgpack frame.
+
+    Raises
+    ------
+    TypeError
+        If ``msg`` is not one of :data:`MESSAGE_TYPES`.
+    """
+    if not isinstance(msg, MESSAGE_TYPES):
+        raise TypeError(f"msg must be a kvflow.protocol message, got {type(msg).__name__}")
+    return _ENCODER.encode(msg)
+
+
+def decode(frame: Any) -> Any:
+    """Decode one frame (bytes, memoryview or zmq.Frame) to a message.
+
+    Raises
+    ------
+    ProtocolError
+        For an unknown message type, a missing/extra field, a wrong field type or bytes that are
+        not msgpack; the message says which.
+    """
+    buf = getattr(frame, "buffer", frame)
+    try:
+        return _DECODER.decode(buf)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"rejected control frame ({len(buf)} bytes): {exc}") from None
+
+
+def decode_or_log(frame: Any, source: str = "?") -> Any | None:
+    """:func:`decode`, but log a rejected frame (naming ``source``) and return None."""
+    try:
+        return decode(frame)
+    except ProtocolError as exc:
+        log.error("from %s: %s", source, exc)
+        return None

@@ -1,0 +1,32 @@
+"""KV transfer between a prefill instance (P) and a decode instance (D).
+
+``ipc``: P's cache in shared memory, D pulls with ``copy_blocks`` (one host).
+``tcp``: P gathers into a staging buffer and sends zero-copy ZMQ frames, D scatters.
+See :mod:`kvflow.transfer.base` for the interface.
+"""
+
+from __future__ import annotations
+
+from .base import KVReceiver, KVSender, TransferError, TransferStats
+
+TRANSFERS = ("ipc", "tcp")
+
+__all__ = ["KVReceiver", "KVSender", "TransferError", "TransferStats", "TRANSFERS",
+           "make_receiver"]
+
+
+def make_receiver(name: str, backend: str = "auto") -> KVReceiver:
+    """D's receiver for transfer ``name`` ("ipc" or "tcp").
+
+    Raises
+    ------
+    ValueError
+        For another name.
+    """
+    if name == "ipc":
+        from .ipc import IpcReceiver
+        return IpcReceiver(backend)
+    if name == "tcp":
+        from .tcp import TcpReceiver
+        return TcpReceiver(backend)
+    raise ValueError(f"transfer must be one of {TRANSFERS}, got {name!r}")

@@ -1,0 +1,206 @@
+"""``ipc`` transfer (one host, CPU): P's paged cache lives in POSIX shared memory; D maps it
+read-only once, at pairing, and pulls each request's blocks with
+:func:`kvflow.kernels.copy_blocks` straight into the block ids D allocated.
+
+Segments are files under ``/dev/shm`` named ``kvflow-<role>-<pid>-<random hex>`` (unique per
+instance, not only per pid), created ``O_EXCL`` with mode 0600, unlinked by the owner on exit
+(and by the parent server if the owner is killed); :func:`clean_stale_segments` removes those
+whose owner pid is gone. On GPU the same interface would carry CUDA IPC handles instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import re
+import secrets
+import time
+import warnings
+from typing import Any
+
+import torch
+
+from kvflow.cache import PagedKVCache
+from kvflow.kernels import copy_blocks, payload_bytes
+from kvflow.layout import KVCacheSpec
+from kvflow.protocol import KVReady, encode
+
+from .base import KVReceiver, KVSender, TransferError, TransferStats, as_ids, check_send_allowed
+
+log = logging.getLogger("kvflow.transfer.ipc")
+
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+_NAME = re.compile(r"^kvflow-[a-z]+-(\d+)-[0-9a-f]{8,}$")
+
+
+def shm_path(name: str) -> str:
+    """Path of segment ``name``; rejects names that are not kvflow segment names."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(f"shm_name must look like 'kvflow-<role>-<pid>-<hex>', got {name!r}")
+    return os.path.join(SHM_DIR, name)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale_segments() -> list[str]:
+    """Unlink kvflow segments whose owner process is gone; returns the names removed."""
+    removed = []
+    for entry in os.listdir(SHM_DIR):
+        m = _NAME.match(entry)
+        if m and not _pid_alive(int(m.group(1))):
+            try:
+                os.unlink(os.path.join(SHM_DIR, entry))
+                removed.append(entry)
+            except FileNotFoundError:
+                pass
+    if removed:
+        log.info("removed stale shared-memory segments of dead owners: %s", removed)
+    return removed
+
+
+def unlink_segment(name: str) -> bool:
+    """Remove segment ``name`` if it exists; True when something was removed."""
+    try:
+        os.unlink(shm_path(name))
+        return True
+    except FileNotFoundError:
+        return False
+
+
+class SharedCache:
+    """A :class:`PagedKVCache` laid over a shared-memory segment.
+
+    Parameters
+    ----------
+    spec : KVCacheSpec
+    num_blocks : int
+    role : str
+        Part of the segment name (``prefill``, ``decode``...).
+
+    Attributes
+    ----------
+    name : str
+        Segment name, to hand to the peer.
+    cache : PagedKVCache
+        The cache (``cache.buffer`` is the mapping).
+    """
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, role: str = "prefill") -> None:
+        if not re.fullmatch(r"[a-z]+", role):
+            raise ValueError(f"role must be lowercase letters, got {role!r}")
+        nbytes = num_blocks * spec.bytes_per_block
+        self.name = f"kvflow-{role}-{os.getpid()}-{secrets.token_hex(6)}"
+        self.path = shm_path(self.name)
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            self._mmap = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            os.unlink(self.path)
+            raise
+        os.close(fd)
+        self.cache = PagedKVCache(spec, num_blocks, buffer=torch.frombuffer(self._mmap, dtype=torch.uint8))
+        self._owner = os.getpid()
+
+    def close(self) -> None:
+        """Unlink the segment (the mapping stays valid until this process exits)."""
+        if self._owner == os.getpid():
+            unlink_segment(self.name)
+
+
+def map_peer_cache(name: str, spec: KVCacheSpec, num_blocks: int) -> PagedKVCache:
+    """Map a peer's segment read-only as a :class:`PagedKVCache`.
+
+    Raises
+    ------
+    TransferError
+        If the segment is missing or smaller than ``num_blocks * spec.bytes_per_block``.
+    """
+    path = shm_path(name)
+    need = num_blocks * spec.bytes_per_block
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise TransferError(f"shared-memory segment {name!r} does not exist") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size < need:
+            raise TransferError(f"segment {name!r} holds {size} bytes; the peer cache of "
+                                f"{num_blocks} blocks needs {need}")
+        mm = mmap.mmap(fd, need, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    with warnings.catch_warnings():  # read-only mapping: we only read through it
+        warnings.simplefilter("ignore", UserWarning)
+        buf = torch.frombuffer(mm, dtype=torch.uint8)
+    cache = PagedKVCache(spec, num_blocks, buffer=buf)
+    cache.backend_state["mmap"] = mm
+    return cache
+
+
+class IpcSender(KVSender):
+    """P side: the cache is in shared memory; send D the ids to pull (a few bytes)."""
+
+    name = "ipc"
+    holds_blocks = True
+
+    def __init__(self, shared: SharedCache) -> None:
+        self.shared = shared
+
+    def export(self) -> dict[str, str]:
+        return {"shm_name": self.shared.name}
+
+    def send(self, link, req_id, cache, src_ids, *, first_token, num_prompt_tokens):
+        check_send_allowed("IpcSender.send")
+        link.send(encode(KVReady(req_id=req_id, src_block_ids=list(src_ids),
+                                 first_token=first_token, num_prompt_tokens=num_prompt_tokens,
+                                 t_start=time.time())))
+        return None
+
+    def close(self) -> None:
+        self.shared.close()
+
+
+class IpcReceiver(KVReceiver):
+    """D side: map P's cache at pairing, then ``copy_blocks`` P's ids -> D's ids."""
+
+    name = "ipc"
+
+    def __init__(self, backend: str = "auto") -> None:
+        self.backend = backend
+        self.peer: PagedKVCache | None = None
+        self.peer_id = ""
+
+    def attach(self, peer_id, peer_spec, peer_num_blocks, shm_name=""):
+        self.peer = map_peer_cache(shm_name, peer_spec, peer_num_blocks)
+        self.peer_id = peer_id
+
+    def receive(self, header: Any, frames, cache, dst_ids) -> TransferStats:
+        if self.peer is None:
+            raise TransferError("ipc receive before pairing: no prefill cache is mapped")
+        if not isinstance(header, KVReady):
+            raise TransferError(f"ipc expects a KVReady header, got {type(header).__name__}")
+        if frames:
+            raise TransferError(f"ipc KVReady carries no payload frames, got {len(frames)}")
+        src = as_ids(header.src_block_ids)
+        if src.numel() != len(dst_ids):
+            raise TransferError(f"KVReady for {header.req_id} names {src.numel()} blocks; "
+                                f"D allocated {len(dst_ids)} for the prompt")
+        t0 = time.perf_counter()
+        copy_blocks(self.peer, cache, src, as_ids(dst_ids), backend=self.backend)
+        ms = (time.perf_counter() - t0) * 1e3
+        n = int((src >= 0).sum())
+        return TransferStats(blocks=n, payload_bytes=payload_bytes(cache.spec, n), copy_ms=ms)
+
+    def close(self) -> None:
+        self.peer = None

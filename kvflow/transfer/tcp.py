@@ -1,0 +1,91 @@
+"""``tcp`` transfer: P gathers a request's blocks into a staging buffer with
+:func:`kvflow.kernels.gather_blocks` and sends it over ZMQ as zero-copy frames (one per layer,
+``send_multipart(copy=False)`` of memoryviews of the buffer, kept alive until D acknowledges);
+D receives the frames without copying and :func:`kvflow.kernels.scatter_blocks` each layer into
+the block ids it allocated. Works between hosts (the link is a TCP socket).
+
+Frame layout: ``[KVData header (msgpack), layer 0, layer 1, ...]``; layer ``l`` is
+``staging[l]`` = ``[tensors_per_layer, num_blocks, *block_shape]`` of ``spec.dtype``, i.e.
+``tensors_per_layer * num_blocks * spec.block_bytes`` bytes.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any
+
+import torch
+
+from kvflow.cache import staging_buffer, staging_shape
+from kvflow.kernels import gather_blocks, scatter_blocks
+from kvflow.protocol import KVData, encode
+
+from .base import KVReceiver, KVSender, TransferError, TransferStats, as_ids, check_send_allowed
+
+
+class TcpSender(KVSender):
+    """P side: gather, then send per-layer zero-copy frames."""
+
+    name = "tcp"
+    holds_blocks = False  # the staging buffer holds the data; P's blocks can be freed at once
+
+    def __init__(self, backend: str = "auto") -> None:
+        self.backend = backend
+
+    def send(self, link, req_id, cache, src_ids, *, first_token, num_prompt_tokens):
+        check_send_allowed("TcpSender.send")
+        t_start = time.time()
+        ids = as_ids(src_ids)
+        t0 = time.perf_counter()
+        staging = gather_blocks(cache, ids, staging_buffer(cache.spec, ids.numel(), device=cache.device),
+                                backend=self.backend)
+        if staging.device.type != "cpu":
+            staging = staging.cpu()
+        gather_ms = (time.perf_counter() - t0) * 1e3
+        raw = staging.view(-1).view(torch.uint8).view(staging.shape[0], -1)
+        header = KVData(req_id=req_id, num_blocks=ids.numel(), num_frames=raw.shape[0],
+                        first_token=first_token, num_prompt_tokens=num_prompt_tokens,
+                        t_start=t_start, gather_ms=gather_ms)
+        frames = [encode(header)] + [memoryview(raw[l].numpy()) for l in range(raw.shape[0])]
+        link.send_multipart(frames, copy=False)
+        return staging  # ZMQ reads this memory after send returns: keep it until the ack
+
+
+class TcpReceiver(KVReceiver):
+    """D side: check the frames against the header and the spec, scatter each layer."""
+
+    name = "tcp"
+
+    def __init__(self, backend: str = "auto") -> None:
+        self.backend = backend
+
+    def receive(self, header: Any, frames: list[Any], cache, dst_ids) -> TransferStats:
+        spec = cache.spec
+        if not isinstance(header, KVData):
+            raise TransferError(f"tcp expects a KVData header, got {type(header).__name__}")
+        n = header.num_blocks
+        if n != len(dst_ids):
+            raise TransferError(f"KVData for {header.req_id} carries {n} blocks; D allocated "
+                                f"{len(dst_ids)} for the prompt")
+        if header.num_frames != spec.num_layers or len(frames) != spec.num_layers:
+            raise TransferError(f"KVData for {header.req_id}: expected {spec.num_layers} layer "
+                                f"frames, header says {header.num_frames}, got {len(frames)}")
+        layer_bytes = spec.tensors_per_layer * n * spec.block_bytes
+        ids = as_ids(dst_ids)
+        bufs = [memoryview(getattr(frame, "buffer", frame)) for frame in frames]
+        for layer, buf in enumerate(bufs):  # check every frame before writing anything
+            if buf.nbytes != layer_bytes:
+                raise TransferError(f"KVData for {header.req_id}: layer {layer} frame has "
+                                    f"{buf.nbytes} bytes, expected {layer_bytes}")
+        t0 = time.perf_counter()
+        total = 0
+        for layer, buf in enumerate(bufs):
+            with warnings.catch_warnings():  # zmq frames are read-only; scatter only reads them
+                warnings.simplefilter("ignore", UserWarning)
+                src = torch.frombuffer(buf, dtype=torch.uint8)
+            src = src.view(spec.dtype).view(staging_shape(spec, n, layer))
+            scatter_blocks(src, cache, ids, layer, backend=self.backend)
+            total += buf.nbytes
+        ms = (time.perf_counter() - t0) * 1e3
+        return TransferStats(blocks=n, payload_bytes=total, copy_ms=ms)
