@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .layout import KVCacheSpec, normalize_layers
+from .layout import KVCacheSpec, _positive_int, normalize_layers
 
 
 class PagedKVCache:
@@ -56,8 +56,7 @@ class PagedKVCache:
                  buffer: torch.Tensor | None = None) -> None:
         if not isinstance(spec, KVCacheSpec):
             raise TypeError(f"spec must be a KVCacheSpec, got {type(spec).__name__}")
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        _positive_int("num_blocks", num_blocks)  # TypeError for a non-int, ValueError if <= 0
         self.spec = spec
         self.num_blocks = num_blocks
         per_tensor = num_blocks * spec.block_bytes
