@@ -1,0 +1,8 @@
+"""The engine: a model over a paged KV cache (prefill, chunked prefill, batched decode),
+sampling, and the profile run that sizes the cache."""
+
+from .engine import Engine
+from .profile import determine_num_blocks
+from .sampling import sample
+
+__all__ = ["Engine", "determine_num_blocks", "sample"]

@@ -1,0 +1,129 @@
+"""Profile run: measure peak activation memory and size the KV cache from a memory budget.
+
+Formula (vLLM's, ``determine_num_available_blocks``, in bytes)::
+
+    num_blocks = (memory_budget - weight_bytes - peak_activation_bytes) // spec.bytes_per_block
+
+On CUDA the KV bytes are also capped by ``torch.cuda.mem_get_info()`` free bytes after the
+profile run (memory other processes hold is not ours to take). On CPU there is no device
+"free memory": the budget given is the memory the instance may use.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from kvflow.cache import PagedKVCache
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Counts bytes of storages created by ops (not views or in-place results of inputs) while
+    they are alive; ``peak`` is the maximum of that sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            st = t.untyped_storage()
+            key = id(st)
+            if key in inputs or key in self._seen:
+                continue
+            self._seen.add(key)
+            self.live += st.nbytes()
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(st, self._release, key, st.nbytes())
+        return out
+
+    def _release(self, key: int, nbytes: int) -> None:
+        self.live -= nbytes
+        self._seen.discard(key)
+
+
+def measure_peak_bytes(fn: Callable[[], Any], device: Any) -> int:
+    """Run ``fn()`` and return the peak bytes of memory it allocated (its result dropped).
+
+    CUDA: ``torch.cuda.max_memory_allocated`` minus the allocation before the call. CPU:
+    the peak sum of live storages created by the ops of ``fn`` (a ``TorchDispatchMode``),
+    which is what the allocator would have to hold, without allocator rounding.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    with _LiveBytes() as mode:
+        fn()
+    return mode.peak
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers."""
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+def determine_num_blocks(model, spec, *, memory_budget_bytes: int, max_num_batched_tokens: int,
+                         device: Any = "cpu") -> int:
+    """Size the paged KV cache by a profile run (see the module docstring for the formula).
+
+    Builds a one-block scratch cache and an :class:`~kvflow.engine.Engine` over it, runs
+    :meth:`~kvflow.engine.Engine.profile_run` (``is_dummy_or_profile_run`` set: nothing is set
+    up, signalled or sent; the scratch block is not written), then applies the formula.
+
+    Parameters
+    ----------
+    model : kvflow.model.LlamaForCausalLM
+        On ``device``.
+    spec : KVCacheSpec
+        The cache's geometry (``model.kv_spec(block_size)``).
+    memory_budget_bytes : int
+        Bytes this instance may use for weights, activations and KV cache (e.g. 1 GiB for
+        kvflow-tiny on CPU; on CUDA e.g. 0.9 x total device memory).
+    max_num_batched_tokens : int
+        Largest number of tokens one forward runs (the profile run's batch).
+    device : str or torch.device
+
+    Returns
+    -------
+    int
+        ``num_blocks`` >= 1.
+
+    Raises
+    ------
+    ValueError
+        ``memory_budget_bytes`` not a positive int, or too small for one block (the message
+        gives weights, activations, block bytes).
+    """
+    from .engine import Engine
+
+    b = memory_budget_bytes
+    if isinstance(b, bool) or not isinstance(b, int) or b <= 0:
+        raise ValueError(f"memory_budget_bytes must be a positive int, got {b!r}")
+    device = torch.device(device)
+    engine = Engine(model, PagedKVCache(spec, 1, device))
+    peak = engine.profile_run(max_num_batched_tokens)
+    weights = weight_bytes(model)
+    kv_bytes = b - weights - peak
+    if device.type == "cuda":
+        kv_bytes = min(kv_bytes, torch.cuda.mem_get_info(device)[0])
+    num_blocks = kv_bytes // spec.bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(f"memory_budget_bytes={b} leaves {kv_bytes} bytes for the KV cache after "
+                         f"weights ({weights} B) and peak activations ({peak} B at "
+                         f"{max_num_batched_tokens} tokens); one block needs {spec.bytes_per_block} B")
+    return int(num_blocks)

@@ -1,0 +1,91 @@
+"""``load_model``: a built-in seeded model by name, or a local Hugging Face checkpoint by path."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any
+
+import torch
+
+from .config import PRESETS, ModelConfig
+from .llama import LlamaForCausalLM, init_random_
+from .tokenizer import ByteTokenizer, HFTokenizer
+
+# Every process that builds a built-in model gets the same weights from this seed.
+SEED = 20261129
+
+
+def load_model(name_or_path: str = "kvflow-tiny", *, dtype: Any = torch.float32,
+               device: Any = "cpu") -> tuple[LlamaForCausalLM, Any]:
+    """Build a model and its tokenizer.
+
+    Parameters
+    ----------
+    name_or_path : str
+        A built-in name (``"kvflow-tiny"``: 4 layers, hidden 256, 8 heads / 2 KV heads of
+        head_dim 32, byte tokenizer; ``"kvflow-llama-32l"``: Llama-3-8B KV geometry, see
+        :data:`kvflow.model.config.PRESETS`), weights seeded so every process gets identical
+        ones; or a local directory with ``config.json`` (``model_type`` llama or qwen2),
+        ``*.safetensors`` and ``tokenizer.json``.
+    dtype : torch.dtype
+        Parameter dtype (float32 on CPU).
+    device : str or torch.device
+
+    Returns
+    -------
+    (LlamaForCausalLM, tokenizer)
+        The model in eval mode; the tokenizer has ``encode``, ``decode``, ``bos_token_id``,
+        ``eos_token_id``, ``vocab_size``.
+
+    Raises
+    ------
+    ValueError
+        ``name_or_path`` is neither a built-in name nor a checkpoint directory; a checkpoint
+        misses weights or carries unexpected ones (named).
+    """
+    if name_or_path in PRESETS:
+        config = PRESETS[name_or_path]
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+        model = model.to_empty(device="cpu")
+        model.inv_freq.copy_(_inv_freq(config))
+        init_random_(model, SEED)
+        return model.to(dtype=dtype, device=device).eval(), ByteTokenizer()
+    if not os.path.isfile(os.path.join(str(name_or_path), "config.json")):
+        raise ValueError(f"name_or_path={name_or_path!r} is neither a built-in model "
+                         f"{sorted(PRESETS)} nor a directory with config.json")
+    return _load_hf(str(name_or_path), dtype, device)
+
+
+def _inv_freq(config: ModelConfig) -> torch.Tensor:
+    from .llama import rope_inv_freq
+    return rope_inv_freq(config)
+
+
+def _load_hf(path: str, dtype: Any, device: Any):
+    from safetensors.torch import load_file
+
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        config = ModelConfig.from_hf(json.load(f), name=path)
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"name_or_path={path!r} has no *.safetensors file")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(file))
+    # Old checkpoints store the RoPE table; tied models may still store lm_head.
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    expected = {k for k, _ in model.named_parameters()}
+    missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path!r} does not match a {config.num_layers}-layer "
+                         f"model: missing {missing[:8]}, unexpected {unexpected[:8]}")
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    model.inv_freq = _inv_freq(config)
+    return model.to(device=device).eval(), HFTokenizer(path)

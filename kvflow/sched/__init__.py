@@ -1,0 +1,9 @@
+"""Scheduling pieces of one instance: the block allocator and the request lifecycle."""
+
+from .allocator import BlockAllocator, NoFreeBlocksError
+from .request import (AdmissionError, ColocatedState, DecodeState, IllegalTransitionError,
+                      PrefillState, Request, admission_check, blocks_needed, is_terminal)
+
+__all__ = ["BlockAllocator", "NoFreeBlocksError", "Request", "PrefillState", "DecodeState",
+           "ColocatedState", "AdmissionError", "IllegalTransitionError", "admission_check",
+           "blocks_needed", "is_terminal"]
