@@ -1,0 +1,199 @@
+"""The ``numba_cuda`` backend: the triton backend's "copy runs" kernel written with numba-cuda.
+
+A second GPU backend for comparison (DESIGN.md, Measuring: "Numba" baseline). Same work
+decomposition as :mod:`kvflow.kernels.triton.copy_runs`: a grid-stride loop of thread blocks
+over (tensor ``j``) x (pair ``i``) x (chunk ``c``), one launch for all layers, cache sides read
+as int64 base-address tables (built once per cache and device in ``cache.backend_state``),
+staging sides as one base address plus ``(j * n + i) * block_bytes``. Inside a chunk the threads
+of a block copy consecutive ``width``-byte words, where ``width`` (16, 8, 4, 2 or 1) is the
+largest power of two dividing ``block_bytes`` and every base address; the 16-byte copy is an
+LLVM ``<2 x i64>`` load/store with ``align 16`` (a 128-bit ``ld.global.v2``/``st.global.v2``).
+Ids outside ``[0, num_blocks)`` (the -1 padding included) are skipped.
+
+Needs the ``numba-cuda`` package and a CUDA GPU. With ``NUMBA_ENABLE_CUDASIM=1`` (set before
+numba is imported) the backend runs in numba's CUDA simulator on CPU tensors instead, which
+tests the indexing logic (slowly: keep shapes tiny); the 16-byte intrinsic is then replaced by
+``ctypes.memmove``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ..registry import register_backend
+
+try:
+    from numba import config as _config
+    from numba import cuda
+    _SIM = bool(_config.ENABLE_CUDASIM)
+    _IMPORT_ERROR = None
+except ImportError as exc:  # numba or numba-cuda missing
+    cuda, _SIM, _IMPORT_ERROR = None, False, str(exc)
+
+THREADS = 4 if _SIM else 256
+CTAS_PER_SM = 4
+CHUNK_BYTES = 65536
+_KERNELS: dict[int, object] = {}
+
+
+def _make_copies():
+    """Device functions ``copy(dst_addr, src_addr)`` moving one word of each width."""
+    if _SIM:
+        def make(width):
+            @cuda.jit(device=True)
+            def copy(dst, src):
+                ctypes.memmove(int(dst), int(src), width)
+            return copy
+        return {w: make(w) for w in (16, 8, 4, 2, 1)}
+
+    from llvmlite import ir
+    from numba.core import types
+    from numba.cuda.extending import intrinsic
+
+    def make(width):
+        ty = ir.VectorType(ir.IntType(64), 2) if width == 16 else ir.IntType(8 * width)
+
+        @intrinsic
+        def copy(typingctx, dst, src):
+            def codegen(context, builder, signature, args):
+                d = builder.inttoptr(args[0], ty.as_pointer(1))  # global
+                s = builder.inttoptr(args[1], ty.as_pointer(1))
+                builder.store(builder.load(s, align=width), d, align=width)
+                return context.get_dummy_value()
+            return types.void(types.int64, types.int64), codegen
+        return copy
+    return {w: make(w) for w in (16, 8, 4, 2, 1)}
+
+
+def _kernel(width: int):
+    """The copy kernel for one word width, compiled lazily (per argument types) on first use."""
+    if width in _KERNELS:
+        return _KERNELS[width]
+    copy = _make_copies()[width]
+
+    @cuda.jit
+    def copy_runs(src_table, dst_table, src_ids, dst_ids, src_stage, dst_stage, n, src_n,
+                  dst_n, run, chunk, nchunk, total, src_cache, dst_cache):
+        for w in range(cuda.blockIdx.x, total, cuda.gridDim.x):
+            c = w % nchunk
+            r = w // nchunk
+            i = r % n
+            j = r // n
+            if src_cache:
+                s = src_ids[i]
+                if s < 0 or s >= src_n:
+                    continue
+                sa = src_table[j] + s * run
+            else:
+                sa = src_stage + (j * n + i) * run
+            if dst_cache:
+                d = dst_ids[i]
+                if d < 0 or d >= dst_n:
+                    continue
+                da = dst_table[j] + d * run
+            else:
+                da = dst_stage + (j * n + i) * run
+            lo = c * chunk
+            hi = min(lo + chunk, run)
+            for off in range(lo + cuda.threadIdx.x * width, hi, cuda.blockDim.x * width):
+                copy(da + off, sa + off)
+
+    _KERNELS[width] = copy_runs
+    return copy_runs
+
+
+def _alignment(*values: int) -> int:
+    a = 16
+    for v in values:
+        while v % a:
+            a //= 2
+    return a
+
+
+def _table(cache, device: torch.device) -> tuple[torch.Tensor, int]:
+    """Base-address table of ``cache`` on ``device`` and its alignment, built once."""
+    state = cache.backend_state.setdefault("numba_cuda", {})
+    key = str(device)
+    if key not in state:
+        table = cache.ptr_table()
+        state[key] = (table if table.device == device else table.to(device),
+                      _alignment(*(t.data_ptr() for t in cache.tensors())))
+    return state[key]
+
+
+def _arr(t: torch.Tensor):
+    return t.numpy() if _SIM else cuda.as_cuda_array(t)
+
+
+def _launch(device, src_table, dst_table, src_ids, dst_ids, src_stage: int, dst_stage: int,
+            n: int, src_n: int, dst_n: int, num_tensors: int, run: int, align: int,
+            max_ctas) -> None:
+    width = _alignment(align, run)
+    chunk = max(width, min(run, CHUNK_BYTES))
+    nchunk = -(-run // chunk)
+    total = num_tensors * n * nchunk
+    if _SIM:
+        grid, stream = min(total, max_ctas or 2), 0
+    else:
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        sms = torch.cuda.get_device_properties(idx).multi_processor_count
+        grid = min(total, max_ctas or CTAS_PER_SM * sms)
+        stream = cuda.external_stream(torch.cuda.current_stream(device).cuda_stream)
+    args = (_arr(src_table), _arr(dst_table), _arr(src_ids), _arr(dst_ids), src_stage, dst_stage,
+            n, src_n, dst_n, run, chunk, nchunk, total, src_stage == 0, dst_stage == 0)
+    if _SIM:
+        _kernel(width)[grid, THREADS](*args)
+    else:
+        with cuda.gpus[idx]:
+            _kernel(width)[grid, THREADS, stream](*args)
+
+
+class NumbaCUDABackend:
+    """Backend object for :mod:`kvflow.kernels.registry` (see its contract)."""
+
+    name = "numba_cuda"
+    devices = {"cpu"} if _SIM else {"cuda"}
+
+    def unavailable_reason(self) -> str | None:
+        if cuda is None:
+            return f"numba-cuda is not importable ({_IMPORT_ERROR})"
+        if _SIM:
+            return None
+        try:
+            return None if cuda.is_available() else "numba.cuda.is_available() is False"
+        except Exception as exc:  # noqa: BLE001 - a broken driver or toolkit
+            return f"numba.cuda failed to initialise: {exc}"
+
+    def gather(self, cache, ids, out, start, stop, max_ctas=None):
+        T = cache.spec.tensors_per_layer
+        table, align = _table(cache, cache.device)
+        t = table[start * T:stop * T]
+        _launch(cache.device, t, t, ids, ids, 0, out.data_ptr(), ids.numel(), cache.num_blocks,
+                ids.numel(), (stop - start) * T, cache.spec.block_bytes,
+                _alignment(align, out.data_ptr()), max_ctas)
+
+    def scatter(self, src, cache, ids, start, stop, max_ctas=None):
+        T = cache.spec.tensors_per_layer
+        table, align = _table(cache, cache.device)
+        t = table[start * T:stop * T]
+        _launch(cache.device, t, t, ids, ids, src.data_ptr(), 0, ids.numel(), ids.numel(),
+                cache.num_blocks, (stop - start) * T, cache.spec.block_bytes,
+                _alignment(align, src.data_ptr()), max_ctas)
+
+    def copy(self, src_cache, dst_cache, src_ids, dst_ids, start, stop, max_ctas=None,
+             direction="pull"):
+        if direction not in ("pull", "push"):
+            raise ValueError(f"direction must be 'pull' or 'push', got {direction!r}")
+        dev = dst_cache.device if direction == "pull" else src_cache.device
+        T = src_cache.spec.tensors_per_layer
+        s_table, s_align = _table(src_cache, dev)
+        d_table, d_align = _table(dst_cache, dev)
+        _launch(dev, s_table[start * T:stop * T], d_table[start * T:stop * T],
+                src_ids.to(dev, non_blocking=True), dst_ids.to(dev, non_blocking=True), 0, 0,
+                src_ids.numel(), src_cache.num_blocks, dst_cache.num_blocks, (stop - start) * T,
+                src_cache.spec.block_bytes, _alignment(s_align, d_align), max_ctas)
+
+
+register_backend(NumbaCUDABackend())

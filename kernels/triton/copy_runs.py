@@ -1,0 +1,198 @@
+"""One Triton kernel for gather, scatter and copy_blocks: copy runs of bytes between tables.
+
+Layout: one block of one per-layer tensor is ``spec.block_bytes`` contiguous bytes in every
+layout (NHD, HND, MLA), so every op is "copy run ``src_id`` of source tensor ``j`` to run
+``dst_id`` of destination tensor ``j``". A cache side is an int64 table of per-tensor base
+addresses (built once per cache and device, see :func:`cache_table`); a staging side is one
+buffer whose run ``(j, i)`` starts at ``(j * n + i) * run`` words (``staging_shape`` order).
+
+Grid: a persistent 1-D grid; program ``p`` walks work items ``w = p, p + G, p + 2G, ...`` over
+(tensor ``j``) x (pair ``i``) x (chunk ``c`` of ``CHUNK`` words), chunk fastest, so programs
+that run at the same time stream neighbouring bytes. ``G`` fills the GPU (``ctas_per_sm`` x SMs)
+unless ``max_ctas`` caps it (background copies beside prefill). Pairs whose cache-side id is
+outside ``[0, num_blocks)`` (the -1 padding included) are skipped: destination untouched.
+
+Words: bytes are moved as int64/int32/int16/uint8 words (whatever divides the run and every base
+address), and pointers carry a ``tl.multiple_of`` hint of the common alignment (16 bytes when
+possible), so on sm_90 the body compiles to 128-bit ``ld.global.v2.b64`` / ``st.global.v2.b64``.
+Constexprs (word type, alignment, run length) are fixed per cache; the pair count ``n`` and the
+layer range are runtime values, so a new request size never recompiles.
+
+Under ``TRITON_INTERPRET=1`` the same kernel runs on CPU tensors (CI); the int64 -> pointer cast
+works in both the interpreter and the compiler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+
+import triton
+import triton.language as tl
+
+
+def _copy_runs(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
+               n, src_n, dst_n, total,
+               WORD: tl.constexpr, ALIGN: tl.constexpr, RUN: tl.constexpr,
+               CHUNK: tl.constexpr, BLOCK: tl.constexpr, EVEN: tl.constexpr,
+               SRC_CACHE: tl.constexpr, DST_CACHE: tl.constexpr):
+    """Copy ``total`` work items; see the module docstring. RUN, CHUNK, BLOCK are in words."""
+    NCHUNK: tl.constexpr = (RUN + CHUNK - 1) // CHUNK
+    ar = tl.arange(0, BLOCK)
+    for w in range(tl.program_id(0), total, tl.num_programs(0)):
+        c = w % NCHUNK
+        r = w // NCHUNK
+        i = r % n
+        j = r // n
+        valid = i >= 0
+        if SRC_CACHE:
+            s = tl.load(src_ids + i).to(tl.int64)
+            valid = valid & (s >= 0) & (s < src_n)
+            base = tl.load(src_table + j).to(tl.pointer_type(WORD))
+            sp = base + s * RUN
+        else:
+            sp = src_stage + (j.to(tl.int64) * n + i) * RUN
+        if DST_CACHE:
+            d = tl.load(dst_ids + i).to(tl.int64)
+            valid = valid & (d >= 0) & (d < dst_n)
+            base = tl.load(dst_table + j).to(tl.pointer_type(WORD))
+            dp = base + d * RUN
+        else:
+            dp = dst_stage + (j.to(tl.int64) * n + i) * RUN
+        if valid:
+            sp = tl.multiple_of(sp + c * CHUNK, ALIGN)
+            dp = tl.multiple_of(dp + c * CHUNK, ALIGN)
+            for k in range(0, CHUNK, BLOCK):
+                offs = k + ar
+                if EVEN:
+                    tl.store(dp + offs, tl.load(sp + offs))
+                else:
+                    m = c * CHUNK + offs < RUN
+                    tl.store(dp + offs, tl.load(sp + offs, mask=m), mask=m)
+
+
+@dataclasses.dataclass
+class LaunchConfig:
+    """Launch settings of the copy kernel (tuned on an H200 with ``tools/gpu_probe.py``).
+
+    Attributes
+    ----------
+    block_bytes : int
+        Bytes one program moves per loop step (``BLOCK`` words): 16 KiB keeps 8 x 16-byte
+        loads per thread in flight at 4 warps.
+    chunk_bytes : int
+        Work item size; a run longer than this is split into chunks (load balance).
+    ctas_per_sm : int
+        Persistent programs per SM when ``max_ctas`` is not given.
+    num_warps : int
+        Warps per program.
+    """
+
+    block_bytes: int = 16384
+    chunk_bytes: int = 65536
+    ctas_per_sm: int = 4
+    num_warps: int = 4
+
+
+CONFIG = LaunchConfig()
+_WORD = {8: (torch.int64, tl.int64), 4: (torch.int32, tl.int32),
+         2: (torch.int16, tl.int16), 1: (torch.uint8, tl.uint8)}
+_JIT: dict[bool, Any] = {}
+_SMS: dict[int, int] = {}
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def kernel():
+    """The jitted kernel; built on first use (so the interpreter flag is read at run time)."""
+    mode = interpreting()
+    if mode not in _JIT:
+        _JIT[mode] = triton.jit(_copy_runs)
+    return _JIT[mode]
+
+
+def alignment(*values: int) -> int:
+    """Largest power of two <= 16 dividing every value (byte counts or addresses)."""
+    a = 16
+    for v in values:
+        while v % a:
+            a //= 2
+    return a
+
+
+def cache_table(cache, device: torch.device) -> tuple[torch.Tensor, int]:
+    """Per-tensor base addresses of ``cache`` as int64 on ``device``, and their alignment.
+
+    Built once per (cache, device) and kept in ``cache.backend_state``; later calls return
+    the same tensor (no host->device copy, no sync). On the cache's own device this is
+    ``cache.ptr_table()``; on a peer GPU it is a copy of it on that GPU.
+    """
+    state = cache.backend_state.setdefault("triton", {})
+    key = str(device)
+    if key not in state:
+        table = cache.ptr_table()
+        if table.device != device:
+            table = table.to(device)
+        state[key] = (table, alignment(*(t.data_ptr() for t in cache.tensors())))
+    return state[key]
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter runs programs one after another
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+def launch(*, src_table=None, dst_table=None, src_stage=None, dst_stage=None,
+           src_ids=None, dst_ids=None, n: int, num_tensors: int, src_n: int, dst_n: int,
+           run_bytes: int, align: int, device: torch.device, max_ctas: int | None,
+           config: LaunchConfig | None = None) -> None:
+    """Launch the kernel for ``num_tensors`` x ``n`` runs of ``run_bytes`` bytes.
+
+    Exactly one of ``src_table`` / ``src_stage`` and one of ``dst_table`` / ``dst_stage`` is
+    given; a table side needs its ids. ``align`` is the common alignment (bytes) of every base
+    address and of ``run_bytes``. Runs on ``device``'s current stream; returns without waiting.
+    """
+    cfg = config or CONFIG
+    word = min(align, 8)
+    torch_word, tl_word = _WORD[word]
+    run = run_bytes // word
+    block = max(16, min(triton.next_power_of_2(run), cfg.block_bytes // word))
+    chunk = block * max(1, min(-(-run // block), cfg.chunk_bytes // word // block))
+    even = run % chunk == 0
+    total = num_tensors * n * (-(-run // chunk))
+    if total >= 2 ** 31:
+        raise ValueError(f"{total} work items exceed the kernel's int32 index; split the call")
+    grid = min(total, max_ctas or cfg.ctas_per_sm * _sm_count(device))
+
+    def words(t):
+        return t.view(-1).view(torch.uint8).view(torch_word) if t is not None else None
+
+    args = (src_table, dst_table, words(src_stage), words(dst_stage), src_ids, dst_ids)
+    with _on(device):
+        kernel()[(grid,)](*args, n, src_n, dst_n, total,
+                          WORD=tl_word, ALIGN=align, RUN=run, CHUNK=chunk, BLOCK=block,
+                          EVEN=even, SRC_CACHE=src_table is not None,
+                          DST_CACHE=dst_table is not None, num_warps=cfg.num_warps)
+
+
+class _on:
+    """``torch.cuda.device(device)`` for CUDA devices; nothing for CPU (interpreter)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.ctx = torch.cuda.device(device) if device.type == "cuda" else None
+
+    def __enter__(self):
+        return self.ctx.__enter__() if self.ctx else None
+
+    def __exit__(self, *exc):
+        return self.ctx.__exit__(*exc) if self.ctx else False
