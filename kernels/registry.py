@@ -33,6 +33,7 @@ _MODULES = {
     "numba_cuda": "kvflow.kernels.numba.cuda",
     "triton": "kvflow.kernels.triton",
     "native": "kvflow.kernels.native",
+    "xpu": "kvflow.kernels.native",  # Kunlun XPU variant of kvflow._native (SDK builds only)
 }
 AUTO_ORDER = {"cpu": ("numba", "native", "torch"), "cuda": ("triton", "numba_cuda", "torch")}
 _BACKENDS: dict[str, Any] = {}
