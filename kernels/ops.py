@@ -106,7 +106,7 @@ def scatter_blocks(src: Any, cache: PagedKVCache, block_ids: Any, layers: Any = 
 
 def copy_blocks(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, dst_ids: Any,
                 layers: Any = None, *, backend: str = "auto", max_ctas: int | None = None,
-                validate: bool = True) -> PagedKVCache:
+                validate: bool = True, direction: str = "pull") -> PagedKVCache:
     """Copy blocks from one cache to another of the same spec (block ``src_ids[i]`` of every
     tensor in the layer range goes to block ``dst_ids[i]``).
 
@@ -122,12 +122,18 @@ def copy_blocks(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, 
         Pairs of blocks; -1 on either side skips the pair; ``dst_ids`` distinct.
     layers, backend, max_ctas, validate
         As :func:`gather_blocks`.
+    direction : {"pull", "push"}
+        Caches on two peer GPUs: ``"pull"`` runs the kernel on ``dst_cache``'s GPU (reading the
+        peer), ``"push"`` on ``src_cache``'s GPU (writing the peer). Only backends that list it
+        in their ``directions`` (``triton``, ``numba_cuda``) take ``"push"``.
 
     Returns
     -------
     PagedKVCache
         ``dst_cache``.
     """
+    if direction not in ("pull", "push"):
+        raise ValueError(f"direction must be 'pull' or 'push', got {direction!r}")
     src_cache = check_cache("src_cache", src_cache)
     dst_cache = check_cache("dst_cache", dst_cache)
     check_same_spec("src_cache", src_cache.spec, "dst_cache", dst_cache.spec)
@@ -148,8 +154,14 @@ def copy_blocks(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, 
         raise ValueError(f"src_cache is on {src_cache.device} and dst_cache on {dst_cache.device}; "
                          f"copy_blocks moves between caches of one device type")
     be = get_backend(backend, dst_cache.device)
+    if direction == "push" and "push" not in getattr(be, "directions", ("pull",)):
+        raise ValueError(f"direction='push' is not supported by backend {be.name!r}; "
+                         f"use 'pull' or one of the triton/numba_cuda backends")
     if s.numel():
-        be.copy(src_cache, dst_cache, s, d, start, stop, max_ctas)
+        if direction == "pull":
+            be.copy(src_cache, dst_cache, s, d, start, stop, max_ctas)
+        else:
+            be.copy(src_cache, dst_cache, s, d, start, stop, max_ctas, direction=direction)
     return dst_cache
 
 

@@ -82,14 +82,17 @@ class PagedKVCache:
         """Wrap existing per-layer tensors (e.g. an engine's own cache) without copying.
 
         ``tensors`` must be in :meth:`tensors` order, each contiguous, of ``spec.dtype`` and
-        shape ``spec.tensor_shape(num_blocks)``, all on one device.
+        shape ``spec.tensor_shape(num_blocks)``, all on one device. Paddle (or any DLPack)
+        tensors are taken zero-copy through DLPack.
 
         Raises
         ------
         ValueError, TypeError
             Naming the offending ``tensors[i]`` and what was expected.
         """
-        tensors = list(tensors)
+        tensors = [torch.utils.dlpack.from_dlpack(t)
+                   if not isinstance(t, torch.Tensor) and hasattr(t, "__dlpack__") else t
+                   for t in tensors]
         if len(tensors) != spec.num_tensors:
             raise ValueError(f"tensors has {len(tensors)} entries; spec needs {spec.num_tensors} "
                              f"({spec.num_layers} layers x {spec.tensors_per_layer})")

@@ -154,6 +154,7 @@ class NumbaCUDABackend:
     """Backend object for :mod:`kvflow.kernels.registry` (see its contract)."""
 
     name = "numba_cuda"
+    directions = ("pull", "push")
     devices = {"cpu"} if _SIM else {"cuda"}
 
     def unavailable_reason(self) -> str | None:
