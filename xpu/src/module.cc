@@ -242,6 +242,7 @@ PYBIND11_MODULE(_native, m) {
     return d;
   });
   m.def("reset_signal_stats", &kvflow::reset_signal_stats);
+  m.def("segment_bytes", &kvflow::segment_bytes, py::arg("num_layers"));
   m.def("process_start_time", &kvflow::process_start_time, py::arg("pid"));
 
   py::class_<kvflow::CompletionFlag, std::shared_ptr<kvflow::CompletionFlag>>(m, "CompletionFlag")

@@ -77,8 +77,8 @@ SignalSegment::SignalSegment(const std::string& name, int64_t num_layers, bool c
   if (fd < 0) throw std::runtime_error(errno_text(create ? "cannot create signal segment" : "cannot attach signal segment", name));
   int64_t size = 0;
   if (create) {
-    size = kHeaderBytes + kSlotBytes * num_layers;
-    if (ftruncate(fd, size) != 0) {
+    size = segment_bytes(num_layers);
+    if (fchmod(fd, 0600) != 0 || ftruncate(fd, size) != 0) {  // fchmod: exact mode despite umask
       const std::string msg = errno_text("cannot size signal segment", name);
       ::close(fd);
       shm_unlink(path.c_str());
@@ -159,8 +159,19 @@ int64_t* SignalSegment::slot(int64_t layer) const {
   return reinterpret_cast<int64_t*>(base_ + kHeaderBytes + kSlotBytes * layer);
 }
 
+int64_t segment_bytes(int64_t num_layers) {
+  const int64_t need = kHeaderBytes + kSlotBytes * num_layers;
+  return (need + kPageBytes - 1) / kPageBytes * kPageBytes;
+}
+
 void SignalSegment::write(int64_t layer, int64_t step) {
   int64_t* s = slot(layer);
+  const int64_t last = __atomic_load_n(&s[0], __ATOMIC_RELAXED);
+  if (step < 0 || step < last) {
+    throw std::invalid_argument("step=" + std::to_string(step) + " for layer " + std::to_string(layer) +
+                                (step < 0 ? " must be non-negative" : " is older than the layer's last signalled step " + std::to_string(last)) +
+                                "; steps must not decrease");
+  }
   const int64_t c = __atomic_load_n(&s[1], __ATOMIC_RELAXED);  // one writer per segment
   __atomic_store_n(&s[1], c + 1, __ATOMIC_RELAXED);
   __atomic_store_n(&s[0], step, __ATOMIC_RELEASE);

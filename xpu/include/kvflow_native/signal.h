@@ -5,7 +5,8 @@
 //                     u64 owner_pid | u64 owner_start_time (/proc/<pid>/stat field 22, clock
 //                     ticks since boot) | u64 created_ns (CLOCK_REALTIME) | zero padding
 //   then one 64-byte slot per layer: i64 step at +0 (latest completed prefill step, -1
-//   initially) | i64 count at +8 (completions written, monotone) | zero padding.
+//   initially) | i64 count at +8 (completions written, monotone) | zero padding;
+//   file size 64 + 64 * num_layers rounded up to 4096 bytes, the rest zero.
 // Writer: store count, then release-store step. Reader: acquire-load step.
 #pragma once
 
@@ -25,6 +26,10 @@ namespace kvflow {
 constexpr uint32_t kSignalVersion = 1;
 constexpr int64_t kHeaderBytes = 64;
 constexpr int64_t kSlotBytes = 64;
+constexpr int64_t kPageBytes = 4096;
+
+// File size: 64 + 64 * num_layers rounded up to a 4096-byte page (so it can be host-registered).
+int64_t segment_bytes(int64_t num_layers);
 
 struct TimeoutError : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -41,7 +46,9 @@ class SignalSegment {
   SignalSegment(const SignalSegment&) = delete;
   SignalSegment& operator=(const SignalSegment&) = delete;
 
-  void write(int64_t layer, int64_t step);       // count += 1, then release-store step
+  // count += 1, then release-store step. One writer per segment. Throws std::invalid_argument
+  // for a negative step or one older than the layer's last (steps must not decrease).
+  void write(int64_t layer, int64_t step);
   int64_t step(int64_t layer) const;             // acquire load
   int64_t count(int64_t layer) const;            // acquire load
   // Wait until step(layer) >= step; spin `spin_us`, then sleep in short steps. Throws
