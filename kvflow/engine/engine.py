@@ -17,6 +17,9 @@ from kvflow.context import forward_context
 from .attention import attend, dense_causal_attention, read_kv, write_kv
 from .profile import measure_peak_bytes
 
+# Prefill rows are padded to a multiple of this (see Engine._prefill_chunk).
+ROW_TILE = 16
+
 
 class Engine:
     """Runs ``model`` over ``cache``.
@@ -120,21 +123,28 @@ class Engine:
         return self.model.compute_logits(hidden[-1:])[0]
 
     def _prefill_chunk(self, ids, start, table, on_layer_done):
-        end = start + ids.numel()
-        bs, layout = self.spec.block_size, self.spec.layout
-        pos = torch.arange(start, end, device=self.device)
+        # Rows are padded to a multiple of ROW_TILE (dummy tokens, never written, outputs
+        # dropped) so the GEMM kernels see the same row tiling whatever the chunk length: with
+        # chunk boundaries on multiples of ROW_TILE, chunked and prefix-hit prefills write
+        # exactly the bytes of a one-shot prefill (measured on CPU; BLAS does not promise it).
+        n = ids.numel()
+        end, pad = start + n, -n % ROW_TILE
+        bs, layout, dev = self.spec.block_size, self.spec.layout, self.device
+        pos = torch.arange(start, end, device=dev)
         blocks, slots = table[pos // bs], pos % bs
+        pos = torch.cat((pos, torch.full((pad,), start, device=dev)))
+        ids = torch.cat((ids, torch.zeros(pad, dtype=ids.dtype, device=dev)))
         ctx_table = table[None, :self.spec.num_blocks_for(end)]
-        mask = (torch.arange(end, device=self.device)[None, :] <= pos[:, None])[None]
+        mask = (torch.arange(end, device=dev)[None, :] <= pos[:, None])[None]
 
         def attn(layer, q, k, v):
             kc, vc = self.cache.layer(layer)
-            write_kv(kc, vc, blocks, slots, k, v, layout)
+            write_kv(kc, vc, blocks, slots, k[:n], v[:n], layout)
             K = read_kv(kc, ctx_table, layout)[:, :end]
             V = read_kv(vc, ctx_table, layout)[:, :end]
             return attend(q[None], K, V, mask)[0]
 
-        return self.model(ids, pos, attn, on_layer_done)
+        return self.model(ids, pos, attn, on_layer_done)[:n]
 
     # ---- decode -----------------------------------------------------------------------
     @torch.no_grad()

@@ -141,6 +141,7 @@ class LlamaForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self._rope: torch.Tensor | None = None  # [max_position_embeddings, 2, head_dim] cos, sin
 
     @property
     def dtype(self) -> torch.dtype:
@@ -156,15 +157,25 @@ class LlamaForCausalLM(nn.Module):
 
         ``attn`` is called once per layer, in order; ``on_layer_done(layer)`` after each layer.
         """
-        freqs = positions.to(self.inv_freq.device, torch.float32)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = self.rope_table()[positions].unbind(1)
         h = self.model.embed_tokens(input_ids)
         for i, layer in enumerate(self.model.layers):
             h = layer(i, h, cos, sin, attn)
             if on_layer_done is not None:
                 on_layer_done(i)
         return self.model.norm(h)
+
+    def rope_table(self) -> torch.Tensor:
+        """float32 [max_position_embeddings, 2, head_dim] cos and sin of every position, built
+        once (per device): a position's values never depend on which tokens share its forward,
+        so chunked prefill writes exactly the bytes of a one-shot prefill."""
+        if self._rope is None or self._rope.device != self.inv_freq.device:
+            pos = torch.arange(self.config.max_position_embeddings, dtype=torch.float32,
+                               device=self.inv_freq.device)
+            freqs = pos[:, None] * self.inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._rope = torch.stack((emb.cos(), emb.sin()), dim=1)
+        return self._rope
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [T, vocab_size] of hidden states [T, hidden_size]."""
