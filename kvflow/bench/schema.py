@@ -141,3 +141,27 @@ def read_results(path: str | os.PathLike) -> dict[str, Any]:
         if missing:
             raise ValueError(f"{path}: rows[{i}] lacks {missing}")
     return data
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The command that produced a result file, as a user would retype it
+    (``python -m kvflow.bench kernels --quick``); stored in ``env["command"]``."""
+    import shlex
+    import sys
+    argv = sys.argv[1:] if argv is None else argv
+    return " ".join(["python -m kvflow.bench", *map(shlex.quote, argv)])
+
+
+def slug(text: str) -> str:
+    """File-name-safe lower-case form: 'NVIDIA H200' -> 'nvidia-h200'."""
+    out = "".join(c.lower() if c.isalnum() else "-" for c in text)
+    while "--" in out:
+        out = out.replace("--", "-")
+    return out.strip("-")[:48] or "unknown"
+
+
+def result_path(out_dir: str | os.PathLike, name: str, env: dict[str, Any]) -> Path:
+    """``<out_dir>/<name>-<device slug>-<YYYYMMDD-HHMMSS>.json`` (date from ``env["date"]``)."""
+    dev = "cpu" if env.get("device_type") == "cpu" else slug(env["device"])
+    stamp = env["date"][:19].replace("-", "").replace(":", "").replace("T", "-")
+    return Path(out_dir) / f"{name}-{dev}-{stamp}.json"

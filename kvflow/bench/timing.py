@@ -54,3 +54,32 @@ def copy_ceiling(nbytes: int, *, device: str | torch.device = "cpu", rotations: 
              for _ in range(rotations)]
     fns = [lambda s=s, d=d: d.copy_(s) for s, d in pairs]
     return time_calls(fns, device=device, warmup=warmup, reps=reps)
+
+
+def last_level_cache_bytes(device: str | torch.device = "cpu") -> int:
+    """Size of the cache a cold-cache benchmark must defeat: the GPU's L2
+    (``torch.cuda.get_device_properties(...).L2_cache_size``; 60 MB on an H200) or the CPU's
+    highest cache level from ``/sys/devices/system/cpu/cpu0/cache`` (32 MiB if unreadable)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return int(torch.cuda.get_device_properties(dev).L2_cache_size)
+    from pathlib import Path
+    best_level, best = -1, 32 << 20
+    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level = int((d / "level").read_text())
+            size = (d / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+        num = int(size.rstrip("KMG")) * mult
+        if level > best_level:
+            best_level, best = level, num
+    return best
+
+
+def rotations_for(payload_bytes: int, llc_bytes: int, *, max_rotations: int = 8) -> int:
+    """Buffer sets to rotate so that their total exceeds twice the last-level cache
+    (at least 1, at most ``max_rotations``)."""
+    need = -(-2 * llc_bytes // max(1, payload_bytes))
+    return max(1, min(max_rotations, need))

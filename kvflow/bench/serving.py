@@ -1,0 +1,162 @@
+"""``python -m kvflow.bench serve``: drive a running server (``--url``) or one it starts
+(``python -m kvflow.serve --mode M`` as a subprocess), for one mode or disagg vs colocated
+(``--compare``), at one or several request rates; one row per (mode, rate).
+
+Rows are :func:`kvflow.bench.schema.make_row` rows with ``op="serve"``, ``backend`` = the mode,
+``time_s`` = the median E2E latency, plus the keys of :func:`kvflow.bench.loadgen.summarize` and
+the per-request ``ttft_ms`` / ``tpot_ms`` lists (for the CDF plots of the report).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any, Iterator
+
+from . import loadgen
+from .schema import make_row
+
+
+def add_arguments(p) -> None:
+    """The ``serve`` subcommand's flags."""
+    p.add_argument("--url", help="a running server (default: start python -m kvflow.serve)")
+    p.add_argument("--mode", choices=("disagg", "colocated"), default="disagg",
+                   help="server mode to start (ignored with --url)")
+    p.add_argument("--compare", action="store_true", help="run disagg and colocated side by side")
+    p.add_argument("--server-args", default="", help="extra flags for python -m kvflow.serve")
+    p.add_argument("--server-timeout", type=float, default=120.0, help="seconds to wait for /health")
+    p.add_argument("--num-requests", type=int)
+    p.add_argument("--rate", type=lambda s: [float(x) for x in s.split(",")],
+                   help="requests/s (comma list sweeps; inf = all at once)")
+    p.add_argument("--arrival", choices=("poisson", "fixed"), default="poisson")
+    p.add_argument("--prompt-len", help="tokens: N or A:B (uniform)")
+    p.add_argument("--output-len", help="tokens: N or A:B (uniform)")
+    p.add_argument("--dataset", help="JSON list of {prompt, max_tokens} (overrides the lengths)")
+    p.add_argument("--concurrency", type=int, help="most requests in flight")
+    p.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="TTFT SLO for goodput (ms)")
+    p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="TPOT SLO for goodput (ms)")
+    p.add_argument("--model", default="kvflow-tiny", help="model name sent in each request")
+    p.add_argument("--request-timeout", type=float, default=120.0, help="seconds per request")
+    p.add_argument("--device-name", help="device label of the rows (default: this host's CPU)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    """Poll ``url``/health until HTTP 200.
+
+    Raises
+    ------
+    RuntimeError
+        If the server process exits first, or after ``timeout`` seconds (naming the url).
+    """
+    import httpx
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode} before {url}/health was 200")
+        try:
+            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"{url}/health was not 200 within {timeout} s")
+
+
+@contextlib.contextmanager
+def started_server(mode: str, extra_args: str = "", timeout: float = 120.0) -> Iterator[str]:
+    """Start ``python -m kvflow.serve --mode mode`` on a free port; yield its URL; stop it with
+    SIGINT (then SIGKILL after 15 s) on exit."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "kvflow.serve", "--host", "127.0.0.1", "--port", str(port),
+           "--mode", mode, *shlex.split(extra_args)]
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, timeout, proc)
+        yield url
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def measure(url: str, opts: dict[str, Any], rate: float, progress: bool = True) -> dict[str, Any]:
+    """Run one load at ``rate`` against ``url``; returns summary, per-request lists, results."""
+    from tqdm import tqdm
+    work = loadgen.build_workload(opts["num_requests"], opts["prompt_len"], opts["output_len"],
+                                  seed=opts["seed"], dataset=opts.get("dataset"))
+    offsets = loadgen.arrival_offsets(len(work), rate, opts["arrival"], opts["seed"])
+    bar = tqdm(total=len(work), desc=f"serve {rate} req/s", disable=not progress, file=sys.stderr)
+    results, dur = asyncio.run(loadgen.run_load(
+        url, work, offsets, model=opts["model"], concurrency=opts["concurrency"],
+        timeout=opts["request_timeout"], on_done=lambda r: bar.update(1)))
+    bar.close()
+    summary = loadgen.summarize(results, dur, slo_ttft_ms=opts["slo_ttft_ms"],
+                                slo_tpot_ms=opts["slo_tpot_ms"])
+    return {"summary": summary, "results": results}
+
+
+def run_serve(opts: dict[str, Any], env: dict[str, Any], progress: bool = True) -> list[dict]:
+    """Rows for every (mode, rate) asked for; see the module docstring."""
+    modes = ["disagg", "colocated"] if opts.get("compare") else [opts["mode"]]
+    rows = []
+    for mode in modes:
+        ctx = contextlib.nullcontext(opts["url"]) if opts.get("url") and not opts.get("compare") \
+            else started_server(mode, opts.get("server_args", ""), opts["server_timeout"])
+        with ctx as url:
+            for rate in opts["rate"] if isinstance(opts["rate"], list) else [opts["rate"]]:
+                m = measure(url, opts, rate, progress)
+                rows.append(_row(env, opts, mode, rate, m["summary"], m["results"]))
+    return rows
+
+
+def _row(env, opts, mode, rate, summary, results) -> dict:
+    ok = [r for r in results if r.ok]
+    moved = [r.kvflow for r in ok if r.kvflow]
+    prompt = [r.prompt_tokens for r in ok if r.prompt_tokens]
+    return make_row(
+        env, op="serve", backend=mode, spec=None,
+        tokens=round(sum(prompt) / len(prompt)) if prompt else 0, blocks=0,
+        payload_bytes=sum(int(k.get("payload_bytes") or 0) for k in moved),
+        times_s=[r.e2e_s for r in ok] or [0.0], ceiling_s=None, seed=opts["seed"],
+        rate=None if math.isinf(rate) else rate, arrival=opts["arrival"], **summary,
+        ttft_ms=[round(r.ttft_s * 1e3, 3) for r in ok],
+        tpot_ms=[round(r.tpot_s * 1e3, 3) for r in ok if r.tpot_s is not None],
+        transfer_ms=[k.get("transfer_ms") for k in moved if k.get("transfer_ms") is not None],
+        config={k: opts.get(k) for k in ("num_requests", "prompt_len", "output_len", "dataset",
+                                         "concurrency", "model", "server_args", "url")})
+
+
+def format_table(rows: list[dict]) -> str:
+    """Text table per (mode, rate): completed, TTFT/TPOT/ITL/E2E p50 and p99 (ms), goodput."""
+    head = (f"{'mode':10} {'rate':>6} {'done':>5} {'TTFT p50':>9} {'p99':>8} {'TPOT p50':>9} "
+            f"{'p99':>8} {'ITL p50':>8} {'E2E p50':>9} {'req/s':>6} {'goodput':>7}")
+    lines = [head, "-" * len(head)]
+    f = lambda v, w: f"{'-':>{w}}" if v is None else f"{v:>{w}.2f}"  # noqa: E731
+    for r in rows:
+        lines.append(f"{r['backend']:10} {f(r['rate'], 6)} {r['completed']:>5} "
+                     f"{f(r['ttft_ms_p50'], 9)} {f(r['ttft_ms_p99'], 8)} {f(r['tpot_ms_p50'], 9)} "
+                     f"{f(r['tpot_ms_p99'], 8)} {f(r['itl_ms_p50'], 8)} {f(r['e2e_ms_p50'], 9)} "
+                     f"{f(r['throughput_rps'], 6)} {f(r['goodput_rps'], 7)}")
+    for r in rows:
+        for e in r.get("errors") or []:
+            lines.append(f"  {r['backend']} error: {e}")
+    return "\n".join(lines)
