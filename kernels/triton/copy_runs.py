@@ -166,7 +166,7 @@ def launch(*, src_table=None, dst_table=None, src_stage=None, dst_stage=None,
     word = min(align, 8)
     torch_word, tl_word = _WORD[word]
     run = run_bytes // word
-    block = max(16, min(triton.next_power_of_2(run), cfg.block_bytes // word))
+    block = max(4, min(triton.next_power_of_2(run), cfg.block_bytes // word))
     chunk = block * max(1, min(-(-run // block), cfg.chunk_bytes // word // block))
     even = run % chunk == 0
     total = num_tensors * n * (-(-run // chunk))
