@@ -79,10 +79,14 @@ class PairResult(_Msg):
 
 
 class Allocate(_Msg):
-    """Router -> D (or colocated): admit and allocate blocks for prompt + max_tokens."""
+    """Router -> D (or colocated): admit the request and allocate blocks for
+    prompt + max_tokens (D's own ids); carries what decoding needs."""
     req_id: str
-    prompt_len: int
+    token_ids: list[int]
     max_tokens: int
+    temperature: float = 0.0
+    seed: int = 0
+    ignore_eos: bool = False
 
 
 class Allocated(_Msg):
@@ -100,13 +104,12 @@ class Rejected(_Msg):
 
 
 class Prefill(_Msg):
-    """Router -> P (disagg) or colocated instance: run the prefill of ``token_ids``."""
+    """Router -> P (disagg) or colocated instance: run the prefill of ``token_ids``, sample the
+    first token, and hand the KV to D (which allocated ``decode_block_ids``)."""
     req_id: str
     token_ids: list[int]
-    max_tokens: int
-    temperature: float
-    seed: int
-    ignore_eos: bool = False
+    temperature: float = 0.0
+    seed: int = 0
     decode_id: str = ""
     decode_block_ids: list[int] = []
 

@@ -7,7 +7,8 @@ See :mod:`kvflow.transfer.base` for the interface.
 
 from __future__ import annotations
 
-from .base import KVReceiver, KVSender, TransferError, TransferStats
+import importlib
+from typing import Any
 
 TRANSFERS = ("ipc", "tcp")
 
@@ -15,7 +16,13 @@ __all__ = ["KVReceiver", "KVSender", "TransferError", "TransferStats", "TRANSFER
            "make_receiver"]
 
 
-def make_receiver(name: str, backend: str = "auto") -> KVReceiver:
+def __getattr__(name: str) -> Any:  # the interface loads torch: import it on first use
+    if name in ("KVReceiver", "KVSender", "TransferError", "TransferStats"):
+        return getattr(importlib.import_module("kvflow.transfer.base"), name)
+    raise AttributeError(f"module 'kvflow.transfer' has no attribute {name!r}")
+
+
+def make_receiver(name: str, backend: str = "auto") -> Any:
     """D's receiver for transfer ``name`` ("ipc" or "tcp").
 
     Raises

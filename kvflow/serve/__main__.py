@@ -1,0 +1,181 @@
+"""``python -m kvflow.serve``: a prefill/decode-disaggregated LLM server.
+
+With no arguments: the router on http://127.0.0.1:8000, one prefill (P) and one decode (D)
+instance of the built-in ``kvflow-tiny`` model as child processes, KV moved over ``ipc``
+(shared memory); serves until Ctrl-C (SIGINT) or SIGTERM, then stops every child and removes
+every shared-memory segment. ``--role`` starts a single component (for several hosts): the
+router prints its control address, which ``--router-url`` of each instance names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+DESCRIPTION = __doc__.split("\n\n")[0]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m kvflow.serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--host", default="127.0.0.1", help="address the router (HTTP and control socket) and "
+      "D's data socket bind to (default 127.0.0.1: this machine only)")
+    a("--port", type=int, default=8000, help="HTTP port of the router (default 8000)")
+    a("--mode", choices=("disagg", "colocated"), default="disagg",
+      help="disagg: separate P and D instances with KV transfer (default); colocated: one "
+           "instance prefills and decodes in one cache (the reference for token identity)")
+    a("--model", default="kvflow-tiny", help="built-in model name (kvflow-tiny: seeded weights, "
+      "byte tokenizer, no download) or a local Hugging Face Llama/Qwen2 checkpoint directory")
+    a("--transfer", choices=("ipc", "tcp"), default="ipc",
+      help="ipc: D copies from P's shared-memory cache with copy_blocks (one host, default); "
+           "tcp: P gathers blocks and sends zero-copy ZMQ frames, D scatters them")
+    a("--device", default="cpu", help="torch device of the model and caches (default cpu)")
+    a("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    a("--max-model-len", type=int, default=None,
+      help="longest prompt + generated tokens of one request (default min(model limit, 2048))")
+    a("--max-num-batched-tokens", type=int, default=512,
+      help="tokens per prefill forward (chunked prefill) and the profile run's batch (default 512)")
+    a("--num-blocks", type=int, default=None,
+      help="KV blocks per instance; default: sized by a profile run from --memory-budget-mb")
+    a("--memory-budget-mb", type=int, default=512,
+      help="MiB per instance for weights + activations + KV cache, for the profile run (default 512)")
+    a("--backend", default="auto", help="kvflow.kernels backend for block movement (default auto)")
+    a("--role", choices=("all", "router", "prefill", "decode", "colocated"), default="all",
+      help="all: router + instances as child processes (default); router: the router only; "
+           "prefill/decode/colocated: one instance that registers with --router-url")
+    a("--router-url", default=None, help="the router's control address tcp://HOST:PORT "
+      "(printed by --role router); needed by --role prefill/decode/colocated")
+    a("--control-port", type=int, default=0,
+      help="port of the router's ZMQ control socket (default 0: a free port)")
+    a("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
+      help="logging level (default warning)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in ("port", "block_size", "max_model_len", "num_blocks", "memory_budget_mb",
+                 "max_num_batched_tokens"):
+        v = getattr(args, name)
+        if v is not None and (v <= 0 if name != "port" else not 0 < v < 65536):
+            parser.error(f"--{name.replace('_', '-')} must be positive (a port in 1..65535), got {v}")
+    if args.role in ("prefill", "decode", "colocated") and not args.router_url:
+        parser.error(f"--role {args.role} needs --router-url tcp://HOST:PORT (the router's control address)")
+    if args.router_url and not args.router_url.startswith("tcp://"):
+        parser.error(f"--router-url must look like tcp://HOST:PORT, got {args.router_url!r}")
+    return args
+
+
+def _instance_args(args: argparse.Namespace, router_url: str) -> list[str]:
+    out = ["--router-url", router_url, "--model", args.model, "--device", args.device,
+           "--block-size", str(args.block_size), "--transfer", args.transfer,
+           "--memory-budget-mb", str(args.memory_budget_mb), "--backend", args.backend,
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--host", args.host,
+           "--log-level", args.log_level]
+    for name in ("max_model_len", "num_blocks"):
+        if getattr(args, name) is not None:
+            out += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    return out
+
+
+def run_instance(args: argparse.Namespace) -> int:
+    from .decode import ColocatedInstance, DecodeInstance
+    from .instance import InstanceConfig
+    from .prefill import PrefillInstance
+
+    parent = os.environ.get("KVFLOW_PARENT_PID")
+    cfg = InstanceConfig(role=args.role, router_addr=args.router_url, model=args.model,
+                         device=args.device, block_size=args.block_size,
+                         max_model_len=args.max_model_len, num_blocks=args.num_blocks,
+                         max_num_batched_tokens=args.max_num_batched_tokens,
+                         memory_budget_mb=args.memory_budget_mb, transfer=args.transfer,
+                         backend=args.backend, host=args.host,
+                         parent_pid=int(parent) if parent else None)
+    cls = {"prefill": PrefillInstance, "decode": DecodeInstance, "colocated": ColocatedInstance}[args.role]
+    inst = cls(cfg)
+    try:
+        inst.startup()
+        inst.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        inst.close()
+    return 0
+
+
+async def _serve(args: argparse.Namespace, http_sock, children) -> None:
+    import uvicorn
+
+    from kvflow.transfer.shm import clean_stale_segments, unlink_segment
+
+    from .control import Controller
+    from .metrics import Metrics
+    from .router import Router, create_app, load_tokenizer
+
+    metrics = Metrics()
+    ctl = Controller(args.host, args.control_port, mode=args.mode, metrics=metrics,
+                     proc_alive=children.alive if children else None)
+    ctl.start()
+    try:
+        if children is not None:
+            iargs = _instance_args(args, ctl.addr)
+            roles = ("colocated",) if args.mode == "colocated" else ("prefill", "decode")
+            for role in roles:
+                children.spawn(role, iargs)
+        router = Router(ctl, load_tokenizer(args.model), args.model, metrics)
+        server = uvicorn.Server(uvicorn.Config(create_app(router), log_level=args.log_level,
+                                               access_log=False, lifespan="off",
+                                               timeout_graceful_shutdown=3))
+        host, port = http_sock.getsockname()[:2]
+        pids = ", ".join(f"{p.args[4]} pid {pid}" for pid, p in children.procs.items()) if children else "none"
+        print(f"kvflow.serve: router listening on http://{host}:{port} (mode {args.mode}, "
+              f"transfer {args.transfer}, model {args.model}; control {ctl.addr}; "
+              f"instances: {pids}). Ctrl-C stops.", flush=True)
+        await server.serve(sockets=[http_sock])
+    finally:
+        if children is not None:
+            children.stop_all()
+        for name in ctl.shm_names:
+            unlink_segment(name)
+        clean_stale_segments()
+        await ctl.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.role in ("prefill", "decode", "colocated"):
+        return run_instance(args)
+
+    from kvflow.transfer.shm import clean_stale_segments
+
+    from .procs import Children, bind_http_socket
+
+    clean_stale_segments()
+    http_sock = bind_http_socket(args.host, args.port)
+    children = Children() if args.role == "all" else None
+
+    def _term(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _term)
+    try:
+        asyncio.run(_serve(args, http_sock, children))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if children is not None:
+            children.stop_all()
+    print("kvflow.serve: stopped", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""The router's control plane: one ZMQ ROUTER socket that every P, D or colocated instance
+connects a DEALER to; registration, pairing, liveness, and routing of replies to requests.
+
+Pairing: when a P and a D have both registered, each gets a :class:`~kvflow.protocol.Pair`
+with the other's KV cache spec, checks it and answers :class:`~kvflow.protocol.PairResult`;
+``ready`` is true only when a pair has been accepted by both (colocated: one instance).
+An instance that misses heartbeats for ``dead_after_s`` (or whose process the server spawned
+has exited) is dead: every request that still needed it fails at once (the request's own
+clean-up then sends :class:`~kvflow.protocol.Abort` to the survivor, which frees its blocks),
+and its shared-memory segment is unlinked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Any, Callable
+
+import zmq
+import zmq.asyncio
+
+from kvflow.protocol import (PROTOCOL_VERSION, Heartbeat, Pair, PairResult, Register, Tokens,
+                             decode_or_log, encode)
+
+log = logging.getLogger("kvflow.serve.router")
+
+
+@dataclasses.dataclass
+class InstanceInfo:
+    """What the router knows of one registered instance."""
+    reg: Register
+    ident: bytes
+    last_seen: float
+    free_blocks: int
+    num_running: int = 0
+    pair_ok: set = dataclasses.field(default_factory=set)
+
+    @property
+    def id(self) -> str:
+        return self.reg.instance_id
+
+    @property
+    def role(self) -> str:
+        return self.reg.role
+
+
+@dataclasses.dataclass
+class ReqState:
+    """A request in flight at the router."""
+    queue: asyncio.Queue
+    prefill_id: str = ""
+    decode_id: str = ""
+    stage: str = "allocating"   # allocating -> prefilling -> decoding
+
+
+class Controller:
+    """Parameters: ``host`` and ``port`` (0: a free port) to bind; ``mode`` "disagg" or
+    "colocated"; ``metrics`` (:class:`~kvflow.serve.metrics.Metrics`); ``proc_alive(pid)``
+    for processes this server spawned (None: heartbeats only)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, mode: str = "disagg",
+                 metrics: Any = None, proc_alive: Callable[[int], bool | None] | None = None,
+                 dead_after_s: float = 2.0) -> None:
+        self.mode, self.metrics, self.proc_alive = mode, metrics, proc_alive
+        self.dead_after_s = dead_after_s
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if port:
+            self.sock.bind(f"tcp://{host}:{port}")
+        else:
+            port = self.sock.bind_to_random_port(f"tcp://{host}")
+        self.addr = f"tcp://{host}:{port}"
+        self.instances: dict[str, InstanceInfo] = {}
+        self.requests: dict[str, ReqState] = {}
+        self.errors: list[str] = []
+        self.shm_names: set[str] = set()
+        self._tasks: list[asyncio.Task] = []
+        self._rr = 0
+
+    # ---- lifecycle ------------------------------------------------------------------
+    def start(self) -> None:
+        self._tasks = [asyncio.ensure_future(self._recv_loop()), asyncio.ensure_future(self._monitor())]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        self.sock.close(0)
+        self.ctx.term()
+
+    # ---- state ----------------------------------------------------------------------
+    def by_role(self, role: str) -> list[InstanceInfo]:
+        return [i for i in self.instances.values() if i.role == role]
+
+    def ready(self) -> bool:
+        if self.mode == "colocated":
+            return bool(self.by_role("colocated"))
+        return any(d.id in p.pair_ok and p.id in d.pair_ok
+                   for p in self.by_role("prefill") for d in self.by_role("decode"))
+
+    def pick(self) -> tuple[InstanceInfo, InstanceInfo] | None:
+        """(prefill, decode) for the next request: a paired pair, the D with most free blocks."""
+        if self.mode == "colocated":
+            cs = sorted(self.by_role("colocated"), key=lambda i: -i.free_blocks)
+            return (cs[0], cs[0]) if cs else None
+        pairs = [(p, d) for p in self.by_role("prefill") for d in self.by_role("decode")
+                 if d.id in p.pair_ok and p.id in d.pair_ok]
+        if not pairs:
+            return None
+        self._rr += 1
+        pairs.sort(key=lambda pd: -pd[1].free_blocks)
+        return pairs[self._rr % len(pairs)] if pairs[0][1].free_blocks == pairs[-1][1].free_blocks \
+            else pairs[0]
+
+    async def send(self, inst: InstanceInfo, msg: Any) -> None:
+        try:
+            await self.sock.send_multipart([inst.ident, encode(msg)])
+        except zmq.ZMQError as exc:  # instance gone (ROUTER_MANDATORY)
+            log.error("cannot send %s to %s: %s", type(msg).__name__, inst.id, exc)
+
+    # ---- receiving ------------------------------------------------------------------
+    async def _recv_loop(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart()
+            if len(frames) != 2:
+                log.error("rejected control message of %d frames (expected 2)", len(frames))
+                continue
+            ident, frame = frames
+            msg = decode_or_log(frame, f"instance {ident.decode(errors='replace')!r}")
+            if msg is not None:
+                try:
+                    await self._handle(ident, msg)
+                except Exception:
+                    log.exception("handling %s failed", type(msg).__name__)
+
+    async def _handle(self, ident: bytes, msg: Any) -> None:
+        now = time.monotonic()
+        if isinstance(msg, Register):
+            if msg.version != PROTOCOL_VERSION:
+                self.errors.append(f"{msg.instance_id} speaks protocol {msg.version}, "
+                                   f"router {PROTOCOL_VERSION}; ignored")
+                return
+            if msg.role not in ("prefill", "decode", "colocated") or msg.instance_id != ident.decode():
+                log.error("rejected Register of %r (role %r)", msg.instance_id, msg.role)
+                return
+            info = InstanceInfo(msg, ident, now, msg.free_blocks)
+            self.instances[msg.instance_id] = info
+            if msg.shm_name:
+                self.shm_names.add(msg.shm_name)
+            self._set_blocks(info)
+            log.info("registered %s (%s, pid %d, %d blocks)", msg.instance_id, msg.role, msg.pid,
+                     msg.num_blocks)
+            await self._pair(info)
+            return
+        info = self.instances.get(ident.decode(errors="replace"))
+        if info is None:
+            log.error("%s from unregistered instance %r; dropped", type(msg).__name__, ident)
+            return
+        info.last_seen = now
+        if isinstance(msg, Heartbeat):
+            info.free_blocks, info.num_running = msg.free_blocks, msg.num_running
+            self._set_blocks(info)
+        elif isinstance(msg, PairResult):
+            if msg.ok:
+                info.pair_ok.add(msg.peer_id)
+            else:
+                self.errors.append(msg.error)
+        elif hasattr(msg, "req_id"):
+            st = self.requests.get(msg.req_id)
+            if st is not None:
+                st.queue.put_nowait(msg)
+        else:
+            log.error("unexpected %s from %s; dropped", type(msg).__name__, info.id)
+
+    def _set_blocks(self, info: InstanceInfo) -> None:
+        if self.metrics is not None:
+            self.metrics.set_blocks(info.id, info.role, info.free_blocks, info.reg.num_blocks)
+
+    async def _pair(self, new: InstanceInfo) -> None:
+        if new.role == "colocated":
+            return
+        others = self.by_role("decode" if new.role == "prefill" else "prefill")
+        for other in others:
+            p, d = (new, other) if new.role == "prefill" else (other, new)
+            if p.reg.transfer != d.reg.transfer:
+                self.errors.append(f"transfer mismatch: {p.id} uses {p.reg.transfer!r}, "
+                                   f"{d.id} uses {d.reg.transfer!r}; not paired")
+                continue
+            await self.send(p, Pair(peer_id=d.id, peer_role="decode", peer_spec=d.reg.spec,
+                                    peer_num_blocks=d.reg.num_blocks, data_addr=d.reg.data_addr))
+            await self.send(d, Pair(peer_id=p.id, peer_role="prefill", peer_spec=p.reg.spec,
+                                    peer_num_blocks=p.reg.num_blocks, shm_name=p.reg.shm_name))
+
+    # ---- liveness -------------------------------------------------------------------
+    async def _monitor(self) -> None:
+        while True:
+            await asyncio.sleep(0.1)
+            now = time.monotonic()
+            for info in list(self.instances.values()):
+                exited = self.proc_alive is not None and self.proc_alive(info.reg.pid) is False
+                if exited or now - info.last_seen > self.dead_after_s:
+                    self.instance_died(info, "exited" if exited else
+                                       f"missed heartbeats for {self.dead_after_s:.1f} s")
+
+    def instance_died(self, info: InstanceInfo, why: str) -> None:
+        """Forget a dead instance, fail the requests that still need it, unlink its segment."""
+        self.instances.pop(info.id, None)
+        self.errors.append(f"{info.role} instance {info.id} (pid {info.reg.pid}) {why}")
+        log.error("%s", self.errors[-1])
+        for other in self.instances.values():
+            other.pair_ok.discard(info.id)
+        if self.metrics is not None:
+            self.metrics.forget(info.id, info.role)
+        if info.reg.shm_name:
+            from kvflow.transfer.shm import unlink_segment
+            unlink_segment(info.reg.shm_name)
+        for req_id, st in self.requests.items():
+            needs = st.decode_id == info.id or (st.prefill_id == info.id and st.stage != "decoding")
+            if needs:
+                st.queue.put_nowait(Tokens(req_id=req_id, token_ids=[], finished=True,
+                                           finish_reason="error",
+                                           error=f"{info.role} instance {info.id} died ({why})"))
+
+    def health(self) -> dict:
+        return {"status": "ok" if self.ready() else "starting", "mode": self.mode,
+                "control_addr": self.addr,
+                "instances": [{"id": i.id, "role": i.role, "pid": i.reg.pid,
+                               "transfer": i.reg.transfer, "num_blocks": i.reg.num_blocks,
+                               "free_blocks": i.free_blocks, "num_running": i.num_running,
+                               "max_model_len": i.reg.max_model_len, "spec": i.reg.spec,
+                               "shm_name": i.reg.shm_name, "paired_with": sorted(i.pair_ok)}
+                              for i in self.instances.values()],
+                "errors": self.errors[-20:]}

@@ -1,0 +1,250 @@
+"""The decode instance (D) and the colocated instance (prefill + decode in one cache).
+
+D, per request: ``Allocate`` -> admission (:func:`kvflow.sched.admission_check`) and D's *own*
+blocks for prompt + max_tokens (the block table is D's; P's ids only say where to read) ->
+ALLOCATED -> the KV arrives from P (``KVReady``: pull with copy_blocks; ``KVData``: scatter
+the frames) into the first ``ceil(prompt_len / block_size)`` blocks of D's table -> RECEIVING
+-> DECODING: the first token (sampled by P) is emitted, then one token per decode step; all
+running requests of D step together (continuous batching) -> DONE. Abort, transfer error and
+timeout (``receive_timeout_s`` without KV) end the request too; every end frees its blocks.
+
+The colocated instance runs the same decode loop but does the prefill itself (``Prefill``),
+with no transfer: it is the reference that disaggregated output must match token for token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import zmq
+
+from kvflow.cache import PagedKVCache
+from kvflow.protocol import (Abort, Allocate, Allocated, KVAck, Pair, PairResult, Prefill,
+                             Rejected, Tokens)
+from kvflow.sched import (AdmissionError, ColocatedState, DecodeState, NoFreeBlocksError, Request,
+                          admission_check)
+
+from .instance import Instance, check_pairing, sample_token, stop_reason
+
+log = logging.getLogger("kvflow.serve.decode")
+
+
+@dataclasses.dataclass
+class Seq:
+    """A request live on this instance, with what decoding needs beyond :class:`Request`."""
+    req: Request
+    seed: int
+    ignore_eos: bool
+    kvflow: dict[str, Any] = dataclasses.field(default_factory=dict)
+    t_alloc: float = dataclasses.field(default_factory=time.monotonic)
+
+
+class DecodeInstance(Instance):
+    role = "decode"
+    receive_timeout_s = 60.0
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.seqs: dict[str, Seq] = {}
+        self.data: zmq.Socket | None = None
+        self.data_addr = ""
+        self.peer_id = ""
+        self.receiver = None
+        self.states = DecodeState
+
+    # ---- start-up -------------------------------------------------------------------
+    def warmup(self) -> None:
+        from kvflow.transfer import make_receiver
+        self.receiver = make_receiver(self.cfg.transfer, self.cfg.backend)
+        from kvflow.kernels import copy_blocks, scatter_blocks
+        from kvflow.cache import staging_buffer
+        a = PagedKVCache(self.spec, 2)
+        b = PagedKVCache(self.spec, 2)
+        if self.cfg.transfer == "ipc":
+            copy_blocks(a, b, [0], [1], backend=self.cfg.backend)
+        else:
+            scatter_blocks(staging_buffer(a.spec, 1), b, [1], backend=self.cfg.backend)
+
+    def open_channels(self) -> None:
+        super().open_channels()
+        self.data = self.ctx.socket(zmq.ROUTER)
+        port = self.data.bind_to_random_port(f"tcp://{self.cfg.host}")
+        self.data_addr = f"tcp://{self.cfg.host}:{port}"
+        self.sockets[self.data] = "prefill link"
+
+    def register_extra(self) -> dict[str, str]:
+        return {"data_addr": self.data_addr}
+
+    # ---- control handlers -----------------------------------------------------------
+    def on_pair(self, msg: Pair, frames, ident) -> None:
+        error = check_pairing(self.spec, self.instance_id, msg.peer_spec, msg.peer_id)
+        if not error:
+            try:
+                self.receiver.attach(msg.peer_id, self.spec, msg.peer_num_blocks, msg.shm_name)
+                self.peer_id = msg.peer_id
+            except Exception as exc:
+                error = f"cannot attach to {msg.peer_id}'s cache: {exc}"
+        if error:
+            log.error("%s: %s", self.instance_id, error)
+        self.send_ctrl(PairResult(instance_id=self.instance_id, peer_id=msg.peer_id,
+                                  ok=not error, error=error))
+
+    def on_allocate(self, msg: Allocate, frames, ident) -> None:
+        n = len(msg.token_ids)
+        try:
+            if msg.req_id in self.seqs:
+                raise AdmissionError(f"request id {msg.req_id} is already live")
+            need = admission_check(max(n, 1), msg.max_tokens, max_model_len=self.max_model_len,
+                                   num_blocks=self.num_blocks, block_size=self.spec.block_size)
+            blocks = self.allocator.allocate(need)
+        except (AdmissionError, ValueError) as exc:
+            self.send_ctrl(Rejected(req_id=msg.req_id, kind="capacity", error=str(exc)))
+            return
+        except NoFreeBlocksError as exc:
+            self.send_ctrl(Rejected(req_id=msg.req_id, kind="busy", error=str(exc)))
+            return
+        req = Request(request_id=msg.req_id, prompt_token_ids=list(msg.token_ids),
+                      max_tokens=msg.max_tokens, temperature=msg.temperature, role=self.role)
+        req.set_block_table(blocks)  # D's own table: replaces anything P used
+        self.seqs[msg.req_id] = Seq(req, msg.seed, msg.ignore_eos)
+        self.send_ctrl(Allocated(req_id=msg.req_id, block_ids=blocks))
+
+    def on_abort(self, msg: Abort, frames, ident) -> None:
+        self._end(msg.req_id, self.states.ABORTED, msg.reason or "aborted", notify=False)
+
+    # ---- transfer handlers ----------------------------------------------------------
+    def on_kvready(self, msg, frames, ident) -> None:
+        self._receive(msg, frames, ident)
+
+    def on_kvdata(self, msg, frames, ident) -> None:
+        self._receive(msg, frames, ident)
+
+    def _receive(self, msg, frames, ident) -> None:
+        seq = self.seqs.get(msg.req_id)
+        if seq is None or seq.req.state is not DecodeState.ALLOCATED:
+            self.send(self.data, KVAck(req_id=msg.req_id, ok=False,
+                                       error="unknown or aborted request"), ident=ident)
+            return
+        req = seq.req
+        req.transition(DecodeState.RECEIVING)
+        n = self.spec.num_blocks_for(len(req.prompt_token_ids))
+        try:
+            stats = self.receiver.receive(msg, frames, self.cache, req.block_table[:n])
+        except Exception as exc:
+            log.exception("%s: transfer of %s failed", self.instance_id, msg.req_id)
+            self.send(self.data, KVAck(req_id=msg.req_id, ok=False, error=str(exc)), ident=ident)
+            self._end(msg.req_id, DecodeState.FAILED, f"KV transfer failed: {exc}")
+            return
+        transfer_ms = (time.time() - msg.t_start) * 1e3
+        self.send(self.data, KVAck(req_id=msg.req_id, ok=True), ident=ident)
+        seq.kvflow = {"prefill_instance": ident.decode() if ident else self.peer_id,
+                      "decode_instance": self.instance_id, "transfer": self.cfg.transfer,
+                      "blocks": stats.blocks, "payload_bytes": stats.payload_bytes,
+                      "transfer_ms": round(transfer_ms, 3), "copy_ms": round(stats.copy_ms, 3),
+                      "gather_ms": round(getattr(msg, "gather_ms", 0.0), 3),
+                      "block_table": list(req.block_table)}
+        req.transition(DecodeState.DECODING)
+        self._emit(seq, msg.first_token)
+
+    # ---- decoding -------------------------------------------------------------------
+    def _emit(self, seq: Seq, token: int) -> None:
+        req = seq.req
+        req.append_token(token)
+        reason = stop_reason(token, len(req.output_token_ids), req.max_tokens, req.num_tokens,
+                             self.max_model_len, self.tokenizer.eos_token_id, seq.ignore_eos)
+        first = len(req.output_token_ids) == 1
+        self.send_ctrl(Tokens(req_id=req.request_id, token_ids=[token], finished=bool(reason),
+                              finish_reason=reason, kvflow=seq.kvflow if first else {}))
+        if reason:
+            self._end(req.request_id, self.states.DONE, "", notify=False)
+
+    def _end(self, req_id: str, state, error: str, *, notify: bool = True) -> None:
+        seq = self.seqs.pop(req_id, None)
+        if seq is None:
+            return
+        self.allocator.free(seq.req.block_table)
+        if not seq.req.finished:
+            seq.req.transition(state, error=error or None)
+        if notify:
+            self.send_ctrl(Tokens(req_id=req_id, token_ids=[], finished=True,
+                                  finish_reason="error", error=error))
+
+    def running(self) -> list[Seq]:
+        return [s for s in self.seqs.values() if s.req.state is self.states.DECODING]
+
+    def has_work(self) -> bool:
+        return any(s.req.state is self.states.DECODING for s in self.seqs.values())
+
+    def num_running(self) -> int:
+        return len(self.seqs)
+
+    def work(self) -> None:
+        batch = self.running()
+        items = [(s.req.output_token_ids[-1], s.req.num_tokens - 1, s.req.block_table) for s in batch]
+        try:
+            logits = self.engine.decode(items)
+        except Exception as exc:
+            log.exception("%s: decode step failed", self.instance_id)
+            for s in batch:
+                self._end(s.req.request_id, self.states.FAILED, f"decode failed: {exc}")
+            return
+        for i, s in enumerate(batch):
+            req = s.req
+            self._emit(s, sample_token(logits[i], req.temperature, s.seed, len(req.output_token_ids)))
+
+    def heartbeat(self, force: bool = False) -> None:
+        now = time.monotonic()
+        for req_id, s in list(self.seqs.items()):
+            if s.req.state is DecodeState.ALLOCATED and now - s.t_alloc > self.receive_timeout_s:
+                self._end(req_id, DecodeState.TIMED_OUT,
+                          f"no KV from prefill within {self.receive_timeout_s:.0f} s")
+        super().heartbeat(force)
+
+
+class ColocatedInstance(DecodeInstance):
+    """Prefill and decode in one instance and one cache (no transfer)."""
+
+    role = "colocated"
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.states = ColocatedState
+
+    def warmup(self) -> None:
+        pass
+
+    def open_channels(self) -> None:
+        Instance.open_channels(self)
+
+    def register_extra(self) -> dict[str, str]:
+        return {}
+
+    def transfer_name(self) -> str:
+        return "none"
+
+    def on_prefill(self, msg: Prefill, frames, ident) -> None:
+        seq = self.seqs.get(msg.req_id)
+        if seq is None or seq.req.state is not ColocatedState.WAITING:
+            self.send_ctrl(Rejected(req_id=msg.req_id, kind="error",
+                                    error=f"prefill of unknown request {msg.req_id}"))
+            return
+        req = seq.req
+        req.transition(ColocatedState.PREFILLING)
+        try:
+            logits = self.engine.prefill(req.prompt_token_ids, req.block_table,
+                                         chunk_size=self.cfg.max_num_batched_tokens)
+        except Exception as exc:
+            log.exception("%s: prefill of %s failed", self.instance_id, msg.req_id)
+            self._end(msg.req_id, ColocatedState.FAILED, f"prefill failed: {exc}")
+            return
+        seq.kvflow = {"prefill_instance": self.instance_id, "decode_instance": self.instance_id,
+                      "transfer": "none", "blocks": 0, "payload_bytes": 0, "transfer_ms": 0.0,
+                      "block_table": list(req.block_table)}
+        req.transition(ColocatedState.DECODING)
+        self._emit(seq, sample_token(logits, req.temperature, seq.seed, 0))
+
+    def heartbeat(self, force: bool = False) -> None:
+        Instance.heartbeat(self, force)

@@ -1,0 +1,255 @@
+"""What every serving instance (prefill P, decode D, colocated) shares: start-up, the ZMQ
+event loop, registration and heartbeats.
+
+Start-up order (:meth:`Instance.startup`) is the profile-run rule of DESIGN.md made concrete:
+
+1. load the model; build its :class:`~kvflow.layout.KVCacheSpec`;
+2. size ``num_blocks`` with :func:`kvflow.engine.determine_num_blocks` (a profile run with
+   ``is_dummy_or_profile_run`` set) unless ``--num-blocks`` was given; **no socket exists yet**,
+   so nothing can be signalled or sent;
+3. allocate the cache (P with ``ipc``: in shared memory), warm the copy kernels;
+4. only then open the ZMQ sockets and :class:`~kvflow.protocol.Register` with the router.
+
+The loop (:meth:`Instance.serve_forever`) polls its sockets, hands each decoded message to
+``on_<type>`` handlers, does one unit of work (:meth:`Instance.work`: a prefill on P, a decode
+step on D) and sends a heartbeat (free blocks) every ``heartbeat_s``. Malformed frames are
+logged and dropped (:func:`kvflow.protocol.decode_or_log`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import secrets
+import signal
+import time
+from typing import Any
+
+import torch
+import zmq
+
+from kvflow.cache import PagedKVCache
+from kvflow.context import sends_allowed
+from kvflow.layout import KVCacheSpec
+from kvflow.protocol import Heartbeat, Register, decode_or_log, encode
+
+log = logging.getLogger("kvflow.serve")
+
+
+@dataclasses.dataclass
+class InstanceConfig:
+    """Settings of one instance (the CLI flags of ``--role prefill|decode``)."""
+
+    role: str                          # "prefill" | "decode" | "colocated"
+    router_addr: str                   # the router's ZMQ control address, tcp://host:port
+    model: str = "kvflow-tiny"
+    device: str = "cpu"
+    block_size: int = 16
+    max_model_len: int | None = None   # default: min(model limit, 2048)
+    max_num_batched_tokens: int = 512  # prefill chunk and profile-run batch (tokens)
+    num_blocks: int | None = None      # None: profile run sizes it
+    memory_budget_mb: int = 512
+    transfer: str = "ipc"
+    backend: str = "auto"
+    host: str = "127.0.0.1"            # D binds its data socket here
+    heartbeat_s: float = 0.2
+    parent_pid: int | None = None      # exit when this parent is gone
+
+
+def sample_token(logits: torch.Tensor, temperature: float, seed: int, index: int) -> int:
+    """Sample generated token number ``index`` of a request: greedy at temperature 0, else a
+    draw from a generator seeded by ``(seed, index)``, so P (the first token) and D (the rest)
+    draw exactly what one colocated instance would."""
+    from kvflow.engine import sample
+    gen = None
+    if temperature > 0:
+        gen = torch.Generator(device=logits.device).manual_seed((seed * 1_000_003 + index) % 2**63)
+    return sample(logits, temperature, gen)
+
+
+def stop_reason(token: int, num_generated: int, max_tokens: int, num_tokens: int,
+                max_model_len: int, eos: int | None, ignore_eos: bool) -> str:
+    """Why generation stops after ``token`` ("stop", "length"), or "" to go on.
+    ``num_tokens`` counts prompt + generated tokens."""
+    if not ignore_eos and eos is not None and token == eos:
+        return "stop"
+    if num_generated >= max_tokens or num_tokens >= max_model_len:
+        return "length"
+    return ""
+
+
+def check_pairing(mine: KVCacheSpec, my_id: str, peer: dict[str, Any], peer_id: str) -> str:
+    """'' when the peer's KV cache spec equals ours, else an error naming every differing field
+    with both values, e.g. ``block_size: 16 (p-1-ab) vs 32 (d-2-cd)``."""
+    try:
+        theirs = KVCacheSpec.from_dict(peer)
+    except (TypeError, ValueError) as exc:
+        return f"pairing refused: {peer_id} sent an invalid KV cache spec {peer!r}: {exc}"
+    diffs = [f"{f.name}: {getattr(mine, f.name)} ({my_id}) vs {getattr(theirs, f.name)} ({peer_id})"
+             for f in dataclasses.fields(mine) if getattr(mine, f.name) != getattr(theirs, f.name)]
+    return "KV cache spec mismatch, pairing refused: " + "; ".join(diffs) if diffs else ""
+
+
+class Instance:
+    """Base of P, D and colocated instances (subclasses add handlers and :meth:`work`)."""
+
+    role = ""
+
+    def __init__(self, cfg: InstanceConfig) -> None:
+        self.cfg = cfg
+        self.instance_id = f"{self.role[0]}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.stopping = False
+        self.ctx: zmq.Context | None = None
+        self.ctrl: zmq.Socket | None = None
+        self.sockets: dict[Any, str] = {}
+        self._last_hb = 0.0
+        self.messages_sent = 0
+
+    # ---- start-up -------------------------------------------------------------------
+    def startup(self) -> None:
+        """Load, size (profile run), allocate, warm up; then open sockets and register."""
+        from kvflow.engine import Engine
+        from kvflow.model import load_model
+        from kvflow.sched import BlockAllocator
+
+        cfg = self.cfg
+        self.model, self.tokenizer = load_model(cfg.model, device=cfg.device)
+        self.spec = self.model.kv_spec(cfg.block_size)
+        limit = self.model.config.max_position_embeddings
+        self.max_model_len = min(cfg.max_model_len or min(limit, 2048), limit)
+        self.num_blocks = cfg.num_blocks or self.profile()
+        self.cache = self.make_cache(self.num_blocks)
+        self.engine = Engine(self.model, self.cache)
+        self.allocator = BlockAllocator(self.num_blocks)
+        self.warmup()
+        self.open_channels()
+        self.send_ctrl(Register(instance_id=self.instance_id, role=self.role,
+                                spec=self.spec.to_dict(), num_blocks=self.num_blocks,
+                                free_blocks=self.allocator.num_free,
+                                max_model_len=self.max_model_len, transfer=self.transfer_name(),
+                                pid=os.getpid(), **self.register_extra()))
+        log.info("%s ready: %d blocks of %d tokens (%d bytes each), max_model_len %d",
+                 self.instance_id, self.num_blocks, self.spec.block_size,
+                 self.spec.bytes_per_block, self.max_model_len)
+
+    def profile(self) -> int:
+        """``num_blocks`` from a profile run at ``max_num_batched_tokens`` (nothing sent)."""
+        from kvflow.engine import determine_num_blocks
+        assert self.ctrl is None, "profile run must happen before any channel exists"
+        n = determine_num_blocks(self.model, self.spec,
+                                 memory_budget_bytes=self.cfg.memory_budget_mb << 20,
+                                 max_num_batched_tokens=min(self.cfg.max_num_batched_tokens,
+                                                            self.max_model_len),
+                                 device=self.cfg.device)
+        log.info("%s profile run: %d blocks fit in %d MiB", self.instance_id, n,
+                 self.cfg.memory_budget_mb)
+        return n
+
+    def make_cache(self, num_blocks: int) -> PagedKVCache:
+        return PagedKVCache(self.spec, num_blocks, device=self.cfg.device)
+
+    def warmup(self) -> None:
+        """Compile the block-movement kernels on a scratch cache (no channel, nothing sent)."""
+
+    def transfer_name(self) -> str:
+        return self.cfg.transfer
+
+    def register_extra(self) -> dict[str, str]:
+        return {}
+
+    def open_channels(self) -> None:
+        """Create the ZMQ sockets (after the profile run)."""
+        self.ctx = zmq.Context()
+        self.ctrl = self.ctx.socket(zmq.DEALER)
+        self.ctrl.setsockopt(zmq.IDENTITY, self.instance_id.encode())
+        self.ctrl.setsockopt(zmq.LINGER, 500)
+        self.ctrl.connect(self.cfg.router_addr)
+        self.sockets[self.ctrl] = "router"
+
+    # ---- sending --------------------------------------------------------------------
+    def send_ctrl(self, msg: Any) -> None:
+        """Send a control message to the router."""
+        self.send(self.ctrl, msg)
+
+    def send(self, sock: zmq.Socket, msg: Any, *, ident: bytes | None = None) -> None:
+        if not sends_allowed():
+            raise RuntimeError("send during a dummy/profile run: nothing may be sent while "
+                               "is_dummy_or_profile_run is set")
+        frame = encode(msg)
+        sock.send_multipart([ident, frame] if ident is not None else [frame])
+        self.messages_sent += 1
+
+    # ---- loop -----------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return False
+
+    def work(self) -> None:
+        """One unit of work (a prefill, a decode step)."""
+
+    def free_blocks(self) -> int:
+        return self.allocator.num_free
+
+    def heartbeat(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last_hb >= self.cfg.heartbeat_s:
+            self._last_hb = now
+            self.send_ctrl(Heartbeat(instance_id=self.instance_id, free_blocks=self.free_blocks(),
+                                     num_running=self.num_running()))
+            if self.cfg.parent_pid and os.getppid() != self.cfg.parent_pid:
+                log.error("%s: parent %d is gone; exiting", self.instance_id, self.cfg.parent_pid)
+                self.stopping = True
+
+    def num_running(self) -> int:
+        return 0
+
+    def dispatch(self, sock: zmq.Socket, frames: list[Any]) -> None:
+        ident = None
+        if sock.socket_type == zmq.ROUTER:
+            ident, frames = frames[0].bytes, frames[1:]
+        if not frames:
+            return
+        msg = decode_or_log(frames[0], self.sockets[sock])
+        if msg is None:
+            return
+        handler = getattr(self, f"on_{type(msg).__name__.lower()}", None)
+        if handler is None:
+            log.error("%s: unexpected %s from %s; dropped", self.instance_id,
+                      type(msg).__name__, self.sockets[sock])
+            return
+        try:
+            handler(msg, frames[1:], ident)
+        except Exception:  # one bad request must not take the instance down
+            log.exception("%s: handling %s failed", self.instance_id, type(msg).__name__)
+
+    def serve_forever(self) -> None:
+        poller, polled = zmq.Poller(), set()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: setattr(self, "stopping", True))
+        try:
+            while not self.stopping:
+                if polled != set(self.sockets):  # a socket was opened (pairing) or closed
+                    poller, polled = zmq.Poller(), set(self.sockets)
+                    for sock in polled:
+                        poller.register(sock, zmq.POLLIN)
+                timeout = 0 if self.has_work() else int(self.cfg.heartbeat_s * 250)
+                for sock, _ in poller.poll(timeout):
+                    while True:
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self.dispatch(sock, frames)
+                if self.has_work():
+                    self.work()
+                self.heartbeat()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for sock in list(self.sockets):
+            sock.close(0)
+        self.sockets.clear()
+        if self.ctx is not None:
+            self.ctx.term()
+            self.ctx = None

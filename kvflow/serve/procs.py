@@ -1,0 +1,76 @@
+"""Child processes of ``python -m kvflow.serve`` (role ``all``): spawning the P/D (or colocated)
+instances, watching them, and stopping every one of them on exit.
+
+Children are ``python -m kvflow.serve --role prefill|decode|colocated ...`` (the same CLI a
+user runs on another host), started with ``KVFLOW_PARENT_PID`` so that they exit by themselves
+if the server dies without cleaning up. :meth:`Children.stop_all` sends SIGTERM, waits, then
+SIGKILLs stragglers; the caller then unlinks the shared-memory segments the children made.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+log = logging.getLogger("kvflow.serve.procs")
+
+
+def bind_http_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket for the HTTP server, bound before anything is spawned.
+
+    Raises
+    ------
+    SystemExit
+        If ``host:port`` cannot be bound (e.g. already in use), with that message.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(f"kvflow.serve: cannot listen on {host}:{port}: {exc.strerror} "
+                         f"(pick another --port)") from None
+    sock.listen(128)
+    sock.set_inheritable(False)
+    return sock
+
+
+class Children:
+    """The instance processes this server started."""
+
+    def __init__(self) -> None:
+        self.procs: dict[int, subprocess.Popen] = {}
+
+    def spawn(self, role: str, args: list[str]) -> subprocess.Popen:
+        env = dict(os.environ, KVFLOW_PARENT_PID=str(os.getpid()))
+        cmd = [sys.executable, "-m", "kvflow.serve", "--role", role, *args]
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+        self.procs[proc.pid] = proc
+        log.info("started %s instance, pid %d", role, proc.pid)
+        return proc
+
+    def alive(self, pid: int) -> bool | None:
+        """True/False for a child of ours, None for a process we did not start."""
+        proc = self.procs.get(pid)
+        return None if proc is None else proc.poll() is None
+
+    def stop_all(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM every child, wait up to ``timeout_s``, SIGKILL the rest, reap all."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("instance pid %d ignored SIGTERM; killing it", proc.pid)
+                proc.kill()
+                proc.wait()

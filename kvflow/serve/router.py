@@ -1,0 +1,231 @@
+"""The router: an OpenAI-compatible HTTP front (FastAPI) over the ZMQ control plane.
+
+One request (disaggregated): tokenize -> check it fits ``max_model_len`` (else HTTP 400, nothing
+moved) -> ``Allocate`` to D (D's own block ids back; "busy" is retried until
+``admit_timeout_s``, "capacity" is HTTP 400) -> ``Prefill`` to P with D's ids -> tokens from D,
+streamed as server-sent events or gathered into one response. Whatever ends the request early
+(error, timeout, client disconnect, a dead instance) sends ``Abort`` to P and D so both free
+the request's blocks.
+
+Endpoints: ``GET /health`` (200 once P and D are registered and paired, else 503; JSON with
+every instance's free blocks), ``GET /v1/models``, ``POST /v1/completions``, ``GET /metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvflow.protocol import Abort, Allocate, Allocated, Prefill, Rejected, Tokens
+
+from .api import CompletionRequest, completion_chunk, completion_response, error_body
+from .control import Controller, ReqState
+from .metrics import Metrics
+
+log = logging.getLogger("kvflow.serve.router")
+
+
+class RequestError(Exception):
+    """Ends a request with an HTTP status and message."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def load_tokenizer(model: str) -> Any:
+    """The tokenizer of ``model`` without loading its weights."""
+    from kvflow.model import PRESETS, ByteTokenizer, HFTokenizer
+    return ByteTokenizer() if model in PRESETS else HFTokenizer(model)
+
+
+class Router:
+    """Runs requests over a :class:`Controller`."""
+
+    admit_timeout_s = 30.0      # retry "busy" (no free blocks now) this long
+    reply_timeout_s = 5.0       # an instance answers a control message within this
+    first_token_timeout_s = 120.0
+    token_timeout_s = 60.0
+
+    def __init__(self, controller: Controller, tokenizer: Any, model_name: str, metrics: Metrics) -> None:
+        self.ctl, self.tokenizer, self.model_name, self.metrics = controller, tokenizer, model_name, metrics
+
+    def tokenize(self, body: CompletionRequest) -> list[int]:
+        if isinstance(body.prompt, str):
+            return self.tokenizer.encode(body.prompt)
+        vocab = self.tokenizer.vocab_size
+        bad = [t for t in body.prompt if t >= vocab]
+        if bad:
+            raise RequestError(400, f"prompt holds token id {bad[0]}, not in [0, {vocab})", "prompt")
+        return list(body.prompt)
+
+    async def _wait(self, st: ReqState, timeout: float, what: str) -> Any:
+        try:
+            return await asyncio.wait_for(st.queue.get(), timeout)
+        except asyncio.TimeoutError:
+            raise RequestError(504, f"timed out after {timeout:.0f} s waiting for {what}") from None
+
+    async def run(self, body: CompletionRequest, token_ids: list[int]) -> AsyncIterator[Tokens]:
+        """Yield the :class:`Tokens` messages of one request; raise :class:`RequestError`."""
+        pair = self.ctl.pick()
+        if pair is None:
+            raise RequestError(503, "no prefill/decode pair is ready (see GET /health)")
+        p, d = pair
+        limit = d.reg.max_model_len
+        if len(token_ids) + body.max_tokens > limit:
+            raise RequestError(400, f"prompt ({len(token_ids)} tokens) + max_tokens "
+                                    f"({body.max_tokens}) = {len(token_ids) + body.max_tokens} "
+                                    f"exceeds max_model_len={limit}", "max_tokens")
+        req_id = f"cmpl-{uuid.uuid4().hex}"
+        st = ReqState(asyncio.Queue(), decode_id=d.id)
+        self.ctl.requests[req_id] = st
+        done = False
+        try:
+            deadline = time.monotonic() + self.admit_timeout_s
+            while True:
+                await self.ctl.send(d, Allocate(req_id=req_id, token_ids=token_ids,
+                                                max_tokens=body.max_tokens,
+                                                temperature=body.temperature, seed=body.seed,
+                                                ignore_eos=body.ignore_eos))
+                msg = await self._wait(st, self.reply_timeout_s, f"decode instance {d.id} to allocate")
+                if isinstance(msg, Allocated):
+                    break
+                if isinstance(msg, Rejected) and msg.kind == "busy" and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                    continue
+                raise self._error(msg)
+            st.prefill_id, st.stage = p.id, "prefilling"
+            await self.ctl.send(p, Prefill(req_id=req_id, token_ids=token_ids,
+                                           temperature=body.temperature, seed=body.seed,
+                                           decode_id=d.id, decode_block_ids=msg.block_ids))
+            timeout, what = self.first_token_timeout_s, "the first token"
+            while True:
+                msg = await self._wait(st, timeout, what)
+                if not isinstance(msg, Tokens) or msg.error:
+                    raise self._error(msg)
+                st.stage, timeout, what = "decoding", self.token_timeout_s, "the next token"
+                done = msg.finished
+                yield msg
+                if done:
+                    return
+        finally:
+            self.ctl.requests.pop(req_id, None)
+            if not done:
+                self.metrics.requests.labels("error").inc()
+                for inst_id in {st.prefill_id, st.decode_id} - {""}:
+                    inst = self.ctl.instances.get(inst_id)
+                    if inst is not None:
+                        asyncio.ensure_future(self.ctl.send(inst, Abort(req_id=req_id, reason="router ended the request")))
+            else:
+                self.metrics.requests.labels("ok").inc()
+
+    @staticmethod
+    def _error(msg: Any) -> RequestError:
+        if isinstance(msg, Rejected):
+            return RequestError(400 if msg.kind == "capacity" else 503 if msg.kind == "busy" else 500,
+                                msg.error, "prompt" if msg.kind == "capacity" else None)
+        if isinstance(msg, Tokens):
+            return RequestError(502, msg.error)
+        return RequestError(500, f"unexpected reply {type(msg).__name__}")
+
+
+def create_app(router: Router) -> FastAPI:
+    """The FastAPI app of ``router`` (its controller must be started by the caller)."""
+    app = FastAPI(title="kvflow router")
+    ctl, metrics = router.ctl, router.metrics
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {"loc": (), "msg": "invalid body"}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = loc[0] if loc else None
+        msg = f"{'.'.join(loc) or 'body'}: {first.get('msg')}"
+        return JSONResponse(error_body(msg, param), status_code=400)
+
+    @app.get("/health")
+    async def health():
+        return JSONResponse(ctl.health(), status_code=200 if ctl.ready() else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        lens = [i.reg.max_model_len for i in ctl.instances.values()]
+        return {"object": "list", "data": [{"id": router.model_name, "object": "model",
+                                            "owned_by": "kvflow", "max_model_len": min(lens) if lens else None}]}
+
+    @app.get("/metrics")
+    async def metrics_endpoint():
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        t0 = time.monotonic()
+        try:
+            token_ids = router.tokenize(body)
+            events = router.run(body, token_ids)
+            first = await events.__anext__()  # errors before the first token keep their status
+        except RequestError as exc:
+            return JSONResponse(error_body(exc.message, exc.param,
+                                           "invalid_request_error" if exc.status == 400 else "server_error"),
+                                status_code=exc.status)
+        ttft = time.monotonic() - t0
+        metrics.ttft.observe(ttft)
+        metrics.observe_transfer(first.kvflow)
+        kv = dict(first.kvflow)
+        kv.pop("block_table", None)
+        kv["ttft_ms"] = round(ttft * 1e3, 3)
+
+        def finish(ids: list[int]) -> None:
+            if len(ids) > 1:
+                metrics.tpot.observe((time.monotonic() - t0 - ttft) / (len(ids) - 1))
+
+        if not body.stream:
+            ids, msg = list(first.token_ids), first
+            try:
+                while not msg.finished:
+                    msg = await events.__anext__()
+                    ids += msg.token_ids
+            except RequestError as exc:
+                return JSONResponse(error_body(exc.message, exc.param, "server_error"), status_code=exc.status)
+            finally:
+                await events.aclose()
+            finish(ids)
+            return completion_response(f"cmpl-{uuid.uuid4().hex[:24]}", router.model_name,
+                                       router.tokenizer.decode(ids), ids, msg.finish_reason,
+                                       len(token_ids), kv)
+
+        async def sse() -> AsyncIterator[str]:
+            ids, sent, msg, rid = [], "", first, f"cmpl-{uuid.uuid4().hex[:24]}"
+            try:
+                while True:
+                    ids += msg.token_ids
+                    text = router.tokenizer.decode(ids)
+                    if msg.finished or not text.endswith("\ufffd"):  # hold back a partial character
+                        delta, sent = text[len(sent):], text
+                    else:
+                        delta = ""
+                    yield "data: " + json.dumps(completion_chunk(
+                        rid, router.model_name, delta, msg.token_ids,
+                        msg.finish_reason or None if msg.finished else None,
+                        kv if msg.finished else None)) + "\n\n"
+                    if msg.finished:
+                        break
+                    msg = await events.__anext__()
+                finish(ids)
+            except RequestError as exc:
+                yield "data: " + json.dumps(error_body(exc.message, exc.param, "server_error")) + "\n\n"
+            finally:
+                await events.aclose()
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    return app
