@@ -60,6 +60,8 @@ def _common(p: argparse.ArgumentParser, *, device: bool = True) -> None:
     if device:
         p.add_argument("--device", default=None,
                        help="'cuda' or 'cpu' (default: cuda if available, else cpu)")
+        p.add_argument("--threads", type=int,
+                       help="CPU threads for torch and numba alike (default: torch's default)")
     p.add_argument("--seed", type=int, default=0, help="seed of block ids and data (default 0)")
     p.add_argument("--out-dir", default="bench/results", help="folder of result files")
     p.add_argument("--name", default=None, help="result file prefix (default: the subcommand)")
@@ -101,8 +103,6 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--max-ctas", type=_csv(int), help="GPU grid caps, e.g. none,32")
     k.add_argument("--plugin", action="append", default=[],
                    help="a .py file or module to import first (e.g. one that registers a backend)")
-    k.add_argument("--threads", type=int,
-                   help="CPU threads for torch and numba alike (default: torch's default)")
     k.add_argument("--contention", action=argparse.BooleanOptionalAction, default=None,
                    help="also run the SM-contention study (GPU only; on in --full)")
 
@@ -141,6 +141,8 @@ def _resolve(args: argparse.Namespace, command: str) -> dict[str, Any]:
     opts["preset"] = args.preset or "quick"
     if "device" in opts and opts["device"] is None:
         opts["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    if opts.get("threads"):
+        _set_threads(opts["threads"])
     return opts
 
 
@@ -171,8 +173,6 @@ def cmd_kernels(args) -> int:
     for ref in args.plugin:
         _load_plugin(ref)
     opts = _resolve(args, "kernels")
-    if opts.get("threads"):
-        _set_threads(opts["threads"])
     env = env_info(opts["device"])
     t0 = time.perf_counter()
     rows, skipped = kernels.run_kernels(opts, env, progress=not args.no_progress)

@@ -36,8 +36,8 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
                  "prefill_tokens": 4096},
     },
     "transfer": {
-        "quick": {"tokens": [64, 512], "connectors": ["ipc", "tcp"], "warmup": 1, "reps": 5,
-                  "num_blocks": 24},
+        "quick": {"tokens": [64, 256], "connectors": ["ipc", "tcp"], "warmup": 1, "reps": 5,
+                  "num_blocks": 16},
         "full": {"tokens": [256, 1024, 4096, 16384, 65536], "connectors": ["ipc", "tcp"],
                  "warmup": 3, "reps": 30, "num_blocks": 2048},
     },
