@@ -115,3 +115,33 @@ def test_writer_and_reader_in_different_processes_and_stale_cleanup():
         assert child_name in cleanup_stale()
         assert not os.path.exists(os.path.join(SHM_DIR, child_name))
         assert os.path.exists(ch.segment.path)  # the live owner's segment stays
+
+
+def _reader_child(name: str, layer: int, step: int, conn) -> None:
+    """Spawned: wait for one signal and report the step and count seen (or the timeout)."""
+    try:
+        with SignalReader(name) as r:
+            conn.send((r.wait(layer, step, timeout_s=30), r.count(layer)))
+    except TimeoutError as e:
+        conn.send(str(e))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("store", ["atomic", "asm"])
+def test_gpu_signal_kernel_visible_to_another_process(store):
+    import torch
+    ctx = mp.get_context("spawn")
+    with SignalChannel.create(_iid(), 4, device="cuda", store=store) as ch:
+        a, b = ctx.Pipe()
+        proc = ctx.Process(target=_reader_child, args=(ch.name, 3, 9, b))
+        proc.start()
+        x = torch.ones(1 << 20, device="cuda")
+        for step in range(1, 10):
+            x.mul_(1.0001)  # stream-ordered work before the signal
+            assert ch.signal(3, step)
+        torch.cuda.synchronize()
+        assert ch.steps().tolist() == [-1, -1, -1, 9] and ch.count(3) == 9
+        assert a.poll(60) and a.recv() == (9, 9)
+        proc.join(30)
+        assert proc.exitcode == 0

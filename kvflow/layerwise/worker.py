@@ -36,11 +36,15 @@ class LayerwiseWorker:
     on_error : callable, optional
         ``on_error(request_id, exc)`` for timeouts (and send errors if the scheduler has no
         handler of its own); by default they are logged and kept in :attr:`errors`.
+    spin_s, max_sleep_s : float
+        Polling of :meth:`SignalReader.wait_change`: spin this long, then sleep up to
+        ``max_sleep_s`` between reads (lower latency costs CPU and, in-process, GIL time).
     """
 
     def __init__(self, scheduler: LayerwiseScheduler, reader, *, poll_s: float = 0.05,
                  signal_timeout_s: float = 30.0,
-                 on_error: Callable[[str, BaseException], None] | None = None) -> None:
+                 on_error: Callable[[str, BaseException], None] | None = None,
+                 spin_s: float = 50e-6, max_sleep_s: float = 1e-3) -> None:
         for name, v in (("poll_s", poll_s), ("signal_timeout_s", signal_timeout_s)):
             if not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
@@ -50,6 +54,7 @@ class LayerwiseWorker:
         self.scheduler, self.reader = scheduler, reader
         self.poll_s, self.signal_timeout_s = float(poll_s), float(signal_timeout_s)
         self.on_error = on_error
+        self._wait_kw = dict(spin_s=spin_s, max_sleep_s=max_sleep_s)
         self.errors: list[tuple[str, BaseException]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -85,7 +90,7 @@ class LayerwiseWorker:
     def _loop(self) -> None:
         last = np.full(self.reader.num_layers, -1, dtype=np.int64)
         while not self._stop.is_set():
-            now = self.reader.wait_change(last, self.poll_s)
+            now = self.reader.wait_change(last, self.poll_s, **self._wait_kw)
             if now is not None:
                 for layer in np.flatnonzero(now != last).tolist():
                     try:

@@ -1,0 +1,311 @@
+"""Layerwise KV transfer beside prefill (issue 5, item 5): how much of the transfer hides.
+
+A Llama-3-8B-shaped model (32 layers, hidden 4096, 32 heads, 8 KV heads, head_dim 128,
+intermediate 14336, random bf16 weights; RMSNorm, QKV/O projections, causal SDPA, SwiGLU; no
+RoPE, which costs no memory traffic that matters here) prefills T tokens into a paged cache P
+(NHD, block 64); each layer's blocks go to a second cache D on the same GPU on a side stream.
+
+Modes per T: ``alone`` (prefill only); ``event`` (after layer l: event on the compute stream,
+the side stream waits on it and copies layer l: no host in the loop); ``signal`` (after layer
+l: the ``signal_layer`` kernel stores into the shared-memory segment; a LayerwiseWorker thread
+sees it and enqueues the copy: the path a reader in another process uses); ``request`` (prefill,
+then one copy of all layers). ``event``/``signal`` run with the full grid and with
+``--max-ctas``. Reported: prefill ms, total ms, exposed transfer after the last layer, the
+fraction hidden (1 - exposed / the same copies run alone), prefill slowdown, one layer's copy
+ms, and the signal latency p50/p99 (host flag -> GPU gate kernel -> release store -> host spin
+sees it; and launch -> seen). Writes rows of :mod:`kvflow.bench.schema`.
+
+    python bench/layerwise_gpu.py                 # H200 (about 2 minutes)
+    python bench/layerwise_gpu.py --smoke         # CPU, tiny shapes, a few seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kvflow import KVCacheSpec, PagedKVCache
+from kvflow.bench.schema import env_info, make_row, write_results
+from kvflow.bench.timing import copy_ceiling, median, time_calls
+from kvflow.kernels import copy_blocks
+from kvflow.layerwise import LayerwiseScheduler, LayerwiseWorker
+from kvflow.signal import SignalChannel
+
+@triton.jit
+def _gate_kernel(flag_ptr, max_iters):
+    """Spin until the host sets ``*flag_ptr`` (bounded by ``max_iters`` reads)."""
+    i = 0
+    v = tl.load(flag_ptr, volatile=True)
+    while (v == 0) & (i < max_iters):
+        v = tl.load(flag_ptr, volatile=True)
+        i += 1
+
+
+LLAMA3_8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, inter=14336)
+TINY = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, inter=128)
+
+
+class Layer(torch.nn.Module):
+    def __init__(self, g: dict, dtype: torch.dtype, device: str) -> None:
+        super().__init__()
+        h, d = g["hidden"], g["head_dim"]
+        self.g = g
+        mk = lambda o, i: torch.randn(o, i, dtype=dtype, device=device) / i ** 0.5  # noqa: E731
+        self.wqkv = mk((g["heads"] + 2 * g["kv_heads"]) * d, h)
+        self.wo, self.w13, self.w2 = mk(h, g["heads"] * d), mk(2 * g["inter"], h), mk(h, g["inter"])
+        self.n1 = self.n2 = torch.ones(h, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, write_kv) -> torch.Tensor:
+        g, T = self.g, x.shape[0]
+        q, k, v = F.linear(F.rms_norm(x, x.shape[-1:], self.n1), self.wqkv).split(
+            [g["heads"] * g["head_dim"], g["kv_heads"] * g["head_dim"], g["kv_heads"] * g["head_dim"]], -1)
+        q, k, v = (t.view(T, -1, g["head_dim"]) for t in (q, k, v))
+        write_kv(k, v)
+        o = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)),
+                                           is_causal=True, enable_gqa=True)  # [1, heads, T, d]
+        x = x + F.linear(o[0].transpose(0, 1).reshape(T, -1), self.wo)
+        a, b = F.linear(F.rms_norm(x, x.shape[-1:], self.n2), self.w13).chunk(2, -1)
+        return x + F.linear(F.silu(a) * b, self.w2)
+
+
+class Bench:
+    def __init__(self, args) -> None:
+        self.args, self.dev = args, torch.device(args.device)
+        self.cuda = self.dev.type == "cuda"
+        g = self.g = TINY if args.smoke else LLAMA3_8B
+        dtype = torch.float32 if args.smoke else torch.bfloat16
+        torch.manual_seed(0)
+        self.layers = [Layer(g, dtype, args.device) for _ in range(g["layers"])]
+        self.spec = KVCacheSpec(num_layers=g["layers"], num_kv_heads=g["kv_heads"], head_dim=g["head_dim"],
+                                block_size=args.block_size, dtype=dtype, layout="NHD")
+        self.backend = "triton" if self.cuda else "auto"
+        self.side = torch.cuda.Stream(self.dev) if self.cuda else None
+        self.channel = SignalChannel.create(f"bench_{os.getpid()}", g["layers"], device=self.dev,
+                                            store=args.store)
+        self.step = 0
+
+    def setup(self, tokens: int) -> None:
+        nb = self.spec.num_blocks_for(tokens)
+        self.nb = nb
+        self.p, self.d = PagedKVCache(self.spec, nb + 8, self.dev), PagedKVCache(self.spec, nb + 8, self.dev)
+        gen = torch.Generator().manual_seed(tokens)
+        self.src = torch.randperm(nb + 8, generator=gen)[:nb].to(self.dev)
+        self.dst = torch.randperm(nb + 8, generator=gen)[:nb].to(self.dev)
+        self.src_l, self.dst_l = self.src.tolist(), self.dst.tolist()
+        self.x = torch.randn(tokens, self.g["hidden"], dtype=self.spec.dtype, device=self.dev)
+        self.tokens = tokens
+
+    def copy(self, layers, max_ctas=None) -> None:
+        copy_blocks(self.p, self.d, self.src, self.dst, layers=layers, backend=self.backend,
+                    max_ctas=max_ctas, validate=False)
+
+    def prefill(self, on_layer_done=None) -> torch.Tensor:
+        bs, T, nb = self.spec.block_size, self.tokens, self.nb
+        x = self.x
+        for i, layer in enumerate(self.layers):
+            kc, vc = self.p.layer(i)
+
+            def write_kv(k, v, kc=kc, vc=vc):
+                pad = nb * bs - T
+                for c, t in ((kc, k), (vc, v)):
+                    t = F.pad(t, (0, 0, 0, 0, 0, pad)) if pad else t
+                    c.index_copy_(0, self.src, t.view(nb, bs, *t.shape[1:]))
+            x = layer(x, write_kv)
+            if on_layer_done is not None:
+                on_layer_done(i)
+        return x
+
+    # ---- one timed run of a mode: (prefill_s, total_s) ------------------------------------
+    def _stamp(self, stream=None):
+        if not self.cuda:
+            return time.perf_counter()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record(stream)
+        return e
+
+    def _span(self, a, b) -> float:
+        return (a.elapsed_time(b) / 1e3) if self.cuda else (b - a)
+
+    def run(self, mode: str, max_ctas=None) -> tuple[float, float]:
+        L = self.g["layers"]
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.d.buffer.zero_()
+        t0 = self._stamp()
+        if mode == "alone":
+            self.prefill()
+            t1 = t2 = self._stamp()
+        elif mode == "request":
+            self.prefill()
+            t1 = self._stamp()
+            self.copy(None)
+            t2 = self._stamp()
+        elif mode == "event":
+            def hook(i):
+                ev = torch.cuda.Event()
+                ev.record()
+                self.side.wait_event(ev)
+                with torch.cuda.stream(self.side):
+                    self.copy(i, max_ctas)
+            self.prefill(hook)
+            t1 = self._stamp()
+            t2 = self._stamp(self.side)
+        else:  # signal: the shared-memory channel and a worker thread drive the copies
+            self.step += 1
+            step, done = self.step, threading.Event()
+            ends = {}
+
+            def send(rid, layers, src, dst):
+                if self.side is not None:
+                    with torch.cuda.stream(self.side):
+                        self.copy(layers, max_ctas)
+                else:
+                    self.copy(layers, max_ctas)
+                if layers.stop == L:
+                    ends["t2"] = self._stamp(self.side)
+
+            sched = LayerwiseScheduler(L, self.spec.block_size, send, layerwise_min_tokens=0,
+                                       on_done=lambda rid: done.set())
+            sched.add_request("r", self.tokens, self.src_l)
+            sched.set_dst_blocks("r", self.dst_l)
+            sched.add_chunk("r", step, self.tokens)
+            worker = LayerwiseWorker(sched, self.channel, poll_s=0.05, signal_timeout_s=60,
+                                     spin_s=0.05, max_sleep_s=20e-6).start()
+            try:
+                self.prefill(lambda i: self.channel.signal(i, step))
+                t1 = self._stamp()
+                if not done.wait(120):
+                    raise TimeoutError(f"layerwise signal run at {self.tokens} tokens did not finish")
+            finally:
+                worker.stop()
+            if worker.errors:
+                raise RuntimeError(f"worker errors: {worker.errors}")
+            t2 = ends["t2"]
+        if self.cuda:
+            torch.cuda.synchronize()
+        if mode != "alone":
+            for tp, td in zip(self.p.tensors(), self.d.tensors()):
+                if not torch.equal(td[self.dst], tp[self.src]):
+                    raise AssertionError(f"{mode}: D's blocks differ from P's at {self.tokens} tokens")
+        return self._span(t0, t1), self._span(t0, t2)
+
+    def _spin_until_seen(self, t0: float) -> float:
+        slots, deadline = self.channel.segment.slots, t0 + 10.0
+        while slots[0, 0] < self.step:
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"signal of step {self.step} not seen on the host within 10 s")
+        return time.perf_counter() - t0
+
+    def signal_latency(self, reps: int) -> dict[str, list[float]]:
+        """Seconds from a host event to the host seeing the slot change."""
+        out = {"launch_to_seen": [], "flag_to_seen": []}
+        for _ in range(reps):
+            self.step += 1
+            t0 = time.perf_counter()
+            self.channel.signal(0, self.step)
+            out["launch_to_seen"].append(self._spin_until_seen(t0))
+        if not self.cuda:
+            return out
+        flag = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        f = flag.numpy()
+        for _ in range(reps):
+            self.step += 1
+            f[0] = 0
+            _gate_kernel[(1,)](flag, 1 << 22, num_warps=1)
+            self.channel.signal(0, self.step)
+            time.sleep(2e-3)  # the gate kernel is spinning by now
+            t0 = time.perf_counter()
+            f[0] = 1
+            out["flag_to_seen"].append(self._spin_until_seen(t0))
+            torch.cuda.synchronize()
+        return out
+
+
+def pct(xs, q):
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    ap.add_argument("--tokens", default=None, help="comma-separated prompt lengths")
+    ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--max-ctas", type=int, default=16, help="grid cap of the background copies")
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--store", choices=("atomic", "asm"), default="atomic",
+                    help="how signal_layer stores the step (kvflow.signal.triton_signal)")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    a.device = "cpu" if a.smoke else "cuda"
+    if not a.smoke and not torch.cuda.is_available():
+        ap.error("no CUDA device; use --smoke on a CPU")
+    a.block_size = a.block_size or (16 if a.smoke else 64)
+    reps = a.reps or (2 if a.smoke else 5)
+    tokens = [int(t) for t in (a.tokens or ("32,80" if a.smoke else "256,1024,4096,8192,16384")).split(",")]
+    sys.setswitchinterval(2e-4)  # the worker thread and the launching thread share the GIL
+    b = Bench(a)
+    env, rows, verdict = env_info(a.device), [], {}
+    modes = [("alone", None), ("request", None), ("signal", None), ("signal", a.max_ctas)]
+    if b.cuda:
+        modes[2:2] = [("event", None), ("event", a.max_ctas)]
+    print(f"{'tokens':>6} {'mode':>8} {'ctas':>5} {'prefill ms':>10} {'total ms':>9} {'exposed ms':>10} "
+          f"{'1-layer ms':>10} {'hidden':>7} {'slowdown':>8}")
+    for T in tokens:
+        b.setup(T)
+        payload = b.nb * b.spec.bytes_per_block
+        ceil = median(copy_ceiling(payload, device=a.device, reps=max(reps, 5)))
+        base, totals = None, {}
+        for mode, ctas in modes:
+            for _ in range(1 if a.smoke else 2):
+                b.run(mode, ctas)  # warm-up (compiles, allocator)
+            res = [b.run(mode, ctas) for _ in range(reps)]
+            pre, tot = median([r[0] for r in res]), median([r[1] for r in res])
+            one = median(time_calls([lambda: b.copy(b.g["layers"] // 2, ctas)], device=a.device, reps=20))
+            alone = median(time_calls([lambda: [b.copy(i, ctas) for i in range(b.g["layers"])]],
+                                      device=a.device, reps=5))
+            if mode == "alone":
+                base = pre
+            totals[(mode, ctas)] = tot
+            exposed = tot - pre if mode != "request" else tot - base
+            hidden = 1 - exposed / alone if mode in ("event", "signal") else 0.0
+            slow = pre / base - 1
+            print(f"{T:>6} {mode:>8} {str(ctas or '-'):>5} {pre * 1e3:>10.3f} {tot * 1e3:>9.3f} "
+                  f"{exposed * 1e3:>10.3f} {one * 1e3:>10.4f} {hidden:>7.1%} {slow:>8.2%}")
+            rows.append(make_row(env, op=f"layerwise_{mode}", backend=b.backend, spec=b.spec, tokens=T,
+                                 blocks=b.nb, payload_bytes=payload, times_s=[r[1] for r in res],
+                                 ceiling_s=ceil, config={"mode": mode, "max_ctas": ctas, "model": "llama3-8b-shape"
+                                                         if not a.smoke else "tiny"},
+                                 prefill_s=pre, prefill_alone_s=base, exposed_s=exposed,
+                                 one_layer_copy_s=one, copies_alone_s=alone, hidden_frac=hidden,
+                                 slowdown=slow, exposed_over_one_layer=exposed / one if one else None))
+        best = min(v for (m, _), v in totals.items() if m in ("event", "signal"))
+        verdict[T] = best < totals[("request", None)]
+    wins = [T for T in tokens if verdict[T]]
+    from_here = [T for T in wins if all(verdict[U] for U in tokens if U >= T)]
+    print(f"layerwise beats request mode at: {wins or 'no length'}; suggested --layerwise-min-tokens: "
+          f"{min(from_here) if from_here else 'none measured'}")
+    lat = b.signal_latency(50 if a.smoke else 200)
+    for kind, xs in lat.items():
+        if xs:
+            print(f"signal latency {kind}: p50 {pct(xs, .5) * 1e6:.1f} us, p99 {pct(xs, .99) * 1e6:.1f} us")
+            rows.append(make_row(env, op="signal_latency", backend="triton" if b.cuda else "cpu", spec=None,
+                                 tokens=0, blocks=0, payload_bytes=0, times_s=xs, ceiling_s=None,
+                                 config={"kind": kind}, p50_s=pct(xs, .5), p99_s=pct(xs, .99)))
+    out = a.out or os.path.join(os.path.dirname(__file__), "results",
+                                f"layerwise_{'smoke' if a.smoke else 'gpu'}.json")
+    print("wrote", write_results(out, env, rows))
+    b.channel.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
