@@ -147,9 +147,11 @@ def run_transfer(opts: dict[str, Any], env: dict[str, Any], progress: bool = Tru
             src, dst = perm[:n].tolist(), perm[n:2 * n].tolist()
             ceil_s = {"tcp": median(loopback_ceiling(nbytes, warmup=opts["warmup"], reps=opts["reps"])),
                       "ipc": median(copy_ceiling(nbytes, warmup=opts["warmup"], reps=opts["reps"]))}
-            rows.append(make_row(env, op="ceiling", backend="zmq-loopback", spec=spec, tokens=tokens,
-                                 blocks=n, payload_bytes=nbytes, times_s=[ceil_s["tcp"]],
-                                 ceiling_s=ceil_s["tcp"], seed=opts["seed"]))
+            for c, name in (("tcp", "zmq-loopback"), ("ipc", "copy_")):
+                if c in pairs:
+                    rows.append(make_row(env, op="ceiling", backend=name, spec=spec, tokens=tokens,
+                                         blocks=n, payload_bytes=nbytes, times_s=[ceil_s[c]],
+                                         ceiling_s=ceil_s[c], seed=opts["seed"]))
             for c, pair in pairs.items():
                 ok = (pair.request(src, dst), pair.check(src, dst))[1]
                 stats: list = []

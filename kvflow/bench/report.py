@@ -1,0 +1,185 @@
+"""``python -m kvflow.bench report``: result files -> ``docs/benchmarks.md`` + ``docs/img/*.png``.
+
+The page is generated, never hand-edited: one section per device (its driver and library
+versions, commit, date), then per result file the command that produced it and its tables
+(kernels: GB/s and ratio to the same-run ceiling per op/layout/dtype; contention; transfer;
+serve; any other rows generically) and plots (:mod:`kvflow.bench.plots`). A table never mixes
+devices: rows of two devices in one result file raise, naming both.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from .schema import read_results
+
+KERNEL_OPS = ("gather", "scatter", "copy")
+
+
+def check_one_device(rows: list[dict], where: str) -> str:
+    """The one device of ``rows``.
+
+    Raises
+    ------
+    ValueError
+        If two devices appear, naming both and ``where``.
+    """
+    devices = list(dict.fromkeys(r["device"] for r in rows))
+    if len(devices) > 1:
+        raise ValueError(f"{where}: refusing to mix devices in one table: "
+                         f"{devices[0]!r} and {devices[1]!r}")
+    return devices[0] if devices else ""
+
+
+def _fmt(v: Any, spec: str = ".2f") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return format(v, spec)
+    return str(v)
+
+
+def _md_table(head: list[str], body: list[list[Any]]) -> list[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in body]
+    return out + [""]
+
+
+def _label(r: dict) -> str:
+    return r["backend"] + (f" ctas={r['max_ctas']}" if r.get("max_ctas") is not None else "")
+
+
+def kernel_tables(rows: list[dict]) -> list[str]:
+    """Per (op, layout, dtype): rows = request sizes; columns = ceiling GB/s, then each
+    backend's GB/s with its ratio to the ceiling and its speed-up over torch."""
+    out = []
+    groups = defaultdict(list)
+    for r in rows:
+        groups[(r["op"], r["layout"], r["dtype"], r["geometry"])].append(r)
+    for (op, layout, dtype, geom), rs in groups.items():
+        labels = list(dict.fromkeys(_label(r) for r in rs))
+        by_tok = defaultdict(dict)
+        for r in rs:
+            by_tok[r["tokens"]][_label(r)] = r
+        body = []
+        for tok in sorted(by_tok):
+            cells = by_tok[tok]
+            any_r = next(iter(cells.values()))
+            row = [tok, any_r["payload_bytes"] / 2**20, any_r["ceiling_gbps"]]
+            for lab in labels:
+                r = cells.get(lab)
+                row.append("-" if r is None else
+                           f"{r['gbps']:.1f} ({_fmt(r['ratio'])}, {_fmt(r['baseline_ratio'])}x)"
+                           + ("" if r.get("verified", True) else " MISMATCH"))
+            body.append(row)
+        out.append(f"**{op}** · {layout} · {dtype} · {geom} — GB/s of payload "
+                   f"(ratio to the same-run copy_ ceiling, speed-up over torch)")
+        out.append("")
+        out += _md_table(["tokens", "MiB", "ceiling GB/s", *labels], body)
+    return out
+
+
+def contention_table(rows: list[dict]) -> list[str]:
+    body = [[r["backend"], r["tokens"], _fmt(r["max_ctas"]), r["prefill_tokens"],
+             r["prefill_alone_ms"], r["prefill_beside_ms"], f"{r['slowdown'] * 100:.1f}%",
+             r["copy_alone_gbps"]] for r in rows]
+    return ["**SM contention**: prefill matmul alone vs beside a background gather", ""] + _md_table(
+        ["backend", "copy tokens", "max_ctas", "prefill tokens", "alone ms", "beside ms",
+         "slowdown", "copy GB/s alone"], body)
+
+
+def transfer_table(rows: list[dict]) -> list[str]:
+    body = [[r["backend"], r["tokens"], r["payload_bytes"] / 2**20, r["gbps"], r["ratio"],
+             r.get("ceiling", "-"), r.get("latency_ms_p50", r["time_s"] * 1e3),
+             r.get("latency_ms_p99", r["time_s"] * 1e3)] for r in rows]
+    return _md_table(["connector", "tokens", "MiB", "GB/s", "ratio", "ceiling", "p50 ms", "p99 ms"], body)
+
+
+def serve_table(rows: list[dict]) -> list[str]:
+    body = []
+    for r in rows:
+        body.append([r["backend"], _fmt(r.get("rate")), f"{r['completed']}/{r['requests']}"]
+                    + [f"{_fmt(r[f'{m}_ms_mean'], '.1f')} / {_fmt(r[f'{m}_ms_p50'], '.1f')} / "
+                       f"{_fmt(r[f'{m}_ms_p90'], '.1f')} / {_fmt(r[f'{m}_ms_p99'], '.1f')}"
+                       for m in ("ttft", "tpot", "itl", "e2e")]
+                    + [r["throughput_rps"], r["output_tok_s"], r["goodput_rps"], r["slo_attainment"]])
+    slo = rows[0] if rows else {}
+    return ([f"Latencies in ms as mean / p50 / p90 / p99. Goodput: requests/s meeting TTFT <= "
+             f"{slo.get('slo_ttft_ms')} ms and TPOT <= {slo.get('slo_tpot_ms')} ms (DistServe).", ""]
+            + _md_table(["mode", "rate req/s", "done", "TTFT", "TPOT", "ITL", "E2E", "req/s",
+                         "out tok/s", "goodput req/s", "SLO attainment"], body))
+
+
+def generic_table(rows: list[dict]) -> list[str]:
+    """Any other rows: the fixed fields plus every extra scalar field."""
+    from .schema import ROW_FIELDS
+    extra = [k for k in dict.fromkeys(k for r in rows for k in r)
+             if k not in ROW_FIELDS and not isinstance(rows[0].get(k), (list, dict))]
+    head = ["op", "backend", "tokens", "time ms", "GB/s", *extra]
+    body = [[r["op"], r["backend"], r["tokens"], r["time_s"] * 1e3, r["gbps"],
+             *[r.get(k) for k in extra]] for r in rows]
+    return _md_table(head, body)
+
+
+def file_section(path: Path, data: dict, md_dir: Path, img_dir: Path) -> list[str]:
+    """Markdown of one result file: its command, tables and plots."""
+    from . import plots
+    rows, env = data["rows"], data["env"]
+    check_one_device(rows, str(path))
+    out = [f"### `{path.name}`", "", f"Command: `{env.get('command', '(not recorded)')}`"
+           + (f" — {env['wall_s']:.0f} s wall" if env.get("wall_s") else "")
+           + f" — commit {env.get('commit')}, {env.get('date')}", ""]
+    kinds = defaultdict(list)
+    for r in rows:
+        kinds[r["op"] if r["op"] in ("contention", "serve", "transfer", "ceiling") else
+              ("kernels" if r["op"] in KERNEL_OPS else "other")].append(r)
+    if kinds["kernels"]:
+        out += kernel_tables(kinds["kernels"])
+    if kinds["contention"]:
+        out += contention_table(kinds["contention"])
+    if kinds["transfer"] or kinds["ceiling"]:
+        out += transfer_table(kinds["ceiling"] + kinds["transfer"])
+    if kinds["serve"]:
+        out += serve_table(kinds["serve"])
+    if kinds["other"]:
+        out += generic_table(kinds["other"])
+    for png in plots.plot_file(path.stem, kinds, img_dir):
+        rel = os.path.relpath(png, md_dir)
+        out += [f"![{png.stem}]({rel})", ""]
+    for s in env.get("skipped") or []:
+        out.append(f"- skipped: {', '.join(f'{k}={v}' for k, v in s.items())}")
+    return out + [""]
+
+
+def write_report(files: list[Path], out: Path, img_dir: Path) -> Path:
+    """Write the report page for ``files``; returns ``out``.
+
+    Raises
+    ------
+    ValueError
+        A result file whose rows name two devices (both named), or a bad schema.
+    """
+    loaded = [(Path(f), read_results(f)) for f in files]
+    by_device = defaultdict(list)
+    for path, data in loaded:
+        by_device[check_one_device(data["rows"], str(path)) or data["env"]["device"]].append((path, data))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    img_dir.mkdir(parents=True, exist_ok=True)
+    lines = ["# kvflow benchmarks", "",
+             "Generated by `python -m kvflow.bench report` from the result files in "
+             "`bench/results/`; do not edit by hand. Every ratio is to a ceiling measured in the "
+             "same run on the same device; rows of different devices never share a table. "
+             "How to reproduce and read it: [tutorials/benchmarking.md](tutorials/benchmarking.md).", ""]
+    for device in sorted(by_device, key=lambda d: ("(" in d, d)):  # GPUs before CPU names
+        files_d = sorted(by_device[device], key=lambda pd: pd[0].name)
+        env = files_d[-1][1]["env"]
+        lines += [f"## {device}", "",
+                  f"driver {env.get('driver') or '-'} · torch {env.get('torch')} · triton "
+                  f"{env.get('triton')} · numba {env.get('numba')} · python {env.get('python')}", ""]
+        for path, data in files_d:
+            lines += file_section(path, data, out.parent, img_dir)
+    out.write_text("\n".join(lines).rstrip() + "\n")
+    return out
