@@ -52,7 +52,7 @@ def load_model(name_or_path: str = "kvflow-tiny", *, dtype: Any = torch.float32,
         model = model.to_empty(device="cpu")
         model.inv_freq.copy_(_inv_freq(config))
         init_random_(model, SEED)
-        return model.to(dtype=dtype, device=device).eval(), ByteTokenizer()
+        return _ready(model.to(dtype=dtype, device=device)), ByteTokenizer()
     if not os.path.isfile(os.path.join(str(name_or_path), "config.json")):
         raise ValueError(f"name_or_path={name_or_path!r} is neither a built-in model "
                          f"{sorted(PRESETS)} nor a directory with config.json")
@@ -88,4 +88,9 @@ def _load_hf(path: str, dtype: Any, device: Any):
                          f"model: missing {missing[:8]}, unexpected {unexpected[:8]}")
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     model.inv_freq = _inv_freq(config)
-    return model.to(device=device).eval(), HFTokenizer(path)
+    return _ready(model.to(device=device)), HFTokenizer(path)
+
+
+def _ready(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """Inference only: eval mode, no gradients."""
+    return model.eval().requires_grad_(False)
