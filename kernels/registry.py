@@ -45,12 +45,15 @@ def register_backend(backend: Any) -> Any:
     return backend
 
 
+_LOAD_ERRORS: dict[str, str] = {}
+
+
 def _load(name: str) -> Any | None:
-    if name not in _BACKENDS and name in _MODULES:
+    if name not in _BACKENDS and name in _MODULES and name not in _LOAD_ERRORS:
         try:
             importlib.import_module(_MODULES[name])
-        except ImportError:
-            return None
+        except Exception as exc:  # noqa: BLE001 - a broken backend must not break the others
+            _LOAD_ERRORS[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
     return _BACKENDS.get(name)
 
 
@@ -65,7 +68,8 @@ def available_backends() -> dict[str, str]:
     for name in backend_names():
         b = _load(name)
         if b is None:
-            out[name] = f"not importable (module {_MODULES.get(name)})"
+            out[name] = (f"not importable (module {_MODULES.get(name)}: "
+                         f"{_LOAD_ERRORS.get(name, 'no backend registered')})")
         else:
             out[name] = b.unavailable_reason() or "available"
     return out
@@ -92,7 +96,8 @@ def get_backend(name: str, device: torch.device) -> Any:
         if name not in backend_names():
             raise ValueError(f"backend={name!r} is unknown; known backends: {backend_names()}")
         b = _load(name)
-        reason = "not importable" if b is None else b.unavailable_reason()
+        reason = (f"not importable ({_LOAD_ERRORS.get(name, 'no backend registered')})"
+                  if b is None else b.unavailable_reason())
         if reason:
             raise RuntimeError(f"backend={name!r} is unavailable: {reason}")
         if device.type not in b.devices:
