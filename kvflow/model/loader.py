@@ -46,22 +46,12 @@ def load_model(name_or_path: str = "kvflow-tiny", *, dtype: Any = torch.float32,
         misses weights or carries unexpected ones (named).
     """
     if name_or_path in PRESETS:
-        config = PRESETS[name_or_path]
-        with torch.device("meta"):
-            model = LlamaForCausalLM(config)
-        model = model.to_empty(device="cpu")
-        model.inv_freq.copy_(_inv_freq(config))
-        init_random_(model, SEED)
+        model = init_random_(LlamaForCausalLM(PRESETS[name_or_path]), SEED)
         return _ready(model.to(dtype=dtype, device=device)), ByteTokenizer()
     if not os.path.isfile(os.path.join(str(name_or_path), "config.json")):
         raise ValueError(f"name_or_path={name_or_path!r} is neither a built-in model "
                          f"{sorted(PRESETS)} nor a directory with config.json")
     return _load_hf(str(name_or_path), dtype, device)
-
-
-def _inv_freq(config: ModelConfig) -> torch.Tensor:
-    from .llama import rope_inv_freq
-    return rope_inv_freq(config)
 
 
 def _load_hf(path: str, dtype: Any, device: Any):
@@ -79,15 +69,13 @@ def _load_hf(path: str, dtype: Any, device: Any):
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config)  # parameters uninitialised: all are loaded below
     expected = {k for k, _ in model.named_parameters()}
     missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
     if missing or unexpected:
         raise ValueError(f"checkpoint {path!r} does not match a {config.num_layers}-layer "
                          f"model: missing {missing[:8]}, unexpected {unexpected[:8]}")
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
-    model.inv_freq = _inv_freq(config)
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
     return _ready(model.to(device=device)), HFTokenizer(path)
 
 

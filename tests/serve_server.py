@@ -1,0 +1,107 @@
+"""A `python -m kvflow.serve` process for tests: start on a free port, wait for /health 200,
+query it, stop it with a signal and check that nothing is left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+SMALL = ["--max-model-len", "512", "--memory-budget-mb", "32", "--max-num-batched-tokens", "256"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+class Server:
+    def __init__(self, *args: str, env: dict | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="kvflow-serve-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "kvflow.serve", "--port", str(self.port), *SMALL, *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=dict(os.environ, **(env or {})))
+        self.client = httpx.Client(base_url=self.url, timeout=60)
+        self.t_start = time.monotonic()
+        self.seen_pids: set[int] = set()
+        self.seen_shm: set[str] = set()
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()
+
+    def wait_healthy(self, timeout: float = 150.0) -> float:
+        deadline = self.t_start + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                r = self.client.get("/health", timeout=2)
+                if r.status_code == 200:
+                    self.remember(r.json())
+                    return time.monotonic() - self.t_start
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"no /health 200 within {timeout} s:\n{self.output()}")
+
+    def remember(self, health: dict) -> None:
+        for inst in health["instances"]:
+            self.seen_pids.add(inst["pid"])
+            if inst["shm_name"]:
+                self.seen_shm.add(inst["shm_name"])
+
+    def health(self) -> dict:
+        h = self.client.get("/health").json()
+        self.remember(h)
+        return h
+
+    def instance(self, role: str) -> dict:
+        return next(i for i in self.health()["instances"] if i["role"] == role)
+
+    def free_blocks(self) -> dict[str, int]:
+        return {i["role"]: i["free_blocks"] for i in self.health()["instances"]}
+
+    def wait_free_blocks(self, want: dict[str, int], timeout: float = 5.0) -> dict[str, int]:
+        deadline = time.monotonic() + timeout
+        got = self.free_blocks()
+        while got != want and time.monotonic() < deadline:
+            time.sleep(0.1)
+            got = self.free_blocks()
+        return got
+
+    def complete(self, **body):
+        return self.client.post("/v1/completions", json=body)
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        finally:
+            self.client.close()
