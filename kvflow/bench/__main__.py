@@ -114,8 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--warmup", type=int)
     t.add_argument("--reps", type=int)
 
-    lw = sub.add_parser("layerwise", help="overlap study (runs bench/layerwise_gpu.py)")
-    lw.add_argument("args", nargs=argparse.REMAINDER, help="passed on to the study")
+    lw = sub.add_parser("layerwise", help="overlap study (runs bench/layerwise_gpu.py; "
+                        "--quick = its --smoke CPU run, --full = the H200 run)")
 
     s = sub.add_parser("serve", help="load generator: TTFT, TPOT, ITL, E2E, throughput, goodput")
     _common(s, device=False)
@@ -221,7 +221,13 @@ def cmd_layerwise(args) -> int:
     if not hasattr(mod, "main"):
         print(f"layerwise: skipped: {path} has no main(argv)", file=sys.stderr)
         return 0
-    return int(mod.main([a for a in args.args if a != "--"]) or 0)
+    from .schema import command_line, write_results
+    cmd = command_line(getattr(args, "_argv", None))
+    # Record the command in the study's result file, as every other subcommand does.
+    mod.write_results = lambda path, env, rows: write_results(
+        path, dict(env, command=cmd, kind="layerwise"), rows)
+    argv = [{"--quick": "--smoke"}.get(a, a) for a in args.args if a not in ("--", "--full")]
+    return int(mod.main(argv) or 0)
 
 
 def cmd_serve(args) -> int:
@@ -249,7 +255,12 @@ def cmd_report(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args, extra = ap.parse_known_args(argv)
+    if extra and args.command != "layerwise":
+        ap.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "layerwise":
+        args.args = extra  # every flag goes to the study (python bench/layerwise_gpu.py --help)
     args._argv = argv
     return {"kernels": cmd_kernels, "transfer": cmd_transfer, "layerwise": cmd_layerwise,
             "serve": cmd_serve, "report": cmd_report}[args.command](args)

@@ -100,7 +100,13 @@ def serve_png(stem: str, rows: list[dict], img_dir: Path) -> list[Path]:
     return [path]
 
 
-BAR_KEYS = ("hidden_fraction", "slowdown", "exposed_ms", "prefill_slowdown")
+BAR_KEYS = ("hidden_frac", "hidden_fraction", "slowdown", "exposed_s", "exposed_ms")
+
+
+def _bar_label(r: dict) -> str:
+    ctas = r.get("max_ctas", (r.get("config") or {}).get("max_ctas"))
+    name = r["backend"] if r["op"] == "contention" else f"{r['op']} ({r['backend']})"
+    return name + (f" ctas={ctas}" if ctas is not None else "")
 
 
 def bars_png(stem: str, rows: list[dict], img_dir: Path, tag: str) -> list[Path]:
@@ -109,13 +115,13 @@ def bars_png(stem: str, rows: list[dict], img_dir: Path, tag: str) -> list[Path]
     if key is None:
         return []
     plt = _plt()
-    labels = list(dict.fromkeys(_label(r) + (f" {r['mode']}" if r.get("mode") else "") for r in rows))
+    rows = [r for r in rows if isinstance(r.get(key), (int, float))]
+    labels = list(dict.fromkeys(_bar_label(r) for r in rows))
     toks = sorted({r["tokens"] for r in rows})
     fig, ax = plt.subplots(figsize=(max(5.0, 0.5 * len(labels) * len(toks)), 3.6))
     width = 0.8 / max(1, len(labels))
     for i, lab in enumerate(labels):
-        vals = {r["tokens"]: r.get(key) for r in rows
-                if _label(r) + (f" {r['mode']}" if r.get("mode") else "") == lab}
+        vals = {r["tokens"]: r.get(key) for r in rows if _bar_label(r) == lab}
         ax.bar([j + i * width for j in range(len(toks))], [vals.get(t) or 0 for t in toks],
                width, label=lab)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(toks))], [str(t) for t in toks])

@@ -118,9 +118,12 @@ def generic_table(rows: list[dict]) -> list[str]:
     from .schema import ROW_FIELDS
     extra = [k for k in dict.fromkeys(k for r in rows for k in r)
              if k not in ROW_FIELDS and not isinstance(rows[0].get(k), (list, dict))]
-    head = ["op", "backend", "tokens", "time ms", "GB/s", *extra]
-    body = [[r["op"], r["backend"], r["tokens"], r["time_s"] * 1e3, r["gbps"],
-             *[r.get(k) for k in extra]] for r in rows]
+    conf = [k for k in dict.fromkeys(k for r in rows for k in (r.get("config") or {}))
+            if all(not isinstance((r.get("config") or {}).get(k), (list, dict)) for r in rows)]
+    g = lambda v: _fmt(v, ".4g")  # noqa: E731 - small seconds stay readable
+    head = ["op", "backend", *conf, "tokens", "time ms", "GB/s", *extra]
+    body = [[r["op"], r["backend"], *[g((r.get("config") or {}).get(k)) for k in conf], r["tokens"],
+             g(r["time_s"] * 1e3), g(r["gbps"]), *[g(r.get(k)) for k in extra]] for r in rows]
     return _md_table(head, body)
 
 
