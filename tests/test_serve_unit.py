@@ -64,7 +64,7 @@ def test_profile_run_opens_no_channel_and_sends_nothing(monkeypatch, role):
         assert (during["sockets"], during["sends"]) == (0, 0)
         assert inst.num_blocks > 0
         # After it, the instance opened its channels and registered: the counters do count.
-        assert counts["sockets"] >= 1 and counts["sends"] == 1
+        assert counts["sockets"] >= 1 and counts["sends"] >= 1
         assert router.poll(5000)
         ident, frame = router.recv_multipart()
         reg = decode(frame)

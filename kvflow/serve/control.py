@@ -4,8 +4,8 @@ connects a DEALER to; registration, pairing, liveness, and routing of replies to
 Pairing: when a P and a D have both registered, each gets a :class:`~kvflow.protocol.Pair`
 with the other's KV cache spec, checks it and answers :class:`~kvflow.protocol.PairResult`;
 ``ready`` is true only when a pair has been accepted by both (colocated: one instance).
-An instance that misses heartbeats for ``dead_after_s`` (or whose process the server spawned
-has exited) is dead: every request that still needed it fails at once (the request's own
+A remote instance that misses heartbeats for ``dead_after_s``, or a child process of this
+server that has exited (or sent nothing for ``hung_after_s``), is dead: every request that still needed it fails at once (the request's own
 clean-up then sends :class:`~kvflow.protocol.Abort` to the survivor, which frees its blocks),
 and its shared-memory segment is unlinked.
 """
@@ -65,6 +65,7 @@ class Controller:
                  dead_after_s: float = 2.0) -> None:
         self.mode, self.metrics, self.proc_alive = mode, metrics, proc_alive
         self.dead_after_s = dead_after_s
+        self.hung_after_s = max(dead_after_s, 60.0)
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -200,8 +201,12 @@ class Controller:
             await asyncio.sleep(0.1)
             now = time.monotonic()
             for info in list(self.instances.values()):
-                exited = self.proc_alive is not None and self.proc_alive(info.reg.pid) is False
-                if exited or now - info.last_seen > self.dead_after_s:
+                ours = None if self.proc_alive is None else self.proc_alive(info.reg.pid)
+                # A child of ours is dead when its process has exited (a long prefill may
+                # delay heartbeats); a remote instance when its heartbeats stop.
+                limit = self.dead_after_s if ours is None else self.hung_after_s
+                if ours is False or now - info.last_seen > limit:
+                    exited = ours is False
                     self.instance_died(info, "exited" if exited else
                                        f"missed heartbeats for {self.dead_after_s:.1f} s")
 
