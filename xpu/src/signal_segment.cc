@@ -187,6 +187,7 @@ int64_t SignalSegment::wait(int64_t layer, int64_t step, double timeout_s, doubl
   const auto start = clock::now();
   const auto spin_until = start + std::chrono::duration<double, std::micro>(spin_us);
   const auto deadline = start + std::chrono::duration<double>(timeout_s);
+  int spins = 0;
   for (;;) {
     const int64_t seen = __atomic_load_n(&s[0], __ATOMIC_ACQUIRE);
     if (seen >= step) return seen;
@@ -197,7 +198,11 @@ int64_t SignalSegment::wait(int64_t layer, int64_t step, double timeout_s, doubl
           << timeout_s << " s (last step seen: " << seen << ")";
       throw TimeoutError(msg.str());
     }
-    if (now >= spin_until) std::this_thread::sleep_for(std::chrono::microseconds(20));
+    if (now >= spin_until) {
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    } else if (++spins > 64) {
+      std::this_thread::yield();  // let a runnable writer (e.g. the sender thread) have this core
+    }
   }
 }
 
