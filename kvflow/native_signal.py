@@ -229,6 +229,8 @@ class NativeLayerSignaller:
                 return None
             self._sender = _lib().create_kv_signal_sender(self.channel.segment,
                                                           self.completion_timeout_s)
+            # drain + join at garbage collection or interpreter exit if close() was not called
+            self._finalizer = weakref.finalize(self, _lib().destroy_kv_signal_sender, self._sender)
         return self.channel
 
     def signal(self, layer: int, step: int, completion: Any = None) -> bool:
@@ -287,6 +289,7 @@ class NativeLayerSignaller:
         Returns the signals written. Idempotent."""
         written = 0
         if self._sender is not None:
+            self._finalizer.detach()
             written = _lib().destroy_kv_signal_sender(self._sender)
             self._sender = None
         if self.channel is not None:
