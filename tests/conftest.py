@@ -47,7 +47,7 @@ class Geometry:
 
 GEOMETRY = {
     "small": Geometry(num_layers=4, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=16, num_ids=7),
-    "large": Geometry(num_layers=8, num_kv_heads=8, head_dim=128, block_size=16, num_blocks=512,
+    "large": Geometry(num_layers=8, num_kv_heads=8, head_dim=128, block_size=16, num_blocks=128,
                       num_ids=96),
 }[SCALE]
 
