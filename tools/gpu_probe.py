@@ -154,7 +154,7 @@ def variants(backends, sms, quick):
     from kvflow.kernels.triton.copy_runs import LaunchConfig
     out = [("triton", "default", None, None)]
     if not quick:
-        out += [("triton", f"ctas/SM={c}", None, LaunchConfig(ctas_per_sm=c)) for c in (1, 2, 8)]
+        out += [("triton", f"ctas/SM={c}", None, LaunchConfig(ctas_per_sm=c)) for c in (1, 2, 8, 16)]
         out += [("triton", "step=32K", None, LaunchConfig(block_bytes=32768)),
                 ("triton", "chunk=128K", None, LaunchConfig(chunk_bytes=131072)),
                 ("triton", "8 warps", None, LaunchConfig(num_warps=8))]

@@ -49,8 +49,12 @@ def _make_copies():
         return {w: make(w) for w in (16, 8, 4, 2, 1)}
 
     from llvmlite import ir
-    from numba.core import types
     from numba.cuda.extending import intrinsic
+    try:  # numba-cuda with its own type system re-exports the scalar types here
+        from numba.cuda import types
+        types.void, types.int64  # noqa: B018 - probe
+    except (ImportError, AttributeError):
+        from numba.core import types
 
     def make(width):
         ty = ir.VectorType(ir.IntType(64), 2) if width == 16 else ir.IntType(8 * width)

@@ -89,12 +89,18 @@ class LaunchConfig:
         Persistent programs per SM when ``max_ctas`` is not given.
     num_warps : int
         Warps per program.
+    capped_block_bytes, capped_num_warps : int
+        ``block_bytes`` and ``num_warps`` when ``max_ctas`` caps the grid below one program
+        per SM (background copies): fewer programs must each keep more bytes in flight
+        (64 KiB per step at 16 warps).
     """
 
     block_bytes: int = 16384
     chunk_bytes: int = 65536
     ctas_per_sm: int = 4
     num_warps: int = 4
+    capped_block_bytes: int = 65536
+    capped_num_warps: int = 16
 
 
 CONFIG = LaunchConfig()
@@ -166,13 +172,17 @@ def launch(*, src_table=None, dst_table=None, src_stage=None, dst_stage=None,
     word = min(align, 8)
     torch_word, tl_word = _WORD[word]
     run = run_bytes // word
-    block = max(4, min(triton.next_power_of_2(run), cfg.block_bytes // word))
+    sms = _sm_count(device)
+    capped = max_ctas is not None and max_ctas < sms
+    step, warps = (cfg.capped_block_bytes, cfg.capped_num_warps) if capped else \
+        (cfg.block_bytes, cfg.num_warps)
+    block = max(4, min(triton.next_power_of_2(run), step // word))
     chunk = block * max(1, min(-(-run // block), cfg.chunk_bytes // word // block))
     even = run % chunk == 0
     total = num_tensors * n * (-(-run // chunk))
     if total >= 2 ** 31:
         raise ValueError(f"{total} work items exceed the kernel's int32 index; split the call")
-    grid = min(total, max_ctas or cfg.ctas_per_sm * _sm_count(device))
+    grid = min(total, max_ctas or cfg.ctas_per_sm * sms)
 
     def words(t):
         return t.view(-1).view(torch.uint8).view(torch_word) if t is not None else None
@@ -182,7 +192,7 @@ def launch(*, src_table=None, dst_table=None, src_stage=None, dst_stage=None,
         kernel()[(grid,)](*args, n, src_n, dst_n, total,
                           WORD=tl_word, ALIGN=align, RUN=run, CHUNK=chunk, BLOCK=block,
                           EVEN=even, SRC_CACHE=src_table is not None,
-                          DST_CACHE=dst_table is not None, num_warps=cfg.num_warps)
+                          DST_CACHE=dst_table is not None, num_warps=warps)
 
 
 class _on:
