@@ -7,3 +7,6 @@ from .request import (AdmissionError, ColocatedState, DecodeState, IllegalTransi
 __all__ = ["BlockAllocator", "NoFreeBlocksError", "Request", "PrefillState", "DecodeState",
            "ColocatedState", "AdmissionError", "IllegalTransitionError", "admission_check",
            "blocks_needed", "is_terminal"]
+from .prefix import PrefixCache, block_keys  # noqa: E402
+
+__all__ += ["PrefixCache", "block_keys"]
