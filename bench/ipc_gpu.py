@@ -1,0 +1,413 @@
+"""Intra-host P->D KV transfer over CUDA IPC / NVLink on two GPUs (issue 6).
+
+Geometry: Llama-3-8B KV (32 layers, 8 KV heads, head_dim 128, block 64, bf16, NHD: 8 MiB per
+block over all layers); P's cache on GPU 0, D's on GPU 1, ``--num-blocks`` (4096) each, random
+distinct block ids, requests of 1K / 4K / 16K tokens. Methods, each timed on both GPUs' streams
+(events; cold L2: 4 rotating id sets, ceiling buffers rotated past 2 x L2):
+
+- ``ceiling``: one contiguous ``dst.copy_(src)`` GPU0 -> GPU1 of the same payload (same run);
+- ``kvflow_pull`` / ``kvflow_push``: ``copy_blocks(..., backend="triton", direction=...)``, one
+  launch for all layers (pull: kernel on D's GPU reading P; push: kernel on P's GPU writing D);
+- ``per_layer_torch``: per layer and K/V: ``index_select`` on P, one peer ``copy_``,
+  ``index_copy_`` on D (192 ops);
+- ``per_block_memcpy``: the seed's method (FastDeploy's IPC path): one ``cudaMemcpyPeerAsync``
+  per block per layer tensor from a host loop (ctypes on torch's libcudart), and
+  ``per_block_torch``: the same loop with torch ``copy_`` of each block slice;
+- ``xproc_pull`` / ``xproc_push``: P in a second process (``CUDA_VISIBLE_DEVICES`` = P's GPU
+  only) exports its cache with :mod:`kvflow.transfer.cuda_ipc`; this process (D) opens it by UUID.
+
+Every method's result is checked byte for byte against P once per size. Then end to end
+(``--serve``): ``python -m kvflow.serve --device cuda --model kvflow-llama-32l`` disaggregated on
+two GPUs and colocated on one; prompts of ``--serve-tokens`` with ``--max-tokens`` outputs; TTFT,
+TPOT, ``kvflow.transfer_ms`` and its share of TTFT; token identity of the two modes.
+
+    python bench/ipc_gpu.py                  # 2 GPUs: kernels + cross-process + serve (~4 min)
+    python bench/ipc_gpu.py --smoke          # CPU, tiny shapes, seconds (GPU-only parts skipped)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import datetime
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from kvflow import KVCacheSpec, PagedKVCache
+from kvflow.bench.schema import env_info, make_row, write_results
+from kvflow.bench.timing import median
+from kvflow.devices import worker_env
+from kvflow.kernels import copy_blocks
+
+ROT = 4  # id sets rotated per method (cold L2)
+
+
+def llama_spec(smoke: bool) -> KVCacheSpec:
+    if smoke:
+        return KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16,
+                           dtype=torch.float32, layout="NHD")
+    return KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, block_size=64,
+                       dtype=torch.bfloat16, layout="NHD")
+
+
+class Clock:
+    """Times ``fn()`` across the current streams of ``devs``: a start event on the last device,
+    every other stream waits for it; at the end the last stream waits for every other, then the
+    end event (so work enqueued on any of the GPUs, and host launch gaps, are inside)."""
+
+    def __init__(self, devs: list[torch.device]) -> None:
+        self.devs, self.cuda = devs, devs[0].type == "cuda"
+
+    def _join(self, src: torch.device, dst: torch.device) -> None:
+        e = torch.cuda.Event()
+        e.record(torch.cuda.current_stream(src))
+        torch.cuda.current_stream(dst).wait_event(e)
+
+    def time(self, fn, reps: int, warmup: int = 2) -> list[float]:
+        for i in range(warmup):
+            fn(i)
+        if not self.cuda:
+            out = []
+            for i in range(reps):
+                t0 = time.perf_counter()
+                fn(i)
+                out.append(time.perf_counter() - t0)
+            return out
+        main, marks = self.devs[-1], []
+        for d in self.devs:
+            torch.cuda.synchronize(d)
+        for i in range(reps):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record(torch.cuda.current_stream(main))
+            for d in self.devs[:-1]:
+                self._join(main, d)
+            fn(i)
+            for d in self.devs[:-1]:
+                self._join(d, main)
+            e.record(torch.cuda.current_stream(main))
+            marks.append((s, e))
+        for d in self.devs:
+            torch.cuda.synchronize(d)
+        return [s.elapsed_time(e) / 1e3 for s, e in marks]
+
+
+def libcudart():
+    """torch's loaded libcudart (for raw ``cudaMemcpyPeerAsync``), or None."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {ln.split()[-1] for ln in f if "libcudart.so" in ln}
+    except OSError:
+        return None
+    for p in sorted(paths):
+        try:
+            lib = ctypes.CDLL(p)
+            fn = lib.cudaMemcpyPeerAsync
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                           ctypes.c_size_t, ctypes.c_void_p]
+            fn.restype = ctypes.c_int
+            return fn
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+def pattern(j: int, blocks: torch.Tensor, spec: KVCacheSpec, num_blocks: int) -> torch.Tensor:
+    """int32 words of blocks ``blocks`` of tensor ``j`` of a pattern-filled cache."""
+    wpb = spec.block_bytes // 4
+    w = (j * num_blocks + blocks.to(torch.int64))[:, None] * wpb + torch.arange(wpb, device=blocks.device)
+    return ((w * 2654435761 + 12345) & 0xFFFFFFFF).to(torch.int32)
+
+
+def fill_pattern(cache: PagedKVCache) -> None:
+    for j, t in enumerate(cache.tensors()):
+        words = t.view(cache.num_blocks, -1).view(torch.int32)
+        for lo in range(0, cache.num_blocks, 256):
+            ids = torch.arange(lo, min(lo + 256, cache.num_blocks), device=t.device)
+            words[lo:lo + ids.numel()] = pattern(j, ids, cache.spec, cache.num_blocks)
+
+
+def p_child(args) -> int:
+    """The cross-process P: allocate, fill the pattern, export; exit on a stdin line."""
+    from kvflow.transfer.cuda_ipc import export_cache, publish_export
+    from kvflow.transfer.shm import unlink_segment
+    cache = PagedKVCache(llama_spec(False), args.num_blocks, device="cuda:0")
+    fill_pattern(cache)
+    torch.cuda.synchronize()
+    name = publish_export(export_cache(cache), role="benchp")
+    print(name, flush=True)
+    try:
+        sys.stdin.readline()
+    finally:
+        unlink_segment(name)
+    return 0
+
+
+class KernelBench:
+    def __init__(self, a) -> None:
+        self.a, self.spec = a, llama_spec(a.smoke)
+        self.pd = torch.device("cpu" if a.smoke else "cuda:0")
+        self.dd = torch.device("cpu" if a.smoke else "cuda:1")
+        self.cuda = self.pd.type == "cuda"
+        self.clock = Clock([self.pd, self.dd])
+        self.P = PagedKVCache(self.spec, a.num_blocks, self.pd)
+        self.D = PagedKVCache(self.spec, a.num_blocks, self.dd)
+        fill_pattern(self.P)
+        self.memcpy = libcudart() if self.cuda else None
+        self.backend = "triton" if self.cuda or os.environ.get("TRITON_INTERPRET") == "1" else "auto"
+        if self.cuda:
+            from kvflow.transfer.cuda_ipc import enable_peer_access
+            enable_peer_access(self.pd, self.dd)
+
+    def ids(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        g = torch.Generator().manual_seed(n)
+        return [(torch.randperm(self.a.num_blocks, generator=g)[:n],
+                 torch.randperm(self.a.num_blocks, generator=g)[:n]) for _ in range(ROT)]
+
+    def methods(self, sets, P=None):
+        P, D, T = P or self.P, self.D, self.spec.num_tensors
+        pt, dt = P.tensors(), D.tensors()
+        dv = [(s.to(self.dd), d.to(self.dd)) for s, d in sets]
+        pv = [(s.to(P.device), d.to(self.dd)) for s, d in sets]
+        hl = [(s.tolist(), d.tolist()) for s, d in sets]
+        bb = self.spec.block_bytes
+
+        def kv(direction):
+            return lambda i: copy_blocks(P, D, *dv[i % ROT], backend=self.backend,
+                                         direction=direction, validate=False)
+
+        def per_layer(i):
+            s, d = pv[i % ROT]
+            for j in range(T):
+                dt[j].index_copy_(0, d, pt[j].index_select(0, s).to(self.dd))
+
+        def per_block_torch(i):
+            s, d = hl[i % ROT]
+            for j in range(T):
+                for a, b in zip(s, d):
+                    dt[j][b].copy_(pt[j][a])
+
+        out = {"kvflow_pull": kv("pull")}
+        if self.backend == "triton":
+            out["kvflow_push"] = kv("push")
+        out["per_layer_torch"] = per_layer
+        if self.memcpy is not None:
+            ps, dp = [t.data_ptr() for t in pt], [t.data_ptr() for t in dt]
+            fn, sd, dd = self.memcpy, P.device.index, self.dd.index
+
+            def per_block_memcpy(i):
+                s, d = hl[i % ROT]
+                stream = torch.cuda.current_stream(P.device).cuda_stream
+                for j in range(T):
+                    for a, b in zip(s, d):
+                        rc = fn(dp[j] + b * bb, dd, ps[j] + a * bb, sd, bb, stream)
+                        if rc:
+                            raise RuntimeError(f"cudaMemcpyPeerAsync returned {rc}")
+            out["per_block_memcpy"] = per_block_memcpy
+        out["per_block_torch"] = per_block_torch
+        return out
+
+    def check(self, name, fn, sets, P) -> None:
+        s, d = sets[0]
+        for t in self.D.tensors():
+            t[d.to(self.dd)] = 0
+        fn(0)
+        if self.cuda:
+            torch.cuda.synchronize(self.pd)
+            torch.cuda.synchronize(self.dd)
+        for j, t in enumerate(self.D.tensors()):
+            got = t[d.to(self.dd)].reshape(len(d), -1).view(torch.int32)
+            if not torch.equal(got, pattern(j, s.to(self.dd), self.spec, P.num_blocks)):
+                raise AssertionError(f"{name}: D's blocks differ from P's (tensor {j})")
+
+    def ceiling(self, nbytes: int) -> list[float]:
+        rot = max(1, min(4, -(-(2 * 60 << 20) // nbytes)))
+        pairs = [(torch.empty(nbytes, dtype=torch.uint8, device=self.pd).fill_(1),
+                  torch.empty(nbytes, dtype=torch.uint8, device=self.dd)) for _ in range(rot)]
+        return self.clock.time(lambda i: pairs[i % rot][1].copy_(pairs[i % rot][0]), self.a.reps)
+
+
+def run_kernels(a, kb: KernelBench, env, rows, xproc_peer=None) -> dict:
+    """One row per (method, tokens); returns {tokens: ceiling seconds}."""
+    variant = "cross_process" if xproc_peer is not None else "in_process"
+    P = xproc_peer or kb.P
+    ceilings = a._ceilings if xproc_peer is not None else {}
+    for T in a.tokens:
+        n = kb.spec.num_blocks_for(T)
+        payload, sets = n * kb.spec.bytes_per_block, kb.ids(n)
+        if T not in ceilings:
+            ceilings[T] = median(kb.ceiling(payload))
+        ceil, res = ceilings[T], {}
+        meths = kb.methods(sets, P)
+        if xproc_peer is not None:
+            meths = {k.replace("kvflow", "xproc"): v for k, v in meths.items() if k.startswith("kvflow")}
+        for name, fn in meths.items():
+            kb.check(name, fn, sets, P)
+            loop = name.startswith("per_block")
+            reps = max(2, a.reps // 4) if loop else a.reps
+            res[name] = kb.clock.time(fn, reps, warmup=1 if loop else 2)
+        base_name = "per_block_memcpy" if "per_block_memcpy" in res else "per_block_torch"
+        base = median(res[base_name]) if base_name in res else a._loop.get(T)
+        a._loop[T] = base
+        print(f"\n{variant}: {T} tokens, {n} blocks, {payload / 2**20:.0f} MiB; ceiling "
+              f"{payload / ceil / 1e9:.1f} GB/s")
+        print(f"  {'method':18} {'ms':>9} {'GB/s':>8} {'x ceiling':>9} {'x loop':>8}")
+        for name, ts in res.items():
+            m = median(ts)
+            print(f"  {name:18} {m * 1e3:9.3f} {payload / m / 1e9:8.1f} {ceil / m:9.3f} "
+                  f"{(base / m) if base else float('nan'):8.1f}")
+            rows.append(make_row(env, op="ipc_p2d", backend=name, spec=kb.spec, tokens=T, blocks=n,
+                                 payload_bytes=payload, times_s=ts, ceiling_s=ceil, baseline_s=base,
+                                 config={"variant": variant, "num_blocks": a.num_blocks,
+                                         "baseline": base_name, "ceiling": "peer copy_ GPU0->GPU1"}))
+    return ceilings
+
+
+def run_xproc(a, kb: KernelBench, env, rows) -> None:
+    from kvflow.transfer.cuda_ipc import import_cache, read_export
+    p_index = int(os.environ.get("KVFLOW_BENCH_P_GPU", "0"))
+    kb.P = None  # free GPU0 for the child's cache
+    torch.cuda.empty_cache()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    phys = visible.split(",")[p_index] if visible else str(p_index)
+    child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--p-child",
+                              "--num-blocks", str(a.num_blocks)],
+                             env=worker_env("cuda", int(phys)) if phys.isdigit() else
+                             dict(os.environ, CUDA_VISIBLE_DEVICES=phys),
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        name = child.stdout.readline().strip()
+        if not name:
+            raise RuntimeError(f"P child exited ({child.wait()}) without exporting its cache")
+        peer = import_cache(read_export(name), kb.spec, a.num_blocks)
+        print(f"\ncross-process: P pid {child.pid} exported {name}; mapped here on {peer.device}")
+        run_kernels(a, kb, env, rows, xproc_peer=peer)
+        del peer
+    finally:
+        child.stdin.close()
+        child.wait(30)
+
+
+async def _complete(client, url, prompt, max_tokens):
+    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    import json
+    t0, ttft, toks, kv = time.perf_counter(), None, [], {}
+    async with client.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            kv = chunk.get("kvflow") or kv
+            for c in chunk.get("choices") or []:
+                if c.get("token_ids"):
+                    ttft = ttft if ttft is not None else time.perf_counter() - t0
+                    toks += c["token_ids"]
+    e2e = time.perf_counter() - t0
+    return {"ttft": ttft, "tpot": (e2e - ttft) / max(1, len(toks) - 1), "text": toks, "kvflow": kv}
+
+
+def run_serve(a, env, rows) -> None:
+    import random
+
+    import httpx
+
+    from kvflow.bench.serving import started_server
+    maxlen = max(a.serve_tokens) + a.max_tokens + 64
+    nb = 2 * (-(-maxlen // 64)) + 8
+    common = (f"--device cuda --model {a.model} --dtype bfloat16 --block-size 64 --num-blocks {nb} "
+              f"--max-model-len {maxlen} --max-num-batched-tokens {a.chunk}")
+    rng = random.Random(0)
+    prompts = {T: [[rng.randint(32, 126) for _ in range(T)] for _ in range(a.serve_reps)]
+               for T in a.serve_tokens}
+    outs = {}
+    for mode in ("disagg", "colocated"):
+        with started_server(mode, common, timeout=240) as url:
+            async def go():
+                async with httpx.AsyncClient() as c:
+                    await _complete(c, url, prompts[a.serve_tokens[0]][0][:256], 2)  # warm-up
+                    return {T: [await _complete(c, url, p, a.max_tokens) for p in ps]
+                            for T, ps in prompts.items()}
+            outs[mode] = asyncio.run(go())
+    print(f"\nserved {a.model} (bf16, block 64, chunk {a.chunk}): disagg P=GPU0 D=GPU1 vs colocated GPU0")
+    print(f"  {'tokens':>6} {'mode':10} {'TTFT ms':>9} {'TPOT ms':>8} {'xfer ms':>8} {'copy ms':>8} "
+          f"{'xfer/TTFT':>9} {'identical':>9}")
+    for T in a.serve_tokens:
+        same = all(x["text"] == y["text"] for x, y in zip(outs["disagg"][T], outs["colocated"][T]))
+        for mode in ("disagg", "colocated"):
+            rs = outs[mode][T]
+            ttft, tpot = median([r["ttft"] for r in rs]), median([r["tpot"] for r in rs])
+            xfer = median([float(r["kvflow"].get("transfer_ms") or 0) for r in rs])
+            copy = median([float(r["kvflow"].get("copy_ms") or 0) for r in rs])
+            share = xfer / (ttft * 1e3)
+            print(f"  {T:>6} {mode:10} {ttft * 1e3:9.2f} {tpot * 1e3:8.3f} {xfer:8.3f} {copy:8.3f} "
+                  f"{share:9.2%} {str(same):>9}")
+            rows.append(make_row(env, op="serve_ipc_gpu", backend=mode, spec=None, tokens=T, blocks=0,
+                                 payload_bytes=int(rs[0]["kvflow"].get("payload_bytes") or 0),
+                                 times_s=[r["ttft"] for r in rs], ceiling_s=None,
+                                 config={"model": a.model, "server_args": common},
+                                 ttft_ms=ttft * 1e3, tpot_ms=tpot * 1e3, transfer_ms=xfer,
+                                 copy_ms=copy, transfer_share=share, identical=same))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (GPU-only parts skipped)")
+    ap.add_argument("--tokens", default=None, help="comma-separated request lengths (1024,4096,16384)")
+    ap.add_argument("--num-blocks", type=int, default=None, help="blocks per cache (4096)")
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions (20)")
+    ap.add_argument("--no-xproc", action="store_true", help="skip the cross-process variant")
+    ap.add_argument("--no-serve", action="store_true", help="skip the end-to-end serve runs")
+    ap.add_argument("--serve-only", action="store_true", help="only the end-to-end serve runs")
+    ap.add_argument("--serve-tokens", default="1024,4096,8192", help="prompt lengths served")
+    ap.add_argument("--serve-reps", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--chunk", type=int, default=8192, help="--max-num-batched-tokens of the server")
+    ap.add_argument("--model", default="kvflow-llama-32l")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--p-child", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    a.num_blocks = a.num_blocks or (64 if a.smoke else 4096)
+    if a.p_child:
+        return p_child(a)
+    if not a.smoke and torch.cuda.device_count() < 2:
+        ap.error(f"needs 2 CUDA GPUs, found {torch.cuda.device_count()}; use --smoke on a CPU")
+    a.tokens = [int(t) for t in (a.tokens or ("64,256" if a.smoke else "1024,4096,16384")).split(",")]
+    a.serve_tokens = [int(t) for t in a.serve_tokens.split(",")]
+    a.reps = a.reps or (2 if a.smoke else 20)
+    a._loop, a._ceilings = {}, {}
+    env, rows = env_info("cpu" if a.smoke else "cuda:0"), []
+    env["command"] = " ".join(["python bench/ipc_gpu.py", *(argv if argv is not None else sys.argv[1:])])
+    t0 = time.time()
+    if not a.serve_only:
+        kb = KernelBench(a)
+        a._ceilings = run_kernels(a, kb, env, rows)
+        if a.smoke or a.no_xproc:
+            print("cross-process CUDA IPC variant skipped" + (" (needs 2 GPUs)" if a.smoke else ""))
+        else:
+            try:
+                run_xproc(a, kb, env, rows)
+            except Exception as exc:  # report it and go on to the serve runs
+                print(f"cross-process variant FAILED: {type(exc).__name__}: {exc}")
+        del kb
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    if a.smoke or a.no_serve:
+        print("end-to-end serve on 2 GPUs skipped" + (" (needs 2 GPUs)" if a.smoke else ""))
+    else:
+        run_serve(a, env, rows)
+    stamp = datetime.date.today().isoformat()
+    out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                f"ipc_gpu-{'smoke-' if a.smoke else ''}{stamp}.json")
+    print(f"wrote {write_results(out, env, rows)} ({time.time() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,330 @@
+"""``ipc`` transfer on GPU: P's paged cache exported with a CUDA IPC handle, D copies from it.
+
+P allocates its whole cache as one CUDA allocation (``PagedKVCache.buffer``) and exports it once
+(:func:`export_cache`): the IPC handle bytes of the allocation, the cache's byte offset and size
+inside it, torch's IPC reference-counter file and event, and the **UUID** of the GPU that holds
+it, in a :class:`CudaIpcExport` (a msgspec struct, MessagePack on the wire: nothing is pickled).
+:func:`publish_export` writes it to a 0600 shared-memory file whose name travels in P's
+``Register``/``Pair`` messages (field ``shm_name``), so the router's segment clean-up also
+removes it when P exits or dies.
+
+D opens the handle once, at pairing (:func:`import_cache`): it maps the UUID to *its own* ordinal
+(``CUDA_VISIBLE_DEVICES`` may number the GPUs differently in every process: P may see its GPU as
+0 and D see another GPU as 0), refuses a UUID it cannot see, and wraps the mapped memory as a
+:class:`~kvflow.cache.PagedKVCache` on that ordinal. Each request is then one
+:func:`~kvflow.kernels.copy_blocks` launch over all layers (``direction="pull"``: the kernel runs
+on D's GPU and reads P's memory over NVLink; ``"push"``: on P's GPU, writing D's memory), no host
+synchronisation per block; D waits once per request (an event) before acknowledging, since P
+reuses its blocks after the ack. The mapping is closed (``cudaIpcCloseMemHandle`` via torch's
+storage deleter) when D closes the receiver or exits; P's memory is freed by torch once every
+importer has dropped it (torch's IPC reference counter), or when P exits.
+
+The exporter must order its writes before the import side reads (P samples the first token, a
+host sync, before it sends ``KVReady``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import msgspec
+import torch
+
+from kvflow.cache import PagedKVCache
+from kvflow.kernels import copy_blocks, payload_bytes
+from kvflow.layout import KVCacheSpec
+
+from .base import TransferError, TransferStats, as_ids
+from .ipc import IpcReceiver, IpcSender
+from .shm import shm_path, unlink_segment
+
+EXPORT_VERSION = 1
+
+
+class CudaIpcExport(msgspec.Struct, forbid_unknown_fields=True):
+    """Everything D needs to map P's cache (MessagePack-encoded by :func:`encode_export`).
+
+    Attributes
+    ----------
+    uuid : str
+        UUID of the GPU that holds the allocation (:func:`device_uuid` form, no ``GPU-`` prefix).
+    pci_bus_id : str
+        PCI bus id of that GPU (informational, for error messages).
+    handle : bytes
+        torch's IPC handle of the CUDA allocation (``UntypedStorage._share_cuda_()``).
+    storage_size, storage_offset : int
+        Bytes of the storage and its offset in the allocation.
+    ref_counter_handle : bytes, ref_counter_offset : int
+        torch's cross-process reference counter (keeps P's block alive while D maps it).
+    event_handle : bytes, event_sync_required : bool
+        torch's IPC event (D waits on it when opening).
+    buffer_offset, nbytes : int
+        Byte offset and size of the cache inside the storage.
+    num_blocks : int, spec : dict
+        The cache's geometry (``KVCacheSpec.to_dict()``), checked against D's at import.
+    pid : int
+        P's process id.
+    """
+
+    uuid: str
+    pci_bus_id: str
+    handle: bytes
+    storage_size: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    buffer_offset: int
+    nbytes: int
+    num_blocks: int
+    spec: dict[str, Any]
+    pid: int
+    version: int = EXPORT_VERSION
+
+
+def _norm_uuid(u: Any) -> str:
+    return str(u).strip().lower().removeprefix("gpu-")
+
+
+def device_uuid(index: int) -> str:
+    """UUID of visible CUDA device ``index`` (lower case, without the ``GPU-`` prefix)."""
+    return _norm_uuid(torch.cuda.get_device_properties(index).uuid)
+
+
+def _pci_bus_id(index: int) -> str:
+    p = torch.cuda.get_device_properties(index)
+    dom, bus, dev = (getattr(p, k, None) for k in ("pci_domain_id", "pci_bus_id", "pci_device_id"))
+    return "unknown" if bus is None else f"{dom or 0:08x}:{bus:02x}:{dev or 0:02x}.0"
+
+
+def ordinal_of_uuid(uuid: str) -> int:
+    """This process's CUDA ordinal of the GPU with ``uuid``.
+
+    Raises
+    ------
+    TransferError
+        If no visible GPU has that UUID (naming it, the visible UUIDs and
+        ``CUDA_VISIBLE_DEVICES``): never falls back to an ordinal.
+    """
+    want = _norm_uuid(uuid)
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    seen = [device_uuid(i) for i in range(n)]
+    if want in seen:
+        return seen.index(want)
+    raise TransferError(f"the prefill cache is on GPU {want}, which this process cannot see "
+                        f"(visible: {seen or 'no CUDA device'}; CUDA_VISIBLE_DEVICES="
+                        f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); include it in the decode "
+                        f"instance's CUDA_VISIBLE_DEVICES")
+
+
+def enable_peer_access(a: torch.device, b: torch.device) -> None:
+    """Enable peer access both ways between CUDA devices ``a`` and ``b`` of this process
+    (torch enables it, once, on its first cross-device copy in each direction).
+
+    Raises
+    ------
+    TransferError
+        If the two GPUs cannot access each other (``torch.cuda.can_device_access_peer``).
+    """
+    if a == b:
+        return
+    if not (torch.cuda.can_device_access_peer(a.index, b.index)
+            and torch.cuda.can_device_access_peer(b.index, a.index)):
+        raise TransferError(f"{a} and {b} cannot access each other's memory (no peer access)")
+    x, y = torch.zeros(1, device=a), torch.zeros(1, device=b)
+    y.copy_(x)
+    x.copy_(y)
+    torch.cuda.synchronize(a)
+    torch.cuda.synchronize(b)
+
+
+def export_cache(cache: PagedKVCache) -> CudaIpcExport:
+    """Export ``cache`` (built over one flat CUDA ``buffer``) for another process.
+
+    Raises
+    ------
+    TypeError
+        If ``cache`` has no ``buffer`` (built by ``from_tensors``) or is not on a CUDA device.
+    """
+    buf = cache.buffer
+    if buf is None or buf.device.type != "cuda":
+        raise TypeError(f"cache must be a PagedKVCache over one CUDA buffer, got one on "
+                        f"{cache.device} with buffer={'None' if buf is None else 'set'}")
+    (_, handle, size, offset, rc_handle, rc_offset, ev_handle,
+     ev_sync) = buf.untyped_storage()._share_cuda_()
+    idx = buf.device.index
+    return CudaIpcExport(uuid=device_uuid(idx), pci_bus_id=_pci_bus_id(idx), handle=bytes(handle),
+                         storage_size=int(size), storage_offset=int(offset),
+                         ref_counter_handle=bytes(rc_handle or b""),
+                         ref_counter_offset=int(rc_offset or 0),
+                         event_handle=bytes(ev_handle or b""), event_sync_required=bool(ev_sync),
+                         buffer_offset=buf.storage_offset(), nbytes=cache.nbytes,
+                         num_blocks=cache.num_blocks, spec=cache.spec.to_dict(), pid=os.getpid())
+
+
+def encode_export(exp: CudaIpcExport) -> bytes:
+    """MessagePack bytes of ``exp``."""
+    return msgspec.msgpack.encode(exp)
+
+
+def decode_export(data: bytes) -> CudaIpcExport:
+    """Inverse of :func:`encode_export`.
+
+    Raises
+    ------
+    TransferError
+        For bytes that are not a version-``EXPORT_VERSION`` export.
+    """
+    try:
+        exp = msgspec.msgpack.decode(data, type=CudaIpcExport)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise TransferError(f"not a CUDA IPC export ({len(data)} bytes): {exc}") from None
+    if exp.version != EXPORT_VERSION:
+        raise TransferError(f"CUDA IPC export version {exp.version}; expected {EXPORT_VERSION}")
+    return exp
+
+
+def publish_export(exp: CudaIpcExport, role: str = "cudaipc") -> str:
+    """Write ``exp`` to a new 0600 shared-memory file; returns its segment name
+    (``kvflow-<role>-<pid>-<hex>``, removed by :func:`kvflow.transfer.shm.unlink_segment`)."""
+    import secrets
+    name = f"kvflow-{role}-{os.getpid()}-{secrets.token_hex(6)}"
+    fd = os.open(shm_path(name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(encode_export(exp))
+    return name
+
+
+def read_export(name: str) -> CudaIpcExport:
+    """Read a published export by segment name.
+
+    Raises
+    ------
+    TransferError
+        If the file is missing (P gone) or does not hold an export.
+    """
+    try:
+        with open(shm_path(name), "rb") as f:
+            return decode_export(f.read())
+    except FileNotFoundError:
+        raise TransferError(f"CUDA IPC export {name!r} does not exist (prefill gone?)") from None
+
+
+def import_cache(exp: CudaIpcExport, spec: KVCacheSpec, num_blocks: int | None = None) -> PagedKVCache:
+    """Open P's exported cache in this process (once, at pairing).
+
+    Parameters
+    ----------
+    exp : CudaIpcExport
+    spec : KVCacheSpec
+        D's spec; must equal the exported one.
+    num_blocks : int, optional
+        Blocks D expects P's cache to have (from the ``Pair`` message).
+
+    Returns
+    -------
+    PagedKVCache
+        Over the mapped memory, on the ordinal that holds it in this process.
+
+    Raises
+    ------
+    TransferError
+        For a UUID this process cannot see, a spec or size mismatch, an export made in this very
+        process (CUDA cannot open its own handles), or a failed open.
+    """
+    theirs = KVCacheSpec.from_dict(exp.spec)
+    if theirs != spec:
+        raise TransferError("CUDA IPC export spec mismatch: " + "; ".join(spec.diff(theirs)))
+    if num_blocks is not None and num_blocks != exp.num_blocks:
+        raise TransferError(f"CUDA IPC export has {exp.num_blocks} blocks; pairing said {num_blocks}")
+    if exp.nbytes != exp.num_blocks * spec.bytes_per_block \
+            or exp.buffer_offset + exp.nbytes > exp.storage_size:
+        raise TransferError(f"CUDA IPC export is inconsistent: {exp.nbytes} bytes at offset "
+                            f"{exp.buffer_offset} of a {exp.storage_size}-byte storage for "
+                            f"{exp.num_blocks} blocks of {spec.bytes_per_block} bytes")
+    if exp.pid == os.getpid():
+        raise TransferError("CUDA IPC export was made by this process; use the cache directly")
+    ordinal = ordinal_of_uuid(exp.uuid)
+    try:
+        storage = torch.UntypedStorage._new_shared_cuda(
+            ordinal, exp.handle, exp.storage_size, exp.storage_offset, exp.ref_counter_handle,
+            exp.ref_counter_offset, exp.event_handle, exp.event_sync_required)
+    except RuntimeError as exc:
+        raise TransferError(f"cannot open the CUDA IPC handle of pid {exp.pid} on GPU {exp.uuid} "
+                            f"(cuda:{ordinal} here): {exc}") from None
+    buf = torch.empty(0, dtype=torch.uint8, device=f"cuda:{ordinal}")
+    buf.set_(storage, exp.buffer_offset, (exp.nbytes,), (1,))
+    cache = PagedKVCache(spec, exp.num_blocks, buffer=buf)
+    cache.backend_state["cuda_ipc"] = {"uuid": exp.uuid, "pid": exp.pid}
+    return cache
+
+
+class CudaIpcSender(IpcSender):
+    """P side: the cache is one CUDA allocation, exported at start-up; ``send`` tells D which
+    blocks to copy (``KVReady``, a few bytes), as the CPU ``ipc`` sender does."""
+
+    name = "ipc"
+    holds_blocks = True
+
+    def __init__(self, cache: PagedKVCache) -> None:  # noqa: D107 - no SharedCache on GPU
+        self.cache = cache
+        self.shared = None
+        self.export_name = publish_export(export_cache(cache))
+
+    def export(self) -> dict[str, str]:
+        return {"shm_name": self.export_name}
+
+    def close(self) -> None:
+        unlink_segment(self.export_name)
+
+
+class CudaIpcReceiver(IpcReceiver):
+    """D side: open P's handle at pairing; per request one ``copy_blocks`` launch and one event
+    wait (before the ack lets P reuse its blocks).
+
+    Parameters
+    ----------
+    backend : str
+        Kernel backend (``"auto"`` picks triton on CUDA).
+    direction : {"pull", "push"}
+        Where the copy kernel runs (see the module docstring).
+    """
+
+    def __init__(self, backend: str = "auto", direction: str = "pull") -> None:
+        if direction not in ("pull", "push"):
+            raise ValueError(f"direction must be 'pull' or 'push', got {direction!r}")
+        super().__init__(backend)
+        self.direction = direction
+
+    def attach(self, peer_id, peer_spec, peer_num_blocks, shm_name=""):
+        self.close()
+        peer = import_cache(read_export(shm_name), peer_spec, peer_num_blocks)
+        mine = torch.device("cuda", torch.cuda.current_device())
+        enable_peer_access(mine, peer.device)
+        self.peer, self.peer_id = peer, peer_id
+
+    def receive(self, header: Any, frames, cache, dst_ids) -> TransferStats:
+        if self.peer is None:
+            raise TransferError("ipc receive before pairing: no prefill cache is mapped")
+        src = as_ids(getattr(header, "src_block_ids", []))
+        if src.numel() != len(dst_ids):
+            raise TransferError(f"KVReady for {header.req_id} names {src.numel()} blocks; "
+                                f"D allocated {len(dst_ids)} for the prompt")
+        if frames:
+            raise TransferError(f"ipc KVReady carries no payload frames, got {len(frames)}")
+        t0 = time.perf_counter()
+        copy_blocks(self.peer, cache, src, as_ids(dst_ids), backend=self.backend,
+                    direction=self.direction)
+        run_on = cache.device if self.direction == "pull" else self.peer.device
+        torch.cuda.current_stream(run_on).synchronize()  # P may reuse its blocks after the ack
+        ms = (time.perf_counter() - t0) * 1e3
+        n = int((src >= 0).sum())
+        return TransferStats(blocks=n, payload_bytes=payload_bytes(cache.spec, n), copy_ms=ms)
+
+    def close(self) -> None:
+        self.peer = None  # drops the storage: torch closes the IPC mapping
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.ipc_collect()
