@@ -2,8 +2,9 @@
 same-run ``copy_`` ceiling (see bench/conftest.py for the geometry and bench/README.md).
 
 The ceiling of each op row is the median of a ``copy_`` timed before every round of that op
-(interleaved, so both see the same machine load). Each row (``benchmark.extra_info``) has the fields of :func:`kvflow.bench.schema.make_row`:
-payload bytes, GB/s of payload, ``ratio`` to the ceiling and ``baseline_ratio`` to torch.
+(interleaved, so both see the same machine load). Each row (``benchmark.extra_info``) has the
+fields of :func:`kvflow.bench.schema.make_row`: payload bytes, GB/s of payload, ``ratio`` to the
+ceiling and ``baseline_ratio`` to torch.
 """
 
 from __future__ import annotations
