@@ -30,7 +30,7 @@ import torch
 _MODULES = {
     "torch": "kvflow.kernels.reference",
     "numba": "kvflow.kernels.numba",
-    "numba_cuda": "kvflow.kernels.numba.cuda",
+    "numba_cuda": "kvflow.kernels.numba.gpu",
     "triton": "kvflow.kernels.triton",
     "native": "kvflow.kernels.native",
     "xpu": "kvflow.kernels.native",  # Kunlun XPU variant of kvflow._native (SDK builds only)
