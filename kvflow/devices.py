@@ -89,3 +89,52 @@ def visible_devices(device_kind: str, device_index: int | Sequence[int] = 0) -> 
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def parent_cards(device_kind: str, device_index: int | Sequence[int],
+                 base: Mapping[str, str] | None = None) -> list[str]:
+    """Card ids, as the visibility variable names them, of *this* process's device ordinals:
+    with ``CUDA_VISIBLE_DEVICES=2,3`` in ``base`` (default ``os.environ``), ordinal 1 is card
+    ``"3"`` (entries may also be ``GPU-<uuid>`` strings); unset, ordinal ``i`` is ``"i"``.
+
+    Raises
+    ------
+    ValueError
+        Unknown or ``"cpu"`` ``device_kind``, a bad ``device_index``, or an ordinal past the
+        visible list (naming both).
+    """
+    if device_kind not in VISIBILITY_VARS:
+        raise ValueError(f"device_kind must be one of {tuple(VISIBILITY_VARS)}, got {device_kind!r}")
+    idx = _index_list(device_index).split(",")
+    env = os.environ if base is None else base
+    visible = env.get(VISIBILITY_VARS[device_kind])
+    if visible is None:
+        return idx
+    cards = [c.strip() for c in visible.split(",") if c.strip()]
+    out = []
+    for i in map(int, idx):
+        if i >= len(cards):
+            raise ValueError(f"device_index {i} is not visible: {VISIBILITY_VARS[device_kind]}="
+                             f"{visible!r} shows {len(cards)} card(s)")
+        out.append(cards[i])
+    return out
+
+
+def worker_env_for_cards(device_kind: str, cards: Sequence[str],
+                         base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """:func:`worker_env` for card ids from :func:`parent_cards` (ints or ``GPU-<uuid>``);
+    repeated cards are dropped, the first keeps its place (the child's device 0 is ``cards[0]``).
+
+    Raises
+    ------
+    ValueError
+        Unknown ``device_kind``, or no card / an empty card id.
+    """
+    if device_kind not in VISIBILITY_VARS:
+        raise ValueError(f"device_kind must be one of {tuple(VISIBILITY_VARS)}, got {device_kind!r}")
+    uniq = list(dict.fromkeys(str(c).strip() for c in cards))
+    if not uniq or not all(uniq):
+        raise ValueError(f"cards must be non-empty card ids, got {list(cards)!r}")
+    env = dict(os.environ if base is None else base)
+    env[VISIBILITY_VARS[device_kind]] = ",".join(uniq)
+    return env

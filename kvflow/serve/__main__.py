@@ -34,7 +34,14 @@ def build_parser() -> argparse.ArgumentParser:
     a("--transfer", choices=("ipc", "tcp"), default="ipc",
       help="ipc: D copies from P's shared-memory cache with copy_blocks (one host, default); "
            "tcp: P gathers blocks and sends zero-copy ZMQ frames, D scatters them")
-    a("--device", default="cpu", help="torch device of the model and caches (default cpu)")
+    a("--device", default="cpu", help="torch device of the model and caches (default cpu); "
+      "with cuda and --role all each instance gets its own GPU (see --prefill-device)")
+    a("--prefill-device", type=int, default=0, help="with --device cuda: GPU (this process's "
+      "ordinal) of the prefill or colocated instance (default 0)")
+    a("--decode-device", type=int, default=1, help="with --device cuda: GPU of the decode "
+      "instance (default 1); it also sees the prefill GPU to open P's cache by CUDA IPC")
+    a("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+      help="model weights and KV cache dtype (default float32)")
     a("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     a("--max-model-len", type=int, default=None,
       help="longest prompt + generated tokens of one request (default min(model limit, 2048))")
@@ -60,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
+    for name in ("prefill_device", "decode_device"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be a GPU ordinal >= 0, got {getattr(args, name)}")
     for name in ("port", "block_size", "max_model_len", "num_blocks", "memory_budget_mb",
                  "max_num_batched_tokens"):
         v = getattr(args, name)
@@ -74,6 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _instance_args(args: argparse.Namespace, router_url: str) -> list[str]:
     out = ["--router-url", router_url, "--model", args.model, "--device", args.device,
+           "--dtype", args.dtype,
            "--block-size", str(args.block_size), "--transfer", args.transfer,
            "--memory-budget-mb", str(args.memory_budget_mb), "--backend", args.backend,
            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--host", args.host,
@@ -91,7 +102,7 @@ def run_instance(args: argparse.Namespace) -> int:
 
     parent = os.environ.get("KVFLOW_PARENT_PID")
     cfg = InstanceConfig(role=args.role, router_addr=args.router_url, model=args.model,
-                         device=args.device, block_size=args.block_size,
+                         device=args.device, dtype=args.dtype, block_size=args.block_size,
                          max_model_len=args.max_model_len, num_blocks=args.num_blocks,
                          max_num_batched_tokens=args.max_num_batched_tokens,
                          memory_budget_mb=args.memory_budget_mb, transfer=args.transfer,
@@ -115,6 +126,7 @@ async def _serve(args: argparse.Namespace, http_sock, children) -> None:
     from kvflow.transfer.shm import clean_stale_segments, unlink_segment
 
     from .control import Controller
+    from .procs import instance_env
     from .metrics import Metrics
     from .router import Router, create_app, load_tokenizer
 
@@ -127,7 +139,8 @@ async def _serve(args: argparse.Namespace, http_sock, children) -> None:
             iargs = _instance_args(args, ctl.addr)
             roles = ("colocated",) if args.mode == "colocated" else ("prefill", "decode")
             for role in roles:
-                children.spawn(role, iargs)
+                children.spawn(role, iargs, env=instance_env(role, args.device, args.prefill_device,
+                                                             args.decode_device))
         router = Router(ctl, load_tokenizer(args.model), args.model, metrics)
         server = uvicorn.Server(uvicorn.Config(create_app(router), log_level=args.log_level,
                                                access_log=False, lifespan="off",

@@ -59,14 +59,18 @@ class DecodeInstance(Instance):
     def warmup(self) -> None:
         from kvflow.transfer import make_receiver
         self.receiver = make_receiver(self.cfg.transfer, self.cfg.backend)
+        if self.cfg.transfer == "ipc" and str(self.cfg.device).startswith("cuda"):
+            from kvflow.transfer.cuda_ipc import CudaIpcReceiver  # opens P's CUDA IPC handle
+            self.receiver = CudaIpcReceiver(self.cfg.backend)
         from kvflow.kernels import copy_blocks, scatter_blocks
         from kvflow.cache import staging_buffer
-        a = PagedKVCache(self.spec, 2)
-        b = PagedKVCache(self.spec, 2)
+        a = PagedKVCache(self.spec, 2, device=self.cfg.device)
+        b = PagedKVCache(self.spec, 2, device=self.cfg.device)
         if self.cfg.transfer == "ipc":
             copy_blocks(a, b, [0], [1], backend=self.cfg.backend)
         else:
-            scatter_blocks(staging_buffer(a.spec, 1), b, [1], backend=self.cfg.backend)
+            scatter_blocks(staging_buffer(a.spec, 1, device=self.cfg.device), b, [1],
+                           backend=self.cfg.backend)
 
     def open_channels(self) -> None:
         super().open_channels()

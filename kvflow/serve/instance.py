@@ -45,6 +45,7 @@ class InstanceConfig:
     router_addr: str                   # the router's ZMQ control address, tcp://host:port
     model: str = "kvflow-tiny"
     device: str = "cpu"
+    dtype: str = "float32"             # model weights and KV cache (kvflow.layout dtype names)
     block_size: int = 16
     max_model_len: int | None = None   # default: min(model limit, 2048)
     max_num_batched_tokens: int = 512  # prefill chunk and profile-run batch (tokens)
@@ -114,7 +115,9 @@ class Instance:
         from kvflow.sched import BlockAllocator
 
         cfg = self.cfg
-        self.model, self.tokenizer = load_model(cfg.model, device=cfg.device)
+        from kvflow.layout import as_torch_dtype
+        self.model, self.tokenizer = load_model(cfg.model, dtype=as_torch_dtype(cfg.dtype),
+                                                device=cfg.device)
         self.spec = self.model.kv_spec(cfg.block_size)
         limit = self.model.config.max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or min(limit, 2048), limit)

@@ -42,6 +42,10 @@ class PrefillInstance(Instance):
 
     # ---- start-up -------------------------------------------------------------------
     def make_cache(self, num_blocks: int) -> PagedKVCache:
+        if self.cfg.transfer == "ipc" and str(self.cfg.device).startswith("cuda"):
+            from kvflow.transfer.cuda_ipc import CudaIpcSender  # one CUDA allocation, IPC handle
+            self.sender = CudaIpcSender(super().make_cache(num_blocks))
+            return self.sender.cache
         if self.cfg.transfer == "ipc":
             from kvflow.transfer.ipc import IpcSender, SharedCache, clean_stale_segments
             clean_stale_segments()
@@ -55,8 +59,9 @@ class PrefillInstance(Instance):
     def warmup(self) -> None:
         from kvflow.kernels import gather_blocks
         from kvflow.cache import staging_buffer
-        scratch = PagedKVCache(self.spec, 2)
-        gather_blocks(scratch, [1], staging_buffer(scratch.spec, 1), backend=self.cfg.backend)
+        scratch = PagedKVCache(self.spec, 2, device=self.cfg.device)
+        gather_blocks(scratch, [1], staging_buffer(scratch.spec, 1, device=self.cfg.device),
+                      backend=self.cfg.backend)
 
     def register_extra(self) -> dict[str, str]:
         return self.sender.export()

@@ -48,8 +48,9 @@ class Children:
     def __init__(self) -> None:
         self.procs: dict[int, subprocess.Popen] = {}
 
-    def spawn(self, role: str, args: list[str]) -> subprocess.Popen:
-        env = dict(os.environ, KVFLOW_PARENT_PID=str(os.getpid()))
+    def spawn(self, role: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start one instance; ``env`` (default ``os.environ``) is the child's environment."""
+        env = dict(os.environ if env is None else env, KVFLOW_PARENT_PID=str(os.getpid()))
         cmd = [sys.executable, "-m", "kvflow.serve", "--role", role, *args]
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
         self.procs[proc.pid] = proc
@@ -74,3 +75,21 @@ class Children:
                 log.warning("instance pid %d ignored SIGTERM; killing it", proc.pid)
                 proc.kill()
                 proc.wait()
+
+
+def instance_env(role: str, device: str, prefill_device: int, decode_device: int) -> dict[str, str] | None:
+    """Environment of one instance child: for ``device`` "cuda", ``CUDA_VISIBLE_DEVICES`` so that
+    the child's ``cuda:0`` is its GPU (this process's ordinal ``prefill_device`` for prefill and
+    colocated, ``decode_device`` for decode); decode also sees the prefill GPU (second), since it
+    opens P's cache by CUDA IPC handle and finds it by UUID. None (inherit) for other devices.
+
+    Raises
+    ------
+    ValueError
+        An ordinal this process cannot see (see :func:`kvflow.devices.parent_cards`).
+    """
+    if not str(device).startswith("cuda"):
+        return None
+    from kvflow.devices import parent_cards, worker_env_for_cards
+    p, d = parent_cards("cuda", [prefill_device]) + parent_cards("cuda", [decode_device])
+    return worker_env_for_cards("cuda", [d, p] if role == "decode" else [p])

@@ -35,6 +35,7 @@ import torch
 from kvflow.cache import PagedKVCache
 from kvflow.kernels import copy_blocks, payload_bytes
 from kvflow.layout import KVCacheSpec
+from kvflow.protocol import KVReady
 
 from .base import TransferError, TransferStats, as_ids
 from .ipc import IpcReceiver, IpcSender
@@ -306,10 +307,18 @@ class CudaIpcReceiver(IpcReceiver):
         enable_peer_access(mine, peer.device)
         self.peer, self.peer_id = peer, peer_id
 
-    def receive(self, header: Any, frames, cache, dst_ids) -> TransferStats:
+    def receive(self, header: Any, frames, cache, dst_ids) -> TransferStats | None:
+        """``KVReady``: one ``copy_blocks`` launch in ``direction``; other headers (layerwise
+        ``KVLayer`` parts) as the CPU ``ipc`` receiver (pull). Waits for the copies once when
+        the request is complete (the ack lets P reuse its blocks)."""
         if self.peer is None:
             raise TransferError("ipc receive before pairing: no prefill cache is mapped")
-        src = as_ids(getattr(header, "src_block_ids", []))
+        if not isinstance(header, KVReady):
+            stats = super().receive(header, frames, cache, dst_ids)
+            if stats is not None:
+                torch.cuda.current_stream(cache.device).synchronize()
+            return stats
+        src = as_ids(header.src_block_ids)
         if src.numel() != len(dst_ids):
             raise TransferError(f"KVReady for {header.req_id} names {src.numel()} blocks; "
                                 f"D allocated {len(dst_ids)} for the prompt")

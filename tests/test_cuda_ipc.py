@@ -1,0 +1,244 @@
+"""CUDA IPC transfer (kvflow.transfer.cuda_ipc), per-role GPU environments, bench/ipc_gpu.py.
+
+CPU here: export messages, publishing, UUID refusal, bad input, device env, the bench's smoke
+mode. On a host with 2 GPUs (the lead's nvidia-h200-x2 run) also: export/import across two
+processes with byte equality, UUID remapping under swapped ``CUDA_VISIBLE_DEVICES``, a decode
+process that cannot see P's GPU, and served disagg on cuda token-identical to colocated.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvflow import KVCacheSpec, PagedKVCache
+from kvflow.bench.schema import read_results
+from kvflow.devices import parent_cards, worker_env_for_cards
+from kvflow.serve.procs import instance_env
+from kvflow.transfer.base import TransferError
+from kvflow.transfer.cuda_ipc import (CudaIpcExport, CudaIpcReceiver, decode_export, encode_export,
+                                      import_cache, ordinal_of_uuid, publish_export, read_export)
+from kvflow.transfer.shm import shm_path, unlink_segment
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float16)
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2,
+                              reason="needs 2 CUDA GPUs (run on nvidia-h200-x2)")
+
+
+def export(**kw) -> CudaIpcExport:
+    base = dict(uuid="0badc0de-0000-0000-0000-000000000000", pci_bus_id="00000000:19:00.0",
+                handle=b"\x01" * 64, storage_size=8 * SPEC.bytes_per_block, storage_offset=0,
+                ref_counter_handle=b"/torch_1_2", ref_counter_offset=0, event_handle=b"\x02" * 64,
+                event_sync_required=True, buffer_offset=0, nbytes=8 * SPEC.bytes_per_block,
+                num_blocks=8, spec=SPEC.to_dict(), pid=os.getpid() + 1)
+    base.update(kw)
+    return CudaIpcExport(**base)
+
+
+def test_export_round_trip_and_rejects():
+    e = export()
+    assert decode_export(encode_export(e)) == e
+    with pytest.raises(TransferError, match="export version 99; expected 1"):
+        decode_export(encode_export(export(version=99)))
+    with pytest.raises(TransferError, match=r"not a CUDA IPC export \(3 bytes\)"):
+        decode_export(b"abc")
+
+
+def test_publish_is_private_and_removable():
+    name = publish_export(export())
+    try:
+        assert stat.S_IMODE(os.stat(shm_path(name)).st_mode) == 0o600
+        assert name.startswith(f"kvflow-cudaipc-{os.getpid()}-")
+        assert read_export(name) == export()
+    finally:
+        assert unlink_segment(name)
+    with pytest.raises(TransferError, match="does not exist"):
+        read_export(name)
+
+
+def test_import_refuses_before_opening_anything():
+    with pytest.raises(TransferError, match="block_size: 16 vs 32"):
+        import_cache(export(spec=SPEC.with_(block_size=32).to_dict()), SPEC)
+    with pytest.raises(TransferError, match="has 8 blocks; pairing said 9"):
+        import_cache(export(), SPEC, 9)
+    with pytest.raises(TransferError, match="inconsistent"):
+        import_cache(export(nbytes=7), SPEC)
+    with pytest.raises(TransferError, match="made by this process"):
+        import_cache(export(pid=os.getpid()), SPEC)
+    # a GPU this process cannot see: an error naming it, never a fallback ordinal
+    with pytest.raises(TransferError, match="on GPU 0badc0de-0000-0000-0000-000000000000, which "
+                                            "this process cannot see"):
+        import_cache(export(), SPEC)
+    with pytest.raises(TransferError, match="CUDA_VISIBLE_DEVICES"):
+        ordinal_of_uuid("GPU-0BADC0DE-0000-0000-0000-000000000000")
+
+
+def test_export_needs_one_cuda_buffer():
+    from kvflow.transfer.cuda_ipc import export_cache
+    with pytest.raises(TypeError, match="over one CUDA buffer, got one on cpu"):
+        export_cache(PagedKVCache(SPEC, 2))
+
+
+def test_receiver_bad_input():
+    with pytest.raises(ValueError, match="direction must be 'pull' or 'push', got 'sideways'"):
+        CudaIpcReceiver(direction="sideways")
+    with pytest.raises(TransferError, match="before pairing"):
+        CudaIpcReceiver().receive(None, [], PagedKVCache(SPEC, 2), [0])
+
+
+def test_parent_cards_and_role_env(monkeypatch):
+    assert parent_cards("cuda", [1, 0], base={}) == ["1", "0"]
+    assert parent_cards("cuda", 1, base={"CUDA_VISIBLE_DEVICES": "GPU-aa,GPU-bb"}) == ["GPU-bb"]
+    with pytest.raises(ValueError, match="device_index 2 is not visible: CUDA_VISIBLE_DEVICES='4,5'"):
+        parent_cards("cuda", 2, base={"CUDA_VISIBLE_DEVICES": "4,5"})
+    with pytest.raises(ValueError, match="device_kind must be one of"):
+        parent_cards("cpu", 0)
+    assert worker_env_for_cards("cuda", ["5", "3", "5"], base={})["CUDA_VISIBLE_DEVICES"] == "5,3"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6,7")
+    env = {r: instance_env(r, "cuda", 0, 1)["CUDA_VISIBLE_DEVICES"]
+           for r in ("prefill", "decode", "colocated")}
+    assert env == {"prefill": "6", "decode": "7,6", "colocated": "6"}  # D: own GPU first, P's too
+    assert instance_env("decode", "cuda", 1, 1)["CUDA_VISIBLE_DEVICES"] == "7"
+    assert instance_env("decode", "cpu", 0, 1) is None
+
+
+def test_serve_flags():
+    from kvflow.serve.__main__ import _instance_args, parse_args
+    a = parse_args(["--device", "cuda", "--dtype", "bfloat16", "--decode-device", "3"])
+    assert (a.prefill_device, a.decode_device) == (0, 3)
+    argv = _instance_args(a, "tcp://127.0.0.1:1")
+    assert argv[argv.index("--dtype") + 1] == "bfloat16"
+    with pytest.raises(SystemExit):
+        parse_args(["--prefill-device", "-1"])
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("ipc_gpu", ROOT / "bench" / "ipc_gpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_smoke(tmp_path, capsys):
+    out = tmp_path / "ipc.json"
+    assert _bench().main(["--smoke", "--tokens", "32", "--reps", "1", "--out", str(out)]) == 0
+    rows = read_results(out)["rows"]
+    names = [r["backend"] for r in rows]
+    assert names[0] == "kvflow_pull" and "per_layer_torch" in names and names[-1] == "per_block_torch"
+    assert all(r["op"] == "ipc_p2d" and r["tokens"] == 32 and r["blocks"] == 2 for r in rows)
+    assert rows[0]["payload_bytes"] == 2 * 2 * 2 * 16 * 2 * 16 * 4  # blocks x layers x K,V x block
+    assert rows[-1]["baseline_ratio"] == pytest.approx(1.0)
+    text = capsys.readouterr().out
+    assert "cross-process CUDA IPC variant skipped (needs 2 GPUs)" in text
+    assert "end-to-end serve on 2 GPUs skipped (needs 2 GPUs)" in text
+
+
+# ---- 2 GPUs -------------------------------------------------------------------------------
+_P_CHILD = """
+import sys, torch
+sys.path.insert(0, {bench!r})
+from ipc_gpu import fill_pattern
+from kvflow import KVCacheSpec, PagedKVCache
+from kvflow.transfer.cuda_ipc import export_cache, publish_export
+from kvflow.transfer.shm import unlink_segment
+spec = KVCacheSpec(**{spec!r})
+cache = PagedKVCache(spec, 64, device="cuda:0")
+fill_pattern(cache); torch.cuda.synchronize()
+name = publish_export(export_cache(cache))
+print(name, torch.cuda.get_device_properties(0).uuid, flush=True)
+sys.stdin.readline(); unlink_segment(name)
+"""
+
+_D_CHILD = """
+import sys, torch
+sys.path.insert(0, {bench!r})
+from ipc_gpu import pattern
+from kvflow import KVCacheSpec, PagedKVCache
+from kvflow.kernels import copy_blocks
+from kvflow.transfer.cuda_ipc import enable_peer_access, import_cache, read_export
+spec = KVCacheSpec(**{spec!r})
+try:
+    peer = import_cache(read_export({name!r}), spec, 64)
+except Exception as exc:
+    print("ERROR", exc, flush=True); sys.exit(0)
+d = PagedKVCache(spec, 64, device="cuda:0")
+enable_peer_access(d.device, peer.device)
+src, dst = torch.tensor([5, 63, 0]), torch.tensor([1, 2, 40])
+copy_blocks(peer, d, src, dst, backend="triton")
+torch.cuda.synchronize()
+ok = all(torch.equal(t[dst.cuda()].reshape(3, -1).view(torch.int32), pattern(j, src.cuda(), spec, 64))
+         for j, t in enumerate(d.tensors()))
+print("OK" if ok else "MISMATCH", peer.device.index, flush=True)
+"""
+
+
+def _spawn(code: str, visible: str, **fmt) -> subprocess.Popen:
+    src = code.format(bench=str(ROOT / "bench"), spec=SPEC.to_dict(), **fmt)
+    return subprocess.Popen([sys.executable, "-c", src], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=dict(os.environ, CUDA_VISIBLE_DEVICES=visible))
+
+
+@TWO_GPUS
+@pytest.mark.timeout(180)
+def test_two_processes_uuid_remapping_and_refusal():
+    """P sees physical GPU 1 as cuda:0; D with CUDA_VISIBLE_DEVICES=0,1 finds it as cuda:1 by UUID
+    and copies exact bytes; D with CUDA_VISIBLE_DEVICES=0 cannot see it: a clear error."""
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    cards = vis.split(",")[:2] if vis else ["0", "1"]
+    p = _spawn(_P_CHILD, cards[1])
+    try:
+        name, uuid = p.stdout.readline().split()
+        ok = subprocess.run([sys.executable, "-c", _D_CHILD.format(
+            bench=str(ROOT / "bench"), spec=SPEC.to_dict(), name=name)], capture_output=True,
+            text=True, env=dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(cards)), timeout=120)
+        assert ok.stdout.split() == ["OK", "1"], ok.stdout + ok.stderr
+        swapped = subprocess.run([sys.executable, "-c", _D_CHILD.format(
+            bench=str(ROOT / "bench"), spec=SPEC.to_dict(), name=name)], capture_output=True,
+            text=True, env=dict(os.environ, CUDA_VISIBLE_DEVICES=f"{cards[1]},{cards[0]}"), timeout=120)
+        assert swapped.stdout.split() == ["OK", "0"], swapped.stdout + swapped.stderr
+        blind = subprocess.run([sys.executable, "-c", _D_CHILD.format(
+            bench=str(ROOT / "bench"), spec=SPEC.to_dict(), name=name)], capture_output=True,
+            text=True, env=dict(os.environ, CUDA_VISIBLE_DEVICES=cards[0]), timeout=120)
+        assert "which this process cannot see" in blind.stdout, blind.stdout + blind.stderr
+        assert uuid.lower().removeprefix("gpu-") in blind.stdout
+    finally:
+        p.stdin.close()
+        p.wait(30)
+
+
+@TWO_GPUS
+@pytest.mark.timeout(600)
+def test_served_disagg_cuda_token_identical_to_colocated():
+    import asyncio
+
+    import httpx
+
+    from kvflow.bench.serving import started_server
+    prompts = [[(7 * i + 3 * k) % 200 + 32 for k in range(n)] for i, n in enumerate((5, 70, 300))]
+
+    async def run(url):
+        async with httpx.AsyncClient() as c:
+            out = []
+            for p in prompts:
+                r = await c.post(url + "/v1/completions", json={"prompt": p, "max_tokens": 12,
+                                                                 "ignore_eos": True}, timeout=120)
+                assert r.status_code == 200, r.text
+                out.append((r.json()["choices"][0]["token_ids"], r.json()["kvflow"]))
+            return out
+
+    got = {}
+    for mode in ("disagg", "colocated"):
+        with started_server(mode, "--device cuda --num-blocks 256", timeout=240) as url:
+            got[mode] = asyncio.run(run(url))
+    assert [t for t, _ in got["disagg"]] == [t for t, _ in got["colocated"]]
+    assert all(len(t) == 12 for t, _ in got["disagg"])
+    assert [kv["payload_bytes"] for _, kv in got["disagg"]] == [
+        -(-len(p) // 16) * 4 * 2 * 16 * 2 * 32 * 4 for p in prompts]  # tiny: 4 layers, fp32
