@@ -35,7 +35,12 @@ def _version(mod: str) -> str | None:
 
 
 def git_commit(repo: str | os.PathLike | None = None) -> str:
-    """Short commit of the checkout (``+dirty`` if it has uncommitted changes), or 'unknown'."""
+    """Short commit of the checkout (``+dirty`` if it has uncommitted changes), or 'unknown'.
+
+    ``KVFLOW_COMMIT`` wins when set (a copy of the tree without ``.git``, e.g. on a lent GPU).
+    """
+    if os.environ.get("KVFLOW_COMMIT"):
+        return os.environ["KVFLOW_COMMIT"]
     repo = repo or Path(__file__).resolve().parents[2]
     try:
         sha = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short=12", "HEAD"],
