@@ -322,7 +322,7 @@ def run_serve(a, env, rows) -> None:
     maxlen = max(a.serve_tokens) + a.max_tokens + 64
     nb = 2 * (-(-maxlen // 64)) + 8
     common = (f"--device cuda --model {a.model} --dtype bfloat16 --block-size 64 --num-blocks {nb} "
-              f"--max-model-len {maxlen} --max-num-batched-tokens {a.chunk}")
+              f"--max-model-len {maxlen} --max-num-batched-tokens {a.chunk} {a.server_args}").strip()
     rng = random.Random(0)
     prompts = {T: [[rng.randint(32, 126) for _ in range(T)] for _ in range(a.serve_reps)]
                for T in a.serve_tokens}
@@ -370,6 +370,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--chunk", type=int, default=8192, help="--max-num-batched-tokens of the server")
     ap.add_argument("--model", default="kvflow-llama-32l")
+    ap.add_argument("--server-args", default="", help="extra flags for both servers, e.g. "
+                    "'--transfer-mode request'")
     ap.add_argument("--out", default=None)
     ap.add_argument("--p-child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
