@@ -154,6 +154,13 @@ def _launch(device, src_table, dst_table, src_ids, dst_ids, src_stage: int, dst_
             _kernel(width)[grid, THREADS, stream](*args)
 
 
+_COMPILE_ERROR: str | None = None
+
+
+def _noop(a):  # the smallest kernel: compiled once to prove the toolchain works
+    pass
+
+
 class NumbaCUDABackend:
     """Backend object for :mod:`kvflow.kernels.registry` (see its contract)."""
 
@@ -166,10 +173,19 @@ class NumbaCUDABackend:
             return f"numba-cuda is not importable ({_IMPORT_ERROR})"
         if _SIM:
             return None
+        global _COMPILE_ERROR
         try:
-            return None if cuda.is_available() else "numba.cuda.is_available() is False"
+            if not cuda.is_available():
+                return "numba.cuda.is_available() is False"
         except Exception as exc:  # noqa: BLE001 - a broken driver or toolkit
             return f"numba.cuda failed to initialise: {exc}"
+        if _COMPILE_ERROR is None:  # once per process: can this install compile a kernel?
+            try:
+                cuda.jit("void(int64[:])")(_noop)
+                _COMPILE_ERROR = ""
+            except Exception as exc:  # noqa: BLE001 - e.g. numba-cuda vs a newer numpy
+                _COMPILE_ERROR = f"numba-cuda cannot compile here ({type(exc).__name__}: {exc})"
+        return _COMPILE_ERROR or None
 
     def gather(self, cache, ids, out, start, stop, max_ctas=None):
         T = cache.spec.tensors_per_layer
