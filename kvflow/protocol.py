@@ -10,8 +10,14 @@ Flow of one disaggregated request (see DESIGN.md, "Data flow of one request")::
     router --Allocate--> D --Allocated/Rejected--> router
     router --Prefill (D's block ids)--> P
     P --KVReady (ipc: P's block ids) or KVData + payload frames (tcp)--> D --KVAck--> P
+      (layerwise: KVLayer parts as layers are signalled, then a last KVLayer --> D --KVAck--> P)
     D --Tokens--> router   (first token, then one per decode step; ``finished`` ends it)
     router --Abort--> P, D (on done-by-error, timeout, client disconnect, peer death)
+    D --LeaseRenew--> P   (every heartbeat: "I still mean to read these requests' blocks")
+
+Prefix hit on D: ``Allocated.num_cached_blocks = k`` says D already holds the request's logical
+blocks ``0..k-1``; the router passes ``Prefill.skip_blocks = k`` and P sends only its logical
+blocks ``k..`` (paired by logical position with D's table ``[k:]``).
 
 KV payload bytes (tcp) travel as extra raw frames after a :class:`KVData` header frame; they
 are never msgpack-encoded.
@@ -20,9 +26,12 @@ are never msgpack-encoded.
 from __future__ import annotations
 
 import logging
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
 import msgspec
+
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 
 log = logging.getLogger("kvflow.protocol")
 
@@ -82,17 +91,19 @@ class Allocate(_Msg):
     """Router -> D (or colocated): admit the request and allocate blocks for
     prompt + max_tokens (D's own ids); carries what decoding needs."""
     req_id: str
-    token_ids: list[int]
-    max_tokens: int
+    token_ids: list[TokenId]
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)]
     temperature: float = 0.0
     seed: int = 0
     ignore_eos: bool = False
 
 
 class Allocated(_Msg):
-    """D -> router: the block table D allocated for the request (D's own ids)."""
+    """D -> router: the block table D allocated for the request (D's own ids); its first
+    ``num_cached_blocks`` blocks already hold the prompt's KV (prefix cache hit on D)."""
     req_id: str
-    block_ids: list[int]
+    block_ids: list[NonNeg]
+    num_cached_blocks: NonNeg = 0
 
 
 class Rejected(_Msg):
@@ -107,11 +118,12 @@ class Prefill(_Msg):
     """Router -> P (disagg) or colocated instance: run the prefill of ``token_ids``, sample the
     first token, and hand the KV to D (which allocated ``decode_block_ids``)."""
     req_id: str
-    token_ids: list[int]
+    token_ids: list[TokenId]
     temperature: float = 0.0
     seed: int = 0
     decode_id: str = ""
-    decode_block_ids: list[int] = []
+    decode_block_ids: list[NonNeg] = []
+    skip_blocks: NonNeg = 0         # D holds logical blocks 0..skip_blocks-1: send the rest
 
 
 class Tokens(_Msg):
@@ -125,16 +137,19 @@ class Tokens(_Msg):
 
 
 class Abort(_Msg):
-    """Router -> P and D: drop the request and give its blocks back."""
+    """Router -> P and D: drop the request and give its blocks back. ``peer_dead`` names the
+    request's other instance when it died: P then frees blocks it sent at once (nobody will
+    read them) instead of holding them until D's ack or the lease ends."""
     req_id: str
     reason: str = ""
+    peer_dead: str = ""
 
 
 # ---- P <-> D (data link) -----------------------------------------------------------------
 class KVReady(_Msg):
     """P -> D (ipc): the request's KV is in P's shared cache at ``src_block_ids``; pull it."""
     req_id: str
-    src_block_ids: list[int]
+    src_block_ids: list[Annotated[int, msgspec.Meta(ge=-1)]]
     first_token: int
     num_prompt_tokens: int
     t_start: float                  # time.time() when P began the transfer
@@ -144,12 +159,34 @@ class KVData(_Msg):
     """P -> D (tcp): header frame; the staging buffer of ``num_blocks`` blocks follows as
     ``num_frames`` raw frames, one per layer ([tensors_per_layer, num_blocks, *block_shape])."""
     req_id: str
-    num_blocks: int
-    num_frames: int
+    num_blocks: NonNeg
+    num_frames: NonNeg
     first_token: int
     num_prompt_tokens: int
     t_start: float
     gather_ms: float = 0.0
+
+
+class KVLayer(_Msg):
+    """P -> D (layerwise transfer): one part of a request's KV, sent as soon as the prefill
+    signals the layers. A part covers layers ``[layer_start, layer_stop)`` of the prompt's
+    logical blocks ``[block_offset, block_offset + num_blocks)``; D writes them into *its own*
+    table at those positions. ipc: D pulls P's ``src_block_ids`` with copy_blocks; tcp: one raw
+    frame per layer follows ([tensors_per_layer, num_blocks, *block_shape]). The request's
+    last message has ``last`` set, no layers, and the first token; D acks to ``reply_to``
+    (P's control link, not the sender thread's socket)."""
+    req_id: str
+    reply_to: str
+    layer_start: int = 0
+    layer_stop: int = 0
+    block_offset: int = 0
+    num_blocks: int = 0
+    src_block_ids: list[Annotated[int, msgspec.Meta(ge=-1)]] = []
+    last: bool = False
+    first_token: int = -1
+    num_prompt_tokens: int = 0
+    t_start: float = 0.0            # time.time() when P sent the request's first part
+    gather_ms: float = 0.0          # tcp, last message: P's gather time over all parts
 
 
 class KVAck(_Msg):
@@ -159,8 +196,15 @@ class KVAck(_Msg):
     error: str = ""
 
 
+class LeaseRenew(_Msg):
+    """D -> P, every heartbeat: D still means to read the blocks P sent (or will send) for
+    ``req_ids``; P frees a sent request's blocks when neither a renewal nor an ack came within
+    its lease (``--kv-lease-s``)."""
+    req_ids: list[str]
+
+
 Message = Union[Register, Heartbeat, Pair, PairResult, Allocate, Allocated, Rejected, Prefill,
-                Tokens, Abort, KVReady, KVData, KVAck]
+                Tokens, Abort, KVReady, KVData, KVLayer, KVAck, LeaseRenew]
 MESSAGE_TYPES = Message.__args__
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -193,7 +237,16 @@ def decode(frame: Any) -> Any:
     try:
         return _DECODER.decode(buf)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ProtocolError(f"rejected control frame ({len(buf)} bytes): {exc}") from None
+        raise ProtocolError(f"rejected control frame ({_nbytes(buf)} bytes): {exc}") from None
+    except (TypeError, ValueError, RecursionError) as exc:  # not a bytes-like frame at all
+        raise ProtocolError(f"rejected control frame of type {type(buf).__name__}: {exc}") from None
+
+
+def _nbytes(buf: Any) -> int:
+    try:
+        return memoryview(buf).nbytes
+    except TypeError:
+        return -1
 
 
 def decode_or_log(frame: Any, source: str = "?") -> Any | None:

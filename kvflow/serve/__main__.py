@@ -34,6 +34,14 @@ def build_parser() -> argparse.ArgumentParser:
     a("--transfer", choices=("ipc", "tcp"), default="ipc",
       help="ipc: D copies from P's shared-memory cache with copy_blocks (one host, default); "
            "tcp: P gathers blocks and sends zero-copy ZMQ frames, D scatters them")
+    a("--transfer-mode", choices=("layerwise", "request"), default="layerwise",
+      help="layerwise: P signals each layer as the prefill writes it and a sender thread moves "
+           "that layer's blocks at once, overlapping the transfer with the next layers' compute "
+           "(default); request: the whole request moves after the prefill")
+    a("--layerwise-min-tokens", type=int, default=None,
+      help="prompts shorter than this many tokens use request mode even with --transfer-mode "
+           "layerwise (default 2048: on the H200 layerwise beat request mode only at long "
+           "prompts, bench/results/layerwise_gpu.json)")
     a("--device", default="cpu", help="torch device of the model and caches (default cpu); "
       "with cuda and --role all each instance gets its own GPU (see --prefill-device)")
     a("--prefill-device", type=int, default=0, help="with --device cuda: GPU (this process's "
@@ -59,6 +67,21 @@ def build_parser() -> argparse.ArgumentParser:
       "(printed by --role router); needed by --role prefill/decode/colocated")
     a("--control-port", type=int, default=0,
       help="port of the router's ZMQ control socket (default 0: a free port)")
+    a("--enable-prefix-caching", action="store_true",
+      help="D keeps a prefix cache of full prompt blocks; a hit moves only the missing blocks")
+    a("--kv-lease-s", type=float, default=5.0,
+      help="P holds blocks it sent only while D renews this lease (or until D's ack); "
+           "seconds (default 5)")
+    a("--receive-timeout-s", type=float, default=120.0,
+      help="D frees a request whose KV has not arrived within this many seconds (default 120)")
+    a("--admit-timeout-s", type=float, default=30.0,
+      help="router: while D has no free blocks for a request, retry this long, then HTTP 503 "
+           "(default 30)")
+    a("--dead-after-s", type=float, default=2.0,
+      help="router: an instance that sent nothing for this long is dead (default 2)")
+    a("--api-key", default=None,
+      help="router: require 'Authorization: Bearer KEY' on /v1/* (HTTP 401 otherwise); "
+           "default: no key. Also read from the KVFLOW_API_KEY environment variable")
     a("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
       help="logging level (default warning)")
     return p
@@ -67,6 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.layerwise_min_tokens is not None and args.layerwise_min_tokens < 0:
+        parser.error(f"--layerwise-min-tokens must be >= 0, got {args.layerwise_min_tokens}")
+    for name in ("kv_lease_s", "receive_timeout_s", "admit_timeout_s", "dead_after_s"):
+        v = getattr(args, name)
+        if not 0 < v < 1e6:
+            parser.error(f"--{name.replace('_', '-')} must be a positive number of seconds, got {v}")
+    if args.api_key is None:
+        args.api_key = os.environ.get("KVFLOW_API_KEY") or None
     for name in ("prefill_device", "decode_device"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be a GPU ordinal >= 0, got {getattr(args, name)}")
@@ -86,10 +117,14 @@ def _instance_args(args: argparse.Namespace, router_url: str) -> list[str]:
     out = ["--router-url", router_url, "--model", args.model, "--device", args.device,
            "--dtype", args.dtype,
            "--block-size", str(args.block_size), "--transfer", args.transfer,
+           "--transfer-mode", args.transfer_mode,
            "--memory-budget-mb", str(args.memory_budget_mb), "--backend", args.backend,
            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--host", args.host,
-           "--log-level", args.log_level]
-    for name in ("max_model_len", "num_blocks"):
+           "--log-level", args.log_level, "--kv-lease-s", str(args.kv_lease_s),
+           "--receive-timeout-s", str(args.receive_timeout_s)]
+    if args.enable_prefix_caching:
+        out.append("--enable-prefix-caching")
+    for name in ("max_model_len", "num_blocks", "layerwise_min_tokens"):
         if getattr(args, name) is not None:
             out += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     return out
@@ -106,7 +141,12 @@ def run_instance(args: argparse.Namespace) -> int:
                          max_model_len=args.max_model_len, num_blocks=args.num_blocks,
                          max_num_batched_tokens=args.max_num_batched_tokens,
                          memory_budget_mb=args.memory_budget_mb, transfer=args.transfer,
+                         transfer_mode=args.transfer_mode,
+                         **({} if args.layerwise_min_tokens is None
+                            else {"layerwise_min_tokens": args.layerwise_min_tokens}),
                          backend=args.backend, host=args.host,
+                         enable_prefix_caching=args.enable_prefix_caching,
+                         kv_lease_s=args.kv_lease_s, receive_timeout_s=args.receive_timeout_s,
                          parent_pid=int(parent) if parent else None)
     cls = {"prefill": PrefillInstance, "decode": DecodeInstance, "colocated": ColocatedInstance}[args.role]
     inst = cls(cfg)
@@ -132,7 +172,8 @@ async def _serve(args: argparse.Namespace, http_sock, children) -> None:
 
     metrics = Metrics()
     ctl = Controller(args.host, args.control_port, mode=args.mode, metrics=metrics,
-                     proc_alive=children.alive if children else None)
+                     proc_alive=children.alive if children else None,
+                     dead_after_s=args.dead_after_s)
     ctl.start()
     try:
         if children is not None:
@@ -141,7 +182,8 @@ async def _serve(args: argparse.Namespace, http_sock, children) -> None:
             for role in roles:
                 children.spawn(role, iargs, env=instance_env(role, args.device, args.prefill_device,
                                                              args.decode_device))
-        router = Router(ctl, load_tokenizer(args.model), args.model, metrics)
+        router = Router(ctl, load_tokenizer(args.model), args.model, metrics,
+                        admit_timeout_s=args.admit_timeout_s, api_key=args.api_key)
         server = uvicorn.Server(uvicorn.Config(create_app(router), log_level=args.log_level,
                                                access_log=False, lifespan="off",
                                                timeout_graceful_shutdown=3))

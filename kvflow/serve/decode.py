@@ -8,6 +8,19 @@ the frames) into the first ``ceil(prompt_len / block_size)`` blocks of D's table
 running requests of D step together (continuous batching) -> DONE. Abort, transfer error and
 timeout (``receive_timeout_s`` without KV) end the request too; every end frees its blocks.
 
+Prefix cache (``--enable-prefix-caching``): D looks the prompt's full blocks up in its
+:class:`~kvflow.sched.PrefixCache`; a hit on logical blocks ``0..k-1`` puts those (shared,
+ref-counted) blocks first in the new table and answers ``Allocated(num_cached_blocks=k)``;
+P then sends only its logical blocks ``k..n-1``, which land in D's ``table[k:n]`` (paired by
+logical position). ``k`` may be every prompt block: nothing moves, the first token still
+arrives. Blocks enter the cache once their KV arrived. Evictable cached blocks count as free
+in heartbeats (``free_blocks``) and are evicted, least recently used first, when needed.
+
+Lease: every heartbeat D sends P a :class:`~kvflow.protocol.LeaseRenew` naming the requests
+whose KV it still means to read; P frees sent blocks whose lease (``kv_lease_s``) ran out.
+Before pulling from P's shared cache (ipc), D checks that P's lease still holds (with a 20%
+margin) and otherwise refuses the transfer rather than read blocks P may have reused.
+
 The colocated instance runs the same decode loop but does the prefill itself (``Prefill``),
 with no transfer: it is the reference that disaggregated output must match token for token.
 """
@@ -22,11 +35,12 @@ from typing import Any
 import zmq
 
 from kvflow.cache import PagedKVCache
-from kvflow.protocol import (Abort, Allocate, Allocated, KVAck, Pair, PairResult, Prefill,
-                             Rejected, Tokens)
-from kvflow.sched import (AdmissionError, ColocatedState, DecodeState, NoFreeBlocksError, Request,
-                          admission_check)
+from kvflow.protocol import (Abort, Allocate, Allocated, KVAck, LeaseRenew, Pair, PairResult,
+                             Prefill, Rejected, Tokens)
+from kvflow.sched import (AdmissionError, ColocatedState, DecodeState, NoFreeBlocksError,
+                          PrefixCache, Request, admission_check)
 
+from . import faults
 from .instance import Instance, check_pairing, sample_token, stop_reason
 
 log = logging.getLogger("kvflow.serve.decode")
@@ -40,20 +54,34 @@ class Seq:
     ignore_eos: bool
     kvflow: dict[str, Any] = dataclasses.field(default_factory=dict)
     t_alloc: float = dataclasses.field(default_factory=time.monotonic)
+    num_cached: int = 0             # logical blocks 0..num_cached-1 came from the prefix cache
+    t_renewed: float = 0.0          # time.time() of the last LeaseRenew that named it
 
 
 class DecodeInstance(Instance):
     role = "decode"
-    receive_timeout_s = 60.0
 
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
+        self.receive_timeout_s = float(getattr(cfg, "receive_timeout_s", 120.0))
+        self.kv_lease_s = float(getattr(cfg, "kv_lease_s", 5.0))
         self.seqs: dict[str, Seq] = {}
+        self.inflight: dict[str, tuple[Any, list, Any, float]] = {}  # req -> (msg, frames, ident, due)
         self.data: zmq.Socket | None = None
         self.data_addr = ""
         self.peer_id = ""
         self.receiver = None
+        self.prefix: PrefixCache | None = None
         self.states = DecodeState
+
+    def startup(self) -> None:
+        super().startup()
+        if getattr(self.cfg, "enable_prefix_caching", False):
+            self.prefix = PrefixCache(self.allocator, self.spec.block_size)
+
+    def free_blocks(self) -> int:
+        """Blocks a new request can get: free ones plus evictable prefix-cache blocks."""
+        return self.allocator.num_free + (self.prefix.num_evictable if self.prefix else 0)
 
     # ---- start-up -------------------------------------------------------------------
     def warmup(self) -> None:
@@ -103,44 +131,87 @@ class DecodeInstance(Instance):
                 raise AdmissionError(f"request id {msg.req_id} is already live")
             need = admission_check(max(n, 1), msg.max_tokens, max_model_len=self.max_model_len,
                                    num_blocks=self.num_blocks, block_size=self.spec.block_size)
-            blocks = self.allocator.allocate(need)
+            blocks = self._allocate(msg.token_ids, need)
         except (AdmissionError, ValueError) as exc:
             self.send_ctrl(Rejected(req_id=msg.req_id, kind="capacity", error=str(exc)))
             return
         except NoFreeBlocksError as exc:
             self.send_ctrl(Rejected(req_id=msg.req_id, kind="busy", error=str(exc)))
             return
+        cached, blocks = blocks
         req = Request(request_id=msg.req_id, prompt_token_ids=list(msg.token_ids),
                       max_tokens=msg.max_tokens, temperature=msg.temperature, role=self.role)
         req.set_block_table(blocks)  # D's own table: replaces anything P used
-        self.seqs[msg.req_id] = Seq(req, msg.seed, msg.ignore_eos)
-        self.send_ctrl(Allocated(req_id=msg.req_id, block_ids=blocks))
+        self.seqs[msg.req_id] = Seq(req, msg.seed, msg.ignore_eos, num_cached=cached)
+        self.send_ctrl(Allocated(req_id=msg.req_id, block_ids=blocks, num_cached_blocks=cached))
+
+    def _allocate(self, token_ids: list[int], need: int) -> tuple[int, list[int]]:
+        """(k, table): the prefix-cache hit (logical blocks 0..k-1) then ``need - k`` new
+        blocks, evicting unused cached blocks if short. Raises NoFreeBlocksError (nothing
+        kept) when even eviction cannot make room."""
+        cached = self.prefix.match(token_ids, max_blocks=need) if self.prefix else []
+        short = need - len(cached) - self.allocator.num_free
+        if short > 0 and self.prefix is not None:
+            self.prefix.evict(short)
+        try:
+            return len(cached), cached + self.allocator.allocate(need - len(cached))
+        except NoFreeBlocksError:
+            self.allocator.free(cached)
+            raise
 
     def on_abort(self, msg: Abort, frames, ident) -> None:
         self._end(msg.req_id, self.states.ABORTED, msg.reason or "aborted", notify=False)
 
     # ---- transfer handlers ----------------------------------------------------------
     def on_kvready(self, msg, frames, ident) -> None:
-        self._receive(msg, frames, ident)
+        self._arrive(msg, frames, ident)
 
     def on_kvdata(self, msg, frames, ident) -> None:
-        self._receive(msg, frames, ident)
+        self._arrive(msg, frames, ident)
 
-    def _receive(self, msg, frames, ident) -> None:
+    def on_kvlayer(self, msg, frames, ident) -> None:
+        # layerwise parts come from P's sender thread; D acks to P's control link (reply_to)
+        self._arrive(msg, frames, msg.reply_to.encode())
+
+    def _arrive(self, msg, frames, ident) -> None:
         seq = self.seqs.get(msg.req_id)
-        if seq is None or seq.req.state is not DecodeState.ALLOCATED:
+        if seq is None or seq.req.state not in (DecodeState.ALLOCATED, DecodeState.RECEIVING) \
+                or msg.req_id in self.inflight:  # late, aborted or unknown: ignored
             self.send(self.data, KVAck(req_id=msg.req_id, ok=False,
                                        error="unknown or aborted request"), ident=ident)
             return
+        if seq.req.state is DecodeState.ALLOCATED:
+            seq.req.transition(DecodeState.RECEIVING)
+        delay = faults.delay_s("receive", seq.req.prompt_token_ids)
+        if delay:  # test fault: the transfer stays in flight; abort or kill D meanwhile
+            self.inflight[msg.req_id] = (msg, [bytes(getattr(f, "buffer", f)) for f in frames],
+                                         ident, time.monotonic() + delay)
+            return
+        self._receive(msg, frames, ident)
+
+    def _lease_ok(self, msg, seq: Seq) -> bool:
+        """P's lease on the sent blocks still holds (20% margin); only ipc reads P's memory."""
+        if self.cfg.transfer != "ipc" or not getattr(msg, "t_start", 0.0):
+            return True
+        start = max(msg.t_start, seq.t_renewed if seq.t_renewed >= msg.t_start else 0.0)
+        return time.time() - start < 0.8 * self.kv_lease_s
+
+    def _receive(self, msg, frames, ident) -> None:
+        seq = self.seqs[msg.req_id]
         req = seq.req
-        req.transition(DecodeState.RECEIVING)
         n = self.spec.num_blocks_for(len(req.prompt_token_ids))
         try:
-            stats = self.receiver.receive(msg, frames, self.cache, req.block_table[:n])
+            if not self._lease_ok(msg, seq):
+                raise TimeoutError(f"P's lease of {self.kv_lease_s:g} s on the sent blocks "
+                                   f"expired before D could read them")
+            # logical blocks 0..num_cached-1 are D's prefix-cache hit; P sends the rest
+            stats = self.receiver.receive(msg, frames, self.cache, req.block_table[seq.num_cached:n])
         except Exception as exc:
             log.exception("%s: transfer of %s failed", self.instance_id, msg.req_id)
             self.send(self.data, KVAck(req_id=msg.req_id, ok=False, error=str(exc)), ident=ident)
             self._end(msg.req_id, DecodeState.FAILED, f"KV transfer failed: {exc}")
+            return
+        if stats is None:  # a layerwise part: more layers to come
             return
         transfer_ms = (time.time() - msg.t_start) * 1e3
         self.send(self.data, KVAck(req_id=msg.req_id, ok=True), ident=ident)
@@ -149,7 +220,10 @@ class DecodeInstance(Instance):
                       "blocks": stats.blocks, "payload_bytes": stats.payload_bytes,
                       "transfer_ms": round(transfer_ms, 3), "copy_ms": round(stats.copy_ms, 3),
                       "gather_ms": round(getattr(msg, "gather_ms", 0.0), 3),
-                      "block_table": list(req.block_table)}
+                      "block_table": list(req.block_table), "cached_blocks": seq.num_cached,
+                      "transfer_mode": "layerwise" if type(msg).__name__ == "KVLayer" else "request"}
+        if self.prefix is not None:  # the prompt's full blocks now hold their KV
+            self.prefix.insert(req.prompt_token_ids, req.block_table[:n])
         req.transition(DecodeState.DECODING)
         self._emit(seq, msg.first_token)
 
@@ -169,7 +243,13 @@ class DecodeInstance(Instance):
         seq = self.seqs.pop(req_id, None)
         if seq is None:
             return
+        held = self.inflight.pop(req_id, None)
+        if held is not None:  # a transfer in flight is dropped; P may free its blocks
+            self.send(self.data, KVAck(req_id=req_id, ok=False, error=error or "aborted"),
+                      ident=held[2])
         self.allocator.free(seq.req.block_table)
+        if self.receiver is not None:
+            self.receiver.forget(req_id)  # drop a partly received layerwise transfer
         if not seq.req.finished:
             seq.req.transition(state, error=error or None)
         if notify:
@@ -201,11 +281,28 @@ class DecodeInstance(Instance):
 
     def heartbeat(self, force: bool = False) -> None:
         now = time.monotonic()
+        for req_id, (msg, frames, ident, due) in list(self.inflight.items()):
+            if now >= due:
+                del self.inflight[req_id]
+                self._receive(msg, frames, ident)
+        waiting = []
         for req_id, s in list(self.seqs.items()):
-            if s.req.state is DecodeState.ALLOCATED and now - s.t_alloc > self.receive_timeout_s:
+            if s.req.state in (DecodeState.ALLOCATED, DecodeState.RECEIVING) \
+                    and now - s.t_alloc > self.receive_timeout_s:
                 self._end(req_id, DecodeState.TIMED_OUT,
-                          f"no KV from prefill within {self.receive_timeout_s:.0f} s")
+                          f"no KV from prefill within {self.receive_timeout_s:g} s")
+            elif s.req.state in (DecodeState.ALLOCATED, DecodeState.RECEIVING):
+                waiting.append(s.req.request_id)
+        if waiting and self.peer_id and (force or now - self._last_hb >= self.cfg.heartbeat_s):
+            self._renew(waiting)
         super().heartbeat(force)
+
+    def _renew(self, req_ids: list[str]) -> None:
+        """LeaseRenew to P for requests whose KV D still means to read."""
+        wall = time.time()
+        self.send(self.data, LeaseRenew(req_ids=req_ids), ident=self.peer_id.encode())
+        for r in req_ids:
+            self.seqs[r].t_renewed = wall
 
 
 class ColocatedInstance(DecodeInstance):

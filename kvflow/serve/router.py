@@ -7,6 +7,13 @@ streamed as server-sent events or gathered into one response. Whatever ends the 
 (error, timeout, client disconnect, a dead instance) sends ``Abort`` to P and D so both free
 the request's blocks.
 
+Reliability (docs/reliability.md): D out of free blocks answers "busy" and the router retries
+every 50 ms for at most ``admit_timeout_s`` (``--admit-timeout-s``), then HTTP 503 — a bounded
+wait, never a deadlock; a prompt that can never fit is HTTP 400 before anything moves. A
+client that disconnects (also before the first token) aborts its request. With ``--api-key``,
+``/v1/*`` needs ``Authorization: Bearer <key>`` (compared with :func:`hmac.compare_digest`),
+else HTTP 401; ``/health`` and ``/metrics`` stay open.
+
 Endpoints: ``GET /health`` (200 once P and D are registered and paired, else 503; JSON with
 every instance's free blocks), ``GET /v1/models``, ``POST /v1/completions``, ``GET /metrics``.
 """
@@ -14,6 +21,7 @@ every instance's free blocks), ``GET /v1/models``, ``POST /v1/completions``, ``G
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -55,12 +63,27 @@ class Router:
     first_token_timeout_s = 120.0
     token_timeout_s = 60.0
 
-    def __init__(self, controller: Controller, tokenizer: Any, model_name: str, metrics: Metrics) -> None:
+    def __init__(self, controller: Controller, tokenizer: Any, model_name: str, metrics: Metrics,
+                 *, admit_timeout_s: float | None = None, api_key: str | None = None) -> None:
         self.ctl, self.tokenizer, self.model_name, self.metrics = controller, tokenizer, model_name, metrics
+        if admit_timeout_s is not None:
+            self.admit_timeout_s = admit_timeout_s
+        self.api_key = api_key.encode() if api_key else None
+
+    def authorized(self, header: str | None) -> bool:
+        """True without an API key, else when ``header`` is ``Bearer <key>`` (constant time)."""
+        if self.api_key is None:
+            return True
+        given = (header or "").encode("utf-8", "surrogateescape")
+        return hmac.compare_digest(given, b"Bearer " + self.api_key)
 
     def tokenize(self, body: CompletionRequest) -> list[int]:
         if isinstance(body.prompt, str):
-            return self.tokenizer.encode(body.prompt)
+            try:
+                return self.tokenizer.encode(body.prompt)
+            except UnicodeError as exc:  # e.g. a lone surrogate "\ud800" in the JSON string
+                raise RequestError(400, f"prompt is not valid Unicode text: {exc.reason} at "
+                                        f"character {exc.start}", "prompt") from None
         vocab = self.tokenizer.vocab_size
         bad = [t for t in body.prompt if t >= vocab]
         if bad:
@@ -105,7 +128,8 @@ class Router:
             st.prefill_id, st.stage = p.id, "prefilling"
             await self.ctl.send(p, Prefill(req_id=req_id, token_ids=token_ids,
                                            temperature=body.temperature, seed=body.seed,
-                                           decode_id=d.id, decode_block_ids=msg.block_ids))
+                                           decode_id=d.id, decode_block_ids=msg.block_ids,
+                                           skip_blocks=msg.num_cached_blocks))
             timeout, what = self.first_token_timeout_s, "the first token"
             while True:
                 msg = await self._wait(st, timeout, what)
@@ -120,10 +144,12 @@ class Router:
             self.ctl.requests.pop(req_id, None)
             if not done:
                 self.metrics.requests.labels("error").inc()
-                for inst_id in {st.prefill_id, st.decode_id} - {""}:
-                    inst = self.ctl.instances.get(inst_id)
-                    if inst is not None:
-                        asyncio.ensure_future(self.ctl.send(inst, Abort(req_id=req_id, reason="router ended the request")))
+                ids = {st.prefill_id, st.decode_id} - {""}
+                dead = sorted(i for i in ids if i not in self.ctl.instances)
+                for inst_id in ids - set(dead):
+                    asyncio.ensure_future(self.ctl.send(self.ctl.instances[inst_id], Abort(
+                        req_id=req_id, reason="router ended the request",
+                        peer_dead=dead[0] if dead else "")))
             else:
                 self.metrics.requests.labels("ok").inc()
 
@@ -141,6 +167,15 @@ def create_app(router: Router) -> FastAPI:
     """The FastAPI app of ``router`` (its controller must be started by the caller)."""
     app = FastAPI(title="kvflow router")
     ctl, metrics = router.ctl, router.metrics
+
+    @app.middleware("http")
+    async def _api_key(request: Request, call_next):
+        if request.url.path.startswith("/v1/") and not router.authorized(
+                request.headers.get("authorization")):
+            return JSONResponse(error_body("missing or wrong API key: send the header "
+                                           "'Authorization: Bearer <key>'", "authorization",
+                                           "authentication_error"), status_code=401)
+        return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -171,7 +206,7 @@ def create_app(router: Router) -> FastAPI:
         try:
             token_ids = router.tokenize(body)
             events = router.run(body, token_ids)
-            first = await events.__anext__()  # errors before the first token keep their status
+            first = await _next_unless_gone(events, request)  # errors keep their status
         except RequestError as exc:
             return JSONResponse(error_body(exc.message, exc.param,
                                            "invalid_request_error" if exc.status == 400 else "server_error"),
@@ -191,7 +226,7 @@ def create_app(router: Router) -> FastAPI:
             ids, msg = list(first.token_ids), first
             try:
                 while not msg.finished:
-                    msg = await events.__anext__()
+                    msg = await _next_unless_gone(events, request)
                     ids += msg.token_ids
             except RequestError as exc:
                 return JSONResponse(error_body(exc.message, exc.param, "server_error"), status_code=exc.status)
@@ -229,3 +264,21 @@ def create_app(router: Router) -> FastAPI:
         return StreamingResponse(sse(), media_type="text/event-stream")
 
     return app
+
+
+async def _next_unless_gone(events: AsyncIterator[Tokens], request: Request) -> Tokens:
+    """The next message of ``events``; if the HTTP client disconnects first, close ``events``
+    (which aborts the request on P and D) and raise RequestError 499."""
+    task = asyncio.ensure_future(events.__anext__())
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.1)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, RequestError, StopAsyncIteration):
+                pass
+            await events.aclose()
+            raise RequestError(499, "client disconnected")

@@ -1,0 +1,117 @@
+"""An in-process P + D pair for the reliability tests: real PrefillInstance / DecodeInstance
+objects (model, caches, allocators, ipc shared-memory cache) whose messages are captured
+instead of sent, and delivered by the test one by one — every interleaving is deterministic."""
+
+from __future__ import annotations
+
+from kvflow.protocol import (Abort, Allocate, KVAck, LeaseRenew, Pair, Prefill, decode, encode)
+from kvflow.serve.decode import DecodeInstance
+from kvflow.serve.instance import InstanceConfig
+from kvflow.serve.prefill import PrefillInstance
+
+ROUTER = "tcp://127.0.0.1:9"  # never reached: every send is captured
+
+
+class FakeLink:
+    """P's link to D: records the frames P's sender writes."""
+
+    def __init__(self) -> None:
+        self.frames: list[list] = []
+
+    def send(self, frame, *a, **k):
+        self.frames.append([frame])
+
+    def send_multipart(self, frames, *a, **k):
+        self.frames.append([bytes(f) if isinstance(f, memoryview) else f for f in frames])
+
+
+def capture(inst, out: list) -> None:
+    def send(sock, msg, *, ident=None):
+        encode(msg)  # every captured message must be encodable
+        out.append(msg)
+    inst.send = send
+
+
+def make_instance(cls, role: str, **kw):
+    cfg = InstanceConfig(role=role, router_addr=ROUTER, transfer="ipc", transfer_mode="request",
+                         num_blocks=kw.pop("num_blocks", 48), max_model_len=256,
+                         max_num_batched_tokens=256, **kw)
+    inst = cls(cfg)
+    out: list = []
+    capture(inst, out)
+    inst.startup()
+    inst.out = out
+    return inst
+
+
+class PD:
+    """P and D paired over ipc; ``run`` drives one request from Allocate to its last token."""
+
+    def __init__(self, *, prefix: bool = True, d_blocks: int = 48, lease_s: float = 5.0) -> None:
+        self.p = make_instance(PrefillInstance, "prefill", kv_lease_s=lease_s)
+        self.d = make_instance(DecodeInstance, "decode", num_blocks=d_blocks,
+                               enable_prefix_caching=prefix, kv_lease_s=lease_s)
+        self.p.link, self.p.peer_id = FakeLink(), self.d.instance_id
+        self.d.on_pair(Pair(peer_id=self.p.instance_id, peer_role="prefill",
+                            peer_spec=self.p.spec.to_dict(), peer_num_blocks=self.p.num_blocks,
+                            shm_name=self.p.shared.name), [], None)
+        assert self.d.out[-1].ok, self.d.out[-1]
+        self.n = 0
+
+    def close(self) -> None:
+        for inst in (self.p, self.d):
+            inst.close()
+        self.p.sender.close()
+
+    def free(self) -> tuple[int, int]:
+        return self.p.allocator.num_free, self.d.free_blocks()
+
+    def take(self, inst, kind):
+        msgs = [m for m in inst.out if isinstance(m, kind)]
+        inst.out[:] = [m for m in inst.out if not isinstance(m, kind)]
+        return msgs
+
+    def allocate(self, token_ids, max_tokens=8, req_id=None):
+        self.n += 1
+        req_id = req_id or f"r{self.n}"
+        self.d.on_allocate(Allocate(req_id=req_id, token_ids=token_ids, max_tokens=max_tokens,
+                                    ignore_eos=True), [], None)
+        return req_id, self.d.out.pop()
+
+    def prefill(self, req_id, token_ids, allocated):
+        """P prefills and sends; returns (P's full block table, the sent frames decoded)."""
+        self.p.on_prefill(Prefill(req_id=req_id, token_ids=token_ids, decode_id=self.d.instance_id,
+                                  decode_block_ids=allocated.block_ids,
+                                  skip_blocks=allocated.num_cached_blocks), [], None)
+        self.p.work()
+        table = self.p.pending[req_id][0]
+        frames = self.p.link.frames.pop()
+        return table, decode(frames[0]), frames[1:]
+
+    def deliver(self, header, frames=()):
+        """Hand P's transfer to D; D's KVAck (if any) goes back to P."""
+        getattr(self.d, f"on_{type(header).__name__.lower()}")(header, list(frames),
+                                                               self.p.instance_id.encode())
+        for ack in self.take(self.d, KVAck):
+            self.p.on_kvack(ack, [], None)
+
+    def renew(self):
+        for msg in self.take(self.d, LeaseRenew):
+            self.p.on_leaserenew(msg, [], None)
+
+    def abort(self, req_id, peer_dead=""):
+        for inst in (self.p, self.d):
+            inst.on_abort(Abort(req_id=req_id, peer_dead=peer_dead), [], None)
+
+    def decode_all(self):
+        while self.d.has_work():
+            self.d.work()
+
+    def run(self, token_ids, max_tokens=8):
+        req_id, alloc = self.allocate(token_ids, max_tokens)
+        p_table, header, frames = self.prefill(req_id, token_ids, alloc)
+        self.deliver(header, frames)
+        self.decode_all()
+        from kvflow.protocol import Tokens
+        toks = [m for m in self.take(self.d, Tokens) if m.req_id == req_id]
+        return alloc, p_table, header, toks
