@@ -4,7 +4,9 @@ The thread polls the segment (:meth:`SignalReader.wait_change`, bounded by ``pol
 every layer whose step moved to :meth:`LayerwiseScheduler.on_layer_signal` (which makes the
 sends, in this thread), and aborts requests whose layers stay unsignalled for
 ``signal_timeout_s`` with a :class:`TimeoutError` naming the request, layer, step and segment.
-:meth:`stop` ends it within ``poll_s``; nothing in it waits without a bound.
+:meth:`stop` ends it within ``poll_s``; nothing in it waits without a bound. While the scheduler
+has no request in flight the thread does not poll the segment: it sleeps until :meth:`wake`
+(call it after registering a request) or ``poll_s``, so an idle server costs no CPU.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class LayerwiseWorker:
         self._wait_kw = dict(spin_s=spin_s, max_sleep_s=max_sleep_s)
         self.errors: list[tuple[str, BaseException]] = []
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> "LayerwiseWorker":
@@ -66,9 +69,14 @@ class LayerwiseWorker:
         self._thread.start()
         return self
 
+    def wake(self) -> None:
+        """A request was registered: start polling the segment now."""
+        self._wake.set()
+
     def stop(self, timeout_s: float = 5.0) -> bool:
         """Stop the thread; True if it ended within ``timeout_s`` seconds."""
         self._stop.set()
+        self._wake.set()
         if self._thread is None:
             return True
         self._thread.join(timeout_s)
@@ -90,6 +98,11 @@ class LayerwiseWorker:
     def _loop(self) -> None:
         last = np.full(self.reader.num_layers, -1, dtype=np.int64)
         while not self._stop.is_set():
+            if not self.scheduler.pending_requests():
+                self._wake.wait(self.poll_s)
+                self._wake.clear()
+                if not self.scheduler.pending_requests():
+                    continue
             now = self.reader.wait_change(last, self.poll_s, **self._wait_kw)
             if now is not None:
                 for layer in np.flatnonzero(now != last).tolist():

@@ -2,10 +2,24 @@
 token, and hands the KV to the decode instance (D) that the router paired it with.
 
 Per request: WAITING (queued) -> PREFILLING (engine.prefill, chunked by
-``max_num_batched_tokens``) -> SENDING (ipc: D pulls from P's shared cache, P's blocks stay
-held; tcp: gathered into a staging buffer and sent, P's blocks freed at once) -> DONE on D's
-:class:`~kvflow.protocol.KVAck`. An :class:`~kvflow.protocol.Abort`, a failed prefill or an ack
-that never comes (``ack_timeout_s``) also frees the blocks.
+``max_num_batched_tokens``) -> SENDING -> DONE on D's :class:`~kvflow.protocol.KVAck`. An
+:class:`~kvflow.protocol.Abort`, a failed prefill or transfer, or an ack that never comes
+(``ack_timeout_s``) also frees the blocks.
+
+Two transfer modes (``--transfer-mode``):
+
+- ``layerwise`` (default, for prompts of at least ``--layerwise-min-tokens``): every layer of
+  every prefill chunk is signalled and a sender thread moves it while the next layers compute
+  (:class:`kvflow.transfer.layerwise.LayerwiseSender`); P's blocks stay held until D's ack.
+- ``request`` (and shorter prompts): after the prefill, the whole request at once (ipc: D pulls
+  from P's shared cache, P's blocks held until the ack; tcp: gathered and sent, P's blocks
+  freed at once).
+
+The signal channel and the layerwise socket are created at pairing, long after the profile
+run; the start-up warm-up runs a chunked prefill through the layerwise path inside a dummy run
+(nothing registered, signalled or sent). A layer never signalled within ``signal_timeout_s``
+fails the request (HTTP 500 naming the layer and step) and frees its blocks on P; the router's
+Abort frees D's.
 """
 
 from __future__ import annotations
@@ -19,9 +33,11 @@ from typing import Any
 import zmq
 
 from kvflow.cache import PagedKVCache
-from kvflow.protocol import Abort, KVAck, Pair, PairResult, Prefill, Rejected
+from kvflow.context import forward_context
+from kvflow.protocol import Abort, KVAck, LeaseRenew, Pair, PairResult, Prefill, Rejected
 from kvflow.sched import NoFreeBlocksError
 
+from . import faults
 from .instance import Instance, check_pairing, sample_token
 
 log = logging.getLogger("kvflow.serve.prefill")
@@ -29,16 +45,19 @@ log = logging.getLogger("kvflow.serve.prefill")
 
 class PrefillInstance(Instance):
     role = "prefill"
-    ack_timeout_s = 30.0
+    signal_timeout_s = 30.0  # a layer unsignalled this long fails the request
 
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
+        # sent blocks are held under a lease: D's LeaseRenew or KVAck, else freed after this
+        self.ack_timeout_s = float(getattr(cfg, "kv_lease_s", 5.0))
         self.queue: collections.deque[Prefill] = collections.deque()
         self.pending: dict[str, tuple[list[int], Any, float]] = {}  # req -> (blocks, keep, t)
         self.link: zmq.Socket | None = None
         self.peer_id = ""
         self.sender = None
         self.shared = None
+        self.layerwise = None  # LayerwiseSender when --transfer-mode layerwise
 
     # ---- start-up -------------------------------------------------------------------
     def make_cache(self, num_blocks: int) -> PagedKVCache:
@@ -62,6 +81,21 @@ class PrefillInstance(Instance):
         scratch = PagedKVCache(self.spec, 2, device=self.cfg.device)
         gather_blocks(scratch, [1], staging_buffer(scratch.spec, 1, device=self.cfg.device),
                       backend=self.cfg.backend)
+        if self.cfg.transfer_mode == "layerwise":
+            from kvflow.transfer.layerwise import LayerwiseSender
+            self.layerwise = LayerwiseSender(self.sender, self.cache, self.instance_id,
+                                             signal_timeout_s=self.signal_timeout_s)
+            self.dummy_run()
+
+    def dummy_run(self, num_tokens: int = 32) -> None:
+        """A chunked prefill of ``num_tokens`` dummy tokens through the layerwise path inside
+        ``forward_context(is_dummy_or_profile_run=True)``: nothing is registered, signalled or
+        sent (the warm-up at start; also callable after real traffic)."""
+        n = min(num_tokens, self.max_model_len, self.num_blocks * self.spec.block_size)
+        blocks = list(range(self.spec.num_blocks_for(n)))
+        with forward_context(is_dummy_or_profile_run=True):
+            self.layerwise.prefill(self.engine, "dummy", [0] * n, blocks,
+                                   max(1, min(self.cfg.max_num_batched_tokens, n // 2)))
 
     def register_extra(self) -> dict[str, str]:
         return self.sender.export()
@@ -78,6 +112,8 @@ class PrefillInstance(Instance):
             self.link.connect(msg.data_addr)
             self.sockets[self.link] = f"decode {msg.peer_id}"
             self.peer_id = msg.peer_id
+            if self.layerwise is not None:
+                self.layerwise.open(self.ctx, msg.data_addr)
         else:
             log.error("%s: %s", self.instance_id, error)
         self.send_ctrl(PairResult(instance_id=self.instance_id, peer_id=msg.peer_id,
@@ -95,7 +131,20 @@ class PrefillInstance(Instance):
 
     def on_abort(self, msg: Abort, frames, ident) -> None:
         self.queue = collections.deque(m for m in self.queue if m.req_id != msg.req_id)
-        self._release(msg.req_id)
+        if self.layerwise is not None:
+            self.layerwise.abort(msg.req_id)  # drop its pending signals: no further part goes
+        entry = self.pending.get(msg.req_id)
+        # Blocks D may still be reading stay held until D's ack (D acks an aborted request
+        # "not ok") or the lease ends; if D died nobody reads them: free now.
+        if msg.peer_dead or entry is None or not entry[0]:
+            self._release(msg.req_id)
+
+    def on_leaserenew(self, msg: LeaseRenew, frames, ident) -> None:
+        now = time.monotonic()
+        for req_id in msg.req_ids:
+            entry = self.pending.get(req_id)
+            if entry is not None:
+                self.pending[req_id] = (entry[0], entry[1], now)
 
     def on_kvack(self, msg: KVAck, frames, ident) -> None:
         if not msg.ok:
@@ -103,6 +152,8 @@ class PrefillInstance(Instance):
         self._release(msg.req_id)
 
     def _release(self, req_id: str) -> None:
+        if self.layerwise is not None:
+            self.layerwise.abort(req_id)  # drop pending signals and staging buffers
         entry = self.pending.pop(req_id, None)
         if entry is not None and entry[0]:
             self.allocator.free(entry[0])
@@ -128,13 +179,18 @@ class PrefillInstance(Instance):
                                     error=f"prefill instance {self.instance_id} is not paired"))
             return
         try:
-            delay = float(os.environ.get("KVFLOW_FAULT_PREFILL_DELAY_S", "0") or 0)
+            delay = faults.delay_s("prefill", msg.token_ids)
             if delay:  # fault injection for tests: a slow prefill to kill P in the middle of
                 time.sleep(delay)
+            if self.layerwise is not None and len(msg.token_ids) >= self.cfg.layerwise_min_tokens:
+                self._prefill_layerwise(msg, blocks)
+                return
             logits = self.engine.prefill(msg.token_ids, blocks,
                                          chunk_size=self.cfg.max_num_batched_tokens)
             first = sample_token(logits, msg.temperature, msg.seed, 0)
-            keep = self.sender.send(self.link, msg.req_id, self.cache, blocks, first_token=first,
+            # D holds logical blocks 0..skip_blocks-1 (prefix hit): send only the rest
+            keep = self.sender.send(self.link, msg.req_id, self.cache,
+                                    blocks[min(msg.skip_blocks, len(blocks)):], first_token=first,
                                     num_prompt_tokens=len(msg.token_ids))
         except Exception as exc:
             log.exception("%s: prefill of %s failed", self.instance_id, msg.req_id)
@@ -148,6 +204,22 @@ class PrefillInstance(Instance):
             blocks = []
         self.pending[msg.req_id] = (blocks, keep, time.monotonic())
 
+    def _prefill_layerwise(self, msg: Prefill, blocks: list[int]) -> None:
+        """Prefill with every layer signalled and sent as it completes; blocks held to the ack
+        (a transfer failure arrives later through :meth:`_fail_transfers`)."""
+        logits = self.layerwise.prefill(self.engine, msg.req_id, msg.token_ids, blocks,
+                                        self.cfg.max_num_batched_tokens, skip_blocks=msg.skip_blocks)
+        self.layerwise.finish(msg.req_id, sample_token(logits, msg.temperature, msg.seed, 0))
+        self.pending[msg.req_id] = (blocks, None, time.monotonic())
+
+    def _fail_transfers(self) -> None:
+        for req_id, exc in self.layerwise.pop_errors():
+            log.error("%s: layerwise transfer of %s failed: %s", self.instance_id, req_id, exc)
+            self._release(req_id)
+            self.send_ctrl(Rejected(req_id=req_id, kind="error",
+                                    error=f"layerwise KV transfer of {req_id} from "
+                                          f"{self.instance_id} failed: {exc}"))
+
     def _expire(self) -> None:
         now = time.monotonic()
         for req_id, (_, _, t) in list(self.pending.items()):
@@ -157,11 +229,15 @@ class PrefillInstance(Instance):
                 self._release(req_id)
 
     def heartbeat(self, force: bool = False) -> None:
+        if self.layerwise is not None:
+            self._fail_transfers()
         if self.pending and not self.queue:
             self._expire()
         super().heartbeat(force)
 
     def close(self) -> None:
+        if self.layerwise is not None:
+            self.layerwise.close()  # before the ZMQ context ends: it owns a socket
         super().close()
         if self.sender is not None:
             self.sender.close()

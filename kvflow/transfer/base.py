@@ -10,6 +10,10 @@ A transfer has two halves, both driven by the instances' event loops over one ZM
   those frames into blocks of its own cache at the block ids D allocated
   (:meth:`KVReceiver.receive`), returning the payload bytes actually moved.
 
+Layerwise transfer (:mod:`kvflow.transfer.layerwise` on P, :mod:`kvflow.transfer.parts` on D)
+sends a request as several :class:`~kvflow.protocol.KVLayer` parts
+(:meth:`KVSender.send_part`); :meth:`KVReceiver.receive` returns None until the last one.
+
 D always writes into the block table it allocated itself; P's ids only name where to read.
 Sends are refused while a dummy/profile run is in progress (:func:`kvflow.context.sends_allowed`).
 """
@@ -67,6 +71,20 @@ class KVSender(abc.ABC):
         (e.g. a staging buffer whose memory ZMQ sends zero-copy), or None.
         """
 
+    def send_part(self, link: Any, cache: PagedKVCache, src_ids: list[int], layers: range,
+                  **fields: Any) -> tuple[Any, float]:
+        """Send one layerwise part: layers ``layers`` of P's blocks ``src_ids`` as a
+        :class:`~kvflow.protocol.KVLayer` (``fields`` fill the header: ``req_id``,
+        ``reply_to``, ``block_offset``...). Returns ``(keep, gather_ms)``: an object to keep
+        alive until D's ack (or None) and P's gather time in ms (0 when nothing is gathered).
+
+        Raises
+        ------
+        RuntimeError
+            Inside a dummy/profile run.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no layerwise path")
+
     def export(self) -> dict[str, str]:
         """Fields for P's Register message (e.g. ``shm_name``)."""
         return {}
@@ -94,6 +112,12 @@ class KVReceiver(abc.ABC):
         TransferError
             For frames that do not match the header or the spec, or an unattached peer.
         """
+
+    def forget(self, req_id: str) -> None:
+        """Drop the state of a partly received layerwise transfer (D ended the request)."""
+        parts = getattr(self, "parts", None)
+        if parts is not None:
+            parts.forget(req_id)
 
     def close(self) -> None:
         """Unmap the peer."""

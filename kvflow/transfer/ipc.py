@@ -6,6 +6,9 @@ Segments are files under ``/dev/shm`` named ``kvflow-<role>-<pid>-<random hex>``
 instance, not only per pid), created ``O_EXCL`` with mode 0600, unlinked by the owner on exit
 (and by the parent server if the owner is killed); :func:`clean_stale_segments` removes those
 whose owner pid is gone. On GPU the same interface would carry CUDA IPC handles instead.
+
+Layerwise (:class:`~kvflow.protocol.KVLayer`): D is told per part (layers + P's block ids) and
+pulls just that with ``copy_blocks(..., layers=range)``; P never writes into D's cache.
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ import torch
 from kvflow.cache import PagedKVCache
 from kvflow.kernels import copy_blocks, payload_bytes
 from kvflow.layout import KVCacheSpec
-from kvflow.protocol import KVReady, encode
+from kvflow.protocol import KVLayer, KVReady, encode
 
 from .shm import SHM_DIR, clean_stale_segments, shm_path, unlink_segment  # noqa: F401
 from .base import KVReceiver, KVSender, TransferError, TransferStats, as_ids, check_send_allowed
+from .parts import LayerParts
 
 log = logging.getLogger("kvflow.transfer.ipc")
 
@@ -122,6 +126,13 @@ class IpcSender(KVSender):
                                  t_start=time.time())))
         return None
 
+    def send_part(self, link, cache, src_ids, layers, **fields):
+        """A :class:`KVLayer` naming P's ``src_ids`` and ``layers``: D pulls them (no payload)."""
+        check_send_allowed("IpcSender.send_part")
+        link.send(encode(KVLayer(layer_start=layers.start, layer_stop=layers.stop,
+                                 num_blocks=len(src_ids), src_block_ids=list(src_ids), **fields)))
+        return None, 0.0
+
     def close(self) -> None:
         self.shared.close()
 
@@ -135,6 +146,7 @@ class IpcReceiver(KVReceiver):
         self.backend = backend
         self.peer: PagedKVCache | None = None
         self.peer_id = ""
+        self.parts = LayerParts()
 
     def attach(self, peer_id, peer_spec, peer_num_blocks, shm_name=""):
         self.peer = map_peer_cache(shm_name, peer_spec, peer_num_blocks)
@@ -143,8 +155,11 @@ class IpcReceiver(KVReceiver):
     def receive(self, header: Any, frames, cache, dst_ids) -> TransferStats:
         if self.peer is None:
             raise TransferError("ipc receive before pairing: no prefill cache is mapped")
+        if isinstance(header, KVLayer):
+            return self.parts.receive(header, frames, cache, dst_ids, self._pull_part)
         if not isinstance(header, KVReady):
-            raise TransferError(f"ipc expects a KVReady header, got {type(header).__name__}")
+            raise TransferError(f"ipc expects a KVReady or KVLayer header, got "
+                                f"{type(header).__name__}")
         if frames:
             raise TransferError(f"ipc KVReady carries no payload frames, got {len(frames)}")
         src = as_ids(header.src_block_ids)
@@ -156,6 +171,17 @@ class IpcReceiver(KVReceiver):
         ms = (time.perf_counter() - t0) * 1e3
         n = int((src >= 0).sum())
         return TransferStats(blocks=n, payload_bytes=payload_bytes(cache.spec, n), copy_ms=ms)
+
+    def _pull_part(self, header, frames, cache, dst_ids, layers) -> int:
+        """copy_blocks of one layerwise part: P's ``src_block_ids`` -> D's ``dst_ids``."""
+        if frames:
+            raise TransferError(f"ipc KVLayer carries no payload frames, got {len(frames)}")
+        if len(header.src_block_ids) != len(dst_ids):
+            raise TransferError(f"KVLayer for {header.req_id} names {len(header.src_block_ids)} "
+                                f"source blocks for {len(dst_ids)} prompt blocks")
+        copy_blocks(self.peer, cache, as_ids(header.src_block_ids), as_ids(dst_ids), layers=layers,
+                    backend=self.backend)
+        return payload_bytes(cache.spec, len(dst_ids), layers)
 
     def close(self) -> None:
         self.peer = None

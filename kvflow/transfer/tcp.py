@@ -7,6 +7,9 @@ the block ids it allocated. Works between hosts (the link is a TCP socket).
 Frame layout: ``[KVData header (msgpack), layer 0, layer 1, ...]``; layer ``l`` is
 ``staging[l]`` = ``[tensors_per_layer, num_blocks, *block_shape]`` of ``spec.dtype``, i.e.
 ``tensors_per_layer * num_blocks * spec.block_bytes`` bytes.
+
+Layerwise: ``[KVLayer header, one frame per layer of the part]``, each gathered with
+``gather_blocks(layers=...)`` as soon as the prefill signals the layer; D scatters on arrival.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ import torch
 
 from kvflow.cache import staging_buffer, staging_shape
 from kvflow.kernels import gather_blocks, scatter_blocks
-from kvflow.protocol import KVData, encode
+from kvflow.protocol import KVData, KVLayer, encode
 
 from .base import KVReceiver, KVSender, TransferError, TransferStats, as_ids, check_send_allowed
+from .parts import LayerParts
 
 
 class TcpSender(KVSender):
@@ -51,6 +55,25 @@ class TcpSender(KVSender):
         link.send_multipart(frames, copy=False)
         return staging  # ZMQ reads this memory after send returns: keep it until the ack
 
+    def send_part(self, link, cache, src_ids, layers, **fields):
+        """Gather ``layers`` of ``src_ids`` (``gather_blocks(layers=...)``) and send a
+        :class:`KVLayer` header + one zero-copy frame per layer; keep the staging buffer."""
+        check_send_allowed("TcpSender.send_part")
+        ids = as_ids(src_ids)
+        t0 = time.perf_counter()
+        staging = gather_blocks(cache, ids, staging_buffer(cache.spec, ids.numel(), layers,
+                                                           device=cache.device),
+                                layers, backend=self.backend)
+        if staging.device.type != "cpu":
+            staging = staging.cpu()
+        gather_ms = (time.perf_counter() - t0) * 1e3
+        raw = staging.view(-1).view(torch.uint8).view(staging.shape[0], -1)
+        header = KVLayer(layer_start=layers.start, layer_stop=layers.stop, num_blocks=ids.numel(),
+                         **fields)
+        link.send_multipart([encode(header)] + [memoryview(raw[l].numpy())
+                                                for l in range(raw.shape[0])], copy=False)
+        return staging, gather_ms
+
 
 class TcpReceiver(KVReceiver):
     """D side: check the frames against the header and the spec, scatter each layer."""
@@ -59,11 +82,15 @@ class TcpReceiver(KVReceiver):
 
     def __init__(self, backend: str = "auto") -> None:
         self.backend = backend
+        self.parts = LayerParts()
 
     def receive(self, header: Any, frames: list[Any], cache, dst_ids) -> TransferStats:
         spec = cache.spec
+        if isinstance(header, KVLayer):
+            return self.parts.receive(header, frames, cache, dst_ids, self._scatter_part)
         if not isinstance(header, KVData):
-            raise TransferError(f"tcp expects a KVData header, got {type(header).__name__}")
+            raise TransferError(f"tcp expects a KVData or KVLayer header, got "
+                                f"{type(header).__name__}")
         n = header.num_blocks
         if n != len(dst_ids):
             raise TransferError(f"KVData for {header.req_id} carries {n} blocks; D allocated "
@@ -89,3 +116,24 @@ class TcpReceiver(KVReceiver):
             total += buf.nbytes
         ms = (time.perf_counter() - t0) * 1e3
         return TransferStats(blocks=n, payload_bytes=total, copy_ms=ms)
+
+    def _scatter_part(self, header, frames, cache, dst_ids, layers) -> int:
+        """Check one frame per layer of ``len(dst_ids)`` blocks, then scatter each layer."""
+        spec, n = cache.spec, len(dst_ids)
+        if len(frames) != len(layers):
+            raise TransferError(f"KVLayer for {header.req_id}: layers [{layers.start}, "
+                                f"{layers.stop}) need {len(layers)} frames, got {len(frames)}")
+        layer_bytes = spec.tensors_per_layer * n * spec.block_bytes
+        bufs = [memoryview(getattr(frame, "buffer", frame)) for frame in frames]
+        for layer, buf in zip(layers, bufs):
+            if buf.nbytes != layer_bytes:
+                raise TransferError(f"KVLayer for {header.req_id}: layer {layer} frame has "
+                                    f"{buf.nbytes} bytes, expected {layer_bytes}")
+        ids = as_ids(dst_ids)
+        for layer, buf in zip(layers, bufs):
+            with warnings.catch_warnings():  # zmq frames are read-only; scatter only reads them
+                warnings.simplefilter("ignore", UserWarning)
+                src = torch.frombuffer(buf, dtype=torch.uint8)
+            scatter_blocks(src.view(spec.dtype).view(staging_shape(spec, n, layer)), cache, ids,
+                           layer, backend=self.backend)
+        return layer_bytes * len(layers)

@@ -1,0 +1,251 @@
+"""P's side of the layerwise transfer: each layer's blocks leave as soon as the prefill has
+written them, so the transfer of layer ``l`` overlaps the compute of layers ``l+1..``.
+
+Pieces (DESIGN.md "Signals", issue 5):
+
+- the engine's ``on_layer_done`` hook stores ``(layer, step)`` into the instance's signal
+  segment (:class:`~kvflow.signal.LayerSignaller`; a CPU store after the layer, or the
+  stream-ordered ``signal_layer`` kernel on GPU), one step per prefill chunk;
+- a :class:`~kvflow.layerwise.LayerwiseWorker` thread reads the segment and drives a
+  :class:`~kvflow.layerwise.LayerwiseScheduler`, which decides what is due: after each chunk the
+  chunk's newly *full* blocks of that layer, after the last chunk the partial last block;
+- each due part goes out as a :class:`~kvflow.protocol.KVLayer` through the connector's
+  :meth:`~kvflow.transfer.base.KVSender.send_part` (ipc: D is told the layers and P's block ids
+  and pulls them with ``copy_blocks(layers=...)``; tcp: one frame per layer gathered with
+  ``gather_blocks(layers=...)``), on a send-only ZMQ socket that only the worker thread and
+  :meth:`LayerwiseSender.finish` use, under one lock;
+- after the last part *and* the first token (sampled by the main thread), one last
+  ``KVLayer(last=True)`` carries the first token; D acks to P's control link (``reply_to``).
+
+The scheduler pairs P's blocks with *logical* prompt positions (``block_offset``), not D's ids:
+D maps them through the block table it allocated (D's table replaces P's).
+
+Gating: the channel and socket are created by :meth:`LayerwiseSender.open`, which refuses inside
+a profile/dummy run; :meth:`LayerwiseSender.prefill` inside a dummy run registers nothing and
+its hooks signal nothing, so nothing is sent. Failures (a send error, or a layer never signalled
+within ``signal_timeout_s``: :class:`TimeoutError`) drop the request and are queued for the
+instance's loop (:meth:`LayerwiseSender.pop_errors`), which fails it and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from kvflow.cache import PagedKVCache
+from kvflow.context import sends_allowed
+from kvflow.layerwise import LayerwiseScheduler, LayerwiseWorker
+from kvflow.protocol import KVLayer, encode
+from kvflow.signal import LayerSignaller
+
+from .base import KVSender, check_send_allowed
+
+
+@dataclasses.dataclass
+class _Live:
+    num_prompt_tokens: int
+    skip_blocks: int = 0
+    t_start: float = 0.0
+    gather_ms: float = 0.0
+    keep: list = dataclasses.field(default_factory=list)
+    parts: int = 0
+    all_sent: bool = False
+    first_token: int | None = None
+    finished: bool = False
+
+
+class LayerwiseSender:
+    """Signal channel + scheduler + worker thread + send-only socket of one prefill instance.
+
+    Parameters
+    ----------
+    sender : KVSender
+        The connector (``IpcSender`` or ``TcpSender``); its :meth:`send_part` moves each part.
+    cache : PagedKVCache
+        P's cache.
+    instance_id : str
+        P's id: D acks to it (P's control-link identity); also names the signal segment.
+    signal_timeout_s : float
+        A registered chunk whose layers go unsignalled this long fails the request.
+    poll_s : float
+        Longest wait of the worker between checks (bounds :meth:`close`).
+    send_timeout_ms : int
+        ZMQ send timeout of the part socket (a dead D fails the request, never a hang).
+    """
+
+    def __init__(self, sender: KVSender, cache: PagedKVCache, instance_id: str, *,
+                 signal_timeout_s: float = 30.0, poll_s: float = 0.05,
+                 send_timeout_ms: int = 10_000) -> None:
+        spec = cache.spec
+        self.sender, self.cache, self.instance_id = sender, cache, instance_id
+        self.signal_timeout_s, self.poll_s, self.send_timeout_ms = signal_timeout_s, poll_s, send_timeout_ms
+        self.signaller = LayerSignaller(instance_id.replace("-", "_"), spec.num_layers,
+                                        device=cache.device)
+        self.scheduler = LayerwiseScheduler(spec.num_layers, spec.block_size, self._send_part,
+                                            mode="layerwise", layerwise_min_tokens=0,
+                                            on_done=self._all_sent, on_error=self._failed)
+        self.worker: LayerwiseWorker | None = None
+        self.sock: zmq.Socket | None = None
+        self.step = 0
+        self.messages_sent = 0
+        self._lock = threading.Lock()  # the socket and self._live
+        self._live: dict[str, _Live] = {}
+        self._errors: queue.SimpleQueue[tuple[str, BaseException]] = queue.SimpleQueue()
+
+    # ---- set-up (after the profile run, at pairing) ------------------------------------
+    def open(self, ctx: zmq.Context, data_addr: str) -> bool:
+        """Create the signal channel, the part socket (connected to D's ``data_addr``) and
+        start the worker; False (nothing created) inside a profile/dummy run. Re-opening
+        (a new pairing) only reconnects the socket."""
+        if not sends_allowed():
+            self.signaller.init()  # counted as a refused set-up
+            return False
+        channel = self.signaller.init()
+        with self._lock:
+            if self.sock is not None:
+                self.sock.close(0)
+            self.sock = ctx.socket(zmq.DEALER)
+            self.sock.setsockopt(zmq.IDENTITY, f"{self.instance_id}/layerwise".encode())
+            self.sock.setsockopt(zmq.SNDTIMEO, self.send_timeout_ms)
+            self.sock.setsockopt(zmq.LINGER, 500)
+            self.sock.connect(data_addr)
+        if self.worker is None:
+            self.worker = LayerwiseWorker(self.scheduler, channel, poll_s=self.poll_s,
+                                          signal_timeout_s=self.signal_timeout_s,
+                                          on_error=self._failed).start()
+        return True
+
+    # ---- the prefill (main thread) -----------------------------------------------------
+    def prefill(self, engine: Any, req_id: str, token_ids: list[int], blocks: list[int],
+                chunk_size: int | None, *, skip_blocks: int = 0) -> Any:
+        """Run ``engine``'s prefill chunk by chunk, signalling every layer of every chunk; return
+        the last token's logits. Inside a dummy run nothing is registered, signalled or sent.
+
+        ``skip_blocks``: D already holds the prompt's logical blocks ``0..skip_blocks-1``
+        (prefix hit); only the rest is sent, with ``block_offset`` counted from there.
+
+        Raises
+        ------
+        RuntimeError
+            Outside a dummy run before :meth:`open`.
+        ValueError
+            As :meth:`LayerwiseScheduler.add_request` / :meth:`Engine.prefill`.
+        """
+        n, chunk = len(token_ids), chunk_size or len(token_ids)
+        real = sends_allowed()
+        if real:
+            if self.worker is None:
+                raise RuntimeError("layerwise prefill before LayerwiseSender.open (no channel)")
+            with self._lock:
+                self._live[req_id] = _Live(n, skip_blocks)
+            self.scheduler.add_request(req_id, n, blocks[:-(-n // self.cache.spec.block_size)])
+            self.scheduler.set_dst_blocks(req_id, range(-(-n // self.cache.spec.block_size)))
+            self.worker.wake()
+        logits = None
+        try:
+            for start in range(0, n, chunk):
+                end = min(start + chunk, n)
+                self.step += 1
+                if real:
+                    self.scheduler.add_chunk(req_id, self.step, end)
+                logits = engine.prefill(token_ids[:end], blocks, num_computed_tokens=start,
+                                        on_layer_done=self.signaller.layer_hook(self.step))
+        except BaseException:
+            if real:
+                self.abort(req_id)
+            raise
+        return logits
+
+    def finish(self, req_id: str, first_token: int) -> bool:
+        """The first token is sampled: send the last part now if every layer went, else the
+        worker sends it after the last layer. False if the request already failed."""
+        with self._lock:
+            live = self._live.get(req_id)
+            if live is None:
+                return False
+            live.first_token = first_token
+            if live.all_sent:
+                self._send_last(req_id, live)
+        return True
+
+    def abort(self, req_id: str) -> list:
+        """Forget a request (abort, ack, failure): later signals send nothing. Returns what
+        had to stay alive until now (staging buffers)."""
+        self.scheduler.abort(req_id)
+        with self._lock:
+            live = self._live.pop(req_id, None)
+        return live.keep if live is not None else []
+
+    def pop_errors(self) -> list[tuple[str, BaseException]]:
+        """Failed requests since the last call (already dropped here): ``(req_id, error)``."""
+        out = []
+        while True:
+            try:
+                out.append(self._errors.get_nowait())
+            except queue.Empty:
+                return out
+
+    # ---- the worker thread -------------------------------------------------------------
+    def _send_part(self, req_id: str, layers: range, src: list[int], dst: list[int]) -> None:
+        with self._lock:
+            live = self._live.get(req_id)
+            if live is None:
+                return  # aborted between the signal and now
+            cut = max(0, live.skip_blocks - dst[0])  # positions D already holds
+            src, dst = src[cut:], dst[cut:]
+            if not src:
+                return
+            check_send_allowed("LayerwiseSender part")
+            if not live.t_start:
+                live.t_start = time.time()
+            keep, gather_ms = self.sender.send_part(
+                self.sock, self.cache, src, layers, req_id=req_id, reply_to=self.instance_id,
+                block_offset=dst[0] - live.skip_blocks, num_prompt_tokens=live.num_prompt_tokens, t_start=live.t_start)
+            live.gather_ms += gather_ms
+            live.parts += 1
+            self.messages_sent += 1
+            if keep is not None:
+                live.keep.append(keep)
+
+    def _all_sent(self, req_id: str) -> None:
+        with self._lock:
+            live = self._live.get(req_id)
+            if live is None:
+                return
+            live.all_sent = True
+            if live.first_token is not None:
+                self._send_last(req_id, live)
+
+    def _send_last(self, req_id: str, live: _Live) -> None:  # lock held
+        if live.finished:
+            return
+        live.finished = True
+        check_send_allowed("LayerwiseSender last part")
+        self.sock.send(encode(KVLayer(req_id=req_id, reply_to=self.instance_id, last=True,
+                                      first_token=live.first_token,
+                                      num_prompt_tokens=live.num_prompt_tokens,
+                                      t_start=live.t_start, gather_ms=live.gather_ms)))
+        self.messages_sent += 1
+
+    def _failed(self, req_id: str, exc: BaseException) -> None:
+        if req_id == "?":
+            return
+        with self._lock:
+            self._live.pop(req_id, None)
+        self._errors.put((req_id, exc))
+
+    def close(self) -> None:
+        """Stop the worker (bounded), close the socket, remove the signal segment."""
+        if self.worker is not None:
+            self.worker.stop(max(1.0, 4 * self.poll_s))
+            self.worker = None
+        with self._lock:
+            if self.sock is not None:
+                self.sock.close(0)
+                self.sock = None
+        self.signaller.close()

@@ -1,0 +1,315 @@
+"""Layerwise transfer in the served path, in process: a real PrefillInstance (P) and
+DecodeInstance (D) driven by a hand-run event loop, with this test as the router.
+
+For prompts of 1..300 tokens, chunked prefill (64-token chunks: up to 5 per prompt), both
+transfers (ipc, tcp) and both modes (layerwise, request): greedy tokens equal a colocated
+engine's; D's prompt KV is byte-identical to the colocated engine's (so the two modes fill D's
+cache identically); payload bytes = blocks x bytes_per_block. Profile/dummy gating: no channel
+before pairing, no signal and no message from the profile run, the warm-up or a dummy run after
+real traffic. A layer that is never signalled fails the request with a TimeoutError message and
+both sides get their blocks back.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import zmq
+
+import kvflow.engine
+from kvflow.context import forward_context
+from kvflow.engine import Engine
+from kvflow.model import load_model
+from kvflow.protocol import (Abort, Allocate, Allocated, Heartbeat, Pair, PairResult, Prefill, Register,
+                             Rejected, Tokens, decode, encode)
+from kvflow.serve.decode import DecodeInstance
+from kvflow.serve.instance import InstanceConfig, sample_token
+from kvflow.serve.prefill import PrefillInstance
+from kvflow.signal import STATS
+
+LENGTHS = [1, 2, 15, 16, 17, 64, 65, 150, 300]
+CHUNK, BLOCK, MAX_TOKENS = 64, 16, 5
+ALWAYS, NEVER = 0, 10**9  # layerwise_min_tokens: every prompt layerwise / every prompt request
+
+
+def prompt(n: int) -> list[int]:
+    return [(37 * i + 11) % 256 for i in range(n)]
+
+
+class Harness:
+    """P + D + a router socket; :meth:`pump` runs one iteration of both instances' loops."""
+
+    def __init__(self, transfer: str, profile_hook=None) -> None:
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        port = self.router.bind_to_random_port("tcp://127.0.0.1")
+
+        def cfg(role, **kw):
+            return InstanceConfig(role=role, router_addr=f"tcp://127.0.0.1:{port}", transfer=transfer,
+                                  block_size=BLOCK, max_model_len=512, memory_budget_mb=24,
+                                  max_num_batched_tokens=CHUNK, layerwise_min_tokens=ALWAYS, **kw)
+
+        self.p, self.d = PrefillInstance(cfg("prefill")), DecodeInstance(cfg("decode", num_blocks=96))
+        self.inbox: list = []
+        self.p.startup()
+        if profile_hook:
+            profile_hook(self)
+        self.d.startup()
+        regs = {m.role: m for m in self.wait_for(Register, 2)}
+        self.to(self.p, Pair(peer_id=self.d.instance_id, peer_role="decode", peer_spec=regs["decode"].spec,
+                             peer_num_blocks=regs["decode"].num_blocks, data_addr=regs["decode"].data_addr))
+        self.to(self.d, Pair(peer_id=self.p.instance_id, peer_role="prefill", peer_spec=regs["prefill"].spec,
+                             peer_num_blocks=regs["prefill"].num_blocks, shm_name=regs["prefill"].shm_name))
+        assert all(r.ok for r in self.wait_for(PairResult, 2))
+        self.free0 = (self.p.allocator.num_free, self.d.allocator.num_free)
+
+    def to(self, inst, msg) -> None:
+        self.router.send_multipart([inst.instance_id.encode(), encode(msg)])
+
+    def pump(self, timeout_ms: int = 2) -> None:
+        poller = zmq.Poller()
+        for s in [self.router, *self.p.sockets, *self.d.sockets]:
+            poller.register(s, zmq.POLLIN)
+        ready = dict(poller.poll(timeout_ms))
+        for inst in (self.p, self.d):
+            for sock in list(inst.sockets):
+                while sock in ready:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    inst.dispatch(sock, frames)
+            if inst.has_work():
+                inst.work()
+            inst.heartbeat()
+        while True:
+            try:
+                msg = decode(self.router.recv_multipart(zmq.NOBLOCK)[1])
+            except zmq.Again:
+                return
+            if not isinstance(msg, Heartbeat):
+                self.inbox.append(msg)
+
+    def wait_for(self, kind, count: int = 1, req_id: str | None = None, timeout: float = 20.0) -> list:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = [m for m in self.inbox if isinstance(m, kind) and getattr(m, "req_id", req_id) == req_id]
+            if len(got) >= count:
+                for m in got[:count]:
+                    self.inbox.remove(m)
+                return got[:count]
+            self.pump()
+        raise TimeoutError(f"no {kind.__name__} x{count} within {timeout} s; inbox {self.inbox}")
+
+    def request(self, rid: str, tokens: list[int], min_tokens: int = ALWAYS):
+        """(generated token ids, kvflow dict of the first Tokens, D's prompt KV bytes)."""
+        self.p.cfg.layerwise_min_tokens = min_tokens
+        self.to(self.d, Allocate(req_id=rid, token_ids=tokens, max_tokens=MAX_TOKENS, ignore_eos=True))
+        (alloc,) = self.wait_for((Allocated, Rejected), req_id=rid)
+        assert isinstance(alloc, Allocated), alloc
+        self.to(self.p, Prefill(req_id=rid, token_ids=tokens, decode_id=self.d.instance_id,
+                                decode_block_ids=alloc.block_ids))
+        out, first, kv = [], None, None
+        while True:
+            (msg,) = self.wait_for((Tokens, Rejected), req_id=rid)
+            if isinstance(msg, Rejected) or msg.error:
+                return msg, None, None
+            if first is None:
+                first, kv = msg.kvflow, prompt_kv(self.d.cache, alloc.block_ids, len(tokens))
+            out += msg.token_ids
+            if msg.finished:
+                return out, first, kv
+
+    def blocks_back(self, timeout: float = 10.0) -> tuple[int, int]:
+        deadline = time.monotonic() + timeout
+        while (self.p.allocator.num_free, self.d.allocator.num_free) != self.free0 \
+                and time.monotonic() < deadline:
+            self.pump()
+        return self.p.allocator.num_free, self.d.allocator.num_free
+
+    def close(self) -> None:
+        self.p.close()
+        self.d.close()
+        self.router.close(0)
+        self.ctx.term()
+
+
+def prompt_kv(cache, table: list[int], n: int) -> list[torch.Tensor]:
+    """Bytes of the prompt's K/V (token positions 0..n-1 only) of every layer, NHD."""
+    nb = cache.spec.num_blocks_for(n)
+    return [t[table[:nb]].flatten(0, 1)[:n].view(torch.uint8).clone() for t in cache.tensors()]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """P, D and the reference share this process: one BLAS thread each is 10x faster on a busy
+    2-core machine than two threads fighting (and every engine here computes alike)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def colocated():
+    """Greedy tokens and prompt KV of one engine doing prefill (same chunks) + decode."""
+    from kvflow import PagedKVCache
+    model, _ = load_model("kvflow-tiny")
+    spec = model.kv_spec(BLOCK)
+    eng = Engine(model, PagedKVCache(spec, 32))
+    out = {}
+    for n in LENGTHS:
+        toks, table = prompt(n), list(range(spec.num_blocks_for(n + MAX_TOKENS)))
+        logits = eng.prefill(toks, table, chunk_size=CHUNK)
+        kv = prompt_kv(eng.cache, table, n)
+        gen = [sample_token(logits, 0.0, 0, 0)]
+        for i in range(1, MAX_TOKENS):
+            gen.append(sample_token(eng.decode([(gen[-1], n + i - 1, table)])[0], 0.0, 0, i))
+        out[n] = (gen, kv)
+    return out
+
+
+@pytest.fixture(scope="module", params=["ipc", "tcp"])
+def harness(request):
+    h = Harness(request.param)
+    yield h
+    h.close()
+
+
+def test_layerwise_and_request_token_and_byte_identical_to_colocated(harness, colocated):
+    h, spec = harness, harness.p.spec
+    for mode, min_tokens in (("layerwise", ALWAYS), ("request", NEVER)):
+        parts0 = h.p.layerwise.messages_sent
+        for n in LENGTHS:
+            got, kv, d_kv = h.request(f"{mode}-{n}", prompt(n), min_tokens)
+            want, want_kv = colocated[n]
+            assert got == want, (mode, n)
+            assert kv["transfer_mode"] == mode and kv["transfer"] == h.p.cfg.transfer
+            blocks = spec.num_blocks_for(n)
+            assert (kv["blocks"], kv["payload_bytes"]) == (blocks, blocks * spec.bytes_per_block)
+            for layer, (a, b) in enumerate(zip(d_kv, want_kv)):
+                assert torch.equal(a, b), f"{mode} n={n}: D's prompt KV tensor {layer} differs"
+        parts = h.p.layerwise.messages_sent - parts0
+        if mode == "request":
+            assert parts == 0
+        else:  # >= one part + the last message per request; chunked prompts send more parts
+            assert parts > 2 * len(LENGTHS)
+        assert h.blocks_back() == h.free0
+    stats = h.p.layerwise.scheduler.stats
+    assert (stats.errors, stats.duplicate, stats.stale) == (0, 0, 0)
+    assert h.p.layerwise.scheduler.pending_requests() == [] and len(h.d.receiver.parts) == 0
+
+
+def test_every_block_layer_goes_exactly_once_in_full_blocks_per_chunk(harness):
+    """A 150-token prompt in 64-token chunks: parts are [0,4) after chunk 1, [4,8) after chunk
+    2, then [8,10) (8 full + the partial last block) after the last; each layer once."""
+    h = harness
+    sent = []
+    real = h.p.sender.send_part
+
+    def spy(link, cache, src, layers, **fields):
+        sent.append((fields["block_offset"], len(src), layers))
+        return real(link, cache, src, layers, **fields)
+
+    h.p.sender.send_part = spy
+    try:
+        got, kv, _ = h.request("exact-once", prompt(150))
+    finally:
+        del h.p.sender.send_part
+    assert kv["transfer_mode"] == "layerwise"
+    L = h.p.spec.num_layers
+    seen = torch.zeros(L, 10, dtype=torch.int32)
+    for off, k, layers in sent:
+        seen[layers.start:layers.stop, off:off + k] += 1
+    assert torch.equal(seen, torch.ones(L, 10, dtype=torch.int32))
+    assert sorted({(off, k) for off, k, _ in sent}) == [(0, 4), (4, 4), (8, 2)]
+    assert h.blocks_back() == h.free0
+
+
+def test_missing_layer_signal_fails_the_request_and_frees_blocks_on_both_sides(harness):
+    h = harness
+    lw = h.p.layerwise
+    lw.worker.signal_timeout_s = 0.5
+    real = lw.signaller.signal
+    lw.signaller.signal = lambda layer, step: False if layer == 1 else real(layer, step)
+    t0 = time.monotonic()
+    try:
+        msg, _, _ = h.request("lost-signal", prompt(40))
+    finally:
+        lw.signaller.signal = real
+        lw.worker.signal_timeout_s = 30.0
+    assert time.monotonic() - t0 < 10
+    assert isinstance(msg, Rejected) and msg.kind == "error"
+    assert msg.error.startswith(f"layerwise KV transfer of lost-signal from {h.p.instance_id} "
+                                f"failed: request 'lost-signal': no signal for layer 1 of step ")
+    assert msg.error.endswith(f"on segment '{lw.signaller.channel.name}' within 0.5 s; aborted")
+    h.to(h.d, Abort(req_id="lost-signal", reason="router ended the request"))
+    h.to(h.p, Abort(req_id="lost-signal", reason="router ended the request"))
+    assert h.blocks_back() == h.free0
+    assert len(h.d.receiver.parts) == 0 and lw.scheduler.pending_requests() == []
+    got, kv, _ = h.request("after-failure", prompt(40))  # the instance serves on
+    assert kv["transfer_mode"] == "layerwise" and len(got) == MAX_TOKENS
+    assert h.blocks_back() == h.free0
+
+
+def test_profile_warmup_and_dummy_runs_signal_and_send_nothing(monkeypatch):
+    seen = {}
+    real_dnb = kvflow.engine.determine_num_blocks
+
+    def profiled(*a, **k):
+        before = (STATS.written, STATS.suppressed)
+        n = real_dnb(*a, **k)
+        seen["profile"] = (STATS.written - before[0], STATS.suppressed - before[1])
+        return n
+
+    def after_p_startup(h):
+        lw = h.p.layerwise
+        # the profile run sized P (no --num-blocks); the warm-up dummy prefill ran its hooks
+        seen["startup"] = (lw.signaller.channel, lw.signaller.stats.written,
+                           lw.signaller.stats.suppressed, lw.messages_sent, lw.worker)
+
+    monkeypatch.setattr(kvflow.engine, "determine_num_blocks", profiled)
+    w0 = STATS.written
+    h = Harness("tcp", profile_hook=after_p_startup)
+    try:
+        lw = h.p.layerwise
+        assert seen["profile"] == (0, 0)
+        channel, written, suppressed, sent, worker = seen["startup"]
+        layers = h.p.spec.num_layers
+        assert channel is None and worker is None and written == 0 and sent == 0
+        assert suppressed == 2 * layers  # warm-up: 32 tokens in two chunks, every layer refused
+        assert lw.signaller.channel is not None  # created at pairing
+        got, kv, _ = h.request("real", prompt(100))
+        assert kv["transfer_mode"] == "layerwise"
+        assert lw.signaller.stats.written == 2 * layers  # 2 chunks x layers
+        steps, p_sent = lw.signaller.channel.steps().tolist(), lw.messages_sent
+        arrived = []
+        for kind in ("kvlayer", "kvdata", "kvready"):
+            monkeypatch.setattr(h.d, f"on_{kind}", lambda *a, kind=kind: arrived.append(kind))
+        h.p.dummy_run(48)  # a dummy run after real traffic
+        for _ in range(20):
+            h.pump()
+        assert lw.signaller.channel.steps().tolist() == steps
+        assert lw.signaller.stats.written == 2 * layers and STATS.written - w0 == 2 * layers
+        assert lw.signaller.stats.suppressed == suppressed + 2 * layers  # 48 tokens, 2 chunks
+        assert lw.messages_sent == p_sent and lw.scheduler.pending_requests() == []
+        assert arrived == [] and h.d.seqs == {}
+        monkeypatch.undo()
+        with forward_context(is_dummy_or_profile_run=True):
+            assert lw.open(h.ctx, "tcp://127.0.0.1:1") is False  # set-up refused in a dummy run
+        assert h.blocks_back() == h.free0
+    finally:
+        h.close()
+    assert lw.signaller.channel is None  # segment removed at close
+
+
+def test_request_transfer_mode_has_no_layerwise_path():
+    from kvflow.serve.__main__ import parse_args
+    args = parse_args(["--transfer-mode", "request", "--layerwise-min-tokens", "0"])
+    assert (args.transfer_mode, args.layerwise_min_tokens) == ("request", 0)
+    assert parse_args([]).transfer_mode == "layerwise"
+    cfg = InstanceConfig(role="prefill", router_addr="tcp://127.0.0.1:1", transfer_mode="request")
+    p = PrefillInstance(cfg)
+    assert p.layerwise is None and cfg.layerwise_min_tokens == 2048
