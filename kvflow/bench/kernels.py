@@ -33,8 +33,9 @@ OPS = ("gather", "scatter", "copy")
 def pick_backends(requested: list[str] | None, device: torch.device) -> tuple[list[str], dict[str, str]]:
     """Backends to sweep on ``device`` (torch first, as the baseline) and why others are left out.
 
-    ``requested=None`` means every backend available here that runs on ``device``; an explicitly
-    requested backend that cannot run raises (never silently dropped).
+    ``requested=None`` means every backend available here that runs on ``device`` (except Triton
+    on a CPU, which is its interpreter); an explicitly requested backend that cannot run raises
+    (never silently dropped).
 
     Raises
     ------
@@ -52,6 +53,10 @@ def pick_backends(requested: list[str] | None, device: torch.device) -> tuple[li
                 get_backend(name, device)
             except (ValueError, RuntimeError) as exc:
                 left_out[name] = str(exc)
+                continue
+            if name == "triton" and device.type == "cpu":
+                left_out[name] = ("runs in Triton's interpreter here (TRITON_INTERPRET=1): a "
+                                  "correctness mode, not a speed; name it in --backends to time it")
                 continue
             names.append(name)
     else:
@@ -178,6 +183,8 @@ def run_kernels(opts: dict[str, Any], env: dict[str, Any], progress: bool = True
                 for backend in backends:
                     ctas_list = [None] if backend == "torch" or device.type == "cpu" else opts["max_ctas"]
                     for max_ctas in ctas_list:
+                        if opts.get("threads"):  # numba's OpenMP resets torch's count
+                            torch.set_num_threads(opts["threads"])
                         try:
                             ok = case.verify(op, backend, max_ctas)
                             times = time_calls(case.fns(op, backend, max_ctas), device=device,
