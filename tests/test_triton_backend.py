@@ -175,7 +175,7 @@ def _ptx(src_cache: bool, dst_cache: bool) -> str:
            "src_ids": "*i32", "dst_ids": "*i32", "n": "i32", "src_n": "i32", "dst_n": "i32",
            "total": "i32"}
     const = dict(WORD=tl.int64, ALIGN=16, RUN=16384, CHUNK=8192, BLOCK=2048, EVEN=True,
-                 SRC_CACHE=src_cache, DST_CACHE=dst_cache)
+                 SRC_CACHE=src_cache, DST_CACHE=dst_cache, STREAM=False)
     for name in (("src_stage",) if src_cache else ("src_table", "src_ids")) + \
                 (("dst_stage",) if dst_cache else ("dst_table", "dst_ids")):
         const[name] = None

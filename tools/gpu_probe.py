@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvflow import KVCacheSpec, PagedKVCache, staging_buffer  # noqa: E402
 from kvflow.kernels import available_backends, copy_blocks, gather_blocks, scatter_blocks  # noqa: E402
 from kvflow.kernels import payload_bytes  # noqa: E402
+from kvflow.bench.timing import queue_ahead  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
           "fp8": torch.float8_e4m3fn}
@@ -123,12 +124,17 @@ def correctness(backends: list[str], dev: str) -> list[str]:
     return failures
 
 
+QUEUE_AHEAD = True  # --launch-bound turns it off: then host launch gaps count too
+
+
 def time_ms(fns, reps: int, warmup: int = 3) -> list[float]:
     for i in range(warmup):
         fns[i % len(fns)]()
     torch.cuda.synchronize()
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
           for _ in range(reps)]
+    if QUEUE_AHEAD:
+        queue_ahead(torch.device("cuda", torch.cuda.current_device()))
     for i, (a, b) in enumerate(ev):
         a.record()
         fns[i % len(fns)]()
@@ -155,7 +161,9 @@ def variants(backends, sms, quick):
     out = [("triton", "default", None, None)]
     if not quick:
         out += [("triton", f"ctas/SM={c}", None, LaunchConfig(ctas_per_sm=c)) for c in (1, 2, 8, 16)]
-        out += [("triton", "step=32K", None, LaunchConfig(block_bytes=32768)),
+        out += [("triton", "stream", None, LaunchConfig(streaming=True)),
+                ("triton", "stream ctas/SM=16", None, LaunchConfig(streaming=True, ctas_per_sm=16)),
+                ("triton", "step=32K", None, LaunchConfig(block_bytes=32768)),
                 ("triton", "chunk=128K", None, LaunchConfig(chunk_bytes=131072)),
                 ("triton", "8 warps", None, LaunchConfig(num_warps=8))]
     out += [("triton", f"max_ctas={m}", m, None) for m in (8, 32, sms)]
@@ -229,7 +237,11 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-correctness", action="store_true")
     ap.add_argument("--json", help="write rows and environment here")
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--launch-bound", action="store_true",
+                    help="time without filling the device queue first (host launch gaps count)")
     a = ap.parse_args(argv)
+    global QUEUE_AHEAD
+    QUEUE_AHEAD = not a.launch_bound
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 2

@@ -38,7 +38,7 @@ def _copy_runs(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
                n, src_n, dst_n, total,
                WORD: tl.constexpr, ALIGN: tl.constexpr, RUN: tl.constexpr,
                CHUNK: tl.constexpr, BLOCK: tl.constexpr, EVEN: tl.constexpr,
-               SRC_CACHE: tl.constexpr, DST_CACHE: tl.constexpr):
+               SRC_CACHE: tl.constexpr, DST_CACHE: tl.constexpr, STREAM: tl.constexpr):
     """Copy ``total`` work items; see the module docstring. RUN, CHUNK, BLOCK are in words."""
     NCHUNK: tl.constexpr = (RUN + CHUNK - 1) // CHUNK
     ar = tl.arange(0, BLOCK)
@@ -68,10 +68,19 @@ def _copy_runs(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
             for k in range(0, CHUNK, BLOCK):
                 offs = k + ar
                 if EVEN:
-                    tl.store(dp + offs, tl.load(sp + offs))
+                    if STREAM:
+                        v = tl.load(sp + offs, cache_modifier=".cg", eviction_policy="evict_first")
+                        tl.store(dp + offs, v, cache_modifier=".cs")
+                    else:
+                        tl.store(dp + offs, tl.load(sp + offs))
                 else:
                     m = c * CHUNK + offs < RUN
-                    tl.store(dp + offs, tl.load(sp + offs, mask=m), mask=m)
+                    if STREAM:
+                        v = tl.load(sp + offs, mask=m, cache_modifier=".cg",
+                                    eviction_policy="evict_first")
+                        tl.store(dp + offs, v, mask=m, cache_modifier=".cs")
+                    else:
+                        tl.store(dp + offs, tl.load(sp + offs, mask=m), mask=m)
 
 
 @dataclasses.dataclass
@@ -93,6 +102,9 @@ class LaunchConfig:
         ``block_bytes`` and ``num_warps`` when ``max_ctas`` caps the grid below one program
         per SM (background copies): fewer programs must each keep more bytes in flight
         (64 KiB per step at 16 warps).
+    streaming : bool
+        Streaming cache hints: loads ``.cg`` + ``evict_first``, stores ``.cs`` (the bytes are
+        touched once; keep them from evicting the prefill's working set in L2).
     """
 
     block_bytes: int = 16384
@@ -101,6 +113,7 @@ class LaunchConfig:
     num_warps: int = 4
     capped_block_bytes: int = 65536
     capped_num_warps: int = 16
+    streaming: bool = False
 
 
 CONFIG = LaunchConfig()
@@ -192,7 +205,8 @@ def launch(*, src_table=None, dst_table=None, src_stage=None, dst_stage=None,
         kernel()[(grid,)](*args, n, src_n, dst_n, total,
                           WORD=tl_word, ALIGN=align, RUN=run, CHUNK=chunk, BLOCK=block,
                           EVEN=even, SRC_CACHE=src_table is not None,
-                          DST_CACHE=dst_table is not None, num_warps=warps)
+                          DST_CACHE=dst_table is not None, STREAM=cfg.streaming,
+                          num_warps=warps)
 
 
 class _on:
