@@ -52,6 +52,11 @@ def test_step_must_not_decrease_and_bad_layer():
         assert ch.steps().tolist() == [5, -1] and ch.count(0) == 1
 
 
+INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="CPU-tensor path of Triton's interpreter; the GPU test covers CUDA")
+
+
+@INTERPRETED
 def test_triton_signal_kernel_stores_step_and_count():
     from kvflow.signal.triton_signal import signal_layer
     with SignalChannel.create(_iid(), 3) as ch:
@@ -88,6 +93,7 @@ def _child(parent_name: str, conn) -> None:
     os._exit(0)  # no finalizers: the segment is left behind with a dead owner
 
 
+@INTERPRETED
 def test_writer_and_reader_in_different_processes_and_stale_cleanup():
     ctx = mp.get_context("spawn")
     parent_conn, child_conn = ctx.Pipe()

@@ -69,15 +69,14 @@ def _copy_runs(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
                 offs = k + ar
                 if EVEN:
                     if STREAM:
-                        v = tl.load(sp + offs, cache_modifier=".cg", eviction_policy="evict_first")
+                        v = tl.load(sp + offs, eviction_policy="evict_first")
                         tl.store(dp + offs, v, cache_modifier=".cs")
                     else:
                         tl.store(dp + offs, tl.load(sp + offs))
                 else:
                     m = c * CHUNK + offs < RUN
                     if STREAM:
-                        v = tl.load(sp + offs, mask=m, cache_modifier=".cg",
-                                    eviction_policy="evict_first")
+                        v = tl.load(sp + offs, mask=m, eviction_policy="evict_first")
                         tl.store(dp + offs, v, mask=m, cache_modifier=".cs")
                     else:
                         tl.store(dp + offs, tl.load(sp + offs, mask=m), mask=m)
@@ -103,7 +102,7 @@ class LaunchConfig:
         per SM (background copies): fewer programs must each keep more bytes in flight
         (64 KiB per step at 16 warps).
     streaming : bool
-        Streaming cache hints: loads ``.cg`` + ``evict_first``, stores ``.cs`` (the bytes are
+        Streaming cache hints: loads ``evict_first``, stores ``.cs`` (the bytes are
         touched once; keep them from evicting the prefill's working set in L2).
     """
 
