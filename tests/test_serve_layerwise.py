@@ -306,9 +306,12 @@ def test_profile_warmup_and_dummy_runs_signal_and_send_nothing(monkeypatch):
 
 
 def test_request_transfer_mode_has_no_layerwise_path():
-    from kvflow.serve.__main__ import parse_args
+    from kvflow.serve.__main__ import _instance_args, parse_args
     args = parse_args(["--transfer-mode", "request", "--layerwise-min-tokens", "0"])
     assert (args.transfer_mode, args.layerwise_min_tokens) == ("request", 0)
+    iargs = _instance_args(args, "tcp://127.0.0.1:1")  # what the child instances get
+    assert iargs[iargs.index("--transfer-mode") + 1] == "request"
+    assert iargs[iargs.index("--layerwise-min-tokens") + 1] == "0"
     assert parse_args([]).transfer_mode == "layerwise"
     cfg = InstanceConfig(role="prefill", router_addr="tcp://127.0.0.1:1", transfer_mode="request")
     p = PrefillInstance(cfg)

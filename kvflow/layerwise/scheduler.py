@@ -32,8 +32,11 @@ from typing import Callable, Sequence
 from kvflow.context import sends_allowed
 
 MODES = ("layerwise", "request")
-#: Prompts shorter than this use ``request`` mode. Provisional (DESIGN.md: below a few thousand
-#: tokens the overlap can cost more than it saves); set it from bench/layerwise_gpu.py on the H200.
+#: Prompts shorter than this use ``request`` mode (the default of ``--layerwise-min-tokens``).
+#: Source: the H200 run of bench/layerwise_gpu.py (bench/results/layerwise_gpu.json, Llama-3-8B
+#: shape, bf16): with the current event path layerwise beat request mode only at 16K tokens, and
+#: DESIGN.md notes +18% TTFT at 256 tokens elsewhere; 2048 is provisional until the lead fixes
+#: the figure from that run.
 DEFAULT_LAYERWISE_MIN_TOKENS = 2048
 
 SendFn = Callable[[str, range, list[int], list[int]], None]
