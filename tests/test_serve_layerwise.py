@@ -29,7 +29,7 @@ from kvflow.serve.instance import InstanceConfig, sample_token
 from kvflow.serve.prefill import PrefillInstance
 from kvflow.signal import STATS
 
-LENGTHS = [1, 2, 15, 16, 17, 64, 65, 150, 300]
+LENGTHS = [1, 15, 16, 17, 65, 150, 300]
 CHUNK, BLOCK, MAX_TOKENS = 64, 16, 5
 ALWAYS, NEVER = 0, 10**9  # layerwise_min_tokens: every prompt layerwise / every prompt request
 
