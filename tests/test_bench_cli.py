@@ -160,3 +160,31 @@ def test_contention_skips_on_cpu_with_a_message(workdir, capsys):
     assert main(argv) == 0
     assert "contention: skipped: the SM-contention study needs a CUDA GPU; device is cpu" in \
         capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_pytest_benchmark_suite_rows_and_compare(tmp_path):
+    """bench/test_kernels_bench.py: rows of the shared schema in extra_info; a saved run can be
+    compared against (``--benchmark-compare``). About 30 s: marked slow."""
+    import os
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
+    base = [sys.executable, "-m", "pytest", str(root / "bench" / "test_kernels_bench.py"), "-q",
+            "-p", "no:cacheprovider", "-k", "NHD and 64 and gather",
+            f"--benchmark-storage=file://{tmp_path / 'store'}"]
+    first = subprocess.run(base + ["--benchmark-autosave"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=240)
+    assert first.returncode == 0, first.stdout[-2000:]
+    second = subprocess.run(base + ["--benchmark-compare", "--benchmark-compare-fail=median:1000%",
+                                    f"--benchmark-json={tmp_path / 'b.json'}"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert second.returncode == 0, second.stdout[-2000:]
+    assert "Comparing against benchmarks from:" in second.stdout + second.stderr
+    rows = [b["extra_info"] for b in json.loads((tmp_path / "b.json").read_text())["benchmarks"]]
+    assert {r["backend"] for r in rows} >= {"torch", "numba"}
+    for r in rows:
+        assert set(ROW_FIELDS) <= set(r)
+        assert (r["op"], r["layout"], r["tokens"], r["payload_bytes"]) == ("gather", "NHD", 64, LLAMA_BLOCK_BYTES)
+        assert r["gbps"] == pytest.approx(r["payload_bytes"] / r["time_s"] / 1e9)

@@ -33,6 +33,20 @@ def skip_reason(device: Any) -> str | None:
     return None
 
 
+def _time_on_current_stream(fn, reps: int) -> list[float]:
+    """Seconds of each of ``reps`` calls, from events on the current stream only: unlike
+    :func:`timing.time_calls` nothing synchronises the device, so the side stream's background
+    copies keep running during the timed window."""
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    ends[-1].synchronize()
+    return [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)]
+
+
 def run_contention(opts: dict[str, Any], env: dict[str, Any]) -> list[dict]:
     """One row per (GPU backend, tokens, max_ctas); ``max_ctas`` None means an uncapped grid.
 
@@ -80,7 +94,7 @@ def run_contention(opts: dict[str, Any], env: dict[str, Any]) -> list[dict]:
                 with torch.cuda.stream(side):
                     for _ in range(k):  # keep the copy busy for the whole timed window
                         copy()
-                beside = time_calls([mm], device=dev, warmup=1, reps=reps)
+                beside = _time_on_current_stream(mm, reps)
                 torch.cuda.synchronize(dev)
                 t_b = median(beside)
                 rows.append(make_row(
