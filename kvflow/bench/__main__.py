@@ -114,8 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--warmup", type=int)
     t.add_argument("--reps", type=int)
 
-    lw = sub.add_parser("layerwise", help="overlap study (runs bench/layerwise_gpu.py; "
-                        "--quick = its --smoke CPU run, --full = the H200 run)")
+    sub.add_parser("layerwise", add_help=False,  # --help goes to the study's own parser
+                   help="overlap study (runs bench/layerwise_gpu.py; --quick = its --smoke CPU "
+                        "run, --full = the H200 run; other flags go to the study)")
 
     s = sub.add_parser("serve", help="load generator: TTFT, TPOT, ITL, E2E, throughput, goodput")
     _common(s, device=False)
