@@ -5,6 +5,6 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 echo 'import numpy as _np; _np.row_stack = getattr(_np, "row_stack", _np.vstack)' > /tmp/site/sitecustomize.py
 python3 -m pip install -q --no-deps --no-build-isolation -e . > $OUT/install.log 2>&1 || tail -5 $OUT/install.log
 echo commit $KVFLOW_COMMIT; nvidia-smi topo -m | head -4
-timeout 200 python3 -m pytest -q -x tests/test_cuda_ipc.py tests/test_triton_backend.py -k "peer or two or ipc or cuda_ipc or pull or push" -p no:cacheprovider 2>&1 | tee $OUT/pytest_x2.log | tail -8
+timeout 200 python3 -m pytest -q tests/test_cuda_ipc.py tests/test_triton_backend.py -k "cuda_ipc or two_gpus" -p no:cacheprovider 2>&1 | tee $OUT/pytest_x2.log | tail -8
 timeout 330 python3 bench/ipc_gpu.py > $OUT/ipc.log 2>&1; tail -60 $OUT/ipc.log
 cp bench/results/ipc_gpu-*.json $OUT/ 2>/dev/null; ls $OUT
