@@ -14,7 +14,7 @@ after a random delay. After the load it drains, then reports and writes JSON to
 - p50/p99 TTFT and TPOT in ms of the completed requests (client side).
 
 Pass = 0 leaked, 0 hung, 0 restarts, every request completed or got an error. ``--quick``: 8
-clients, 20 s, for CI (``tests/test_reliability_soak.py``).
+clients, 12 s, prompts <= 256 tokens, for CI (``tests/test_reliability_soak.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -153,11 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--abort-frac", type=float, default=0.1)
     p.add_argument("--client-timeout-s", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="8 clients, 20 s, prompts <= 256 tokens")
+    p.add_argument("--quick", action="store_true", help="8 clients, 12 s, prompts <= 256 tokens, <= 8 new tokens")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/soak-<date>.json)")
     args = p.parse_args(argv)
     if args.quick:
-        args.clients, args.minutes, args.max_prompt = 8, 20 / 60, min(args.max_prompt, 256)
+        args.clients, args.minutes, args.max_prompt = 8, 12 / 60, min(args.max_prompt, 256)
+        args.max_tokens = min(args.max_tokens, 8)
     for name in ("minutes", "clients", "max_prompt", "max_tokens", "client_timeout_s"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
@@ -165,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     url = args.url
     if url is None:
         os.makedirs("bench/results", exist_ok=True)
-        proc = start_server(args.port, "bench/results/soak-server.log")
+        proc = start_server(args.port, os.path.join(tempfile.gettempdir(), "kvflow-soak-server.log"))
         url = f"http://127.0.0.1:{args.port}"
     try:
         t0 = time.monotonic()

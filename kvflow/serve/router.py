@@ -31,6 +31,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvflow.protocol import Abort, Allocate, Allocated, Prefill, Rejected, Tokens
 
@@ -177,12 +178,20 @@ def create_app(router: Router) -> FastAPI:
                                            "authentication_error"), status_code=401)
         return await call_next(request)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        # e.g. a body that is not UTF-8 / not JSON: OpenAI's error shape, the body named
+        return JSONResponse(error_body(f"body: {exc.detail}", "body" if exc.status_code == 400 else None),
+                            status_code=exc.status_code)
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         errs = exc.errors()
         first = errs[0] if errs else {"loc": (), "msg": "invalid body"}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = loc[0] if loc else None
+        if first.get("type") == "json_invalid":  # the body is not JSON: loc is a byte offset
+            loc = []
+        param = loc[0] if loc else "body"
         msg = f"{'.'.join(loc) or 'body'}: {first.get('msg')}"
         return JSONResponse(error_body(msg, param), status_code=400)
 
