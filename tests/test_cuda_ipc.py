@@ -172,8 +172,8 @@ except Exception as exc:
 d = PagedKVCache(spec, 64, device="cuda:0")
 enable_peer_access(d.device, peer.device)
 src, dst = torch.tensor([5, 63, 0]), torch.tensor([1, 2, 40])
-copy_blocks(peer, d, src, dst, backend="triton")
-torch.cuda.synchronize()
+copy_blocks(peer, d, src, dst, backend="triton", direction="push")  # see cuda_ipc's docstring
+torch.cuda.synchronize(peer.device); torch.cuda.synchronize(d.device)
 ok = all(torch.equal(t[dst.cuda()].reshape(3, -1).view(torch.int32), pattern(j, src.cuda(), spec, 64))
          for j, t in enumerate(d.tensors()))
 print("OK" if ok else "MISMATCH", peer.device.index, flush=True)

@@ -14,7 +14,11 @@ D opens the handle once, at pairing (:func:`import_cache`): it maps the UUID to 
 :class:`~kvflow.cache.PagedKVCache` on that ordinal. Each request is then one
 :func:`~kvflow.kernels.copy_blocks` launch over all layers (``direction="pull"``: the kernel runs
 on D's GPU and reads P's memory over NVLink; ``"push"``: on P's GPU, writing D's memory), no host
-synchronisation per block; D waits once per request (an event) before acknowledging, since P
+synchronisation per block. D uses ``"push"`` by default: on 2xH200 (torch 2.11, 2026-11-29) a
+pull kernel on D's GPU reading the IPC-mapped memory faulted with an illegal address, in either
+order of peer enabling and import (tools/ipc_experiment.py), while a kernel launched (from D's
+process) on P's GPU, reading the mapping locally and writing D's cache over NVLink, is correct.
+D waits once per request (an event) before acknowledging, since P
 reuses its blocks after the ack. The mapping is closed (``cudaIpcCloseMemHandle`` via torch's
 storage deleter) when D closes the receiver or exits; P's memory is freed by torch once every
 importer has dropped it (torch's IPC reference counter), or when P exits.
@@ -291,14 +295,15 @@ class CudaIpcReceiver(IpcReceiver):
     backend : str
         Kernel backend (``"auto"`` picks triton on CUDA).
     direction : {"pull", "push"}
-        Where the copy kernel runs (see the module docstring).
+        Where the copy kernel runs (see the module docstring); "push" by default.
     """
 
-    def __init__(self, backend: str = "auto", direction: str = "pull") -> None:
+    def __init__(self, backend: str = "auto", direction: str = "push") -> None:
         if direction not in ("pull", "push"):
             raise ValueError(f"direction must be 'pull' or 'push', got {direction!r}")
         super().__init__(backend)
         self.direction = direction
+        self.copy_kwargs = {"direction": direction}
 
     def attach(self, peer_id, peer_spec, peer_num_blocks, shm_name=""):
         self.close()
@@ -316,7 +321,8 @@ class CudaIpcReceiver(IpcReceiver):
         if not isinstance(header, KVReady):
             stats = super().receive(header, frames, cache, dst_ids)
             if stats is not None:
-                torch.cuda.current_stream(cache.device).synchronize()
+                run_on = cache.device if self.direction == "pull" else self.peer.device
+                torch.cuda.current_stream(run_on).synchronize()
             return stats
         src = as_ids(header.src_block_ids)
         if src.numel() != len(dst_ids):

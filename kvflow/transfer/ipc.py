@@ -140,6 +140,8 @@ class IpcSender(KVSender):
 class IpcReceiver(KVReceiver):
     """D side: map P's cache at pairing, then ``copy_blocks`` P's ids -> D's ids."""
 
+    copy_kwargs: dict = {}  # extra copy_blocks arguments (the CUDA receiver sets direction)
+
     name = "ipc"
 
     def __init__(self, backend: str = "auto") -> None:
@@ -180,7 +182,7 @@ class IpcReceiver(KVReceiver):
             raise TransferError(f"KVLayer for {header.req_id} names {len(header.src_block_ids)} "
                                 f"source blocks for {len(dst_ids)} prompt blocks")
         copy_blocks(self.peer, cache, as_ids(header.src_block_ids), as_ids(dst_ids), layers=layers,
-                    backend=self.backend)
+                    backend=self.backend, **self.copy_kwargs)
         return payload_bytes(cache.spec, len(dst_ids), layers)
 
     def close(self) -> None:
