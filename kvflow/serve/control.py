@@ -236,6 +236,7 @@ class Controller:
                                "transfer": i.reg.transfer, "num_blocks": i.reg.num_blocks,
                                "free_blocks": i.free_blocks, "num_running": i.num_running,
                                "max_model_len": i.reg.max_model_len, "spec": i.reg.spec,
-                               "shm_name": i.reg.shm_name, "paired_with": sorted(i.pair_ok)}
+                               "shm_name": i.reg.shm_name, "data_addr": i.reg.data_addr,
+                               "paired_with": sorted(i.pair_ok)}
                               for i in self.instances.values()],
                 "errors": self.errors[-20:]}
