@@ -33,7 +33,8 @@ def capture(inst, out: list) -> None:
 
 
 def make_instance(cls, role: str, **kw):
-    cfg = InstanceConfig(role=role, router_addr=ROUTER, transfer="ipc", transfer_mode="request",
+    cfg = InstanceConfig(role=role, router_addr=ROUTER, transfer=kw.pop("transfer", "ipc"),
+                         transfer_mode="request",
                          num_blocks=kw.pop("num_blocks", 48), max_model_len=256,
                          max_num_batched_tokens=256, **kw)
     inst = cls(cfg)
@@ -47,14 +48,15 @@ def make_instance(cls, role: str, **kw):
 class PD:
     """P and D paired over ipc; ``run`` drives one request from Allocate to its last token."""
 
-    def __init__(self, *, prefix: bool = True, d_blocks: int = 48, lease_s: float = 5.0) -> None:
-        self.p = make_instance(PrefillInstance, "prefill", kv_lease_s=lease_s)
-        self.d = make_instance(DecodeInstance, "decode", num_blocks=d_blocks,
+    def __init__(self, *, prefix: bool = True, d_blocks: int = 48, lease_s: float = 5.0,
+                 transfer: str = "ipc") -> None:
+        self.p = make_instance(PrefillInstance, "prefill", kv_lease_s=lease_s, transfer=transfer)
+        self.d = make_instance(DecodeInstance, "decode", num_blocks=d_blocks, transfer=transfer,
                                enable_prefix_caching=prefix, kv_lease_s=lease_s)
         self.p.link, self.p.peer_id = FakeLink(), self.d.instance_id
         self.d.on_pair(Pair(peer_id=self.p.instance_id, peer_role="prefill",
                             peer_spec=self.p.spec.to_dict(), peer_num_blocks=self.p.num_blocks,
-                            shm_name=self.p.shared.name), [], None)
+                            shm_name=self.p.shared.name if self.p.shared else ""), [], None)
         assert self.d.out[-1].ok, self.d.out[-1]
         self.n = 0
 
@@ -83,8 +85,17 @@ class PD:
         self.p.on_prefill(Prefill(req_id=req_id, token_ids=token_ids, decode_id=self.d.instance_id,
                                   decode_block_ids=allocated.block_ids,
                                   skip_blocks=allocated.num_cached_blocks), [], None)
-        self.p.work()
-        table = self.p.pending[req_id][0]
+        table = None
+        real = self.p.allocator.allocate
+        def spy(n):  # P's table, also when its sender frees the blocks at once (tcp)
+            nonlocal table
+            table = real(n)
+            return table
+        self.p.allocator.allocate = spy
+        try:
+            self.p.work()
+        finally:
+            del self.p.allocator.allocate
         frames = self.p.link.frames.pop()
         return table, decode(frames[0]), frames[1:]
 

@@ -202,3 +202,26 @@ def test_over_capacity_refused_before_any_transfer_and_busy_when_full(pd):
     assert rej.error == "requested 2 blocks but only 0 of 48 are free"
     for r in held:
         pd.abort(r)
+
+
+def test_prefix_hit_over_tcp_moves_only_the_missing_blocks():
+    from kvflow.protocol import KVData
+    pd = PD(transfer="tcp")
+    try:
+        first = TEXT[:32]
+        pd.run(first)
+        prompt = first + TEXT[100:148]
+        req, alloc = pd.allocate(prompt)
+        p_table, hdr, frames = pd.prefill(req, prompt, alloc)
+        assert alloc.num_cached_blocks == 2 and isinstance(hdr, KVData) and hdr.num_blocks == 3
+        assert not pd.p.allocator.num_used               # tcp: P's blocks freed at send
+        pd.deliver(hdr, frames)
+        for logical in range(2, 5):
+            for dt, pt in zip(pd.d.cache.tensors(), pd.p.cache.tensors()):
+                assert torch.equal(dt[alloc.block_ids[logical]], pt[p_table[logical]])
+        pd.decode_all()
+        assert tokens_of(pd.take(pd.d, Tokens)) == colocated(pd, prompt)
+        pd.d.prefix.clear()
+        assert pd.free() == (pd.p.num_blocks, pd.d.num_blocks) and not pd.p.pending
+    finally:
+        pd.close()
