@@ -52,6 +52,12 @@ def pct(xs: list[float], q: float) -> float | None:
     return round(xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3, 2)
 
 
+def note(stats: dict, status, text: str) -> None:
+    """Count an error message (digits blanked, so ids and counts group together)."""
+    key = f"{status}: " + "".join("#" if c.isdigit() else c for c in text)[:140]
+    stats["messages"][key] = stats["messages"].get(key, 0) + 1
+
+
 async def one(client, rng, stats, args) -> None:
     n = rng.randint(1, args.max_prompt)
     body = {"prompt": make_prompt(rng, n), "max_tokens": rng.randint(1, args.max_tokens),
@@ -66,6 +72,7 @@ async def one(client, rng, stats, args) -> None:
                     await r.aread()
                     stats["errors"] += 1
                     stats["statuses"][str(r.status_code)] = stats["statuses"].get(str(r.status_code), 0) + 1
+                    note(stats, r.status_code, r.text)
                     return
                 first = last = None
                 count = 0
@@ -78,6 +85,7 @@ async def one(client, rng, stats, args) -> None:
                     chunk = json.loads(line[6:])
                     if "error" in chunk:
                         stats["errors"] += 1
+                        note(stats, "stream", json.dumps(chunk["error"]))
                         return
                     now = time.monotonic()
                     first = first or now
@@ -96,6 +104,7 @@ async def one(client, rng, stats, args) -> None:
 
 async def drive(url: str, args) -> dict:
     stats = {"requests": 0, "ok": 0, "errors": 0, "aborted": 0, "hung": 0, "statuses": {},
+             "messages": {},
              "ttft": [], "tpot": []}
     limits = httpx.Limits(max_connections=args.clients + 4)
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
@@ -118,6 +127,7 @@ async def drive(url: str, args) -> dict:
     pids1 = {i["role"]: i["pid"] for i in after["instances"]}
     return {"requests": stats["requests"], "ok": stats["ok"], "errors": stats["errors"],
             "aborted": stats["aborted"], "hung": stats["hung"], "error_kinds": stats["statuses"],
+            "error_messages": dict(sorted(stats["messages"].items(), key=lambda kv: -kv[1])[:8]),
             "leaked_blocks": sum(i["num_blocks"] - i["free_blocks"] for i in after["instances"]),
             "server_restarts": sum(pids1.get(r) != p for r, p in pids0.items()),
             "ttft_p50_ms": pct(stats["ttft"], 0.5), "ttft_p99_ms": pct(stats["ttft"], 0.99),
