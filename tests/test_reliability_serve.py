@@ -86,18 +86,29 @@ def test_client_disconnect_while_queued_behind_another_prefill(server):
     th.join(20)
 
 
-def test_client_disconnect_while_decoding_and_busy_d_is_bounded_503(server):
-    # 100 + 400 tokens hold 32 of D's 40 blocks while decoding; an 11-block request must wait.
+def test_client_disconnect_while_decoding(server):
     with httpx.Client(base_url=server.url, timeout=30) as c:
         with c.stream("POST", "/v1/completions", json={"prompt": "x" * 99, "max_tokens": 400,
                                                        "stream": True, "ignore_eos": True}) as r:
-            lines = r.iter_lines()
-            assert next(lines).startswith("data: ")
-            t0 = time.monotonic()
-            busy = server.complete(prompt="y" * 100, max_tokens=60)
-            assert busy.status_code == 503 and 1.5 <= time.monotonic() - t0 < 5
-            assert busy.json()["error"]["message"] == "requested 11 blocks but only 8 of 40 are free"
+            assert next(r.iter_lines()).startswith("data: ")
         # leaving the block closes the stream mid-decode: D frees the 32 blocks
+
+
+def test_d_out_of_blocks_waits_a_bounded_time_then_503(server):
+    # A marked 100 + 400-token request holds 32 of D's 40 blocks for >= 4 s (P's prefill and
+    # D's transfer are slowed); an 11-block request meanwhile waits --admit-timeout-s, then 503.
+    import threading
+    th = threading.Thread(target=server.complete, kwargs=dict(prompt=MARK + "x" * 96, max_tokens=400))
+    th.start()
+    deadline = time.monotonic() + 10
+    while server.free_blocks()["decode"] != 8:
+        assert time.monotonic() < deadline, "D never allocated the first request"
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    busy = server.complete(prompt="y" * 100, max_tokens=60)
+    assert busy.status_code == 503 and 1.5 <= time.monotonic() - t0 < 4
+    assert busy.json()["error"]["message"] == "requested 11 blocks but only 8 of 40 are free"
+    th.join(60)
 
 
 def test_over_capacity_is_400_before_any_transfer(server):
