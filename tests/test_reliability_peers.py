@@ -169,7 +169,7 @@ def test_restart_after_crash_ignores_and_removes_leftovers(cl):
     os.close(fd)
     assert not pid_alive(cl.p.pid)
     p2 = cl.spawn("prefill")
-    h = cl.wait(lambda h: h["status"] == "ok" and cl.inst(p2.pid) is not None, 60, "new P paired")
+    cl.wait(lambda h: h["status"] == "ok" and cl.inst(p2.pid) is not None, 60, "new P paired")
     assert not os.path.exists(path), "stale segment of a dead owner not removed"
     new = cl.inst(p2.pid)
     assert new["shm_name"] not in (stale, cl.old_p["shm_name"])

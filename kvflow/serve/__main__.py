@@ -131,7 +131,8 @@ def _instance_args(args: argparse.Namespace, router_url: str) -> list[str]:
 
 
 def run_instance(args: argparse.Namespace) -> int:
-    from .decode import ColocatedInstance, DecodeInstance
+    from .colocated import ColocatedInstance
+    from .decode import DecodeInstance
     from .instance import InstanceConfig
     from .prefill import PrefillInstance
 

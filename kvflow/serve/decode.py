@@ -1,4 +1,4 @@
-"""The decode instance (D) and the colocated instance (prefill + decode in one cache).
+"""The decode instance (D); the colocated instance (:mod:`kvflow.serve.colocated`) reuses it.
 
 D, per request: ``Allocate`` -> admission (:func:`kvflow.sched.admission_check`) and D's *own*
 blocks for prompt + max_tokens (the block table is D's; P's ids only say where to read) ->
@@ -21,8 +21,6 @@ whose KV it still means to read; P frees sent blocks whose lease (``kv_lease_s``
 Before pulling from P's shared cache (ipc), D checks that P's lease still holds (with a 20%
 margin) and otherwise refuses the transfer rather than read blocks P may have reused.
 
-The colocated instance runs the same decode loop but does the prefill itself (``Prefill``),
-with no transfer: it is the reference that disaggregated output must match token for token.
 """
 
 from __future__ import annotations
@@ -36,8 +34,8 @@ import zmq
 
 from kvflow.cache import PagedKVCache
 from kvflow.protocol import (Abort, Allocate, Allocated, KVAck, LeaseRenew, Pair, PairResult,
-                             Prefill, Rejected, Tokens)
-from kvflow.sched import (AdmissionError, ColocatedState, DecodeState, NoFreeBlocksError,
+                             Rejected, Tokens)
+from kvflow.sched import (AdmissionError, DecodeState, NoFreeBlocksError,
                           PrefixCache, Request, admission_check)
 
 from . import faults
@@ -304,48 +302,3 @@ class DecodeInstance(Instance):
         for r in req_ids:
             self.seqs[r].t_renewed = wall
 
-
-class ColocatedInstance(DecodeInstance):
-    """Prefill and decode in one instance and one cache (no transfer)."""
-
-    role = "colocated"
-
-    def __init__(self, cfg) -> None:
-        super().__init__(cfg)
-        self.states = ColocatedState
-
-    def warmup(self) -> None:
-        pass
-
-    def open_channels(self) -> None:
-        Instance.open_channels(self)
-
-    def register_extra(self) -> dict[str, str]:
-        return {}
-
-    def transfer_name(self) -> str:
-        return "none"
-
-    def on_prefill(self, msg: Prefill, frames, ident) -> None:
-        seq = self.seqs.get(msg.req_id)
-        if seq is None or seq.req.state is not ColocatedState.WAITING:
-            self.send_ctrl(Rejected(req_id=msg.req_id, kind="error",
-                                    error=f"prefill of unknown request {msg.req_id}"))
-            return
-        req = seq.req
-        req.transition(ColocatedState.PREFILLING)
-        try:
-            logits = self.engine.prefill(req.prompt_token_ids, req.block_table,
-                                         chunk_size=self.cfg.max_num_batched_tokens)
-        except Exception as exc:
-            log.exception("%s: prefill of %s failed", self.instance_id, msg.req_id)
-            self._end(msg.req_id, ColocatedState.FAILED, f"prefill failed: {exc}")
-            return
-        seq.kvflow = {"prefill_instance": self.instance_id, "decode_instance": self.instance_id,
-                      "transfer": "none", "blocks": 0, "payload_bytes": 0, "transfer_ms": 0.0,
-                      "block_table": list(req.block_table)}
-        req.transition(ColocatedState.DECODING)
-        self._emit(seq, sample_token(logits, req.temperature, seq.seed, 0))
-
-    def heartbeat(self, force: bool = False) -> None:
-        Instance.heartbeat(self, force)
