@@ -52,9 +52,14 @@ class InstanceConfig:
     num_blocks: int | None = None      # None: profile run sizes it
     memory_budget_mb: int = 512
     transfer: str = "ipc"
+    transfer_mode: str = "layerwise"   # "layerwise" | "request" (P: kvflow.transfer.layerwise)
+    layerwise_min_tokens: int = 2048   # prompts shorter than this use request mode
     backend: str = "auto"
     host: str = "127.0.0.1"            # D binds its data socket here
     heartbeat_s: float = 0.2
+    enable_prefix_caching: bool = False  # D: prefix cache of full prompt blocks (kvflow.sched.prefix)
+    kv_lease_s: float = 5.0            # P holds sent blocks this long without D's renewal or ack
+    receive_timeout_s: float = 120.0   # D frees a request whose KV has not arrived by then
     parent_pid: int | None = None      # exit when this parent is gone
 
 

@@ -180,8 +180,10 @@ class PrefillInstance(Instance):
             return
         try:
             delay = faults.delay_s("prefill", msg.token_ids)
-            if delay:  # fault injection for tests: a slow prefill to kill P in the middle of
-                time.sleep(delay)
+            end = time.monotonic() + delay
+            while time.monotonic() < end:  # test fault: a slow prefill (heartbeats go on, as
+                time.sleep(0.05)           # between the chunks of a long one)
+                self.heartbeat()
             if self.layerwise is not None and len(msg.token_ids) >= self.cfg.layerwise_min_tokens:
                 self._prefill_layerwise(msg, blocks)
                 return
