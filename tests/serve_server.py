@@ -84,6 +84,9 @@ class Server:
     def free_blocks(self) -> dict[str, int]:
         return {i["role"]: i["free_blocks"] for i in self.health()["instances"]}
 
+    def total_blocks(self) -> dict[str, int]:
+        return {i["role"]: i["num_blocks"] for i in self.health()["instances"]}
+
     def wait_free_blocks(self, want: dict[str, int], timeout: float = 5.0) -> dict[str, int]:
         deadline = time.monotonic() + timeout
         got = self.free_blocks()

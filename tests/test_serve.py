@@ -64,7 +64,11 @@ def blocks_come_back(request, servers):
     if request.node.name.startswith("test_sigint"):
         yield
         return
-    start = {k: s.free_blocks() for k, s in servers.items() if s.proc.poll() is None}
+    # Between tests nothing is in flight, so every block is free; heartbeats carry the counts,
+    # so wait for them rather than snapshot a count a late heartbeat has not updated yet.
+    start = {k: s.total_blocks() for k, s in servers.items() if s.proc.poll() is None}
+    for k, want in start.items():
+        assert servers[k].wait_free_blocks(want) == want, f"{k}: blocks held before the test"
     yield
     for k, want in start.items():
         assert servers[k].wait_free_blocks(want) == want, f"{k}: blocks not given back"

@@ -315,4 +315,4 @@ def test_request_transfer_mode_has_no_layerwise_path():
     assert parse_args([]).transfer_mode == "layerwise"
     cfg = InstanceConfig(role="prefill", router_addr="tcp://127.0.0.1:1", transfer_mode="request")
     p = PrefillInstance(cfg)
-    assert p.layerwise is None and cfg.layerwise_min_tokens == 2048
+    assert p.layerwise is None and cfg.layerwise_min_tokens == 16384

@@ -33,11 +33,13 @@ from kvflow.context import sends_allowed
 
 MODES = ("layerwise", "request")
 #: Prompts shorter than this use ``request`` mode (the default of ``--layerwise-min-tokens``).
-#: Source: the H200 run of bench/layerwise_gpu.py (bench/results/layerwise_gpu.json, Llama-3-8B
-#: shape, bf16): with the current event path layerwise beat request mode only at 16K tokens, and
-#: DESIGN.md notes +18% TTFT at 256 tokens elsewhere; 2048 is provisional until the lead fixes
-#: the figure from that run.
-DEFAULT_LAYERWISE_MIN_TOKENS = 2048
+#: Source: bench/results/layerwise_gpu-nvidia-h200-20261129-run1.json (one H200, Llama-3-8B shape,
+#: bf16, copy to a second cache on the same GPU): prefill + layerwise copies took longer than
+#: prefill + one copy after it at 256, 1K, 4K and 8K tokens (the per-layer copies slow the prefill
+#: by 1-4%, more than the 0.2-2.6 ms request-mode copy they hide) and beat it only at 16K
+#: (526.7 vs 527.0 ms, capped grid); on 2 x H200 the served layerwise path was slower still
+#: (docs/gpu_serving.md). DESIGN.md notes +18% TTFT at 256 tokens in another stack.
+DEFAULT_LAYERWISE_MIN_TOKENS = 16384
 
 SendFn = Callable[[str, range, list[int], list[int]], None]
 

@@ -40,8 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
            "(default); request: the whole request moves after the prefill")
     a("--layerwise-min-tokens", type=int, default=None,
       help="prompts shorter than this many tokens use request mode even with --transfer-mode "
-           "layerwise (default 2048: on the H200 layerwise beat request mode only at long "
-           "prompts, bench/results/layerwise_gpu.json)")
+           "layerwise (default 16384: on one H200 layerwise beat request mode only at 16K "
+           "tokens, bench/results/layerwise_gpu-nvidia-h200-20261129-run1.json)")
     a("--device", default="cpu", help="torch device of the model and caches (default cpu); "
       "with cuda and --role all each instance gets its own GPU (see --prefill-device)")
     a("--prefill-device", type=int, default=0, help="with --device cuda: GPU (this process's "

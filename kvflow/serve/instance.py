@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import zmq
 
+from kvflow.layerwise.scheduler import DEFAULT_LAYERWISE_MIN_TOKENS
 from kvflow.cache import PagedKVCache
 from kvflow.context import sends_allowed
 from kvflow.layout import KVCacheSpec
@@ -53,7 +54,7 @@ class InstanceConfig:
     memory_budget_mb: int = 512
     transfer: str = "ipc"
     transfer_mode: str = "layerwise"   # "layerwise" | "request" (P: kvflow.transfer.layerwise)
-    layerwise_min_tokens: int = 2048   # prompts shorter than this use request mode
+    layerwise_min_tokens: int = DEFAULT_LAYERWISE_MIN_TOKENS  # shorter prompts: request mode
     backend: str = "auto"
     host: str = "127.0.0.1"            # D binds its data socket here
     heartbeat_s: float = 0.2
