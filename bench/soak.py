@@ -5,7 +5,7 @@ caching, max_model_len 2304) unless ``--url`` names a running server, then keeps
 concurrent clients busy for ``--minutes``: prompts of 1..2048 tokens (byte tokenizer: one
 character = one token), streaming, and about ``--abort-frac`` of requests closed by the client
 after a random delay. After the load it drains, then reports and writes JSON to
-``bench/results/soak-<date>.json``:
+``bench/results/raw/soak-<date>.json`` (its own format, not the row schema):
 
 - requests, ok, errors (HTTP status != 200 or an error event), aborted (closed on purpose);
 - hung requests: no answer within ``--client-timeout-s``;
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--client-timeout-s", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="8 clients, 12 s, prompts <= 256 tokens, <= 8 new tokens")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/soak-<date>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default bench/results/raw/soak-<date>.json)")
     args = p.parse_args(argv)
     if args.quick:
         args.clients, args.minutes, args.max_prompt = 8, 12 / 60, min(args.max_prompt, 256)
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     proc = None
     url = args.url
     if url is None:
-        os.makedirs("bench/results", exist_ok=True)
+        os.makedirs("bench/results/raw", exist_ok=True)
         proc = start_server(args.port, os.path.join(tempfile.gettempdir(), "kvflow-soak-server.log"))
         url = f"http://127.0.0.1:{args.port}"
     try:
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         if proc is not None:
             proc.send_signal(2)
             proc.wait(30)
-    out = args.out or f"bench/results/soak-{datetime.date.today().isoformat()}.json"
+    out = args.out or f"bench/results/raw/soak-{datetime.date.today().isoformat()}.json"
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
         json.dump(res, f, indent=1)
