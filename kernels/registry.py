@@ -87,21 +87,21 @@ def get_backend(name: str, device: torch.device) -> Any:
     """
     if not isinstance(name, str):
         raise TypeError(f"backend must be a str, got {name!r}")
-    explicit = name != "auto"
+    explicit, source = name != "auto", "backend"
     if not explicit:
         env = os.environ.get("KVFLOW_BACKEND", "").strip()
         if env and env != "auto":
-            name, explicit = env, True
+            name, explicit, source = env, True, "KVFLOW_BACKEND"
     if explicit:
         if name not in backend_names():
-            raise ValueError(f"backend={name!r} is unknown; known backends: {backend_names()}")
+            raise ValueError(f"{source}={name!r} is unknown; known backends: {backend_names()}")
         b = _load(name)
         reason = (f"not importable ({_LOAD_ERRORS.get(name, 'no backend registered')})"
                   if b is None else b.unavailable_reason())
         if reason:
-            raise RuntimeError(f"backend={name!r} is unavailable: {reason}")
+            raise RuntimeError(f"{source}={name!r} is unavailable: {reason}")
         if device.type not in b.devices:
-            raise ValueError(f"backend={name!r} runs on {sorted(b.devices)}, not on {device}")
+            raise ValueError(f"{source}={name!r} runs on {sorted(b.devices)}, not on {device}")
         return b
     for cand in AUTO_ORDER.get(device.type, ("torch",)):
         b = _load(cand)

@@ -10,8 +10,10 @@ write out of bounds.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvflow.cache import PagedKVCache
@@ -52,9 +54,10 @@ def check_ids(name: str, ids: Any, num_blocks: int, device: torch.device,
     """
     ids = as_torch(ids, name)
     if isinstance(ids, (list, tuple)):
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in ids):
+        if not all(isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+                   for v in ids):
             raise TypeError(f"{name} must hold ints, got {ids!r}")
-        ids = torch.tensor(ids, dtype=torch.int64)
+        ids = torch.tensor([int(v) for v in ids], dtype=torch.int64)
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"{name} must be a 1-D int32 or int64 tensor, got {type(ids).__name__}")
     if ids.dtype not in ID_DTYPES:
@@ -110,4 +113,7 @@ def check_buffer(name: str, buf: Any, shape: tuple[int, ...], dtype: torch.dtype
         raise ValueError(f"{name} is on {buf.device}; the cache is on {device}")
     if not buf.is_contiguous():
         raise ValueError(f"{name} must be contiguous, got strides {buf.stride()}")
+    if buf.requires_grad:
+        raise ValueError(f"{name} requires grad; kernels write it in place (pass a tensor "
+                         f"with requires_grad=False)")
     return buf

@@ -62,7 +62,10 @@ class PagedKVCache:
         per_tensor = num_blocks * spec.block_bytes
         need = per_tensor * spec.num_tensors
         if buffer is None:
-            buffer = torch.zeros(need, dtype=torch.uint8, device=device)
+            try:
+                buffer = torch.zeros(need, dtype=torch.uint8, device=device)
+            except (AssertionError, RuntimeError) as exc:  # e.g. device="cuda" without CUDA
+                raise RuntimeError(f"cannot allocate {need} bytes on device={device!r}: {exc}") from exc
         elif not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 \
                 or buffer.dim() != 1 or not buffer.is_contiguous():
             raise TypeError(f"buffer must be a flat contiguous uint8 tensor, got "
@@ -168,5 +171,7 @@ def staging_buffer(spec: KVCacheSpec, num_blocks: int, layers: Any = None,
     pin_memory : bool
         Page-locked host memory (for asynchronous host<->device copies); CPU only.
     """
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
+        raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
     shape = staging_shape(spec, num_blocks, layers)
     return torch.empty(shape, dtype=spec.dtype, device=device, pin_memory=pin_memory)

@@ -67,8 +67,8 @@ def as_torch_dtype(dtype: Any) -> torch.dtype:
     key = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(key, key)
     if key in _DTYPE_NAMES:
         return _DTYPE_NAMES[key]
-    raise TypeError(f"dtype={dtype!r} is not a dtype kvflow can store; "
-                    f"use one of {sorted(set(str(d) for d in _DTYPE_NAMES.values()))}")
+    raise TypeError(f"dtype={dtype!r} is not a dtype kvflow can store; use a torch.dtype or "
+                    f"one of the names {sorted(_DTYPE_NAMES)}")
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -242,7 +242,8 @@ def normalize_layers(layers: Any, num_layers: int) -> tuple[int, int]:
             raise ValueError(f"layers must be a contiguous range (step 1), got {layers!r}")
         start = 0 if layers.start is None else layers.start
         stop = num_layers if layers.stop is None else layers.stop
-    elif isinstance(layers, tuple) and len(layers) == 2 and all(isinstance(x, int) for x in layers):
+    elif isinstance(layers, tuple) and len(layers) == 2 and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in layers):
         start, stop = layers
     else:
         raise TypeError(f"layers must be None, an int, a range, a slice or (start, stop), got {layers!r}")

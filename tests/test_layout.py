@@ -185,7 +185,8 @@ def test_spec_bad_field(field, value, exc, message):
 @pytest.mark.parametrize("dtype", ["complex64", "float64x", torch.nn.Module, 3])
 def test_spec_unknown_dtype(dtype):
     with pytest.raises(TypeError, match="^" + re.escape(f"dtype={dtype!r} is not a dtype kvflow "
-                                                         f"can store; use one of [")):
+                                                         f"can store; use a torch.dtype or one of "
+                                                         f"the names [")):
         KVCacheSpec(**dict(GOOD, dtype=dtype))
 
 

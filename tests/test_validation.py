@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -293,10 +294,10 @@ def test_unavailable_backend_by_argument_raises(caches, fake_backends):
 def test_unavailable_backend_by_env_raises(caches, fake_backends, monkeypatch):
     src, dst = caches
     monkeypatch.setenv("KVFLOW_BACKEND", "fake_off")
-    rejects(RuntimeError, "backend='fake_off' is unavailable: needs the fake driver",
+    rejects(RuntimeError, "KVFLOW_BACKEND='fake_off' is unavailable: needs the fake driver",
             lambda: copy_blocks(src, dst, torch.tensor([0]), torch.tensor([1])), dst)
     monkeypatch.setenv("KVFLOW_BACKEND", "no_such_backend")
-    rejects(ValueError, f"backend='no_such_backend' is unknown; known backends: "
+    rejects(ValueError, f"KVFLOW_BACKEND='no_such_backend' is unknown; known backends: "
             f"{registry.backend_names()}",
             lambda: copy_blocks(src, dst, torch.tensor([0]), torch.tensor([1])), dst)
 
@@ -307,7 +308,7 @@ def test_backend_for_another_device_raises(caches, fake_backends, monkeypatch):
     rejects(ValueError, "backend='fake_gpu' runs on ['cuda'], not on cpu",
             lambda: gather_blocks(src, torch.tensor([0]), out, backend="fake_gpu"), out)
     monkeypatch.setenv("KVFLOW_BACKEND", "fake_gpu")
-    rejects(ValueError, "backend='fake_gpu' runs on ['cuda'], not on cpu",
+    rejects(ValueError, "KVFLOW_BACKEND='fake_gpu' runs on ['cuda'], not on cpu",
             lambda: gather_blocks(src, torch.tensor([0]), out), out)
 
 
@@ -339,3 +340,22 @@ def src_blocks(cache, block):
     """Block ``block`` of every tensor as the uint8 [layers, tensors, *block_bytes] of a staging slot."""
     return torch.stack([t[block] for t in cache.tensors()]).view(torch.uint8).reshape(
         SPEC.num_layers, SPEC.tensors_per_layer, *SPEC.block_shape[:-1], -1)
+
+
+def test_user_report_edge_cases():
+    """Found by a new-user test: each is refused naming the argument, or accepted consistently."""
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=4, block_size=2, dtype=torch.float16)
+    cache = PagedKVCache(spec, 4)
+    with pytest.raises(TypeError, match=re.escape("layers must be None, an int, a range, a slice or "
+                                                  "(start, stop), got (True, 2)")):
+        gather_blocks(cache, torch.tensor([0]), staging_buffer(spec, 1), (True, 2))
+    with pytest.raises(ValueError, match=re.escape("num_blocks must be a non-negative int, got -1")):
+        staging_buffer(spec, -1)
+    out = staging_buffer(spec, 1).zero_().requires_grad_(True)
+    with pytest.raises(ValueError, match=re.escape("out requires grad; kernels write it in place")):
+        gather_blocks(cache, torch.tensor([0]), out)
+    np_ids = [np.int64(1), np.int32(3)]  # numpy integers in a list are ints too
+    a, b = staging_buffer(spec, 2), staging_buffer(spec, 2)
+    gather_blocks(cache, np_ids, a, backend="torch")
+    gather_blocks(cache, torch.tensor([1, 3]), b, backend="torch")
+    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
