@@ -169,14 +169,10 @@ def create_app(router: Router) -> FastAPI:
     app = FastAPI(title="kvflow router")
     ctl, metrics = router.ctl, router.metrics
 
-    @app.middleware("http")
-    async def _api_key(request: Request, call_next):
-        if request.url.path.startswith("/v1/") and not router.authorized(
-                request.headers.get("authorization")):
-            return JSONResponse(error_body("missing or wrong API key: send the header "
-                                           "'Authorization: Bearer <key>'", "authorization",
-                                           "authentication_error"), status_code=401)
-        return await call_next(request)
+    # A pure ASGI middleware, not @app.middleware("http"): Starlette's BaseHTTPMiddleware
+    # hides the client's http.disconnect from request.is_disconnected(), so a non-streaming
+    # client that went away would keep its request running (and its blocks held).
+    app.add_middleware(_APIKeyMiddleware, router=router)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -273,6 +269,25 @@ def create_app(router: Router) -> FastAPI:
         return StreamingResponse(sse(), media_type="text/event-stream")
 
     return app
+
+
+class _APIKeyMiddleware:
+    """HTTP 401 for ``/v1/*`` without the router's API key (``Router.authorized``)."""
+
+    def __init__(self, app: Any, router: Router) -> None:
+        self.app, self.router = app, router
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("path", "").startswith("/v1/"):
+            header = next((v.decode("latin-1") for k, v in scope.get("headers", ())
+                           if k.lower() == b"authorization"), None)
+            if not self.router.authorized(header):
+                resp = JSONResponse(error_body("missing or wrong API key: send the header "
+                                               "'Authorization: Bearer <key>'", "authorization",
+                                               "authentication_error"), status_code=401)
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 async def _next_unless_gone(events: AsyncIterator[Tokens], request: Request) -> Tokens:
