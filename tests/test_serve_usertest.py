@@ -43,3 +43,21 @@ def test_non_streaming_disconnect_aborts(server):
                                             "ignore_eos": True})
     got = _settled(server, timeout=4.0)   # 2000 tokens take ~25 s on 2 CPU cores
     assert all(free == total and running == 0 for free, total, running in got.values()), got
+
+
+def test_child_dying_before_registering_stops_the_server():
+    """B2: a child that exits before registering (bad --backend) makes the server exit non-zero
+    promptly, naming the child, its exit code and its error; no child is left running."""
+    cmd = [sys.executable, "-m", "kvflow.serve", "--port", str(free_port()), "--backend", "nonsense",
+           "--memory-budget-mb", "32", "--max-num-batched-tokens", "64"]
+    t0 = time.monotonic()
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=45)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"server still running after 45 s:\n{exc.stdout}\n{exc.stderr}")
+    took = time.monotonic() - t0
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text
+    assert took < 30, (took, text)
+    assert "exited with code 1 before registering" in text, text
+    assert "backend='nonsense' is unknown" in text.split("before registering")[-1], text

@@ -161,7 +161,30 @@ def run_instance(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve(args: argparse.Namespace, http_sock, children) -> None:
+async def _watch_children(children, ctl, server, failed: list[str]) -> None:
+    """With --role all: a child that exits before it registered (e.g. a bad --backend or a
+    too small --memory-budget-mb) can never serve, so report it and stop the server."""
+    while True:
+        await asyncio.sleep(0.2)
+        if failed:
+            server.should_exit = True
+            continue
+        registered = {i.reg.pid for i in ctl.instances.values()}
+        for pid, role, code in children.exited():
+            if pid in registered or ctl.ready():
+                continue
+            tail = await asyncio.get_running_loop().run_in_executor(None, children.last_stderr, pid)
+            last = "\n".join("    " + line for line in tail[-10:]) or "    (nothing on stderr)"
+            failed.append(f"kvflow.serve: the {role} instance (pid {pid}) exited with code {code} "
+                          f"before registering with the router; its last stderr lines:\n{last}\n"
+                          f"kvflow.serve: stopping (fix the error above and start again)")
+            ctl.errors.append(f"{role} instance pid {pid} exited with code {code} before registering")
+            print(failed[-1], file=sys.stderr, flush=True)
+            server.should_exit = True
+            break
+
+
+async def _serve(args: argparse.Namespace, http_sock, children) -> int:
     import uvicorn
 
     from kvflow.transfer.shm import clean_stale_segments, unlink_segment
@@ -193,7 +216,15 @@ async def _serve(args: argparse.Namespace, http_sock, children) -> None:
         print(f"kvflow.serve: router listening on http://{host}:{port} (mode {args.mode}, "
               f"transfer {args.transfer}, model {args.model}; control {ctl.addr}; "
               f"instances: {pids}). Ctrl-C stops.", flush=True)
-        await server.serve(sockets=[http_sock])
+        failed: list[str] = []
+        watcher = (asyncio.ensure_future(_watch_children(children, ctl, server, failed))
+                   if children is not None else None)
+        try:
+            await server.serve(sockets=[http_sock])
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+        return 1 if failed else 0
     finally:
         if children is not None:
             children.stop_all()
@@ -222,15 +253,17 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _term)
+    code = 0
     try:
-        asyncio.run(_serve(args, http_sock, children))
+        code = asyncio.run(_serve(args, http_sock, children))
     except KeyboardInterrupt:
         pass
     finally:
         if children is not None:
             children.stop_all()
-    print("kvflow.serve: stopped", flush=True)
-    return 0
+    print("kvflow.serve: stopped" if code == 0 else f"kvflow.serve: stopped (exit code {code})",
+          flush=True)
+    return code
 
 
 if __name__ == "__main__":

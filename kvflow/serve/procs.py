@@ -15,7 +15,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 
 log = logging.getLogger("kvflow.serve.procs")
 
@@ -47,13 +49,22 @@ class Children:
 
     def __init__(self) -> None:
         self.procs: dict[int, subprocess.Popen] = {}
+        self.roles: dict[int, str] = {}
+        self.stderr_tail: dict[int, deque[str]] = {}
+        self._readers: list[threading.Thread] = []
 
     def spawn(self, role: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         """Start one instance; ``env`` (default ``os.environ``) is the child's environment."""
         env = dict(os.environ if env is None else env, KVFLOW_PARENT_PID=str(os.getpid()))
         cmd = [sys.executable, "-m", "kvflow.serve", "--role", role, *args]
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self.procs[proc.pid] = proc
+        self.roles[proc.pid] = role
+        tail = self.stderr_tail[proc.pid] = deque(maxlen=20)
+        reader = threading.Thread(target=_tee, args=(proc.stderr, tail), daemon=True,
+                                  name=f"stderr-{role}-{proc.pid}")
+        reader.start()
+        self._readers.append(reader)
         log.info("started %s instance, pid %d", role, proc.pid)
         return proc
 
@@ -61,6 +72,18 @@ class Children:
         """True/False for a child of ours, None for a process we did not start."""
         proc = self.procs.get(pid)
         return None if proc is None else proc.poll() is None
+
+    def exited(self) -> list[tuple[int, str, int]]:
+        """``(pid, role, exit code)`` of every child that has exited."""
+        return [(pid, self.roles[pid], proc.returncode) for pid, proc in self.procs.items()
+                if proc.poll() is not None]
+
+    def last_stderr(self, pid: int, wait_s: float = 2.0) -> list[str]:
+        """The last (up to 20) lines a child wrote to stderr (waits for its pipe to close)."""
+        for t in self._readers:
+            if t.name.endswith(f"-{pid}"):
+                t.join(wait_s)
+        return list(self.stderr_tail.get(pid, ()))
 
     def stop_all(self, timeout_s: float = 5.0) -> None:
         """SIGTERM every child, wait up to ``timeout_s``, SIGKILL the rest, reap all."""
@@ -75,6 +98,23 @@ class Children:
                 log.warning("instance pid %d ignored SIGTERM; killing it", proc.pid)
                 proc.kill()
                 proc.wait()
+        for t in self._readers:
+            t.join(1.0)
+
+
+def _tee(pipe, tail: deque) -> None:
+    """Copy a child's stderr to ours line by line, keeping the last lines in ``tail``."""
+    try:
+        for raw in iter(pipe.readline, b""):
+            line = raw.decode("utf-8", "replace")
+            tail.append(line.rstrip("\n"))
+            try:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
+    finally:
+        pipe.close()
 
 
 def instance_env(role: str, device: str, prefill_device: int, decode_device: int) -> dict[str, str] | None:
