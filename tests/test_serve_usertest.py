@@ -61,3 +61,50 @@ def test_child_dying_before_registering_stops_the_server():
     assert took < 30, (took, text)
     assert "exited with code 1 before registering" in text, text
     assert "backend='nonsense' is unknown" in text.split("before registering")[-1], text
+
+
+@pytest.mark.parametrize("body, field, words", [
+    ({"prompt": [True, False]}, "prompt", "string or a list of token ids"),
+    ({"prompt": {"text": "hi"}}, "prompt", "string or a list of token ids"),
+    ({"prompt": "hi", "max_tokens": "3"}, "max_tokens", "integer"),
+    ({"prompt": "hi", "max_tokens": True}, "max_tokens", "integer"),
+    ({"prompt": "hi", "max_tokens": 2.0}, "max_tokens", "integer"),
+    ({"prompt": "hi", "stream": "yes"}, "stream", "boolean"),
+    ({"prompt": "hi", "temperature": True}, "temperature", "number"),
+    ({"prompt": "hi", "seed": "1"}, "seed", "integer"),
+    ({"prompt": "x" * 2100, "max_tokens": 1}, "prompt", "too long"),
+    ({"prompt": "hi", "top_p": 0.9}, "top_p", "top_p=0.9 is not supported: kvflow samples from "
+                                              "the full distribution; use top_p=1"),
+    ({"prompt": "hi", "stop": ["\n"]}, "stop", "not supported"),
+    ({"prompt": "hi", "logprobs": 2}, "logprobs", "not supported"),
+    ({"prompt": "hi", "echo": True}, "echo", "not supported"),
+    ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ({"prompt": "hi", "frequency_penalty": -1}, "frequency_penalty", "not supported"),
+    ({"prompt": "hi", "best_of": 3}, "best_of", "not supported"),
+    ({"prompt": "hi", "suffix": "end"}, "suffix", "not supported"),
+    ({"prompt": "hi", "logit_bias": {"50": 10}}, "logit_bias", "not supported"),
+    ({"prompt": "hi", "top_k": 5}, "top_k", "Extra inputs"),
+])
+def test_wrong_types_and_unsupported_values_are_400(server, body, field, words):
+    """B3 (strict types, prompt errors) and B4 (OpenAI fields at values kvflow cannot honour)."""
+    r = server.complete(**body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and err["message"].startswith(field) and words in err["message"], err
+
+
+def test_openai_fields_at_no_op_values_and_valid_types_work(server):
+    """B4: what the openai client sends (nulls, defaults) is accepted; ints are valid floats."""
+    nulls = {k: None for k in ("top_p", "stop", "logprobs", "echo", "presence_penalty",
+                               "frequency_penalty", "best_of", "suffix", "logit_bias",
+                               "stream_options", "user")}
+    defaults = {"top_p": 1, "stop": [], "echo": False, "presence_penalty": 0,
+                "frequency_penalty": 0.0, "best_of": 1, "logit_bias": {}, "user": "me",
+                "stream_options": {"include_usage": True}, "n": 1, "model": "kvflow-tiny"}
+    for extra in (nulls, defaults):
+        r = server.complete(prompt="hi", max_tokens=2, temperature=0, **extra)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"][0]["token_ids"]) <= 2
+    r = server.complete(prompt=[256, 65, 66], max_tokens=2, temperature=1, seed=3, stream=False,
+                        ignore_eos=True)
+    assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 2, r.text

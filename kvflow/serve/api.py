@@ -1,7 +1,9 @@
 """Request and response shapes of the OpenAI-compatible completions API.
 
-``POST /v1/completions`` takes :class:`CompletionRequest` (OpenAI's fields that kvflow honours;
-unknown fields are refused so a typo is not silently ignored) and answers with
+``POST /v1/completions`` takes :class:`CompletionRequest` (OpenAI's fields that kvflow honours,
+plus OpenAI's other fields when their value is what kvflow does anyway, e.g. ``top_p`` null or
+1; unknown fields and wrong types are refused, never coerced, so a typo is not silently
+ignored) and answers with
 :func:`completion_response` (non-streaming) or server-sent events of :func:`completion_chunk`
 followed by ``data: [DONE]``. Every response carries a ``kvflow`` object: ``prefill_instance``,
 ``decode_instance``, ``transfer`` ("ipc", "tcp" or "none" when colocated), ``blocks`` and
@@ -11,10 +13,27 @@ starting the transfer to the blocks being in D's cache, wall clock).
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+
+#: OpenAI completion fields kvflow does not implement: field -> (values accepted besides null,
+#: why another value is refused).
+UNSUPPORTED: dict[str, tuple[tuple, str]] = {
+    "top_p": ((1,), "kvflow samples from the full distribution; use top_p=1"),
+    "stop": (("", []), "kvflow stops only at the end-of-sequence token or max_tokens; omit stop"),
+    "logprobs": ((), "kvflow does not return log probabilities; omit logprobs"),
+    "echo": ((False,), "kvflow does not echo the prompt; use echo=false"),
+    "presence_penalty": ((0,), "kvflow applies no penalties; use presence_penalty=0"),
+    "frequency_penalty": ((0,), "kvflow applies no penalties; use frequency_penalty=0"),
+    "best_of": ((1,), "kvflow generates one completion per request; use best_of=1"),
+    "suffix": ((), "kvflow does not insert text; omit suffix"),
+    "logit_bias": (({},), "kvflow applies no logit bias; omit logit_bias"),
+}
+UNSUPPORTED_FIELDS = tuple(UNSUPPORTED)
 
 
 class CompletionRequest(BaseModel):
@@ -34,9 +53,15 @@ class CompletionRequest(BaseModel):
         Sampling seed (temperature > 0).
     ignore_eos : bool
         Keep generating past the end-of-sequence token (vLLM's extension).
+
+    OpenAI's ``top_p``, ``stop``, ``logprobs``, ``echo``, ``presence_penalty``,
+    ``frequency_penalty``, ``best_of``, ``suffix``, ``logit_bias``, ``stream_options`` and
+    ``user`` are accepted when null or set to what kvflow does anyway (:data:`UNSUPPORTED`);
+    another value is HTTP 400 naming the field. Types are strict: ``"3"``, ``true`` or ``2.0``
+    is not an integer, ``"yes"`` not a boolean (an integer is a valid float).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: Optional[str] = None
     prompt: Union[str, list[int]]
@@ -47,6 +72,34 @@ class CompletionRequest(BaseModel):
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=1)
     user: Optional[str] = None
+    # OpenAI fields kvflow does not implement: accepted only at their no-op values.
+    top_p: Optional[float] = None
+    stop: Optional[Union[str, list[str]]] = None
+    logprobs: Optional[int] = None
+    echo: Optional[bool] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+    logit_bias: Optional[dict[str, float]] = None
+    stream_options: Optional[dict[str, Any]] = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_type(cls, v: Any) -> Any:
+        if isinstance(v, str) or (isinstance(v, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in v)):
+            return v
+        raise ValueError("prompt must be a string or a list of token ids (integers), got "
+                         + json.dumps(v)[:80])
+
+    @field_validator(*[name for name in UNSUPPORTED_FIELDS])
+    @classmethod
+    def _no_op_only(cls, v: Any, info: ValidationInfo) -> Any:
+        allowed, why = UNSUPPORTED[info.field_name]
+        if v is None or any(v == a and type(v) is not bool or v is a for a in allowed):
+            return v
+        raise ValueError(f"{info.field_name}={json.dumps(v)} is not supported: {why}")
 
     @field_validator("prompt")
     @classmethod

@@ -104,6 +104,9 @@ class Router:
             raise RequestError(503, "no prefill/decode pair is ready (see GET /health)")
         p, d = pair
         limit = d.reg.max_model_len
+        if len(token_ids) >= limit:
+            raise RequestError(400, f"prompt ({len(token_ids)} tokens) is too long: with at least "
+                                    f"one new token it exceeds max_model_len={limit}", "prompt")
         if len(token_ids) + body.max_tokens > limit:
             raise RequestError(400, f"prompt ({len(token_ids)} tokens) + max_tokens "
                                     f"({body.max_tokens}) = {len(token_ids) + body.max_tokens} "
@@ -188,7 +191,10 @@ def create_app(router: Router) -> FastAPI:
         if first.get("type") == "json_invalid":  # the body is not JSON: loc is a byte offset
             loc = []
         param = loc[0] if loc else "body"
-        msg = f"{'.'.join(loc) or 'body'}: {first.get('msg')}"
+        detail = str(first.get("msg", ""))
+        if detail.startswith("Value error, "):  # our validators' messages name the field already
+            detail = detail[len("Value error, "):]
+        msg = f"{'.'.join(loc) or 'body'}: {detail}"
         return JSONResponse(error_body(msg, param), status_code=400)
 
     @app.get("/health")
@@ -296,13 +302,20 @@ async def _next_unless_gone(events: AsyncIterator[Tokens], request: Request) -> 
     task = asyncio.ensure_future(events.__anext__())
     while True:
         done, _ = await asyncio.wait({task}, timeout=0.1)
-        if done:
+        # Check the client at least every 0.1 s even while tokens keep coming (a fast decode
+        # would otherwise never leave time to notice a non-streaming client that went away).
+        now = time.monotonic()
+        if done and now - getattr(request.state, "kvflow_checked", 0.0) < 0.1:
             return task.result()
-        if await request.is_disconnected():
-            task.cancel()
-            try:
-                await task
-            except (asyncio.CancelledError, RequestError, StopAsyncIteration):
-                pass
-            await events.aclose()
-            raise RequestError(499, "client disconnected")
+        request.state.kvflow_checked = now
+        if not await request.is_disconnected():
+            if done:
+                return task.result()
+            continue
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, RequestError, StopAsyncIteration):
+            pass
+        await events.aclose()
+        raise RequestError(499, "client disconnected")
