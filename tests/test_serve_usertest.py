@@ -108,3 +108,19 @@ def test_openai_fields_at_no_op_values_and_valid_types_work(server):
     r = server.complete(prompt=[256, 65, 66], max_tokens=2, temperature=1, seed=3, stream=False,
                         ignore_eos=True)
     assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 2, r.text
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["--num-blocks", "0"], "--num-blocks must be positive, got 0"),
+    (["--max-model-len", "-5"], "--max-model-len must be positive, got -5"),
+    (["--port", "70000"], "--port must be a port in 1..65535, got 70000"),
+    (["--max-model-len", "5000"], "--max-model-len 5000 exceeds the model's max_position_embeddings=4096"),
+])
+def test_cli_errors_say_what_is_wrong(argv, want, capsys):
+    """Cosmetic: the port hint only for --port; --max-model-len over the model's limit is an
+    error rather than silently clamped."""
+    from kvflow.serve.__main__ import parse_args
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    err = capsys.readouterr().err
+    assert want in err and ("port" in want or "port" not in err.splitlines()[-1]), err

@@ -104,13 +104,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("port", "block_size", "max_model_len", "num_blocks", "memory_budget_mb",
                  "max_num_batched_tokens"):
         v = getattr(args, name)
-        if v is not None and (v <= 0 if name != "port" else not 0 < v < 65536):
-            parser.error(f"--{name.replace('_', '-')} must be positive (a port in 1..65535), got {v}")
+        if name == "port" and not 0 < v < 65536:
+            parser.error(f"--port must be a port in 1..65535, got {v}")
+        if name != "port" and v is not None and v <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {v}")
+    if not 0 <= args.control_port < 65536:
+        parser.error(f"--control-port must be a port in 0..65535 (0: a free one), got {args.control_port}")
+    limit = _model_max_len(args.model)
+    if args.max_model_len is not None and limit is not None and args.max_model_len > limit:
+        parser.error(f"--max-model-len {args.max_model_len} exceeds the model's "
+                     f"max_position_embeddings={limit} ({args.model}); use at most {limit}")
     if args.role in ("prefill", "decode", "colocated") and not args.router_url:
         parser.error(f"--role {args.role} needs --router-url tcp://HOST:PORT (the router's control address)")
     if args.router_url and not args.router_url.startswith("tcp://"):
         parser.error(f"--router-url must look like tcp://HOST:PORT, got {args.router_url!r}")
     return args
+
+
+def _model_max_len(model: str) -> int | None:
+    """``max_position_embeddings`` of a built-in model or a local checkpoint's config.json;
+    None when it cannot be read here (the instance reports that error itself)."""
+    import json
+
+    from kvflow.model.config import PRESETS
+    if model in PRESETS:
+        return PRESETS[model].max_position_embeddings
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            return int(json.load(f).get("max_position_embeddings", 2048))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
 
 
 def _instance_args(args: argparse.Namespace, router_url: str) -> list[str]:
