@@ -72,7 +72,7 @@ def test_child_dying_before_registering_stops_the_server():
     ({"prompt": "hi", "stream": "yes"}, "stream", "boolean"),
     ({"prompt": "hi", "temperature": True}, "temperature", "number"),
     ({"prompt": "hi", "seed": "1"}, "seed", "integer"),
-    ({"prompt": "x" * 2100, "max_tokens": 1}, "prompt", "too long"),
+    ({"prompt": "x" * 2100, "max_tokens": 1}, "prompt", "exceeds max_model_len=2048"),
     ({"prompt": "hi", "top_p": 0.9}, "top_p", "top_p=0.9 is not supported: kvflow samples from "
                                               "the full distribution; use top_p=1"),
     ({"prompt": "hi", "stop": ["\n"]}, "stop", "not supported"),

@@ -104,13 +104,12 @@ class Router:
             raise RequestError(503, "no prefill/decode pair is ready (see GET /health)")
         p, d = pair
         limit = d.reg.max_model_len
-        if len(token_ids) >= limit:
-            raise RequestError(400, f"prompt ({len(token_ids)} tokens) is too long: with at least "
-                                    f"one new token it exceeds max_model_len={limit}", "prompt")
         if len(token_ids) + body.max_tokens > limit:
+            # The prompt alone leaving no room for one new token is the prompt's fault.
             raise RequestError(400, f"prompt ({len(token_ids)} tokens) + max_tokens "
                                     f"({body.max_tokens}) = {len(token_ids) + body.max_tokens} "
-                                    f"exceeds max_model_len={limit}", "max_tokens")
+                                    f"exceeds max_model_len={limit}",
+                               "prompt" if len(token_ids) >= limit else "max_tokens")
         req_id = f"cmpl-{uuid.uuid4().hex}"
         st = ReqState(asyncio.Queue(), decode_id=d.id)
         self.ctl.requests[req_id] = st
