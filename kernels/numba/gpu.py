@@ -23,6 +23,7 @@ import ctypes
 import torch
 
 from ..registry import register_backend
+from ..tables import alignment as _alignment, device_table as _table
 
 try:
     from numba import config as _config
@@ -106,25 +107,6 @@ def _kernel(width: int):
 
     _KERNELS[width] = copy_runs
     return copy_runs
-
-
-def _alignment(*values: int) -> int:
-    a = 16
-    for v in values:
-        while v % a:
-            a //= 2
-    return a
-
-
-def _table(cache, device: torch.device) -> tuple[torch.Tensor, int]:
-    """Base-address table of ``cache`` on ``device`` and its alignment, built once."""
-    state = cache.backend_state.setdefault("numba_cuda", {})
-    key = str(device)
-    if key not in state:
-        table = cache.ptr_table()
-        state[key] = (table if table.device == device else table.to(device),
-                      _alignment(*(t.data_ptr() for t in cache.tensors())))
-    return state[key]
 
 
 def _arr(t: torch.Tensor):

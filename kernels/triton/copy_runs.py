@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..tables import alignment, device_table as cache_table  # noqa: F401 (re-exported)
+
 
 def _copy_runs(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
                n, src_n, dst_n, total,
@@ -135,32 +137,6 @@ def kernel():
     if mode not in _JIT:
         _JIT[mode] = triton.jit(_copy_runs)
     return _JIT[mode]
-
-
-def alignment(*values: int) -> int:
-    """Largest power of two <= 16 dividing every value (byte counts or addresses)."""
-    a = 16
-    for v in values:
-        while v % a:
-            a //= 2
-    return a
-
-
-def cache_table(cache, device: torch.device) -> tuple[torch.Tensor, int]:
-    """Per-tensor base addresses of ``cache`` as int64 on ``device``, and their alignment.
-
-    Built once per (cache, device) and kept in ``cache.backend_state``; later calls return
-    the same tensor (no host->device copy, no sync). On the cache's own device this is
-    ``cache.ptr_table()``; on a peer GPU it is a copy of it on that GPU.
-    """
-    state = cache.backend_state.setdefault("triton", {})
-    key = str(device)
-    if key not in state:
-        table = cache.ptr_table()
-        if table.device != device:
-            table = table.to(device)
-        state[key] = (table, alignment(*(t.data_ptr() for t in cache.tensors())))
-    return state[key]
 
 
 def _sm_count(device: torch.device) -> int:

@@ -1,0 +1,33 @@
+"""Device-side base-address tables shared by the GPU backends (triton, numba_cuda).
+
+A cache's table is the int64 tensor of its per-tensor base addresses (``PagedKVCache.ptr_table``
+order) on the device that runs the kernel: built once per (cache, device) and kept in
+``cache.backend_state["device_tables"]``, so a call never builds or copies it again (DESIGN.md,
+Kernel rules). On a peer GPU it is a copy of the cache's own table; the addresses stay valid
+there under unified addressing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def alignment(*values: int) -> int:
+    """Largest power of two <= 16 dividing every value (byte counts or addresses)."""
+    a = 16
+    for v in values:
+        while v % a:
+            a //= 2
+    return a
+
+
+def device_table(cache, device: torch.device) -> tuple[torch.Tensor, int]:
+    """``(table, align)``: ``cache``'s base addresses as int64 on ``device`` and their common
+    alignment in bytes (at most 16); built once per (cache, device)."""
+    state = cache.backend_state.setdefault("device_tables", {})
+    key = str(device)
+    if key not in state:
+        table = cache.ptr_table()
+        state[key] = (table if table.device == device else table.to(device),
+                      alignment(*(t.data_ptr() for t in cache.tensors())))
+    return state[key]
