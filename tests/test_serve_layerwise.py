@@ -75,12 +75,8 @@ class Harness:
         ready = dict(poller.poll(timeout_ms))
         for inst in (self.p, self.d):
             for sock in list(inst.sockets):
-                while sock in ready:
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    inst.dispatch(sock, frames)
+                if sock in ready:
+                    inst.drain(sock)
             if inst.has_work():
                 inst.work()
             inst.heartbeat()

@@ -212,6 +212,15 @@ class Instance:
     def num_running(self) -> int:
         return 0
 
+    def drain(self, sock: zmq.Socket) -> None:
+        """Dispatch every message waiting on ``sock`` without blocking."""
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.dispatch(sock, frames)
+
     def dispatch(self, sock: zmq.Socket, frames: list[Any]) -> None:
         ident = None
         if sock.socket_type == zmq.ROUTER:
@@ -243,12 +252,7 @@ class Instance:
                         poller.register(sock, zmq.POLLIN)
                 timeout = 0 if self.has_work() else int(self.cfg.heartbeat_s * 250)
                 for sock, _ in poller.poll(timeout):
-                    while True:
-                        try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        self.dispatch(sock, frames)
+                    self.drain(sock)
                 if self.has_work():
                     self.work()
                 self.heartbeat()
