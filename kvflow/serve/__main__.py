@@ -192,9 +192,10 @@ async def _watch_children(children, ctl, server, failed: list[str]) -> None:
         if failed:
             server.should_exit = True
             continue
-        registered = {i.reg.pid for i in ctl.instances.values()}
         for pid, role, code in children.exited():
-            if pid in registered or ctl.ready():
+            # A child that registered and later died is the control plane's business (it frees
+            # and reports); only one that never registered means the server cannot start.
+            if pid in ctl.registered_pids or ctl.ready():
                 continue
             tail = await asyncio.get_running_loop().run_in_executor(None, children.last_stderr, pid)
             last = "\n".join("    " + line for line in tail[-10:]) or "    (nothing on stderr)"

@@ -66,6 +66,7 @@ class Controller:
         self.mode, self.metrics, self.proc_alive = mode, metrics, proc_alive
         self.dead_after_s = dead_after_s
         self.hung_after_s = max(dead_after_s, 60.0)
+        self.registered_pids: set[int] = set()  # every pid that ever registered (kept after death)
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -149,6 +150,7 @@ class Controller:
                 return
             info = InstanceInfo(msg, ident, now, msg.free_blocks)
             self.instances[msg.instance_id] = info
+            self.registered_pids.add(msg.pid)
             if msg.shm_name:
                 self.shm_names.add(msg.shm_name)
             self._set_blocks(info)
