@@ -165,7 +165,17 @@ def variants(backends, sms, quick):
                 ("triton", "stream ctas/SM=16", None, LaunchConfig(streaming=True, ctas_per_sm=16)),
                 ("triton", "step=32K", None, LaunchConfig(block_bytes=32768)),
                 ("triton", "chunk=128K", None, LaunchConfig(chunk_bytes=131072)),
-                ("triton", "8 warps", None, LaunchConfig(num_warps=8))]
+                ("triton", "8 warps", None, LaunchConfig(num_warps=8)),
+                ("triton", "chunk=16K", None, LaunchConfig(chunk_bytes=16384)),
+                ("triton", "chunk=32K", None, LaunchConfig(chunk_bytes=32768)),
+                ("triton", "chunk=16K c8", None, LaunchConfig(chunk_bytes=16384, ctas_per_sm=8)),
+                ("triton", "nonpersist", None, LaunchConfig(persistent=False)),
+                ("triton", "nonpersist 16K", None,
+                 LaunchConfig(persistent=False, chunk_bytes=16384)),
+                ("triton", "step=8K 16K", None,
+                 LaunchConfig(block_bytes=8192, chunk_bytes=16384, num_warps=2)),
+                ("triton", "nostream 16K", None,
+                 LaunchConfig(streaming=False, chunk_bytes=16384))]
     out += [("triton", f"max_ctas={m}", m, None) for m in (8, 32, sms)]
     if "numba_cuda" in backends:
         out.append(("numba_cuda", "default", None, None))
@@ -237,6 +247,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-correctness", action="store_true")
     ap.add_argument("--json", help="write rows and environment here")
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--main-only", action="store_true",
+                    help="only the Llama-3-8B NHD bf16 sweep (no HND/MLA/fp8, no peer copies)")
     ap.add_argument("--launch-bound", action="store_true",
                     help="time without filling the device queue first (host launch gaps count)")
     a = ap.parse_args(argv)
@@ -257,10 +269,10 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     bench(spec_for("NHD", torch.bfloat16), (1024, 4096, 16384), backends + ["torch"], reps,
           a.quick, rows, "llama3-8b NHD bf16")
-    for layout, dname in (("HND", "bf16"), ("MLA", "bf16"), ("NHD", "fp8")):
+    for layout, dname in () if a.main_only else (("HND", "bf16"), ("MLA", "bf16"), ("NHD", "fp8")):
         bench(spec_for(layout, DTYPES[dname]), (4096,), backends + ["torch"], reps, True, rows,
               f"{layout} {dname}")
-    if torch.cuda.device_count() >= 2 and torch.cuda.can_device_access_peer(1, 0):
+    if not a.main_only and torch.cuda.device_count() >= 2 and torch.cuda.can_device_access_peer(1, 0):
         peer_bench(backends, reps, rows)
     print(f"{'case':<20}{'op':<10}{'backend':<11}{'variant':<12}{'tokens':>7}{'MiB':>7}"
           f"{'ms':>9}{'GB/s':>8}{'ratio':>7}{'p10-p90 ms':>16}")

@@ -108,6 +108,9 @@ class LaunchConfig:
     streaming : bool
         Streaming cache hints: loads ``evict_first``, stores ``.cs`` (the bytes are
         touched once; keep them from evicting the prefill's working set in L2).
+    persistent : bool
+        Cap the grid at ``ctas_per_sm`` x SMs and let each program loop over work items;
+        False launches one program per work item (the hardware schedules them).
     """
 
     block_bytes: int = 16384
@@ -117,6 +120,7 @@ class LaunchConfig:
     capped_block_bytes: int = 65536
     capped_num_warps: int = 16
     streaming: bool = True
+    persistent: bool = True
 
 
 CONFIG = LaunchConfig()
@@ -172,7 +176,8 @@ def launch(*, src_table=None, dst_table=None, src_stage=None, dst_stage=None,
     total = num_tensors * n * (-(-run // chunk))
     if total >= 2 ** 31:
         raise ValueError(f"{total} work items exceed the kernel's int32 index; split the call")
-    grid = min(total, max_ctas or cfg.ctas_per_sm * sms)
+    limit = max_ctas or (cfg.ctas_per_sm * sms if cfg.persistent else total)
+    grid = min(total, limit)
 
     def words(t):
         return t.view(-1).view(torch.uint8).view(torch_word) if t is not None else None

@@ -218,21 +218,29 @@ def read_export(name: str) -> CudaIpcExport:
         raise TransferError(f"CUDA IPC export {name!r} does not exist (prefill gone?)") from None
 
 
-def import_cache(exp: CudaIpcExport, spec: KVCacheSpec, num_blocks: int | None = None) -> PagedKVCache:
-    """Open P's exported cache in this process (once, at pairing).
+def import_cache(exp: CudaIpcExport, spec: KVCacheSpec, num_blocks: int | None = None, *,
+                 map_on: torch.device | None = None) -> PagedKVCache:
+    """Open a peer's exported cache in this process (once, at pairing).
 
     Parameters
     ----------
     exp : CudaIpcExport
     spec : KVCacheSpec
-        D's spec; must equal the exported one.
+        This side's spec; must equal the exported one.
     num_blocks : int, optional
-        Blocks D expects P's cache to have (from the ``Pair`` message).
+        Blocks this side expects the peer's cache to have (from the ``Pair`` message).
+    map_on : torch.device, optional
+        The GPU whose kernels will access the memory. CUDA maps an IPC handle into the
+        context of the *current* device only (with peer access enabled lazily when that is
+        not the owner: ``cudaIpcMemLazyEnablePeerAccess``); a kernel on another GPU faults.
+        Given a different GPU than the owner, the returned cache is labelled with ``map_on``
+        (its kernels run there, reading or writing the owner's memory over NVLink). Default:
+        the owner's GPU.
 
     Returns
     -------
     PagedKVCache
-        Over the mapped memory, on the ordinal that holds it in this process.
+        Over the mapped memory, on ``map_on`` or the ordinal that holds it in this process.
 
     Raises
     ------
@@ -252,7 +260,10 @@ def import_cache(exp: CudaIpcExport, spec: KVCacheSpec, num_blocks: int | None =
                             f"{exp.num_blocks} blocks of {spec.bytes_per_block} bytes")
     if exp.pid == os.getpid():
         raise TransferError("CUDA IPC export was made by this process; use the cache directly")
-    ordinal = ordinal_of_uuid(exp.uuid)
+    owner = ordinal_of_uuid(exp.uuid)
+    ordinal = owner if map_on is None else torch.device(map_on).index
+    if ordinal != owner:
+        enable_peer_access(torch.device("cuda", ordinal), torch.device("cuda", owner))
     try:
         storage = torch.UntypedStorage._new_shared_cuda(
             ordinal, exp.handle, exp.storage_size, exp.storage_offset, exp.ref_counter_handle,
@@ -263,7 +274,7 @@ def import_cache(exp: CudaIpcExport, spec: KVCacheSpec, num_blocks: int | None =
     buf = torch.empty(0, dtype=torch.uint8, device=f"cuda:{ordinal}")
     buf.set_(storage, exp.buffer_offset, (exp.nbytes,), (1,))
     cache = PagedKVCache(spec, exp.num_blocks, buffer=buf)
-    cache.backend_state["cuda_ipc"] = {"uuid": exp.uuid, "pid": exp.pid}
+    cache.backend_state["cuda_ipc"] = {"uuid": exp.uuid, "pid": exp.pid, "owner": owner}
     return cache
 
 
