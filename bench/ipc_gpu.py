@@ -168,8 +168,9 @@ class KernelBench:
         return [(torch.randperm(self.a.num_blocks, generator=g)[:n],
                  torch.randperm(self.a.num_blocks, generator=g)[:n]) for _ in range(ROT)]
 
-    def methods(self, sets, P=None):
+    def methods(self, sets, P=None, pull=None):
         P, D, T = P or self.P, self.D, self.spec.num_tensors
+        pull = (P is self.P) if pull is None else pull
         pt, dt = P.tensors(), D.tensors()
         dv = [(s.to(self.dd), d.to(self.dd)) for s, d in sets]
         pv = [(s.to(P.device), d.to(self.dd)) for s, d in sets]
@@ -192,9 +193,9 @@ class KernelBench:
                     dt[j][b].copy_(pt[j][a])
 
         out = {}
-        if P is self.P:  # pull over an IPC-mapped peer faults on 2xH200 (see cuda_ipc.py)
+        if pull:  # an IPC mapping is usable only from the GPU it was mapped on (cuda_ipc.py)
             out["kvflow_pull"] = kv("pull")
-        if self.backend == "triton":
+        if self.backend == "triton" and P.device != D.device:
             out["kvflow_push"] = kv("push")
         out["per_layer_torch"] = per_layer
         if self.memcpy is not None:
@@ -233,9 +234,9 @@ class KernelBench:
         return self.clock.time(lambda i: pairs[i % rot][1].copy_(pairs[i % rot][0]), self.a.reps)
 
 
-def run_kernels(a, kb: KernelBench, env, rows, xproc_peer=None) -> dict:
+def run_kernels(a, kb: KernelBench, env, rows, xproc_peer=None, variant=None) -> dict:
     """One row per (method, tokens); returns {tokens: ceiling seconds}."""
-    variant = "cross_process" if xproc_peer is not None else "in_process"
+    variant = variant or ("cross_process" if xproc_peer is not None else "in_process")
     P = xproc_peer or kb.P
     ceilings = a._ceilings if xproc_peer is not None else {}
     for T in a.tokens:
@@ -244,7 +245,7 @@ def run_kernels(a, kb: KernelBench, env, rows, xproc_peer=None) -> dict:
         if T not in ceilings:
             ceilings[T] = median(kb.ceiling(payload))
         ceil, res = ceilings[T], {}
-        meths = kb.methods(sets, P)
+        meths = kb.methods(sets, P, pull=None if xproc_peer is None else P.device == kb.dd)
         if xproc_peer is not None:
             meths = {k.replace("kvflow", "xproc"): v for k, v in meths.items() if k.startswith("kvflow")}
         for name, fn in meths.items():
@@ -285,9 +286,23 @@ def run_xproc(a, kb: KernelBench, env, rows) -> None:
         name = child.stdout.readline().strip()
         if not name:
             raise RuntimeError(f"P child exited ({child.wait()}) without exporting its cache")
-        peer = import_cache(read_export(name), kb.spec, a.num_blocks)
+        exp = read_export(name)
+        peer = import_cache(exp, kb.spec, a.num_blocks)
         print(f"\ncross-process: P pid {child.pid} exported {name}; mapped here on {peer.device}")
         run_kernels(a, kb, env, rows, xproc_peer=peer)
+        old = peer.buffer.data_ptr()
+        del peer
+        import gc
+        gc.collect()
+        torch.cuda.synchronize(kb.dd)
+        torch.cuda.ipc_collect()
+        # the same handle mapped into D's GPU context: the kernel runs on D's GPU (pull)
+        peer = import_cache(exp, kb.spec, a.num_blocks, map_on=kb.dd)
+        if peer.buffer.data_ptr() == old:
+            print("cross-process pull skipped: torch returned the earlier mapping of the handle")
+        else:
+            print(f"\ncross-process: the same export mapped on {peer.device} (D's GPU)")
+            run_kernels(a, kb, env, rows, xproc_peer=peer, variant="cross_process_mapped_on_d")
         del peer
     finally:
         child.stdin.close()
@@ -315,7 +330,20 @@ async def _complete(client, url, prompt, max_tokens):
     return {"ttft": ttft, "tpot": (e2e - ttft) / max(1, len(toks) - 1), "text": toks, "kvflow": kv}
 
 
+SERVE_MODES = {  # name: (server mode, extra flags)
+    "push-layerwise": ("disagg", "--ipc-direction push --transfer-mode layerwise"),
+    "push-request": ("disagg", "--ipc-direction push --transfer-mode request"),
+    "pull-request": ("disagg", "--ipc-direction pull --transfer-mode request"),
+    "pull-layerwise": ("disagg", "--ipc-direction pull --transfer-mode layerwise "
+                                 "--layerwise-min-tokens 0"),
+    "colocated": ("colocated", ""),
+}
+
+
 def run_serve(a, env, rows) -> None:
+    """Serve the same prompts in every ``--serve-modes`` configuration; TTFT, TPOT, transfer
+    and exposed transfer (push: P's wait for its copies after the first token + the KVPushed
+    message; pull: D's whole transfer), token identity with colocated."""
     import random
 
     import httpx
@@ -328,34 +356,49 @@ def run_serve(a, env, rows) -> None:
     rng = random.Random(0)
     prompts = {T: [[rng.randint(32, 126) for _ in range(T)] for _ in range(a.serve_reps)]
                for T in a.serve_tokens}
+    modes = a.serve_modes.split(",")
+    if "colocated" not in modes:
+        modes.append("colocated")
     outs = {}
-    for mode in ("disagg", "colocated"):
-        with started_server(mode, common, timeout=240) as url:
-            async def go():
-                async with httpx.AsyncClient() as c:
-                    await _complete(c, url, prompts[a.serve_tokens[0]][0][:256], 2)  # warm-up
-                    return {T: [await _complete(c, url, p, a.max_tokens) for p in ps]
-                            for T, ps in prompts.items()}
-            outs[mode] = asyncio.run(go())
+    for name in modes:
+        mode, extra = SERVE_MODES[name]
+        try:
+            with started_server(mode, f"{common} {extra}".strip(), timeout=240) as url:
+                async def go():
+                    async with httpx.AsyncClient() as c:
+                        for w in (256, a.serve_tokens[0]):  # warm-up (kernels, allocator)
+                            await _complete(c, url, prompts[a.serve_tokens[0]][0][:w], 2)
+                        return {T: [await _complete(c, url, p, a.max_tokens) for p in ps]
+                                for T, ps in prompts.items()}
+                outs[name] = asyncio.run(go())
+        except Exception as exc:  # report and go on with the other modes
+            print(f"serve mode {name} FAILED: {type(exc).__name__}: {exc}")
     print(f"\nserved {a.model} (bf16, block 64, chunk {a.chunk}): disagg P=GPU0 D=GPU1 vs colocated GPU0")
-    print(f"  {'tokens':>6} {'mode':10} {'TTFT ms':>9} {'TPOT ms':>8} {'xfer ms':>8} {'copy ms':>8} "
-          f"{'xfer/TTFT':>9} {'identical':>9}")
+    print(f"  {'tokens':>6} {'mode':15} {'TTFT ms':>9} {'TPOT ms':>8} {'prefill':>8} {'xfer ms':>8} "
+          f"{'exposed':>8} {'exp/TTFT':>8} {'identical':>9}")
+    ref = outs.get("colocated")
     for T in a.serve_tokens:
-        same = all(x["text"] == y["text"] for x, y in zip(outs["disagg"][T], outs["colocated"][T]))
-        for mode in ("disagg", "colocated"):
-            rs = outs[mode][T]
+        for name in [m for m in modes if m in outs]:
+            rs = outs[name][T]
+            same = ref is not None and all(x["text"] == y["text"] for x, y in zip(rs, ref[T]))
+
+            def med(key):
+                return median([float(r["kvflow"].get(key) or 0) for r in rs])
             ttft, tpot = median([r["ttft"] for r in rs]), median([r["tpot"] for r in rs])
-            xfer = median([float(r["kvflow"].get("transfer_ms") or 0) for r in rs])
-            copy = median([float(r["kvflow"].get("copy_ms") or 0) for r in rs])
-            share = xfer / (ttft * 1e3)
-            print(f"  {T:>6} {mode:10} {ttft * 1e3:9.2f} {tpot * 1e3:8.3f} {xfer:8.3f} {copy:8.3f} "
-                  f"{share:9.2%} {str(same):>9}")
-            rows.append(make_row(env, op="serve_ipc_gpu", backend=mode, spec=None, tokens=T, blocks=0,
+            xfer = med("transfer_ms")
+            exposed = med("exposed_ms") if name.startswith("push") else xfer
+            share = exposed / (ttft * 1e3)
+            print(f"  {T:>6} {name:15} {ttft * 1e3:9.2f} {tpot * 1e3:8.3f} {med('prefill_ms'):8.2f} "
+                  f"{xfer:8.3f} {exposed:8.3f} {share:8.2%} {str(same):>9}")
+            rows.append(make_row(env, op="serve_ipc_gpu", backend=name, spec=None, tokens=T, blocks=0,
                                  payload_bytes=int(rs[0]["kvflow"].get("payload_bytes") or 0),
                                  times_s=[r["ttft"] for r in rs], ceiling_s=None,
-                                 config={"model": a.model, "server_args": common},
+                                 config={"model": a.model, "server_args": f"{common} {SERVE_MODES[name][1]}"},
                                  ttft_ms=ttft * 1e3, tpot_ms=tpot * 1e3, transfer_ms=xfer,
-                                 copy_ms=copy, transfer_share=share, identical=same))
+                                 exposed_ms=exposed, prefill_ms=med("prefill_ms"),
+                                 copy_ms=med("copy_ms"), transfer_share=share, identical=same,
+                                 ttfts_ms=[r["ttft"] * 1e3 for r in rs],
+                                 kvflow=[r["kvflow"] for r in rs]))
 
 
 def main(argv=None) -> int:
@@ -368,6 +411,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-serve", action="store_true", help="skip the end-to-end serve runs")
     ap.add_argument("--serve-only", action="store_true", help="only the end-to-end serve runs")
     ap.add_argument("--serve-tokens", default="1024,4096,8192", help="prompt lengths served")
+    ap.add_argument("--serve-modes", default="push-layerwise,push-request,pull-request,colocated",
+                    help=f"comma-separated, of {', '.join(SERVE_MODES)}")
     ap.add_argument("--serve-reps", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--chunk", type=int, default=8192, help="--max-num-batched-tokens of the server")

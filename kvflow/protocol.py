@@ -58,7 +58,7 @@ class Register(_Msg):
     transfer: str                   # "ipc" | "tcp" | "none"
     pid: int
     data_addr: str = ""             # D: ZMQ address P connects to; "" otherwise
-    shm_name: str = ""              # P with ipc: name of its shared-memory cache segment
+    shm_name: str = ""              # ipc: the exported cache (P's for pull, D's for push)
     version: int = PROTOCOL_VERSION
 
 
@@ -76,7 +76,7 @@ class Pair(_Msg):
     peer_spec: dict[str, Any]
     peer_num_blocks: int
     data_addr: str = ""             # to P: D's data address
-    shm_name: str = ""              # to D (ipc): P's cache segment
+    shm_name: str = ""              # the peer's exported cache (ipc): P's to D (pull), D's to P (push)
 
 
 class PairResult(_Msg):
@@ -139,10 +139,13 @@ class Tokens(_Msg):
 class Abort(_Msg):
     """Router -> P and D: drop the request and give its blocks back. ``peer_dead`` names the
     request's other instance when it died: P then frees blocks it sent at once (nobody will
-    read them) instead of holding them until D's ack or the lease ends."""
+    read them) instead of holding them until D's ack or the lease ends. ``prefill_sent``: the
+    router had sent the Prefill to P, so with ipc push P may still be writing D's blocks (D
+    keeps them until P's :class:`KVPushed`)."""
     req_id: str
     reason: str = ""
     peer_dead: str = ""
+    prefill_sent: bool = True
 
 
 # ---- P <-> D (data link) -----------------------------------------------------------------
@@ -189,6 +192,28 @@ class KVLayer(_Msg):
     gather_ms: float = 0.0          # tcp, last message: P's gather time over all parts
 
 
+class KVPushed(_Msg):
+    """P -> D (ipc push): P is done writing ``req_id``'s KV into D's blocks. ``ok``: all
+    ``num_blocks`` prompt blocks (``payload_bytes``) are there and ``first_token`` follows; not
+    ``ok``: nothing more will be written (``error`` says why) and D may free the blocks.
+    Times: ``t_start`` / ``t_done`` are P's ``time.time()`` at the first copy and at the send;
+    ``copy_ms`` P's time issuing copies; ``exposed_ms`` P's wait for them after the first token;
+    ``prefill_ms`` P's prefill until the first token was sampled."""
+    req_id: str
+    ok: bool
+    error: str = ""
+    first_token: int = -1
+    num_prompt_tokens: int = 0
+    num_blocks: NonNeg = 0
+    payload_bytes: NonNeg = 0
+    t_start: float = 0.0
+    t_done: float = 0.0
+    copy_ms: float = 0.0
+    exposed_ms: float = 0.0
+    prefill_ms: float = 0.0
+    layerwise: bool = False
+
+
 class KVAck(_Msg):
     """D -> P: the blocks of ``req_id`` are in D's cache (``ok``) or were dropped; P may free."""
     req_id: str
@@ -204,7 +229,7 @@ class LeaseRenew(_Msg):
 
 
 Message = Union[Register, Heartbeat, Pair, PairResult, Allocate, Allocated, Rejected, Prefill,
-                Tokens, Abort, KVReady, KVData, KVLayer, KVAck, LeaseRenew]
+                Tokens, Abort, KVReady, KVData, KVLayer, KVPushed, KVAck, LeaseRenew]
 MESSAGE_TYPES = Message.__args__
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -49,11 +49,16 @@ class PD:
     """P and D paired over ipc; ``run`` drives one request from Allocate to its last token."""
 
     def __init__(self, *, prefix: bool = True, d_blocks: int = 48, lease_s: float = 5.0,
-                 transfer: str = "ipc") -> None:
-        self.p = make_instance(PrefillInstance, "prefill", kv_lease_s=lease_s, transfer=transfer)
+                 transfer: str = "ipc", ipc_direction: str = "pull") -> None:
+        self.p = make_instance(PrefillInstance, "prefill", kv_lease_s=lease_s, transfer=transfer,
+                               ipc_direction=ipc_direction)
         self.d = make_instance(DecodeInstance, "decode", num_blocks=d_blocks, transfer=transfer,
-                               enable_prefix_caching=prefix, kv_lease_s=lease_s)
+                               enable_prefix_caching=prefix, kv_lease_s=lease_s,
+                               ipc_direction=ipc_direction)
         self.p.link, self.p.peer_id = FakeLink(), self.d.instance_id
+        if self.p.writer is not None:  # push: P maps D's exported cache
+            self.p.writer.attach(self.d.instance_id, self.d.export_name, self.d.spec,
+                                 self.d.num_blocks)
         self.d.on_pair(Pair(peer_id=self.p.instance_id, peer_role="prefill",
                             peer_spec=self.p.spec.to_dict(), peer_num_blocks=self.p.num_blocks,
                             shm_name=self.p.shared.name if self.p.shared else ""), [], None)
@@ -110,9 +115,10 @@ class PD:
         for msg in self.take(self.d, LeaseRenew):
             self.p.on_leaserenew(msg, [], None)
 
-    def abort(self, req_id, peer_dead=""):
+    def abort(self, req_id, peer_dead="", prefill_sent=True):
         for inst in (self.p, self.d):
-            inst.on_abort(Abort(req_id=req_id, peer_dead=peer_dead), [], None)
+            inst.on_abort(Abort(req_id=req_id, peer_dead=peer_dead, prefill_sent=prefill_sent),
+                          [], None)
 
     def decode_all(self):
         while self.d.has_work():

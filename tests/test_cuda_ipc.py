@@ -105,7 +105,7 @@ def test_parent_cards_and_role_env(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6,7")
     env = {r: instance_env(r, "cuda", 0, 1)["CUDA_VISIBLE_DEVICES"]
            for r in ("prefill", "decode", "colocated")}
-    assert env == {"prefill": "6", "decode": "7,6", "colocated": "6"}  # D: own GPU first, P's too
+    assert env == {"prefill": "6,7", "decode": "7,6", "colocated": "6"}  # own GPU first, peer's too
     assert instance_env("decode", "cuda", 1, 1)["CUDA_VISIBLE_DEVICES"] == "7"
     assert instance_env("decode", "cpu", 0, 1) is None
 
@@ -214,8 +214,74 @@ def test_two_processes_uuid_remapping_and_refusal():
         p.wait(30)
 
 
+_D_EXPORTER = """
+import sys, torch
+sys.path.insert(0, {bench!r})
+from ipc_gpu import pattern
+from kvflow import KVCacheSpec, PagedKVCache
+from kvflow.transfer.cuda_ipc import export_cache, publish_export
+from kvflow.transfer.shm import unlink_segment
+spec = KVCacheSpec(**{spec!r})
+cache = PagedKVCache(spec, 64, device="cuda:0")
+cache.buffer.zero_(); torch.cuda.synchronize()
+name = publish_export(export_cache(cache))
+print(name, flush=True)
+sys.stdin.readline(); torch.cuda.synchronize()
+dst = torch.tensor([1, 2, 40], device="cuda:0")
+ok = all(torch.equal(t[dst].reshape(3, -1).view(torch.int32), pattern(j, torch.tensor([5, 63, 0], device="cuda:0"), spec, 64))
+         for j, t in enumerate(cache.tensors()))
+rest = all(int(t[[i for i in range(64) if i not in (1, 2, 40)]].view(torch.uint8).count_nonzero()) == 0
+           for t in cache.tensors())
+print("OK" if ok and rest else "MISMATCH", flush=True); unlink_segment(name)
+"""
+
+_P_PUSHER = """
+import sys, torch
+sys.path.insert(0, {bench!r})
+from ipc_gpu import fill_pattern
+from kvflow import KVCacheSpec, PagedKVCache
+from kvflow.kernels import copy_blocks
+from kvflow.transfer.push import map_decode_cache
+spec = KVCacheSpec(**{spec!r})
+mine = torch.device("cuda", {mine})
+p = PagedKVCache(spec, 64, device=mine)
+fill_pattern(p)
+d = map_decode_cache({name!r}, spec, 64, mine)
+assert d.device == mine, d.device
+copy_blocks(p, d, torch.tensor([5, 63, 0]), torch.tensor([1, 2, 40]), backend="triton")
+torch.cuda.synchronize(mine)
+print("PUSHED", flush=True)
+"""
+
+
 @TWO_GPUS
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("order", ["same", "swapped"])
+def test_prefill_pushes_into_decode_export_on_its_own_gpu(order):
+    """D (physical GPU 1, its cuda:0) exports its cache; P sees both GPUs (in either order),
+    maps D's export into its own GPU's context and writes three blocks with a kernel on its
+    own GPU: D sees exactly those bytes there and zeros elsewhere."""
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    cards = vis.split(",")[:2] if vis else ["0", "1"]
+    d = _spawn(_D_EXPORTER, cards[1])
+    try:
+        name = d.stdout.readline().strip()
+        p_vis, mine = (",".join(cards), 0) if order == "same" else (f"{cards[1]},{cards[0]}", 1)
+        r = subprocess.run([sys.executable, "-c", _P_PUSHER.format(
+            bench=str(ROOT / "bench"), spec=SPEC.to_dict(), name=name, mine=mine)],
+            capture_output=True, text=True, env=dict(os.environ, CUDA_VISIBLE_DEVICES=p_vis),
+            timeout=120)
+        assert r.stdout.split() == ["PUSHED"], r.stdout + r.stderr
+        d.stdin.write("check\n")
+        d.stdin.flush()
+        assert d.stdout.readline().split() == ["OK"]
+    finally:
+        d.stdin.close()
+        d.wait(30)
+
+
+@TWO_GPUS
+@pytest.mark.timeout(900)
 def test_served_disagg_cuda_token_identical_to_colocated():
     import asyncio
 
@@ -235,10 +301,18 @@ def test_served_disagg_cuda_token_identical_to_colocated():
             return out
 
     got = {}
-    for mode in ("disagg", "colocated"):
-        with started_server(mode, "--device cuda --num-blocks 256", timeout=240) as url:
-            got[mode] = asyncio.run(run(url))
-    assert [t for t, _ in got["disagg"]] == [t for t, _ in got["colocated"]]
-    assert all(len(t) == 12 for t, _ in got["disagg"])
-    assert [kv["payload_bytes"] for _, kv in got["disagg"]] == [
-        -(-len(p) // 16) * 4 * 2 * 16 * 2 * 32 * 4 for p in prompts]  # tiny: 4 layers, fp32
+    configs = {"colocated": ("colocated", ""), "push": ("disagg", ""),  # auto: push on cuda
+               "push-request": ("disagg", "--transfer-mode request"),
+               "pull-request": ("disagg", "--ipc-direction pull --transfer-mode request")}
+    for name, (mode, extra) in configs.items():
+        with started_server(mode, f"--device cuda --num-blocks 256 {extra}", timeout=240) as url:
+            got[name] = asyncio.run(run(url))
+    want = [t for t, _ in got["colocated"]]
+    for name in ("push", "push-request", "pull-request"):
+        assert [t for t, _ in got[name]] == want, name
+        assert [kv["payload_bytes"] for _, kv in got[name]] == [
+            -(-len(p) // 16) * 4 * 2 * 16 * 2 * 32 * 4 for p in prompts]  # tiny: 4 layers, fp32
+        assert {(kv["ipc_direction"], kv["transfer_mode"]) for _, kv in got[name]} == {
+            ("pull" if name.startswith("pull") else "push",
+             "request" if name.endswith("request") else "layerwise")}, name
+    assert all(len(t) == 12 for t in want)

@@ -1,6 +1,7 @@
 """End to end on CPU: `python -m kvflow.serve` in disagg mode (ipc and tcp) against colocated.
 
-Three servers start once for the module (in parallel). Greedy outputs of disaggregated serving
+Four servers (colocated; ipc pull, ipc push and tcp disagg) start once for the module (in
+parallel). Greedy outputs of disaggregated serving
 must equal colocated serving token for token for English prompts of 1..300 tokens; the bytes
 moved equal blocks x bytes_per_block; every test gives back every block on P and D; over-long
 prompts get HTTP 400 and move nothing; SIGINT leaves no process and no shared-memory segment.
@@ -36,6 +37,7 @@ def prompt_of(n: int):
 def servers():
     s = {"colocated": Server("--mode", "colocated"),
          "ipc": Server("--transfer", "ipc"),
+         "ipc-push": Server("--transfer", "ipc", "--ipc-direction", "push"),
          "tcp": Server("--transfer", "tcp", "--block-size", "8")}
     try:
         for srv in s.values():
@@ -74,7 +76,7 @@ def blocks_come_back(request, servers):
         assert servers[k].wait_free_blocks(want) == want, f"{k}: blocks not given back"
 
 
-@pytest.mark.parametrize("transfer", ["ipc", "tcp"])
+@pytest.mark.parametrize("transfer", ["ipc", "ipc-push", "tcp"])
 def test_disagg_is_token_identical_to_colocated(servers, reference, transfer):
     srv = servers[transfer]
     spec = srv.instance("decode")["spec"]
@@ -87,7 +89,8 @@ def test_disagg_is_token_identical_to_colocated(servers, reference, transfer):
         assert body["usage"]["prompt_tokens"] == n
         kv = body["kvflow"]
         blocks = -(-n // spec["block_size"])
-        assert kv["transfer"] == transfer and kv["blocks"] == blocks
+        assert kv["transfer"] == transfer.split("-")[0] and kv["blocks"] == blocks
+        assert kv["ipc_direction"] == ("push" if transfer == "ipc-push" else "pull")
         assert kv["payload_bytes"] == blocks * bytes_per_block
         assert kv["prefill_instance"].startswith("p-") and kv["decode_instance"].startswith("d-")
         assert kv["transfer_ms"] > 0
@@ -181,11 +184,11 @@ def test_profile_sized_caches_without_num_blocks(servers):
 
 
 def test_sigint_leaves_no_process_and_no_segment(servers):
-    for name in ("ipc", "tcp", "colocated"):
+    for name in ("ipc", "ipc-push", "tcp", "colocated"):
         srv = servers[name]
         srv.health()
         assert srv.seen_pids and all(pid_alive(p) for p in srv.seen_pids)
-        if name == "ipc":
+        if name.startswith("ipc"):  # pull: P's segment; push: D's
             assert srv.seen_shm and all(os.path.exists(os.path.join(SHM_DIR, s)) for s in srv.seen_shm)
         t0 = time.monotonic()
         assert srv.stop() == 0

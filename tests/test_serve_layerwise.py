@@ -25,7 +25,7 @@ from kvflow.model import load_model
 from kvflow.protocol import (Abort, Allocate, Allocated, Heartbeat, Pair, PairResult, Prefill, Register,
                              Rejected, Tokens, decode, encode)
 from kvflow.serve.decode import DecodeInstance
-from kvflow.serve.instance import InstanceConfig, sample_token
+from kvflow.serve.instance import InstanceConfig, layerwise_min_tokens, sample_token
 from kvflow.serve.prefill import PrefillInstance
 from kvflow.signal import STATS
 
@@ -41,7 +41,7 @@ def prompt(n: int) -> list[int]:
 class Harness:
     """P + D + a router socket; :meth:`pump` runs one iteration of both instances' loops."""
 
-    def __init__(self, transfer: str, profile_hook=None) -> None:
+    def __init__(self, transfer: str, profile_hook=None, **extra) -> None:
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         port = self.router.bind_to_random_port("tcp://127.0.0.1")
@@ -49,7 +49,8 @@ class Harness:
         def cfg(role, **kw):
             return InstanceConfig(role=role, router_addr=f"tcp://127.0.0.1:{port}", transfer=transfer,
                                   block_size=BLOCK, max_model_len=512, memory_budget_mb=24,
-                                  max_num_batched_tokens=CHUNK, layerwise_min_tokens=ALWAYS, **kw)
+                                  max_num_batched_tokens=CHUNK, layerwise_min_tokens=ALWAYS,
+                                  **extra, **kw)
 
         self.p, self.d = PrefillInstance(cfg("prefill")), DecodeInstance(cfg("decode", num_blocks=96))
         self.inbox: list = []
@@ -59,7 +60,8 @@ class Harness:
         self.d.startup()
         regs = {m.role: m for m in self.wait_for(Register, 2)}
         self.to(self.p, Pair(peer_id=self.d.instance_id, peer_role="decode", peer_spec=regs["decode"].spec,
-                             peer_num_blocks=regs["decode"].num_blocks, data_addr=regs["decode"].data_addr))
+                             peer_num_blocks=regs["decode"].num_blocks, data_addr=regs["decode"].data_addr,
+                             shm_name=regs["decode"].shm_name))
         self.to(self.d, Pair(peer_id=self.p.instance_id, peer_role="prefill", peer_spec=regs["prefill"].spec,
                              peer_num_blocks=regs["prefill"].num_blocks, shm_name=regs["prefill"].shm_name))
         assert all(r.ok for r in self.wait_for(PairResult, 2))
@@ -311,4 +313,4 @@ def test_request_transfer_mode_has_no_layerwise_path():
     assert parse_args([]).transfer_mode == "layerwise"
     cfg = InstanceConfig(role="prefill", router_addr="tcp://127.0.0.1:1", transfer_mode="request")
     p = PrefillInstance(cfg)
-    assert p.layerwise is None and cfg.layerwise_min_tokens == 16384
+    assert p.layerwise is None and layerwise_min_tokens(cfg) == 16384

@@ -160,22 +160,14 @@ def variants(backends, sms, quick):
     from kvflow.kernels.triton.copy_runs import LaunchConfig
     out = [("triton", "default", None, None)]
     if not quick:
-        out += [("triton", f"ctas/SM={c}", None, LaunchConfig(ctas_per_sm=c)) for c in (1, 2, 8, 16)]
+        out += [("triton", f"ctas/SM={c}", None, LaunchConfig(ctas_per_sm=c)) for c in (1, 4, 8)]
         out += [("triton", "stream", None, LaunchConfig(streaming=True)),
-                ("triton", "stream ctas/SM=16", None, LaunchConfig(streaming=True, ctas_per_sm=16)),
-                ("triton", "step=32K", None, LaunchConfig(block_bytes=32768)),
-                ("triton", "chunk=128K", None, LaunchConfig(chunk_bytes=131072)),
-                ("triton", "8 warps", None, LaunchConfig(num_warps=8)),
-                ("triton", "chunk=16K", None, LaunchConfig(chunk_bytes=16384)),
-                ("triton", "chunk=32K", None, LaunchConfig(chunk_bytes=32768)),
-                ("triton", "chunk=16K c8", None, LaunchConfig(chunk_bytes=16384, ctas_per_sm=8)),
+                ("triton", "chunk=64K", None, LaunchConfig(chunk_bytes=65536, copy_chunk_bytes=65536)),
+                ("triton", "copy chunk=16K", None, LaunchConfig(copy_chunk_bytes=16384)),
+                ("triton", "step=8K", None, LaunchConfig(block_bytes=8192, chunk_bytes=8192,
+                                                         num_warps=2)),
                 ("triton", "nonpersist", None, LaunchConfig(persistent=False)),
-                ("triton", "nonpersist 16K", None,
-                 LaunchConfig(persistent=False, chunk_bytes=16384)),
-                ("triton", "step=8K 16K", None,
-                 LaunchConfig(block_bytes=8192, chunk_bytes=16384, num_warps=2)),
-                ("triton", "nostream 16K", None,
-                 LaunchConfig(streaming=False, chunk_bytes=16384))]
+                ("triton", "8 warps", None, LaunchConfig(num_warps=8))]
     out += [("triton", f"max_ctas={m}", m, None) for m in (8, 32, sms)]
     if "numba_cuda" in backends:
         out.append(("numba_cuda", "default", None, None))

@@ -94,11 +94,16 @@ class LaunchConfig:
         Bytes one program moves per loop step (``BLOCK`` words): 16 KiB keeps 8 x 16-byte
         loads per thread in flight at 4 warps.
     chunk_bytes : int
-        Work item size; a run longer than this is split into chunks (load balance).
+        Work item size of gather and scatter; a run longer than this is split into chunks
+        (load balance). 16 KiB (one loop step) measured best on an H200, 2026-11-30
+        (tools/gpu_probe.py, bench/results/raw/gpu_probe-nvidia-h200-20261130.log).
+    copy_chunk_bytes : int
+        Work item size of copy_blocks, which reads two ids and two table entries per item
+        before its first load: whole runs (up to 128 KiB) amortise them (same probe: copy
+        0.88-0.89 of the ceiling vs 0.85-0.86 with 64 KiB items).
     ctas_per_sm : int
-        Persistent programs per SM when ``max_ctas`` is not given. 16 (with streaming hints)
-        measured best on an H200, 2026-11-29 (tools/gpu_probe.py, queue-ahead timing): gather
-        at 1K/4K/16K tokens 0.91/0.92/0.90 of the copy ceiling vs 0.88/0.90/0.91 at 4.
+        Persistent programs per SM when ``max_ctas`` is not given (16: 0.89-0.91 of the copy
+        ceiling vs 0.73-0.75 at 1, tools/gpu_probe.py on an H200).
     num_warps : int
         Warps per program.
     capped_block_bytes, capped_num_warps : int
@@ -106,20 +111,25 @@ class LaunchConfig:
         per SM (background copies): fewer programs must each keep more bytes in flight
         (64 KiB per step at 16 warps).
     streaming : bool
-        Streaming cache hints: loads ``evict_first``, stores ``.cs`` (the bytes are
-        touched once; keep them from evicting the prefill's working set in L2).
+        Streaming cache hints on full-grid launches: loads ``evict_first``, stores ``.cs``.
+        Off: on the H200 of 2026-11-30 they cost 3-5% of the ceiling at full grid.
+    capped_streaming : bool
+        The same hints on ``max_ctas``-capped launches (background copies beside a prefill:
+        the bytes are touched once; keep them from evicting the prefill's working set in L2).
     persistent : bool
         Cap the grid at ``ctas_per_sm`` x SMs and let each program loop over work items;
         False launches one program per work item (the hardware schedules them).
     """
 
     block_bytes: int = 16384
-    chunk_bytes: int = 65536
+    chunk_bytes: int = 16384
+    copy_chunk_bytes: int = 131072
     ctas_per_sm: int = 16
     num_warps: int = 4
     capped_block_bytes: int = 65536
     capped_num_warps: int = 16
-    streaming: bool = True
+    streaming: bool = False
+    capped_streaming: bool = True
     persistent: bool = True
 
 
@@ -171,7 +181,9 @@ def launch(*, src_table=None, dst_table=None, src_stage=None, dst_stage=None,
     step, warps = (cfg.capped_block_bytes, cfg.capped_num_warps) if capped else \
         (cfg.block_bytes, cfg.num_warps)
     block = max(4, min(triton.next_power_of_2(run), step // word))
-    chunk = block * max(1, min(-(-run // block), cfg.chunk_bytes // word // block))
+    chunk_bytes = cfg.copy_chunk_bytes if src_table is not None and dst_table is not None \
+        else cfg.chunk_bytes
+    chunk = block * max(1, min(-(-run // block), chunk_bytes // word // block))
     even = run % chunk == 0
     total = num_tensors * n * (-(-run // chunk))
     if total >= 2 ** 31:
@@ -187,7 +199,8 @@ def launch(*, src_table=None, dst_table=None, src_stage=None, dst_stage=None,
         kernel()[(grid,)](*args, n, src_n, dst_n, total,
                           WORD=tl_word, ALIGN=align, RUN=run, CHUNK=chunk, BLOCK=block,
                           EVEN=even, SRC_CACHE=src_table is not None,
-                          DST_CACHE=dst_table is not None, STREAM=cfg.streaming,
+                          DST_CACHE=dst_table is not None,
+                          STREAM=cfg.capped_streaming if capped else cfg.streaming,
                           num_warps=warps)
 
 

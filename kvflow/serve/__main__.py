@@ -34,20 +34,27 @@ def build_parser() -> argparse.ArgumentParser:
     a("--transfer", choices=("ipc", "tcp"), default="ipc",
       help="ipc: D copies from P's shared-memory cache with copy_blocks (one host, default); "
            "tcp: P gathers blocks and sends zero-copy ZMQ frames, D scatters them")
+    a("--ipc-direction", choices=("auto", "push", "pull"), default="auto",
+      help="with --transfer ipc: pull (D copies from P's exported cache after each part) or "
+           "push (D exports its cache and P writes each layer into D's blocks as soon as it is "
+           "computed: on CUDA a GPU-ordered copy beside P's compute, no host round trip per "
+           "layer); auto (default): push with --device cuda, pull on CPU")
     a("--transfer-mode", choices=("layerwise", "request"), default="layerwise",
       help="layerwise: P signals each layer as the prefill writes it and a sender thread moves "
            "that layer's blocks at once, overlapping the transfer with the next layers' compute "
            "(default); request: the whole request moves after the prefill")
     a("--layerwise-min-tokens", type=int, default=None,
       help="prompts shorter than this many tokens use request mode even with --transfer-mode "
-           "layerwise (default 16384: on one H200 layerwise beat request mode only at 16K "
-           "tokens, bench/results/layerwise_gpu-nvidia-h200-20261129-run1.json)")
+           "layerwise (default: 0 with ipc push; else 16384: on one H200 the host-signalled "
+           "path beat request mode only at 16K tokens, "
+           "bench/results/layerwise_gpu-nvidia-h200-20261129-run1.json)")
     a("--device", default="cpu", help="torch device of the model and caches (default cpu); "
       "with cuda and --role all each instance gets its own GPU (see --prefill-device)")
     a("--prefill-device", type=int, default=0, help="with --device cuda: GPU (this process's "
       "ordinal) of the prefill or colocated instance (default 0)")
     a("--decode-device", type=int, default=1, help="with --device cuda: GPU of the decode "
-      "instance (default 1); it also sees the prefill GPU to open P's cache by CUDA IPC")
+      "instance (default 1); P and D each also see the other's GPU, to open its cache by "
+      "CUDA IPC")
     a("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
       help="model weights and KV cache dtype (default float32)")
     a("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
@@ -140,7 +147,7 @@ def _instance_args(args: argparse.Namespace, router_url: str) -> list[str]:
     out = ["--router-url", router_url, "--model", args.model, "--device", args.device,
            "--dtype", args.dtype,
            "--block-size", str(args.block_size), "--transfer", args.transfer,
-           "--transfer-mode", args.transfer_mode,
+           "--transfer-mode", args.transfer_mode, "--ipc-direction", args.ipc_direction,
            "--memory-budget-mb", str(args.memory_budget_mb), "--backend", args.backend,
            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--host", args.host,
            "--log-level", args.log_level, "--kv-lease-s", str(args.kv_lease_s),
@@ -165,9 +172,8 @@ def run_instance(args: argparse.Namespace) -> int:
                          max_model_len=args.max_model_len, num_blocks=args.num_blocks,
                          max_num_batched_tokens=args.max_num_batched_tokens,
                          memory_budget_mb=args.memory_budget_mb, transfer=args.transfer,
-                         transfer_mode=args.transfer_mode,
-                         **({} if args.layerwise_min_tokens is None
-                            else {"layerwise_min_tokens": args.layerwise_min_tokens}),
+                         transfer_mode=args.transfer_mode, ipc_direction=args.ipc_direction,
+                         layerwise_min_tokens=args.layerwise_min_tokens,
                          backend=args.backend, host=args.host,
                          enable_prefix_caching=args.enable_prefix_caching,
                          kv_lease_s=args.kv_lease_s, receive_timeout_s=args.receive_timeout_s,

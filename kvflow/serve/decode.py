@@ -33,13 +33,13 @@ from typing import Any
 import zmq
 
 from kvflow.cache import PagedKVCache
-from kvflow.protocol import (Abort, Allocate, Allocated, KVAck, LeaseRenew, Pair, PairResult,
-                             Rejected, Tokens)
+from kvflow.protocol import (Abort, Allocate, Allocated, KVAck, KVPushed, LeaseRenew, Pair,
+                             PairResult, Rejected, Tokens)
 from kvflow.sched import (AdmissionError, DecodeState, NoFreeBlocksError,
                           PrefixCache, Request, admission_check)
 
 from . import faults
-from .instance import Instance, check_pairing, sample_token, stop_reason
+from .instance import Instance, check_pairing, sample_token, stop_reason, uses_push
 
 log = logging.getLogger("kvflow.serve.decode")
 
@@ -71,6 +71,11 @@ class DecodeInstance(Instance):
         self.receiver = None
         self.prefix: PrefixCache | None = None
         self.states = DecodeState
+        self.push = uses_push(cfg)  # P writes into this cache (kvflow.transfer.push)
+        self.export_name = ""        # push: D's exported cache (shm segment / CUDA IPC export)
+        self._shared = None
+        # push: blocks of requests that ended before P said it is done writing them
+        self.lent: dict[str, tuple[list[int], float]] = {}  # req -> (blocks, free-anyway time)
 
     def startup(self) -> None:
         super().startup()
@@ -82,10 +87,27 @@ class DecodeInstance(Instance):
         return self.allocator.num_free + (self.prefix.num_evictable if self.prefix else 0)
 
     # ---- start-up -------------------------------------------------------------------
+    def make_cache(self, num_blocks: int) -> PagedKVCache:
+        if not self.push:
+            return super().make_cache(num_blocks)
+        if str(self.cfg.device).startswith("cuda"):  # one allocation, CUDA IPC export
+            from kvflow.transfer.cuda_ipc import export_cache, publish_export
+            cache = super().make_cache(num_blocks)
+            self.export_name = publish_export(export_cache(cache), role="decodecuda")
+            return cache
+        from kvflow.transfer.ipc import SharedCache, clean_stale_segments
+        clean_stale_segments()
+        self._shared = SharedCache(self.spec, num_blocks, role="decode")
+        self.export_name = self._shared.name
+        return self._shared.cache
+
     def warmup(self) -> None:
         from kvflow.transfer import make_receiver
         self.receiver = make_receiver(self.cfg.transfer, self.cfg.backend)
-        if self.cfg.transfer == "ipc" and str(self.cfg.device).startswith("cuda"):
+        if self.push:
+            from kvflow.transfer.push import PushReceiver  # P writes; D only checks
+            self.receiver = PushReceiver(self.cfg.backend)
+        elif self.cfg.transfer == "ipc" and str(self.cfg.device).startswith("cuda"):
             from kvflow.transfer.cuda_ipc import CudaIpcReceiver  # opens P's CUDA IPC handle
             self.receiver = CudaIpcReceiver(self.cfg.backend)
         from kvflow.kernels import copy_blocks, scatter_blocks
@@ -106,12 +128,13 @@ class DecodeInstance(Instance):
         self.sockets[self.data] = "prefill link"
 
     def register_extra(self) -> dict[str, str]:
-        return {"data_addr": self.data_addr}
+        return {"data_addr": self.data_addr, "shm_name": self.export_name}
 
     # ---- control handlers -----------------------------------------------------------
     def on_pair(self, msg: Pair, frames, ident) -> None:
         error = check_pairing(self.spec, self.instance_id, msg.peer_spec, msg.peer_id)
         if not error:
+            self._free_lent(list(self.lent))  # a new P: the old one writes nothing more
             try:
                 self.receiver.attach(msg.peer_id, self.spec, msg.peer_num_blocks, msg.shm_name)
                 self.peer_id = msg.peer_id
@@ -158,13 +181,28 @@ class DecodeInstance(Instance):
             raise
 
     def on_abort(self, msg: Abort, frames, ident) -> None:
-        self._end(msg.req_id, self.states.ABORTED, msg.reason or "aborted", notify=False)
+        if msg.peer_dead:
+            self._free_lent([msg.req_id])
+        self._end(msg.req_id, self.states.ABORTED, msg.reason or "aborted", notify=False,
+                  lend=msg.prefill_sent and not msg.peer_dead)
+
+    def _free_lent(self, req_ids: list[str]) -> None:
+        for r in req_ids:
+            entry = self.lent.pop(r, None)
+            if entry is not None:
+                self.allocator.free(entry[0])
 
     # ---- transfer handlers ----------------------------------------------------------
     def on_kvready(self, msg, frames, ident) -> None:
         self._arrive(msg, frames, ident)
 
     def on_kvdata(self, msg, frames, ident) -> None:
+        self._arrive(msg, frames, ident)
+
+    def on_kvpushed(self, msg: KVPushed, frames, ident) -> None:
+        if msg.req_id in self.lent:  # ended here meanwhile: P is done with the blocks now
+            self._free_lent([msg.req_id])
+            return
         self._arrive(msg, frames, ident)
 
     def on_kvlayer(self, msg, frames, ident) -> None:
@@ -175,8 +213,9 @@ class DecodeInstance(Instance):
         seq = self.seqs.get(msg.req_id)
         if seq is None or seq.req.state not in (DecodeState.ALLOCATED, DecodeState.RECEIVING) \
                 or msg.req_id in self.inflight:  # late, aborted or unknown: ignored
-            self.send(self.data, KVAck(req_id=msg.req_id, ok=False,
-                                       error="unknown or aborted request"), ident=ident)
+            if not isinstance(msg, KVPushed):  # P waits for no ack of a push
+                self.send(self.data, KVAck(req_id=msg.req_id, ok=False,
+                                           error="unknown or aborted request"), ident=ident)
             return
         if seq.req.state is DecodeState.ALLOCATED:
             seq.req.transition(DecodeState.RECEIVING)
@@ -189,7 +228,7 @@ class DecodeInstance(Instance):
 
     def _lease_ok(self, msg, seq: Seq) -> bool:
         """P's lease on the sent blocks still holds (20% margin); only ipc reads P's memory."""
-        if self.cfg.transfer != "ipc" or not getattr(msg, "t_start", 0.0):
+        if self.cfg.transfer != "ipc" or self.push or not getattr(msg, "t_start", 0.0):
             return True
         start = max(msg.t_start, seq.t_renewed if seq.t_renewed >= msg.t_start else 0.0)
         return time.time() - start < 0.8 * self.kv_lease_s
@@ -206,20 +245,29 @@ class DecodeInstance(Instance):
             stats = self.receiver.receive(msg, frames, self.cache, req.block_table[seq.num_cached:n])
         except Exception as exc:
             log.exception("%s: transfer of %s failed", self.instance_id, msg.req_id)
-            self.send(self.data, KVAck(req_id=msg.req_id, ok=False, error=str(exc)), ident=ident)
-            self._end(msg.req_id, DecodeState.FAILED, f"KV transfer failed: {exc}")
+            pushed = isinstance(msg, KVPushed)  # P is done with D's blocks: free them now
+            if not pushed:
+                self.send(self.data, KVAck(req_id=msg.req_id, ok=False, error=str(exc)), ident=ident)
+            self._end(msg.req_id, DecodeState.FAILED, f"KV transfer failed: {exc}", lend=not pushed)
             return
         if stats is None:  # a layerwise part: more layers to come
             return
-        transfer_ms = (time.time() - msg.t_start) * 1e3
-        self.send(self.data, KVAck(req_id=msg.req_id, ok=True), ident=ident)
+        now = time.time()
+        transfer_ms = (now - msg.t_start) * 1e3 if msg.t_start else 0.0
+        if not isinstance(msg, KVPushed):
+            self.send(self.data, KVAck(req_id=msg.req_id, ok=True), ident=ident)
         seq.kvflow = {"prefill_instance": ident.decode() if ident else self.peer_id,
                       "decode_instance": self.instance_id, "transfer": self.cfg.transfer,
                       "blocks": stats.blocks, "payload_bytes": stats.payload_bytes,
                       "transfer_ms": round(transfer_ms, 3), "copy_ms": round(stats.copy_ms, 3),
                       "gather_ms": round(getattr(msg, "gather_ms", 0.0), 3),
                       "block_table": list(req.block_table), "cached_blocks": seq.num_cached,
-                      "transfer_mode": "layerwise" if type(msg).__name__ == "KVLayer" else "request"}
+                      "transfer_mode": "layerwise" if type(msg).__name__ == "KVLayer"
+                      or getattr(msg, "layerwise", False) else "request",
+                      "ipc_direction": "push" if self.push else "pull"}
+        if isinstance(msg, KVPushed):  # the part P waited for after the prefill, + the message
+            seq.kvflow["exposed_ms"] = round(msg.exposed_ms + max(0.0, now - msg.t_done) * 1e3, 3)
+            seq.kvflow["prefill_ms"] = round(msg.prefill_ms, 3)
         if self.prefix is not None:  # the prompt's full blocks now hold their KV
             self.prefix.insert(req.prompt_token_ids, req.block_table[:n])
         req.transition(DecodeState.DECODING)
@@ -237,15 +285,23 @@ class DecodeInstance(Instance):
         if reason:
             self._end(req.request_id, self.states.DONE, "", notify=False)
 
-    def _end(self, req_id: str, state, error: str, *, notify: bool = True) -> None:
+    def _end(self, req_id: str, state, error: str, *, notify: bool = True,
+             lend: bool = True) -> None:
+        """End a live request and free its blocks -- or, with push, keep them "lent" while P
+        may still write them (``lend``: the Prefill went out and P has not said it is done)."""
         seq = self.seqs.pop(req_id, None)
         if seq is None:
             return
         held = self.inflight.pop(req_id, None)
-        if held is not None:  # a transfer in flight is dropped; P may free its blocks
+        if held is not None and isinstance(held[0], KVPushed):
+            lend = False  # P's KVPushed already came: it writes nothing more
+        elif held is not None:  # a transfer in flight is dropped; P may free its blocks
             self.send(self.data, KVAck(req_id=req_id, ok=False, error=error or "aborted"),
                       ident=held[2])
-        self.allocator.free(seq.req.block_table)
+        if self.push and lend and seq.req.state in (DecodeState.ALLOCATED, DecodeState.RECEIVING):
+            self.lent[req_id] = (list(seq.req.block_table), time.monotonic() + self.receive_timeout_s)
+        else:
+            self.allocator.free(seq.req.block_table)
         if self.receiver is not None:
             self.receiver.forget(req_id)  # drop a partly received layerwise transfer
         if not seq.req.finished:
@@ -253,6 +309,12 @@ class DecodeInstance(Instance):
         if notify:
             self.send_ctrl(Tokens(req_id=req_id, token_ids=[], finished=True,
                                   finish_reason="error", error=error))
+
+    def close(self) -> None:
+        super().close()
+        if self.export_name:  # the router also removes it if D dies
+            from kvflow.transfer.shm import unlink_segment
+            unlink_segment(self.export_name)
 
     def running(self) -> list[Seq]:
         return [s for s in self.seqs.values() if s.req.state is self.states.DECODING]
@@ -279,6 +341,12 @@ class DecodeInstance(Instance):
 
     def heartbeat(self, force: bool = False) -> None:
         now = time.monotonic()
+        for req_id, (_, due) in list(self.lent.items()):
+            if now >= due:  # P neither finished nor died in time: give the blocks back
+                log.warning("%s: no KVPushed for ended request %s from %s within %g s; "
+                            "blocks freed", self.instance_id, req_id, self.peer_id,
+                            self.receive_timeout_s)
+                self._free_lent([req_id])
         for req_id, (msg, frames, ident, due) in list(self.inflight.items()):
             if now >= due:
                 del self.inflight[req_id]

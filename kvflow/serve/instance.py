@@ -54,7 +54,9 @@ class InstanceConfig:
     memory_budget_mb: int = 512
     transfer: str = "ipc"
     transfer_mode: str = "layerwise"   # "layerwise" | "request" (P: kvflow.transfer.layerwise)
-    layerwise_min_tokens: int = DEFAULT_LAYERWISE_MIN_TOKENS  # shorter prompts: request mode
+    layerwise_min_tokens: int | None = None  # shorter prompts: request mode (None: per direction)
+    ipc_direction: str = "auto"        # ipc: "pull" (D reads P's cache), "push" (P writes D's);
+                                       # auto: push on CUDA, pull on CPU (kvflow.transfer.push)
     backend: str = "auto"
     host: str = "127.0.0.1"            # D binds its data socket here
     heartbeat_s: float = 0.2
@@ -62,6 +64,35 @@ class InstanceConfig:
     kv_lease_s: float = 5.0            # P holds sent blocks this long without D's renewal or ack
     receive_timeout_s: float = 120.0   # D frees a request whose KV has not arrived by then
     parent_pid: int | None = None      # exit when this parent is gone
+
+
+#: ``--layerwise-min-tokens`` default with ipc push: P's per-layer copies are GPU-ordered
+#: (an event and a launch per layer, no host round trip), so every prompt goes layer by layer.
+PUSH_LAYERWISE_MIN_TOKENS = 0
+
+
+def uses_push(cfg: "InstanceConfig") -> bool:
+    """True when P writes into D's cache (ipc, ``ipc_direction`` push, or auto on CUDA).
+
+    Raises
+    ------
+    ValueError
+        For an ``ipc_direction`` other than auto, push or pull.
+    """
+    if cfg.ipc_direction not in ("auto", "push", "pull"):
+        raise ValueError(f"ipc_direction must be 'auto', 'push' or 'pull', got {cfg.ipc_direction!r}")
+    if cfg.transfer != "ipc" or cfg.role not in ("prefill", "decode"):
+        return False
+    return cfg.ipc_direction == "push" or (cfg.ipc_direction == "auto"
+                                          and str(cfg.device).startswith("cuda"))
+
+
+def layerwise_min_tokens(cfg: "InstanceConfig") -> int:
+    """The prompt length from which P goes layer by layer: the flag if given, else
+    :data:`PUSH_LAYERWISE_MIN_TOKENS` with push and ``DEFAULT_LAYERWISE_MIN_TOKENS`` otherwise."""
+    if cfg.layerwise_min_tokens is not None:
+        return cfg.layerwise_min_tokens
+    return PUSH_LAYERWISE_MIN_TOKENS if uses_push(cfg) else DEFAULT_LAYERWISE_MIN_TOKENS
 
 
 def sample_token(logits: torch.Tensor, temperature: float, seed: int, index: int) -> int:
@@ -162,7 +193,7 @@ class Instance:
         """Compile the block-movement kernels on a scratch cache (no channel, nothing sent)."""
 
     def transfer_name(self) -> str:
-        return self.cfg.transfer
+        return "ipc-push" if uses_push(self.cfg) else self.cfg.transfer
 
     def register_extra(self) -> dict[str, str]:
         return {}
@@ -223,7 +254,7 @@ class Instance:
 
     def dispatch(self, sock: zmq.Socket, frames: list[Any]) -> None:
         ident = None
-        if sock.socket_type == zmq.ROUTER:
+        if sock.type == zmq.ROUTER:
             ident, frames = frames[0].bytes, frames[1:]
         if not frames:
             return

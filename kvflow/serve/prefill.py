@@ -38,7 +38,7 @@ from kvflow.protocol import Abort, KVAck, LeaseRenew, Pair, PairResult, Prefill,
 from kvflow.sched import NoFreeBlocksError
 
 from . import faults
-from .instance import Instance, check_pairing, sample_token
+from .instance import Instance, check_pairing, layerwise_min_tokens, sample_token, uses_push
 
 log = logging.getLogger("kvflow.serve.prefill")
 
@@ -57,10 +57,16 @@ class PrefillInstance(Instance):
         self.peer_id = ""
         self.sender = None
         self.shared = None
-        self.layerwise = None  # LayerwiseSender when --transfer-mode layerwise
+        self.layerwise = None  # LayerwiseSender when --transfer-mode layerwise (pull)
+        self.writer = None     # PushWriter with ipc push (kvflow.transfer.push)
 
     # ---- start-up -------------------------------------------------------------------
     def make_cache(self, num_blocks: int) -> PagedKVCache:
+        if uses_push(self.cfg):  # P writes into D's exported cache; its own stays private
+            from kvflow.transfer.push import PushWriter
+            cache = super().make_cache(num_blocks)
+            self.writer = self.sender = PushWriter(cache, self.cfg.backend)
+            return cache
         if self.cfg.transfer == "ipc" and str(self.cfg.device).startswith("cuda"):
             from kvflow.transfer.cuda_ipc import CudaIpcSender  # one CUDA allocation, IPC handle
             self.sender = CudaIpcSender(super().make_cache(num_blocks))
@@ -81,7 +87,13 @@ class PrefillInstance(Instance):
         scratch = PagedKVCache(self.spec, 2, device=self.cfg.device)
         gather_blocks(scratch, [1], staging_buffer(scratch.spec, 1, device=self.cfg.device),
                       backend=self.cfg.backend)
-        if self.cfg.transfer_mode == "layerwise":
+        if self.writer is not None:  # both grids of the push copies (full and capped)
+            from kvflow.kernels import copy_blocks
+            other = PagedKVCache(self.spec, 2, device=self.cfg.device)
+            for cap in (None, self.writer.max_ctas):
+                copy_blocks(scratch, other, [1], [0], backend=self.cfg.backend, max_ctas=cap)
+            self.dummy_run()
+        elif self.cfg.transfer_mode == "layerwise":
             from kvflow.transfer.layerwise import LayerwiseSender
             self.layerwise = LayerwiseSender(self.sender, self.cache, self.instance_id,
                                              signal_timeout_s=self.signal_timeout_s)
@@ -93,12 +105,17 @@ class PrefillInstance(Instance):
         sent (the warm-up at start; also callable after real traffic)."""
         n = min(num_tokens, self.max_model_len, self.num_blocks * self.spec.block_size)
         blocks = list(range(self.spec.num_blocks_for(n)))
+        chunk = max(1, min(self.cfg.max_num_batched_tokens, n // 2))
+        if self.writer is not None:
+            with forward_context(is_dummy_or_profile_run=True):
+                self.writer.prefill(self.engine, [0] * n, blocks, blocks, chunk)
+            return
         with forward_context(is_dummy_or_profile_run=True):
             self.layerwise.prefill(self.engine, "dummy", [0] * n, blocks,
                                    max(1, min(self.cfg.max_num_batched_tokens, n // 2)))
 
     def register_extra(self) -> dict[str, str]:
-        return self.sender.export()
+        return {} if self.writer is not None else self.sender.export()
 
     # ---- handlers -------------------------------------------------------------------
     def on_pair(self, msg: Pair, frames, ident) -> None:
@@ -114,7 +131,12 @@ class PrefillInstance(Instance):
             self.peer_id = msg.peer_id
             if self.layerwise is not None:
                 self.layerwise.open(self.ctx, msg.data_addr)
-        else:
+            if self.writer is not None:
+                try:
+                    self.writer.attach(msg.peer_id, msg.shm_name, self.spec, msg.peer_num_blocks)
+                except Exception as exc:
+                    error = f"cannot map {msg.peer_id}'s cache to push into: {exc}"
+        if error:
             log.error("%s: %s", self.instance_id, error)
         self.send_ctrl(PairResult(instance_id=self.instance_id, peer_id=msg.peer_id,
                                   ok=not error, error=error))
@@ -122,15 +144,29 @@ class PrefillInstance(Instance):
     def on_prefill(self, msg: Prefill, frames, ident) -> None:
         need = self.spec.num_blocks_for(len(msg.token_ids))
         if need > self.num_blocks or len(msg.token_ids) > self.max_model_len:
-            self.send_ctrl(Rejected(req_id=msg.req_id, kind="capacity",
-                                    error=f"prompt of {len(msg.token_ids)} tokens needs {need} "
-                                          f"blocks; prefill instance {self.instance_id} has "
-                                          f"{self.num_blocks} (max_model_len {self.max_model_len})"))
+            error = (f"prompt of {len(msg.token_ids)} tokens needs {need} blocks; prefill "
+                     f"instance {self.instance_id} has {self.num_blocks} (max_model_len "
+                     f"{self.max_model_len})")
+            self._push_failed(msg.req_id, error)
+            self.send_ctrl(Rejected(req_id=msg.req_id, kind="capacity", error=error))
             return
         self.queue.append(msg)
 
+    def _push_failed(self, req_id: str, error: str) -> None:
+        """Push: tell D nothing (more) will be written into its blocks for ``req_id``."""
+        if self.writer is None or self.link is None:
+            return
+        try:
+            self.writer.send_done(self.link, req_id, ok=False, error=error)
+        except Exception:  # D gone: it frees its blocks when told P... or D is dead anyway
+            log.exception("%s: could not tell %s that %s failed", self.instance_id,
+                          self.peer_id, req_id)
+
     def on_abort(self, msg: Abort, frames, ident) -> None:
+        queued = any(m.req_id == msg.req_id for m in self.queue)
         self.queue = collections.deque(m for m in self.queue if m.req_id != msg.req_id)
+        if queued:
+            self._push_failed(msg.req_id, msg.reason or "aborted")
         if self.layerwise is not None:
             self.layerwise.abort(msg.req_id)  # drop its pending signals: no further part goes
         entry = self.pending.get(msg.req_id)
@@ -184,7 +220,10 @@ class PrefillInstance(Instance):
             while time.monotonic() < end:  # test fault: a slow prefill (heartbeats go on, as
                 time.sleep(0.05)           # between the chunks of a long one)
                 self.heartbeat()
-            if self.layerwise is not None and len(msg.token_ids) >= self.cfg.layerwise_min_tokens:
+            if self.writer is not None:
+                self._prefill_push(msg, blocks)
+                return
+            if self.layerwise is not None and len(msg.token_ids) >= layerwise_min_tokens(self.cfg):
                 self._prefill_layerwise(msg, blocks)
                 return
             logits = self.engine.prefill(msg.token_ids, blocks,
@@ -205,6 +244,33 @@ class PrefillInstance(Instance):
             self.allocator.free(blocks)
             blocks = []
         self.pending[msg.req_id] = (blocks, keep, time.monotonic())
+
+    def _prefill_push(self, msg: Prefill, blocks: list[int]) -> None:
+        """Prefill writing the KV into D's blocks (layer by layer from
+        ``--layerwise-min-tokens``), then one KVPushed; P's blocks are free once the copies are
+        done. A failure still waits for the copies already issued before D hears of it."""
+        n = len(msg.token_ids)
+        layerwise = self.cfg.transfer_mode == "layerwise" and n >= layerwise_min_tokens(self.cfg)
+        try:
+            t0 = time.perf_counter()
+            logits, stats = self.writer.prefill(
+                self.engine, msg.token_ids, blocks, msg.decode_block_ids,
+                self.cfg.max_num_batched_tokens, skip_blocks=msg.skip_blocks, layerwise=layerwise)
+            first = sample_token(logits, msg.temperature, msg.seed, 0)
+            stats.prefill_ms = (time.perf_counter() - t0) * 1e3
+            self.writer.finish(stats)
+            self.writer.send_done(self.link, msg.req_id, ok=True, first_token=first,
+                                  num_prompt_tokens=n, stats=stats)
+        except Exception as exc:
+            log.exception("%s: prefill or push of %s failed", self.instance_id, msg.req_id)
+            self.writer.finish()
+            self.allocator.free(blocks)
+            self._push_failed(msg.req_id, f"prefill failed on {self.instance_id}: {exc}")
+            self.send_ctrl(Rejected(req_id=msg.req_id, kind="error",
+                                    error=f"prefill failed on {self.instance_id}: {exc}"))
+            return
+        self.allocator.free(blocks)
+        self.messages_sent += 1
 
     def _prefill_layerwise(self, msg: Prefill, blocks: list[int]) -> None:
         """Prefill with every layer signalled and sent as it completes; blocks held to the ack

@@ -120,8 +120,9 @@ def _tee(pipe, tail: deque) -> None:
 def instance_env(role: str, device: str, prefill_device: int, decode_device: int) -> dict[str, str] | None:
     """Environment of one instance child: for ``device`` "cuda", ``CUDA_VISIBLE_DEVICES`` so that
     the child's ``cuda:0`` is its GPU (this process's ordinal ``prefill_device`` for prefill and
-    colocated, ``decode_device`` for decode); decode also sees the prefill GPU (second), since it
-    opens P's cache by CUDA IPC handle and finds it by UUID. None (inherit) for other devices.
+    colocated, ``decode_device`` for decode); prefill and decode also see the other one's GPU
+    (second), since each may open the other's cache by CUDA IPC handle (push: P maps D's; pull:
+    D maps P's) and finds it by UUID. None (inherit) for other devices.
 
     Raises
     ------
@@ -132,4 +133,5 @@ def instance_env(role: str, device: str, prefill_device: int, decode_device: int
         return None
     from kvflow.devices import parent_cards, worker_env_for_cards
     p, d = parent_cards("cuda", [prefill_device]) + parent_cards("cuda", [decode_device])
-    return worker_env_for_cards("cuda", [d, p] if role == "decode" else [p])
+    cards = {"decode": [d, p], "prefill": [p, d]}.get(role, [p])
+    return worker_env_for_cards("cuda", cards)

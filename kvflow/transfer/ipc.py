@@ -77,8 +77,10 @@ class SharedCache:
             unlink_segment(self.name)
 
 
-def map_peer_cache(name: str, spec: KVCacheSpec, num_blocks: int) -> PagedKVCache:
-    """Map a peer's segment read-only as a :class:`PagedKVCache`.
+def map_peer_cache(name: str, spec: KVCacheSpec, num_blocks: int, *,
+                   writable: bool = False) -> PagedKVCache:
+    """Map a peer's segment as a :class:`PagedKVCache`: read-only (D pulls from P's cache), or
+    ``writable`` (P pushes into D's cache, :mod:`kvflow.transfer.push`).
 
     Raises
     ------
@@ -88,7 +90,7 @@ def map_peer_cache(name: str, spec: KVCacheSpec, num_blocks: int) -> PagedKVCach
     path = shm_path(name)
     need = num_blocks * spec.bytes_per_block
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
     except FileNotFoundError:
         raise TransferError(f"shared-memory segment {name!r} does not exist") from None
     try:
@@ -96,7 +98,8 @@ def map_peer_cache(name: str, spec: KVCacheSpec, num_blocks: int) -> PagedKVCach
         if size < need:
             raise TransferError(f"segment {name!r} holds {size} bytes; the peer cache of "
                                 f"{num_blocks} blocks needs {need}")
-        mm = mmap.mmap(fd, need, mmap.MAP_SHARED, mmap.PROT_READ)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        mm = mmap.mmap(fd, need, mmap.MAP_SHARED, prot)
     finally:
         os.close(fd)
     with warnings.catch_warnings():  # read-only mapping: we only read through it

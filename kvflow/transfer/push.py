@@ -1,0 +1,310 @@
+"""``ipc`` push: P writes each request's KV straight into the blocks D allocated.
+
+D exports its cache once (CPU: a 0600 shared-memory segment; CUDA: one allocation's IPC handle,
+:mod:`kvflow.transfer.cuda_ipc`) and P maps it at pairing. The router gives P D's block table
+with the request (``Prefill.decode_block_ids``), so P copies its blocks into D's with
+:func:`~kvflow.kernels.copy_blocks` -- on CUDA inside P's own process and CUDA context, where
+the copies can run *beside* P's compute kernels (a kernel launched on P's GPU from D's process
+is in another context and time-slices with them instead).
+
+Layerwise (:meth:`PushWriter.prefill` with ``layerwise=True``): after each layer of each chunk
+the engine's hook records an event on P's compute stream; a copy stream waits on it and copies
+that layer's blocks of the chunk (capped grid, ``max_ctas``): a GPU-side dependency, no host
+round trip, no signal thread, no message per layer. On CPU the hook copies the layer at once.
+Request mode copies all layers after the prefill. Either way P waits for its copies, then sends
+one :class:`~kvflow.protocol.KVPushed` (``ok``, first token, timings); D starts decoding on it.
+
+Ownership: D's blocks of a request are written by P until P's ``KVPushed`` (ok or not) for it,
+so D keeps them allocated until then even if the request ends early
+(:class:`~kvflow.serve.decode.DecodeInstance` "lent" blocks), unless P is known dead. P frees
+its own blocks as soon as its copies are done (nothing reads them later). Inside a dummy or
+profile run nothing is copied and nothing is sent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import torch
+
+from kvflow.cache import PagedKVCache
+from kvflow.context import sends_allowed
+from kvflow.kernels import copy_blocks, payload_bytes
+from kvflow.protocol import KVPushed, encode
+
+from .base import KVReceiver, TransferError, TransferStats, check_send_allowed
+
+#: Programs of a layerwise copy launched beside P's compute (DESIGN.md: background copies
+#: are capped so the prefill keeps its SMs; 16 measured 1-2.4% prefill slowdown on one H200,
+#: bench/results/layerwise_gpu-nvidia-h200-20261129-run1.json).
+LAYERWISE_MAX_CTAS = 16
+
+
+@dataclasses.dataclass
+class PushStats:
+    """One request's push as seen by P.
+
+    Attributes
+    ----------
+    blocks, payload_bytes : int
+        Blocks (per layer) and payload bytes written into D's cache.
+    t_start : float
+        ``time.time()`` when the first copy was issued (0 if nothing moved).
+    layerwise : bool
+        Copied layer by layer during the prefill.
+    copy_ms : float
+        Wall time of the copy calls on P (CPU: the copies; CUDA: issuing them, the device
+        runs them on P's copy stream).
+    exposed_ms : float
+        Time from the first token (sampled after the prefill) until every copy was done:
+        the request-mode copy, or the layerwise copies still running (ms).
+    prefill_ms : float
+        P's prefill until the first token was sampled (ms; set by the caller).
+    """
+
+    blocks: int = 0
+    payload_bytes: int = 0
+    t_start: float = 0.0
+    copy_ms: float = 0.0
+    exposed_ms: float = 0.0
+    prefill_ms: float = 0.0
+    layerwise: bool = False
+    pending: Any = dataclasses.field(default=None, repr=False)  # request mode: ids to copy
+
+
+def map_decode_cache(shm_name: str, spec, num_blocks: int, device: torch.device) -> PagedKVCache:
+    """Map D's exported cache writable in P's process, usable by kernels on ``device``.
+
+    CPU: the shared-memory segment ``shm_name``; CUDA: the IPC export published under that name,
+    mapped into ``device``'s context (``import_cache(map_on=device)``), so P's kernels write D's
+    GPU memory over NVLink.
+
+    Raises
+    ------
+    TransferError
+        Missing segment or export, size or spec mismatch, a GPU this process cannot see.
+    """
+    if device.type == "cuda":
+        from .cuda_ipc import import_cache, read_export
+        return import_cache(read_export(shm_name), spec, num_blocks, map_on=device)
+    from .ipc import map_peer_cache
+    return map_peer_cache(shm_name, spec, num_blocks, writable=True)
+
+
+class PushWriter:
+    """P's half: maps D's cache at pairing and writes requests into it.
+
+    Parameters
+    ----------
+    cache : PagedKVCache
+        P's cache.
+    backend : str
+        Kernel backend for copy_blocks.
+    max_ctas : int or None
+        Grid cap of the layerwise copies (default :data:`LAYERWISE_MAX_CTAS`); request-mode
+        copies use the whole GPU (the prefill is over).
+    """
+
+    name = "ipc"
+    holds_blocks = False
+
+    def __init__(self, cache: PagedKVCache, backend: str = "auto",
+                 max_ctas: int | None = LAYERWISE_MAX_CTAS) -> None:
+        self.cache, self.backend, self.max_ctas = cache, backend, max_ctas
+        self.peer: PagedKVCache | None = None
+        self.peer_id = ""
+        self.cuda = cache.device.type == "cuda"
+        self._stream = torch.cuda.Stream(cache.device) if self.cuda else None
+        self._events = [torch.cuda.Event() for _ in range(cache.spec.num_layers)] if self.cuda else []
+        self._keep: list = []
+        self.messages_sent = 0
+
+    def attach(self, peer_id: str, shm_name: str, peer_spec, peer_num_blocks: int) -> None:
+        """Map D's cache (at pairing; replaces an earlier mapping)."""
+        if not shm_name:
+            raise TransferError(f"decode instance {peer_id} exported no cache to push into "
+                                f"(is it running with --ipc-direction push?)")
+        self.peer = None
+        self.peer = map_decode_cache(shm_name, peer_spec, peer_num_blocks, self.cache.device)
+        self.peer_id = peer_id
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+        self.peer = None
+        if self.cuda and torch.cuda.is_initialized():
+            torch.cuda.ipc_collect()
+
+    # ---- the prefill -------------------------------------------------------------------
+    def _pairs(self, blocks: list[int], dst_ids: list[int], first: int, stop: int, skip: int):
+        """P's and D's ids of logical blocks ``[max(first, skip), stop)``, checked once here
+        (the per-layer copies skip validation) and, on CUDA, put on the device once through
+        the copy stream (no host sync per layer)."""
+        lo = max(first, skip)
+        if lo >= stop:
+            return None
+        src, dst = blocks[lo:stop], dst_ids[lo:stop]
+        for name, ids, limit in (("P's block table", src, self.cache.num_blocks),
+                                 ("decode_block_ids", dst, self.peer.num_blocks)):
+            bad = [b for b in ids if not 0 <= b < limit]
+            if bad:
+                raise TransferError(f"{name} holds block {bad[0]}, not in [0, {limit})")
+        if len(set(dst)) != len(dst):
+            raise TransferError(f"decode_block_ids repeats a block: {dst}")
+        pin = self.cuda
+        pairs = tuple(torch.tensor(x, dtype=torch.int64, pin_memory=pin) for x in (src, dst))
+        if not self.cuda:
+            return pairs
+        with torch.cuda.stream(self._stream):
+            dev = tuple(t.to(self.cache.device, non_blocking=True) for t in pairs)
+        self._keep.append(pairs)  # pinned sources live until finish()
+        return dev
+
+    def prefill(self, engine: Any, token_ids: list[int], blocks: list[int], dst_ids: list[int],
+                chunk_size: int | None, *, skip_blocks: int = 0,
+                layerwise: bool = True) -> tuple[torch.Tensor, PushStats]:
+        """Run ``engine``'s prefill and write the prompt's KV into D's blocks ``dst_ids``.
+
+        Parameters
+        ----------
+        engine : kvflow.engine.Engine
+            P's engine (its cache is :attr:`cache`).
+        token_ids : list[int]
+            The prompt.
+        blocks, dst_ids : list[int]
+            P's and D's block tables (logical block ``i`` is ``blocks[i]`` here and
+            ``dst_ids[i]`` in D); both must cover the prompt.
+        chunk_size : int or None
+            Prefill chunk (tokens).
+        skip_blocks : int
+            D already holds logical blocks ``0..skip_blocks-1`` (prefix hit): not written.
+        layerwise : bool
+            Copy each layer of each chunk as soon as it is computed (else after the prefill).
+
+        Returns
+        -------
+        (logits, PushStats)
+            The last token's logits; layerwise copies are issued but may still run on the
+            device, a request-mode copy is left to :meth:`finish`.
+
+        Raises
+        ------
+        TransferError
+            Before pairing, or when ``dst_ids`` is shorter than the prompt's blocks.
+        """
+        n, bs = len(token_ids), self.cache.spec.block_size
+        nb = -(-n // bs)
+        real = sends_allowed()
+        if real and self.peer is None:
+            raise TransferError("push before pairing: no decode cache is mapped")
+        if len(dst_ids) < nb or len(blocks) < nb:
+            raise TransferError(f"decode_block_ids has {len(dst_ids)} blocks and P's table "
+                                f"{len(blocks)}; the {n}-token prompt needs {nb}")
+        stats = PushStats()
+        chunk = chunk_size or n
+        if not real:  # dummy / profile run: compute only
+            logits = None
+            for start in range(0, n, chunk):
+                logits = engine.prefill(token_ids[:min(start + chunk, n)], blocks,
+                                        num_computed_tokens=start)
+            return logits, stats
+        if self.cuda:  # P's earlier writes into its blocks (other streams) come first
+            self._stream.wait_stream(torch.cuda.current_stream(self.cache.device))
+        logits = None
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            pairs = self._pairs(blocks, dst_ids, start // bs, -(-end // bs), skip_blocks) \
+                if layerwise else None
+            hook = None if pairs is None else self._layer_hook(pairs, stats)
+            logits = engine.prefill(token_ids[:end], blocks, num_computed_tokens=start,
+                                    on_layer_done=hook)
+        if not layerwise:  # copied by finish(), after the first token
+            stats.pending = self._pairs(blocks, dst_ids, 0, nb, skip_blocks)
+        m = max(0, nb - skip_blocks)
+        stats.blocks, stats.payload_bytes = m, payload_bytes(self.cache.spec, m)
+        stats.layerwise = layerwise
+        return logits, stats
+
+    def _layer_hook(self, pairs, stats: PushStats):
+        def hook(layer: int) -> None:
+            if self.cuda:
+                ev = self._events[layer]
+                ev.record(torch.cuda.current_stream(self.cache.device))
+                self._stream.wait_event(ev)
+            self._copy(pairs, (layer, layer + 1), self.max_ctas, stats)
+        return hook
+
+    def _copy(self, pairs, layers, max_ctas, stats: PushStats) -> None:
+        t0 = time.perf_counter()
+        if not stats.t_start:
+            stats.t_start = time.time()
+        src, dst = pairs
+        if self.cuda:
+            with torch.cuda.stream(self._stream):
+                copy_blocks(self.cache, self.peer, src, dst, layers, backend=self.backend,
+                            max_ctas=max_ctas, validate=False)
+        else:
+            copy_blocks(self.cache, self.peer, src, dst, layers, backend=self.backend,
+                        max_ctas=max_ctas, validate=False)
+        stats.copy_ms += (time.perf_counter() - t0) * 1e3
+
+    def finish(self, stats: PushStats | None = None) -> None:
+        """Issue the request-mode copy (if :meth:`prefill` left one) and block until every copy
+        issued so far is done (D may read the blocks after this). The time spent here is the
+        part of the transfer not hidden behind the prefill (``stats.exposed_ms``)."""
+        t0 = time.perf_counter()
+        if stats is not None and stats.pending is not None:
+            if self.cuda:
+                self._stream.wait_stream(torch.cuda.current_stream(self.cache.device))
+            self._copy(stats.pending, None, None, stats)
+            stats.pending = None
+        if self._stream is not None:
+            self._stream.synchronize()
+        self._keep.clear()
+        if stats is not None:
+            stats.exposed_ms = (time.perf_counter() - t0) * 1e3
+
+    def send_done(self, link: Any, req_id: str, *, ok: bool, error: str = "",
+                  first_token: int = -1, num_prompt_tokens: int = 0,
+                  stats: PushStats | None = None) -> None:
+        """Tell D the push of ``req_id`` is over (after :meth:`finish`): ``ok`` with the first
+        token, or not (nothing more will be written; D may free the blocks)."""
+        check_send_allowed("PushWriter.send_done")
+        s = stats or PushStats()
+        link.send(encode(KVPushed(req_id=req_id, ok=ok, error=error, first_token=first_token,
+                                  num_prompt_tokens=num_prompt_tokens, num_blocks=s.blocks,
+                                  payload_bytes=s.payload_bytes, t_start=s.t_start,
+                                  t_done=time.time(), copy_ms=s.copy_ms,
+                                  exposed_ms=s.exposed_ms, prefill_ms=s.prefill_ms,
+                                  layerwise=s.layerwise)))
+        self.messages_sent += 1
+
+
+class PushReceiver(KVReceiver):
+    """D's half: exports D's cache (done by the instance at start-up); a ``KVPushed`` says the
+    KV is already in D's blocks, so receiving only checks and reports it."""
+
+    name = "ipc"
+    lends_blocks = True  # D's blocks are written by P until its KVPushed
+
+    def __init__(self, backend: str = "auto") -> None:
+        self.backend = backend
+        self.peer_id = ""
+
+    def attach(self, peer_id, peer_spec, peer_num_blocks, shm_name=""):
+        self.peer_id = peer_id
+
+    def receive(self, header: Any, frames, cache, dst_ids) -> TransferStats:
+        if not isinstance(header, KVPushed):
+            raise TransferError(f"ipc push expects a KVPushed header, got {type(header).__name__}")
+        if frames:
+            raise TransferError(f"KVPushed carries no payload frames, got {len(frames)}")
+        if not header.ok:
+            raise TransferError(f"prefill could not push the KV: {header.error or 'no reason given'}")
+        if header.num_blocks != len(dst_ids):
+            raise TransferError(f"KVPushed for {header.req_id} wrote {header.num_blocks} blocks; "
+                                f"D expects {len(dst_ids)}")
+        return TransferStats(blocks=header.num_blocks, payload_bytes=header.payload_bytes,
+                             copy_ms=header.copy_ms)

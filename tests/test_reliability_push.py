@@ -1,0 +1,202 @@
+"""ipc push (P writes into D's exported cache, kvflow.transfer.push) on an in-process P + D pair
+(tests/reliability_harness.py): token identity with a colocated engine, prefix hits, and who
+owns D's blocks when a request ends early -- D keeps them ("lent") until P's KVPushed says it
+wrote its last byte, unless the Prefill never went out or P is dead. Every test ends with P's
+and D's free-block counts at their start."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvflow.context import forward_context
+from kvflow.protocol import Abort, KVPushed, Prefill, Rejected, Tokens, decode
+from kvflow.serve.instance import InstanceConfig, layerwise_min_tokens, uses_push
+from kvflow.transfer import TransferError
+
+from .reliability_harness import PD
+from .test_reliability_pd import TEXT, colocated, tokens_of
+
+
+@pytest.fixture(scope="module")
+def pd():
+    h = PD(ipc_direction="push")
+    yield h
+    h.close()
+
+
+@pytest.fixture(autouse=True)
+def blocks_come_back(pd):
+    pd.d.prefix.clear()
+    start = pd.free()
+    assert start == (pd.p.num_blocks, pd.d.num_blocks)
+    yield
+    assert not pd.p.pending and not pd.p.queue and not pd.d.seqs and not pd.d.lent
+    pd.d.prefix.clear()
+    assert pd.free() == start
+
+
+def d_blocks(pd, ids):
+    return [t[ids].clone() for t in pd.d.cache.tensors()]
+
+
+@pytest.mark.parametrize("mode", ["layerwise", "request"])
+def test_push_is_token_identical_and_p_frees_its_blocks_at_send(pd, mode):
+    pd.p.cfg.transfer_mode = mode
+    try:
+        req, alloc = pd.allocate(TEXT[:150])
+        p_table, hdr, frames = pd.prefill(req, TEXT[:150], alloc)
+    finally:
+        pd.p.cfg.transfer_mode = "request"
+    assert isinstance(hdr, KVPushed) and hdr.ok and frames == []
+    assert (hdr.num_blocks, hdr.layerwise) == (10, mode == "layerwise")
+    assert hdr.payload_bytes == 10 * pd.d.spec.bytes_per_block
+    assert pd.p.allocator.num_used == 0            # P's blocks: free once its copies are done
+    for dt, pt in zip(pd.d.cache.tensors(), pd.p.cache.tensors()):  # D's table got P's bytes
+        assert torch.equal(dt[alloc.block_ids[:10]], pt[p_table[:10]])
+    pd.deliver(hdr)
+    pd.decode_all()
+    msgs = pd.take(pd.d, Tokens)
+    assert tokens_of(msgs) == colocated(pd, TEXT[:150])
+    kv = msgs[0].kvflow
+    assert (kv["ipc_direction"], kv["transfer_mode"], kv["blocks"]) == ("push", mode, 10)
+    assert kv["exposed_ms"] >= 0 and kv["prefill_ms"] > 0
+
+
+def test_prefix_hit_pushes_only_the_missing_blocks(pd):
+    first = TEXT[:32]
+    pd.run(first)
+    prompt = first + TEXT[100:148]
+    req, alloc = pd.allocate(prompt)
+    assert alloc.num_cached_blocks == 2
+    before = d_blocks(pd, alloc.block_ids[:2])
+    p_table, hdr, _ = pd.prefill(req, prompt, alloc)
+    assert hdr.num_blocks == 3
+    assert all(torch.equal(a, b) for a, b in zip(before, d_blocks(pd, alloc.block_ids[:2])))
+    for logical in range(2, 5):
+        for dt, pt in zip(pd.d.cache.tensors(), pd.p.cache.tensors()):
+            assert torch.equal(dt[alloc.block_ids[logical]], pt[p_table[logical]])
+    pd.deliver(hdr)
+    pd.decode_all()
+    assert tokens_of(pd.take(pd.d, Tokens)) == colocated(pd, prompt)
+
+
+def test_d_keeps_blocks_of_an_aborted_request_until_p_has_pushed(pd):
+    req, alloc = pd.allocate(TEXT[:40])
+    pd.d.on_abort(Abort(req_id=req, prefill_sent=True), [], None)
+    assert req in pd.d.lent and pd.d.allocator.num_used == len(alloc.block_ids)
+    _, hdr, _ = pd.prefill(req, TEXT[:40], alloc)  # P did not hear of the abort yet: it writes
+    assert hdr.ok
+    pd.deliver(hdr)
+    assert req not in pd.d.lent and not pd.take(pd.d, Tokens)
+
+
+def test_abort_while_queued_on_p_tells_d_to_free(pd):
+    req, alloc = pd.allocate(TEXT[:40])
+    pd.p.on_prefill(Prefill(req_id=req, token_ids=TEXT[:40], decode_block_ids=alloc.block_ids),
+                    [], None)
+    pd.abort(req)
+    assert not pd.p.has_work() and req in pd.d.lent
+    (frame,) = pd.p.link.frames.pop()
+    done = decode(frame)
+    assert isinstance(done, KVPushed) and not done.ok and done.error == "aborted"
+    pd.deliver(done)
+    assert req not in pd.d.lent
+
+
+def test_abort_before_the_prefill_went_out_or_with_p_dead_frees_d_at_once(pd):
+    req, _ = pd.allocate(TEXT[:40])
+    pd.d.on_abort(Abort(req_id=req, prefill_sent=False), [], None)
+    assert req not in pd.d.lent and pd.d.allocator.num_used == 0
+    req, _ = pd.allocate(TEXT[:40])
+    pd.d.on_abort(Abort(req_id=req, peer_dead=pd.p.instance_id), [], None)
+    assert req not in pd.d.lent and pd.d.allocator.num_used == 0
+
+
+def test_receive_timeout_lends_the_blocks_until_a_second_timeout(pd):
+    pd.d.receive_timeout_s = 0.1
+    try:
+        req, _ = pd.allocate(TEXT[:40])
+        time.sleep(0.15)
+        pd.d.heartbeat(force=True)
+        (end,) = [m for m in pd.take(pd.d, Tokens) if m.req_id == req]
+        assert end.error == "no KV from prefill within 0.1 s"
+        assert req in pd.d.lent and pd.d.allocator.num_used > 0  # P may still write them
+        time.sleep(0.15)
+        pd.d.heartbeat(force=True)
+        assert req not in pd.d.lent
+    finally:
+        pd.d.receive_timeout_s = 120.0
+
+
+def test_kvpushed_not_ok_fails_the_request_and_frees_at_once(pd):
+    req, alloc = pd.allocate(TEXT[:40])
+    pd.deliver(KVPushed(req_id=req, ok=False, error="GPU on fire"))
+    (end,) = [m for m in pd.take(pd.d, Tokens) if m.req_id == req]
+    assert end.error == "KV transfer failed: prefill could not push the KV: GPU on fire"
+    assert req not in pd.d.lent
+
+
+def test_bad_decode_block_ids_fail_on_p_and_write_nothing(pd):
+    req, alloc = pd.allocate(TEXT[:40])
+    snap = [t.clone() for t in pd.d.cache.tensors()]
+    pd.p.on_prefill(Prefill(req_id=req, token_ids=TEXT[:40],
+                            decode_block_ids=[alloc.block_ids[0], 999, alloc.block_ids[2]]), [], None)
+    pd.p.work()
+    done = decode(pd.p.link.frames.pop()[0])
+    want = f"prefill failed on {pd.p.instance_id}: decode_block_ids holds block 999, not in [0, 48)"
+    assert isinstance(done, KVPushed) and not done.ok and done.error == want
+    (rej,) = pd.take(pd.p, Rejected)
+    assert (rej.kind, rej.error) == ("error", want)
+    assert pd.p.allocator.num_used == 0
+    assert all(torch.equal(a, b) for a, b in zip(snap, pd.d.cache.tensors()))
+    pd.deliver(done)
+    (end,) = [m for m in pd.take(pd.d, Tokens) if m.req_id == req]
+    assert end.error == f"KV transfer failed: prefill could not push the KV: {want}"
+
+
+def test_over_capacity_prefill_tells_d(pd):
+    pd.p.on_prefill(Prefill(req_id="huge", token_ids=[1] * 300), [], None)
+    (rej,) = pd.take(pd.p, Rejected)
+    done = decode(pd.p.link.frames.pop()[0])
+    assert rej.kind == "capacity" and not done.ok and done.error == rej.error
+    assert done.error.startswith("prompt of 300 tokens needs 19 blocks; prefill instance")
+
+
+def test_dummy_run_writes_and_sends_nothing(pd):
+    snap = [t.clone() for t in pd.d.cache.tensors()]
+    sent = pd.p.writer.messages_sent
+    pd.p.dummy_run(48)
+    assert pd.p.writer.messages_sent == sent and not pd.p.link.frames
+    assert all(torch.equal(a, b) for a, b in zip(snap, pd.d.cache.tensors()))
+    with forward_context(is_dummy_or_profile_run=True):
+        with pytest.raises(RuntimeError, match="PushWriter.send_done during a dummy/profile run"):
+            pd.p.writer.send_done(pd.p.link, "x", ok=True)
+
+
+def test_attach_without_an_export_names_the_flag(pd):
+    with pytest.raises(TransferError) as e:
+        pd.p.writer.attach("d-x", "", pd.d.spec, pd.d.num_blocks)
+    assert str(e.value) == ("decode instance d-x exported no cache to push into (is it running "
+                            "with --ipc-direction push?)")
+    pd.p.writer.attach(pd.d.instance_id, pd.d.export_name, pd.d.spec, pd.d.num_blocks)
+
+
+def test_direction_resolution_and_pairing_names():
+    def cfg(**kw):
+        return InstanceConfig(role=kw.pop("role", "prefill"), router_addr="tcp://127.0.0.1:1", **kw)
+    assert uses_push(cfg(device="cuda")) and not uses_push(cfg())            # auto
+    assert uses_push(cfg(ipc_direction="push")) and not uses_push(cfg(transfer="tcp", ipc_direction="push"))
+    assert not uses_push(cfg(role="colocated", device="cuda"))
+    assert layerwise_min_tokens(cfg(ipc_direction="push")) == 0
+    assert layerwise_min_tokens(cfg()) == 16384
+    assert layerwise_min_tokens(cfg(ipc_direction="push", layerwise_min_tokens=7)) == 7
+    with pytest.raises(ValueError, match="ipc_direction must be 'auto', 'push' or 'pull', got 'up'"):
+        uses_push(cfg(ipc_direction="up"))
+    from kvflow.serve.__main__ import _instance_args, parse_args
+    argv = _instance_args(parse_args(["--ipc-direction", "push"]), "tcp://127.0.0.1:1")
+    assert argv[argv.index("--ipc-direction") + 1] == "push"
+    with pytest.raises(SystemExit):
+        parse_args(["--ipc-direction", "sideways"])
