@@ -351,7 +351,7 @@ def run_serve(a, env, rows) -> None:
     from kvflow.bench.serving import started_server
     maxlen = max(a.serve_tokens) + a.max_tokens + 64
     nb = 2 * (-(-maxlen // 64)) + 8
-    common = (f"--device cuda --model {a.model} --dtype bfloat16 --block-size 64 --num-blocks {nb} "
+    common = (f"--device {a.serve_device} --model {a.model} --dtype {a.serve_dtype} --block-size 64 --num-blocks {nb} "
               f"--max-model-len {maxlen} --max-num-batched-tokens {a.chunk} {a.server_args}").strip()
     rng = random.Random(0)
     prompts = {T: [[rng.randint(32, 126) for _ in range(T)] for _ in range(a.serve_reps)]
@@ -373,9 +373,12 @@ def run_serve(a, env, rows) -> None:
                 outs[name] = asyncio.run(go())
         except Exception as exc:  # report and go on with the other modes
             print(f"serve mode {name} FAILED: {type(exc).__name__}: {exc}")
-    print(f"\nserved {a.model} (bf16, block 64, chunk {a.chunk}): disagg P=GPU0 D=GPU1 vs colocated GPU0")
-    print(f"  {'tokens':>6} {'mode':15} {'TTFT ms':>9} {'TPOT ms':>8} {'prefill':>8} {'xfer ms':>8} "
-          f"{'exposed':>8} {'exp/TTFT':>8} {'identical':>9}")
+    print(f"\nserved {a.model} ({a.serve_dtype}, block 64, chunk {a.chunk}): disagg P=GPU0 D=GPU1 vs colocated GPU0")
+    print("  TTFT: the router's (request in -> first token out, kvflow.ttft_ms); client: as httpx saw "
+          "it\n  (its streaming POST adds ~45 ms on loopback that curl does not see, so the share "
+          "uses the router's)")
+    print(f"  {'tokens':>6} {'mode':15} {'TTFT ms':>9} {'client':>8} {'TPOT ms':>8} {'prefill':>8} "
+          f"{'xfer ms':>8} {'exposed':>8} {'exp/TTFT':>8} {'identical':>9}")
     ref = outs.get("colocated")
     for T in a.serve_tokens:
         for name in [m for m in modes if m in outs]:
@@ -384,20 +387,23 @@ def run_serve(a, env, rows) -> None:
 
             def med(key):
                 return median([float(r["kvflow"].get(key) or 0) for r in rs])
-            ttft, tpot = median([r["ttft"] for r in rs]), median([r["tpot"] for r in rs])
+            client, tpot = median([r["ttft"] for r in rs]), median([r["tpot"] for r in rs])
+            ttft = med("ttft_ms") / 1e3
             xfer = med("transfer_ms")
             exposed = med("exposed_ms") if name.startswith("push") else xfer
             share = exposed / (ttft * 1e3)
-            print(f"  {T:>6} {name:15} {ttft * 1e3:9.2f} {tpot * 1e3:8.3f} {med('prefill_ms'):8.2f} "
+            print(f"  {T:>6} {name:15} {ttft * 1e3:9.2f} {client * 1e3:8.2f} {tpot * 1e3:8.3f} "
+                  f"{med('prefill_ms'):8.2f} "
                   f"{xfer:8.3f} {exposed:8.3f} {share:8.2%} {str(same):>9}")
             rows.append(make_row(env, op="serve_ipc_gpu", backend=name, spec=None, tokens=T, blocks=0,
                                  payload_bytes=int(rs[0]["kvflow"].get("payload_bytes") or 0),
-                                 times_s=[r["ttft"] for r in rs], ceiling_s=None,
+                                 times_s=[float(r["kvflow"]["ttft_ms"]) / 1e3 for r in rs],
+                                 ceiling_s=None, client_ttft_ms=client * 1e3,
                                  config={"model": a.model, "server_args": f"{common} {SERVE_MODES[name][1]}"},
                                  ttft_ms=ttft * 1e3, tpot_ms=tpot * 1e3, transfer_ms=xfer,
                                  exposed_ms=exposed, prefill_ms=med("prefill_ms"),
                                  copy_ms=med("copy_ms"), transfer_share=share, identical=same,
-                                 ttfts_ms=[r["ttft"] * 1e3 for r in rs],
+                                 client_ttfts_ms=[r["ttft"] * 1e3 for r in rs],
                                  kvflow=[r["kvflow"] for r in rs]))
 
 
@@ -411,6 +417,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-serve", action="store_true", help="skip the end-to-end serve runs")
     ap.add_argument("--serve-only", action="store_true", help="only the end-to-end serve runs")
     ap.add_argument("--serve-tokens", default="1024,4096,8192", help="prompt lengths served")
+    ap.add_argument("--serve-device", default="cuda", help=argparse.SUPPRESS)  # cpu: a test
+    ap.add_argument("--serve-dtype", default="bfloat16", help=argparse.SUPPRESS)
     ap.add_argument("--serve-modes", default="push-layerwise,push-request,pull-request,colocated",
                     help=f"comma-separated, of {', '.join(SERVE_MODES)}")
     ap.add_argument("--serve-reps", type=int, default=3)
@@ -425,13 +433,13 @@ def main(argv=None) -> int:
     a.num_blocks = a.num_blocks or (64 if a.smoke else 4096)
     if a.p_child:
         return p_child(a)
-    if not a.smoke and torch.cuda.device_count() < 2:
+    if not a.smoke and a.serve_device == "cuda" and torch.cuda.device_count() < 2:
         ap.error(f"needs 2 CUDA GPUs, found {torch.cuda.device_count()}; use --smoke on a CPU")
     a.tokens = [int(t) for t in (a.tokens or ("64,256" if a.smoke else "1024,4096,16384")).split(",")]
     a.serve_tokens = [int(t) for t in a.serve_tokens.split(",")]
     a.reps = a.reps or (2 if a.smoke else 20)
     a._loop, a._ceilings = {}, {}
-    env, rows = env_info("cpu" if a.smoke else "cuda:0"), []
+    env, rows = env_info("cpu" if a.smoke or a.serve_device != "cuda" else "cuda:0"), []
     env["command"] = " ".join(["python bench/ipc_gpu.py", *(argv if argv is not None else sys.argv[1:])])
     t0 = time.time()
     if not a.serve_only:
