@@ -337,7 +337,14 @@ SERVE_MODES = {  # name: (server mode, extra flags)
     "pull-layerwise": ("disagg", "--ipc-direction pull --transfer-mode layerwise "
                                  "--layerwise-min-tokens 0"),
     "colocated": ("colocated", ""),
+    "colocated-again": ("colocated", ""),  # is the reference itself repeatable?
 }
+for _c in (4, 8, 32):  # the grid cap of the copies beside P's compute
+    SERVE_MODES[f"push-layerwise-c{_c}"] = ("disagg", "--ipc-direction push --transfer-mode "
+                                                      f"layerwise --layerwise-max-ctas {_c}")
+for _m in ("push-layerwise", "push-request", "pull-request", "colocated"):
+    # KVFLOW_DEBUG_KV_DIGEST: D's prompt KV digest in the kvflow object (timings are off)
+    SERVE_MODES[f"{_m}-digest"] = SERVE_MODES[_m]
 
 
 def run_serve(a, env, rows) -> None:
@@ -359,9 +366,17 @@ def run_serve(a, env, rows) -> None:
     modes = a.serve_modes.split(",")
     if "colocated" not in modes:
         modes.append("colocated")
+    if any(m.endswith("-digest") for m in modes) and "colocated-digest" not in modes:
+        modes.append("colocated-digest")
     outs = {}
     for name in modes:
+        if name not in SERVE_MODES:
+            raise SystemExit(f"--serve-modes: unknown mode {name!r}; known: {', '.join(SERVE_MODES)}")
         mode, extra = SERVE_MODES[name]
+        digest = name.endswith("-digest")
+        os.environ.pop("KVFLOW_DEBUG_KV_DIGEST", None)
+        if digest:
+            os.environ["KVFLOW_DEBUG_KV_DIGEST"] = "1"
         try:
             with started_server(mode, f"{common} {extra}".strip(), timeout=240) as url:
                 async def go():
@@ -373,17 +388,21 @@ def run_serve(a, env, rows) -> None:
                 outs[name] = asyncio.run(go())
         except Exception as exc:  # report and go on with the other modes
             print(f"serve mode {name} FAILED: {type(exc).__name__}: {exc}")
+        finally:
+            os.environ.pop("KVFLOW_DEBUG_KV_DIGEST", None)
     print(f"\nserved {a.model} ({a.serve_dtype}, block 64, chunk {a.chunk}): disagg P=GPU0 D=GPU1 vs colocated GPU0")
     print("  TTFT: the router's (request in -> first token out, kvflow.ttft_ms); client: as httpx saw "
           "it\n  (its streaming POST adds ~45 ms on loopback that curl does not see, so the share "
           "uses the router's)")
-    print(f"  {'tokens':>6} {'mode':15} {'TTFT ms':>9} {'client':>8} {'TPOT ms':>8} {'prefill':>8} "
+    print(f"  {'tokens':>6} {'mode':19} {'TTFT ms':>9} {'client':>8} {'TPOT ms':>8} {'prefill':>8} "
           f"{'xfer ms':>8} {'exposed':>8} {'exp/TTFT':>8} {'identical':>9}")
-    ref = outs.get("colocated")
     for T in a.serve_tokens:
         for name in [m for m in modes if m in outs]:
             rs = outs[name][T]
+            ref = outs.get("colocated-digest" if name.endswith("-digest") else "colocated")
             same = ref is not None and all(x["text"] == y["text"] for x, y in zip(rs, ref[T]))
+            first_diff = [next((i for i, (u, v) in enumerate(zip(x["text"], y["text"])) if u != v),
+                               None) for x, y in zip(rs, ref[T])] if ref is not None else []
 
             def med(key):
                 return median([float(r["kvflow"].get(key) or 0) for r in rs])
@@ -392,9 +411,12 @@ def run_serve(a, env, rows) -> None:
             xfer = med("transfer_ms")
             exposed = med("exposed_ms") if name.startswith("push") else xfer
             share = exposed / (ttft * 1e3)
-            print(f"  {T:>6} {name:15} {ttft * 1e3:9.2f} {client * 1e3:8.2f} {tpot * 1e3:8.3f} "
+            print(f"  {T:>6} {name:19} {ttft * 1e3:9.2f} {client * 1e3:8.2f} {tpot * 1e3:8.3f} "
                   f"{med('prefill_ms'):8.2f} "
-                  f"{xfer:8.3f} {exposed:8.3f} {share:8.2%} {str(same):>9}")
+                  f"{xfer:8.3f} {exposed:8.3f} {share:8.2%} {str(same):>9}"
+                  + ("" if same else f"  first differing token per prompt: {first_diff}")
+                  + (f"  kv digest equal: {[r['kvflow'].get('kv_digest') == q['kvflow'].get('kv_digest') for r, q in zip(rs, ref[T])]}"
+                     if name.endswith("-digest") and ref is not None else ""))
             rows.append(make_row(env, op="serve_ipc_gpu", backend=name, spec=None, tokens=T, blocks=0,
                                  payload_bytes=int(rs[0]["kvflow"].get("payload_bytes") or 0),
                                  times_s=[float(r["kvflow"]["ttft_ms"]) / 1e3 for r in rs],
@@ -404,6 +426,7 @@ def run_serve(a, env, rows) -> None:
                                  exposed_ms=exposed, prefill_ms=med("prefill_ms"),
                                  copy_ms=med("copy_ms"), transfer_share=share, identical=same,
                                  client_ttfts_ms=[r["ttft"] * 1e3 for r in rs],
+                                 token_ids=[r["text"] for r in rs], first_diff=first_diff,
                                  kvflow=[r["kvflow"] for r in rs]))
 
 

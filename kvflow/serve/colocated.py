@@ -11,6 +11,7 @@ import logging
 from kvflow.protocol import Prefill, Rejected
 from kvflow.sched import ColocatedState
 
+from . import faults
 from .decode import DecodeInstance
 from .instance import Instance, sample_token
 
@@ -56,6 +57,9 @@ class ColocatedInstance(DecodeInstance):
         seq.kvflow = {"prefill_instance": self.instance_id, "decode_instance": self.instance_id,
                       "transfer": "none", "blocks": 0, "payload_bytes": 0, "transfer_ms": 0.0,
                       "block_table": list(req.block_table)}
+        digest = faults.kv_digest(self.cache, req.block_table, len(req.prompt_token_ids))
+        if digest is not None:
+            seq.kvflow["kv_digest"] = digest
         req.transition(ColocatedState.DECODING)
         self._emit(seq, sample_token(logits, req.temperature, seq.seed, 0))
 

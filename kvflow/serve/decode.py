@@ -265,6 +265,9 @@ class DecodeInstance(Instance):
                       "transfer_mode": "layerwise" if type(msg).__name__ == "KVLayer"
                       or getattr(msg, "layerwise", False) else "request",
                       "ipc_direction": "push" if self.push else "pull"}
+        digest = faults.kv_digest(self.cache, req.block_table, len(req.prompt_token_ids))
+        if digest is not None:
+            seq.kvflow["kv_digest"] = digest
         if isinstance(msg, KVPushed):  # the part P waited for after the prefill, + the message
             seq.kvflow["exposed_ms"] = round(msg.exposed_ms + max(0.0, now - msg.t_done) * 1e3, 3)
             seq.kvflow["prefill_ms"] = round(msg.prefill_ms, 3)

@@ -9,6 +9,10 @@ variable                           effect
                                    before copying it (a slow transfer: abort or kill D now)
 ``KVFLOW_FAULT_MATCH``             comma-separated token ids: faults apply only to requests
                                    whose prompt contains this run of ids (unset: to every one)
+``KVFLOW_DEBUG_KV_DIGEST``         (a diagnostic, not a fault) D and colocated add
+                                   ``kv_digest`` to the ``kvflow`` object: a digest of the
+                                   prompt's full blocks, equal across modes iff their bytes are
+                                   (it syncs the device: timings are off while it is set)
 =================================  ===========================================================
 """
 
@@ -35,3 +39,23 @@ def delay_s(kind: str, token_ids: Sequence[int]) -> float:
     if match and not _contains(token_ids, [int(x) for x in match.split(",")]):
         return 0.0
     return float(value)
+
+
+def kv_digest(cache, block_ids: Sequence[int], num_tokens: int) -> list[int] | None:
+    """``KVFLOW_DEBUG_KV_DIGEST=1``: ``[sum of words, position-weighted sum]`` of the int32 words
+    of the prompt's full blocks (``num_tokens // block_size`` of ``block_ids``) over every
+    tensor of ``cache``, in table order; None when the variable is unset."""
+    if not os.environ.get("KVFLOW_DEBUG_KV_DIGEST"):
+        return None
+    import torch
+    full = list(block_ids[:num_tokens // cache.spec.block_size])
+    if not full:
+        return [0, 0]
+    ids = torch.tensor(full, device=cache.device)
+    total = weighted = 0
+    for t in cache.tensors():
+        w = t[ids].reshape(-1).view(torch.int32).to(torch.int64)
+        pos = torch.arange(w.numel(), device=w.device) % 65521 + 1
+        total += int(w.sum())
+        weighted += int((w * pos).sum())
+    return [total, weighted]

@@ -57,6 +57,7 @@ class InstanceConfig:
     layerwise_min_tokens: int | None = None  # shorter prompts: request mode (None: per direction)
     ipc_direction: str = "auto"        # ipc: "pull" (D reads P's cache), "push" (P writes D's);
                                        # auto: push on CUDA, pull on CPU (kvflow.transfer.push)
+    layerwise_max_ctas: int | None = None  # push: grid cap of copies beside compute (None: default)
     backend: str = "auto"
     host: str = "127.0.0.1"            # D binds its data socket here
     heartbeat_s: float = 0.2

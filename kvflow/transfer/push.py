@@ -9,8 +9,10 @@ is in another context and time-slices with them instead).
 
 Layerwise (:meth:`PushWriter.prefill` with ``layerwise=True``): after each layer of each chunk
 the engine's hook records an event on P's compute stream; a copy stream waits on it and copies
-that layer's blocks of the chunk (capped grid, ``max_ctas``): a GPU-side dependency, no host
-round trip, no signal thread, no message per layer. On CPU the hook copies the layer at once.
+that layer's blocks of the chunk: a GPU-side dependency, no host round trip, no signal thread,
+no message per layer. The copies run beside the next layers' compute on a capped grid
+(``max_ctas`` programs, so the prefill keeps its SMs), except the last layer of the last chunk,
+which nothing overlaps any more: it takes the whole GPU. On CPU the hook copies at once.
 Request mode copies all layers after the prefill. Either way P waits for its copies, then sends
 one :class:`~kvflow.protocol.KVPushed` (``ok``, first token, timings); D starts decoding on it.
 
@@ -103,8 +105,9 @@ class PushWriter:
     backend : str
         Kernel backend for copy_blocks.
     max_ctas : int or None
-        Grid cap of the layerwise copies (default :data:`LAYERWISE_MAX_CTAS`); request-mode
-        copies use the whole GPU (the prefill is over).
+        Grid cap of the layerwise copies that overlap compute (default
+        :data:`LAYERWISE_MAX_CTAS`); the last one and request-mode copies use the whole GPU
+        (the prefill is over).
     """
 
     name = "ipc"
@@ -217,7 +220,7 @@ class PushWriter:
             end = min(start + chunk, n)
             pairs = self._pairs(blocks, dst_ids, start // bs, -(-end // bs), skip_blocks) \
                 if layerwise else None
-            hook = None if pairs is None else self._layer_hook(pairs, stats)
+            hook = None if pairs is None else self._layer_hook(pairs, stats, end == n)
             logits = engine.prefill(token_ids[:end], blocks, num_computed_tokens=start,
                                     on_layer_done=hook)
         if not layerwise:  # copied by finish(), after the first token
@@ -227,13 +230,15 @@ class PushWriter:
         stats.layerwise = layerwise
         return logits, stats
 
-    def _layer_hook(self, pairs, stats: PushStats):
+    def _layer_hook(self, pairs, stats: PushStats, last_chunk: bool):
+        final = self.cache.spec.num_layers - 1 if last_chunk else -1
+
         def hook(layer: int) -> None:
             if self.cuda:
                 ev = self._events[layer]
                 ev.record(torch.cuda.current_stream(self.cache.device))
                 self._stream.wait_event(ev)
-            self._copy(pairs, (layer, layer + 1), self.max_ctas, stats)
+            self._copy(pairs, (layer, layer + 1), None if layer == final else self.max_ctas, stats)
         return hook
 
     def _copy(self, pairs, layers, max_ctas, stats: PushStats) -> None:
