@@ -342,6 +342,9 @@ SERVE_MODES = {  # name: (server mode, extra flags)
 for _c in (4, 8, 32):  # the grid cap of the copies beside P's compute
     SERVE_MODES[f"push-layerwise-c{_c}"] = ("disagg", "--ipc-direction push --transfer-mode "
                                                       f"layerwise --layerwise-max-ctas {_c}")
+for _g in (1, 2, 8):  # layers per copy launch
+    SERVE_MODES[f"push-layerwise-g{_g}"] = ("disagg", "--ipc-direction push --transfer-mode "
+                                                      f"layerwise --layers-per-copy {_g}")
 for _m in ("push-layerwise", "push-request", "pull-request", "colocated"):
     # KVFLOW_DEBUG_KV_DIGEST: D's prompt KV digest in the kvflow object (timings are off)
     SERVE_MODES[f"{_m}-digest"] = SERVE_MODES[_m]

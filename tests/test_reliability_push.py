@@ -200,3 +200,70 @@ def test_direction_resolution_and_pairing_names():
     assert argv[argv.index("--ipc-direction") + 1] == "push"
     with pytest.raises(SystemExit):
         parse_args(["--ipc-direction", "sideways"])
+
+
+# ---- PushWriter on its own: exact bytes, one launch per group of layers --------------------
+@pytest.mark.parametrize("group,chunk", [(1, None), (3, 48), (4, 64), (8, 100)])
+def test_writer_copies_each_group_once_per_chunk_byte_exact(group, chunk):
+    from kvflow import PagedKVCache
+    from kvflow.engine import Engine
+    from kvflow.model import load_model
+    from kvflow.transfer import push
+    model, _ = load_model("kvflow-tiny")
+    spec = model.kv_spec(16)
+    eng = Engine(model, PagedKVCache(spec, 24))
+    dst = PagedKVCache(spec, 24)
+    dst.buffer.fill_(0xAB)
+    w = push.PushWriter(eng.cache, "numba", layers_per_copy=group)
+    w.peer = dst
+    calls = []
+    real = w._copy
+    w._copy = lambda pairs, layers, cap, stats: (calls.append((layers, cap)),
+                                                 real(pairs, layers, cap, stats))[1]
+    toks = [(5 * i + 1) % 250 for i in range(150)]
+    blocks, dst_ids = list(range(2, 12)), [20, 3, 7, 0, 11, 19, 4, 9, 15, 1]
+    logits, stats = w.prefill(eng, toks, blocks, dst_ids, chunk, layerwise=True)
+    w.finish(stats)
+    L = spec.num_layers
+    chunks = -(-150 // (chunk or 150))
+    want = [(lo, min(lo + group, L)) for lo in range(0, L, group)]
+    assert [c[0] for c in calls] == want * chunks
+    assert [c[1] for c in calls] == ([16] * (len(want) - 1) + [16]) * (chunks - 1) + \
+        [16] * (len(want) - 1) + [None]        # the very last group: the whole GPU
+    for t_p, t_d in zip(eng.cache.tensors(), dst.tensors()):
+        assert torch.equal(t_d[dst_ids].view(torch.uint8), t_p[blocks].view(torch.uint8))
+        rest = [b for b in range(24) if b not in dst_ids]
+        assert bool((t_d[rest].view(torch.uint8) == 0xAB).all())
+    assert (stats.blocks, stats.layerwise) == (10, True)
+
+
+def test_writer_refuses_bad_settings_and_short_tables():
+    from kvflow import PagedKVCache
+    from kvflow.transfer import push
+    spec = __import__("kvflow").KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=8, block_size=4,
+                                            dtype=torch.float32)
+    cache = PagedKVCache(spec, 8)
+    for kw, msg in (({"layers_per_copy": 0}, "layers_per_copy must be an int >= 1, got 0"),
+                    ({"max_ctas": 0}, "max_ctas must be an int >= 1, got 0"),
+                    ({"layers_per_copy": True}, "layers_per_copy must be an int >= 1, got True")):
+        with pytest.raises(ValueError) as e:
+            push.PushWriter(cache, **kw)
+        assert str(e.value) == msg
+    w = push.PushWriter(cache)
+    with pytest.raises(TransferError, match="push before pairing: no decode cache is mapped"):
+        w.prefill(None, [1, 2, 3], [0], [0], None)
+    w.peer = PagedKVCache(spec, 8)
+    with pytest.raises(TransferError) as e:
+        w.prefill(None, [1] * 9, [0, 1, 2], [0, 1], None)
+    assert str(e.value) == ("decode_block_ids has 2 blocks and P's table 3; the 9-token prompt "
+                            "needs 3")
+
+
+def test_kv_digest_diagnostic_matches_the_pushed_bytes(pd, monkeypatch):
+    from kvflow.serve import faults
+    assert faults.kv_digest(pd.d.cache, [0, 1], 40) is None  # off unless asked for
+    monkeypatch.setenv("KVFLOW_DEBUG_KV_DIGEST", "1")
+    alloc, p_table, hdr, toks = pd.run(TEXT[:40])
+    got = toks[0].kvflow["kv_digest"]
+    assert got == faults.kv_digest(pd.p.cache, p_table, 40) and got != [0, 0]
+    assert all(0 <= v < 2**61 for v in got)

@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--layerwise-max-ctas", type=int, default=None,
       help="with ipc push on CUDA: programs (CTAs) of each layer's copy while the prefill still "
            "computes (default 16); fewer leave the prefill more SMs, more copy each layer faster")
+    a("--layers-per-copy", type=int, default=None,
+      help="with ipc push: layers per layerwise copy launch (default 4: each launch costs the "
+           "prefill's host thread tens of microseconds; the last group is copied after the prefill)")
     a("--transfer-mode", choices=("layerwise", "request"), default="layerwise",
       help="layerwise: P signals each layer as the prefill writes it and a sender thread moves "
            "that layer's blocks at once, overlapping the transfer with the next layers' compute "
@@ -102,8 +105,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.layerwise_min_tokens is not None and args.layerwise_min_tokens < 0:
         parser.error(f"--layerwise-min-tokens must be >= 0, got {args.layerwise_min_tokens}")
-    if args.layerwise_max_ctas is not None and args.layerwise_max_ctas < 1:
-        parser.error(f"--layerwise-max-ctas must be >= 1, got {args.layerwise_max_ctas}")
+    for flag in ("layerwise_max_ctas", "layers_per_copy"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
     for name in ("kv_lease_s", "receive_timeout_s", "admit_timeout_s", "dead_after_s"):
         v = getattr(args, name)
         if not 0 < v < 1e6:
@@ -159,7 +164,8 @@ def _instance_args(args: argparse.Namespace, router_url: str) -> list[str]:
            "--receive-timeout-s", str(args.receive_timeout_s)]
     if args.enable_prefix_caching:
         out.append("--enable-prefix-caching")
-    for name in ("max_model_len", "num_blocks", "layerwise_min_tokens", "layerwise_max_ctas"):
+    for name in ("max_model_len", "num_blocks", "layerwise_min_tokens", "layerwise_max_ctas",
+                 "layers_per_copy"):
         if getattr(args, name) is not None:
             out += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     return out
@@ -180,6 +186,7 @@ def run_instance(args: argparse.Namespace) -> int:
                          transfer_mode=args.transfer_mode, ipc_direction=args.ipc_direction,
                          layerwise_min_tokens=args.layerwise_min_tokens,
                          layerwise_max_ctas=args.layerwise_max_ctas,
+                         layers_per_copy=args.layers_per_copy,
                          backend=args.backend, host=args.host,
                          enable_prefix_caching=args.enable_prefix_caching,
                          kv_lease_s=args.kv_lease_s, receive_timeout_s=args.receive_timeout_s,

@@ -42,7 +42,7 @@ def delay_s(kind: str, token_ids: Sequence[int]) -> float:
 
 
 def kv_digest(cache, block_ids: Sequence[int], num_tokens: int) -> list[int] | None:
-    """``KVFLOW_DEBUG_KV_DIGEST=1``: ``[sum of words, position-weighted sum]`` of the int32 words
+    """``KVFLOW_DEBUG_KV_DIGEST=1``: ``[sum of words, position-weighted sum]`` (mod 2**61) of the int32 words
     of the prompt's full blocks (``num_tokens // block_size`` of ``block_ids``) over every
     tensor of ``cache``, in table order; None when the variable is unset."""
     if not os.environ.get("KVFLOW_DEBUG_KV_DIGEST"):
@@ -58,4 +58,4 @@ def kv_digest(cache, block_ids: Sequence[int], num_tokens: int) -> list[int] | N
         pos = torch.arange(w.numel(), device=w.device) % 65521 + 1
         total += int(w.sum())
         weighted += int((w * pos).sum())
-    return [total, weighted]
+    return [total % 2**61, weighted % 2**61]  # fits msgpack's int64

@@ -58,6 +58,7 @@ class InstanceConfig:
     ipc_direction: str = "auto"        # ipc: "pull" (D reads P's cache), "push" (P writes D's);
                                        # auto: push on CUDA, pull on CPU (kvflow.transfer.push)
     layerwise_max_ctas: int | None = None  # push: grid cap of copies beside compute (None: default)
+    layers_per_copy: int | None = None     # push: layers per layerwise copy launch (None: default)
     backend: str = "auto"
     host: str = "127.0.0.1"            # D binds its data socket here
     heartbeat_s: float = 0.2

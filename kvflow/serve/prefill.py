@@ -63,10 +63,11 @@ class PrefillInstance(Instance):
     # ---- start-up -------------------------------------------------------------------
     def make_cache(self, num_blocks: int) -> PagedKVCache:
         if uses_push(self.cfg):  # P writes into D's exported cache; its own stays private
-            from kvflow.transfer.push import LAYERWISE_MAX_CTAS, PushWriter
+            from kvflow.transfer.push import LAYERS_PER_COPY, LAYERWISE_MAX_CTAS, PushWriter
             cache = super().make_cache(num_blocks)
-            cap = self.cfg.layerwise_max_ctas or LAYERWISE_MAX_CTAS
-            self.writer = self.sender = PushWriter(cache, self.cfg.backend, max_ctas=cap)
+            self.writer = self.sender = PushWriter(
+                cache, self.cfg.backend, max_ctas=self.cfg.layerwise_max_ctas or LAYERWISE_MAX_CTAS,
+                layers_per_copy=self.cfg.layers_per_copy or LAYERS_PER_COPY)
             return cache
         if self.cfg.transfer == "ipc" and str(self.cfg.device).startswith("cuda"):
             from kvflow.transfer.cuda_ipc import CudaIpcSender  # one CUDA allocation, IPC handle

@@ -9,8 +9,8 @@ is in another context and time-slices with them instead).
 
 Layerwise (:meth:`PushWriter.prefill` with ``layerwise=True``): after each layer of each chunk
 the engine's hook records an event on P's compute stream; a copy stream waits on it and copies
-that layer's blocks of the chunk: a GPU-side dependency, no host round trip, no signal thread,
-no message per layer. The copies run beside the next layers' compute on a capped grid
+that layer's blocks of the chunk (every :data:`LAYERS_PER_COPY` layers: one launch per group):
+a GPU-side dependency, no host round trip, no signal thread, no message per layer. The copies run beside the next layers' compute on a capped grid
 (``max_ctas`` programs, so the prefill keeps its SMs), except the last layer of the last chunk,
 which nothing overlaps any more: it takes the whole GPU. On CPU the hook copies at once.
 Request mode copies all layers after the prefill. Either way P waits for its copies, then sends
@@ -42,6 +42,10 @@ from .base import KVReceiver, TransferError, TransferStats, check_send_allowed
 #: are capped so the prefill keeps its SMs; 16 measured 1-2.4% prefill slowdown on one H200,
 #: bench/results/layerwise_gpu-nvidia-h200-20261129-run1.json).
 LAYERWISE_MAX_CTAS = 16
+#: Layers per copy launch. Each launch costs P's host thread an event, a wait and a kernel
+#: launch (tens of microseconds of Python), which a host-bound prefill pays in full; 4 layers
+#: per launch cut that 4x while the copy left after the last layer stays small (4 layers).
+LAYERS_PER_COPY = 4
 
 
 @dataclasses.dataclass
@@ -108,14 +112,27 @@ class PushWriter:
         Grid cap of the layerwise copies that overlap compute (default
         :data:`LAYERWISE_MAX_CTAS`); the last one and request-mode copies use the whole GPU
         (the prefill is over).
+    layers_per_copy : int
+        Layers per layerwise copy launch (default :data:`LAYERS_PER_COPY`).
+
+    Raises
+    ------
+    ValueError
+        ``max_ctas`` or ``layers_per_copy`` below 1.
     """
 
     name = "ipc"
     holds_blocks = False
 
     def __init__(self, cache: PagedKVCache, backend: str = "auto",
-                 max_ctas: int | None = LAYERWISE_MAX_CTAS) -> None:
+                 max_ctas: int | None = LAYERWISE_MAX_CTAS,
+                 layers_per_copy: int = LAYERS_PER_COPY) -> None:
+        for name, v in (("max_ctas", max_ctas if max_ctas is not None else 1),
+                        ("layers_per_copy", layers_per_copy)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         self.cache, self.backend, self.max_ctas = cache, backend, max_ctas
+        self.layers_per_copy = layers_per_copy
         self.peer: PagedKVCache | None = None
         self.peer_id = ""
         self.cuda = cache.device.type == "cuda"
@@ -231,14 +248,18 @@ class PushWriter:
         return logits, stats
 
     def _layer_hook(self, pairs, stats: PushStats, last_chunk: bool):
-        final = self.cache.spec.num_layers - 1 if last_chunk else -1
+        L, G = self.cache.spec.num_layers, self.layers_per_copy
 
         def hook(layer: int) -> None:
+            if (layer + 1) % G and layer != L - 1:
+                return  # the group of layers is not complete yet
             if self.cuda:
                 ev = self._events[layer]
                 ev.record(torch.cuda.current_stream(self.cache.device))
                 self._stream.wait_event(ev)
-            self._copy(pairs, (layer, layer + 1), None if layer == final else self.max_ctas, stats)
+            final = last_chunk and layer == L - 1  # nothing left to overlap: the whole GPU
+            self._copy(pairs, (layer - layer % G, layer + 1), None if final else self.max_ctas,
+                       stats)
         return hook
 
     def _copy(self, pairs, layers, max_ctas, stats: PushStats) -> None:
