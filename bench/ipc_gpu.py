@@ -253,9 +253,10 @@ def run_kernels(a, kb: KernelBench, env, rows, xproc_peer=None, variant=None) ->
             loop = name.startswith("per_block")
             reps = max(2, a.reps // 4) if loop else a.reps
             res[name] = kb.clock.time(fn, reps, warmup=1 if loop else 2)
-        base_name = "per_block_memcpy" if "per_block_memcpy" in res else "per_block_torch"
-        base = median(res[base_name]) if base_name in res else a._loop.get(T)
-        a._loop[T] = base
+        if "per_block_memcpy" in res or "per_block_torch" in res:
+            base_name = "per_block_memcpy" if "per_block_memcpy" in res else "per_block_torch"
+            a._loop[T] = (median(res[base_name]), base_name)
+        base, base_name = a._loop.get(T, (None, None))  # cross-process: the in-process loop
         print(f"\n{variant}: {T} tokens, {n} blocks, {payload / 2**20:.0f} MiB; ceiling "
               f"{payload / ceil / 1e9:.1f} GB/s")
         print(f"  {'method':18} {'ms':>9} {'GB/s':>8} {'x ceiling':>9} {'x loop':>8}")

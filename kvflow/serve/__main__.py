@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--model", default="kvflow-tiny", help="built-in model name (kvflow-tiny: seeded weights, "
       "byte tokenizer, no download) or a local Hugging Face Llama/Qwen2 checkpoint directory")
     a("--transfer", choices=("ipc", "tcp"), default="ipc",
-      help="ipc: D copies from P's shared-memory cache with copy_blocks (one host, default); "
+      help="ipc: copy_blocks between the two instances' caches mapped in shared memory or by "
+           "CUDA IPC (one host, default; see --ipc-direction); "
            "tcp: P gathers blocks and sends zero-copy ZMQ frames, D scatters them")
     a("--ipc-direction", choices=("auto", "push", "pull"), default="auto",
       help="with --transfer ipc: pull (D copies from P's exported cache after each part) or "

@@ -1,6 +1,8 @@
 """KV transfer between a prefill instance (P) and a decode instance (D).
 
-``ipc``: P's cache in shared memory, D pulls with ``copy_blocks`` (one host).
+``ipc``: one host; pull (P's cache in shared memory or exported by CUDA IPC, D copies with
+``copy_blocks``) or push (D's cache exported, P writes each layer group into it during the
+prefill: :mod:`kvflow.transfer.push`).
 ``tcp``: P gathers into a staging buffer and sends zero-copy ZMQ frames, D scatters.
 See :mod:`kvflow.transfer.base` for the interface.
 """
