@@ -132,3 +132,16 @@ class PD:
         from kvflow.protocol import Tokens
         toks = [m for m in self.take(self.d, Tokens) if m.req_id == req_id]
         return alloc, p_table, header, toks
+
+
+def every_block_back(pd: PD):
+    """Body of an autouse fixture: the test starts with every block free (prefix cache empty)
+    and must end with nothing queued, pending, in flight or lent and every block free again."""
+    pd.d.prefix.clear()
+    start = pd.free()
+    assert start == (pd.p.num_blocks, pd.d.num_blocks)
+    yield
+    assert not pd.p.pending and not pd.p.queue and not pd.d.seqs and not pd.d.inflight
+    assert not pd.d.lent
+    pd.d.prefix.clear()
+    assert pd.free() == start

@@ -15,7 +15,7 @@ from kvflow.engine import Engine
 from kvflow.protocol import KVAck, KVReady, LeaseRenew, Rejected, Tokens
 from kvflow.serve.instance import sample_token
 
-from .reliability_harness import PD
+from .reliability_harness import PD, every_block_back
 
 BS = 16
 TEXT = list(range(1, 200))  # token ids 1..199 (byte tokenizer: all in the vocabulary)
@@ -30,13 +30,7 @@ def pd():
 
 @pytest.fixture(autouse=True)
 def blocks_come_back(pd):
-    pd.d.prefix.clear()
-    start = pd.free()
-    assert start == (pd.p.num_blocks, pd.d.num_blocks)
-    yield
-    assert not pd.p.pending and not pd.p.queue and not pd.d.seqs and not pd.d.inflight
-    pd.d.prefix.clear()
-    assert pd.free() == start
+    yield from every_block_back(pd)
 
 
 def colocated(pd, token_ids, max_tokens=8):

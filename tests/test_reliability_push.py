@@ -16,7 +16,7 @@ from kvflow.protocol import Abort, KVPushed, Prefill, Rejected, Tokens, decode
 from kvflow.serve.instance import InstanceConfig, layerwise_min_tokens, uses_push
 from kvflow.transfer import TransferError
 
-from .reliability_harness import PD
+from .reliability_harness import PD, every_block_back
 from .test_reliability_pd import TEXT, colocated, tokens_of
 
 
@@ -29,13 +29,7 @@ def pd():
 
 @pytest.fixture(autouse=True)
 def blocks_come_back(pd):
-    pd.d.prefix.clear()
-    start = pd.free()
-    assert start == (pd.p.num_blocks, pd.d.num_blocks)
-    yield
-    assert not pd.p.pending and not pd.p.queue and not pd.d.seqs and not pd.d.lent
-    pd.d.prefix.clear()
-    assert pd.free() == start
+    yield from every_block_back(pd)
 
 
 def d_blocks(pd, ids):
