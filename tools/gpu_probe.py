@@ -252,7 +252,11 @@ def main(argv=None) -> int:
     import triton
     avail = available_backends()
     backends = [b for b in ("triton", "numba_cuda") if avail.get(b) == "available"]
+    import datetime
+    import os
     env = {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
+           "commit": os.environ.get("KVFLOW_COMMIT", "unknown"),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "sms": torch.cuda.get_device_properties(0).multi_processor_count,
            "torch": torch.__version__, "triton": triton.__version__, "backends": avail}
     print(json.dumps(env))
