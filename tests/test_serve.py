@@ -173,7 +173,15 @@ def test_health_models_and_metrics(servers):
     assert _metric(text, "kvflow_tpot_seconds_count") >= 1
     assert _metric(text, 'kvflow_transfer_bytes_total{transfer="ipc"}') > 0
     assert _metric(text, 'kvflow_transfer_seconds_count{transfer="ipc"}') >= 1
-    assert _metric(text, f'kvflow_free_blocks{{instance="{d["id"]}",role="decode"}}') == d["free_blocks"]
+    # The gauge and /health both follow D's heartbeats: once the request's blocks are back,
+    # they agree (read both again until a heartbeat between the two reads is not in the way).
+    want = srv.wait_free_blocks(srv.total_blocks())
+    gauge = f'kvflow_free_blocks{{instance="{d["id"]}",role="decode"}}'
+    deadline = time.monotonic() + 5
+    while _metric(srv.client.get("/metrics").text, gauge) != want["decode"] \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _metric(srv.client.get("/metrics").text, gauge) == want["decode"] == d["num_blocks"]
 
 
 def test_profile_sized_caches_without_num_blocks(servers):
