@@ -77,6 +77,7 @@ class Pair(_Msg):
     peer_num_blocks: int
     data_addr: str = ""             # to P: D's data address
     shm_name: str = ""              # the peer's exported cache (ipc): P's to D (pull), D's to P (push)
+    peer_pid: int = 0               # the peer's process id (one host: a liveness check)
 
 
 class PairResult(_Msg):
@@ -146,6 +147,7 @@ class Abort(_Msg):
     reason: str = ""
     peer_dead: str = ""
     prefill_sent: bool = True
+    prefill_id: str = ""            # the P that got the Prefill ("" if none or unknown)
 
 
 # ---- P <-> D (data link) -----------------------------------------------------------------

@@ -219,3 +219,39 @@ def test_prefix_hit_over_tcp_moves_only_the_missing_blocks():
         assert pd.free() == (pd.p.num_blocks, pd.d.num_blocks) and not pd.p.pending
     finally:
         pd.close()
+
+
+def test_one_d_paired_with_two_p_reads_each_request_from_its_own_p():
+    """D paired with P1 then P2 keeps both mappings: a request prefilled by either P is read
+    from that P's cache (not from the last paired one) and is token-identical."""
+    import os
+
+    from kvflow.protocol import Pair, Prefill, decode
+    from kvflow.serve.prefill import PrefillInstance
+
+    from .reliability_harness import FakeLink, make_instance
+    pd = PD(prefix=False)
+    p2 = make_instance(PrefillInstance, "prefill")
+    try:
+        p2.link, p2.peer_id = FakeLink(), pd.d.instance_id
+        pd.d.on_pair(Pair(peer_id=p2.instance_id, peer_role="prefill", peer_spec=p2.spec.to_dict(),
+                          peer_num_blocks=p2.num_blocks, shm_name=p2.shared.name,
+                          peer_pid=os.getpid()), [], None)
+        assert pd.d.out[-1].ok and sorted(pd.d.receiver.peers) == sorted([pd.p.instance_id,
+                                                                          p2.instance_id])
+        for p, prompt in ((pd.p, TEXT[:40]), (p2, TEXT[50:120]), (pd.p, TEXT[5:90])):
+            req, alloc = pd.allocate(prompt)
+            p.on_prefill(Prefill(req_id=req, token_ids=prompt, decode_block_ids=alloc.block_ids),
+                         [], None)
+            p.work()
+            hdr = decode(p.link.frames.pop()[0])
+            pd.d.on_kvready(hdr, [], p.instance_id.encode())
+            (ack,) = pd.take(pd.d, KVAck)
+            p.on_kvack(ack, [], None)
+            pd.decode_all()
+            assert tokens_of(pd.take(pd.d, Tokens)) == colocated(pd, prompt), p.instance_id
+        assert pd.free() == (pd.p.num_blocks, pd.d.num_blocks) and p2.allocator.num_used == 0
+    finally:
+        p2.close()
+        p2.sender.close()
+        pd.close()

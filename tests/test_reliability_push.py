@@ -109,7 +109,14 @@ def test_abort_before_the_prefill_went_out_or_with_p_dead_frees_d_at_once(pd):
     assert req not in pd.d.lent and pd.d.allocator.num_used == 0
 
 
-def test_receive_timeout_lends_the_blocks_until_a_second_timeout(pd):
+def dead_pid() -> int:
+    import subprocess
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_receive_timeout_keeps_the_blocks_lent_until_p_is_done_or_dead(pd):
     pd.d.receive_timeout_s = 0.1
     try:
         req, _ = pd.allocate(TEXT[:40])
@@ -117,10 +124,16 @@ def test_receive_timeout_lends_the_blocks_until_a_second_timeout(pd):
         pd.d.heartbeat(force=True)
         (end,) = [m for m in pd.take(pd.d, Tokens) if m.req_id == req]
         assert end.error == "no KV from prefill within 0.1 s"
-        assert req in pd.d.lent and pd.d.allocator.num_used > 0  # P may still write them
         time.sleep(0.15)
         pd.d.heartbeat(force=True)
-        assert req not in pd.d.lent
+        assert req in pd.d.lent and pd.d.allocator.num_used > 0  # P is alive: it may write
+        # the router's abort names the P; once that P's process is gone the blocks come back
+        pd.d.on_abort(Abort(req_id=req, prefill_id="p-gone"), [], None)
+        assert pd.d.lent[req].prefill_id == "p-gone"
+        pd.d.peer_pids["p-gone"] = dead_pid()
+        pd.d._last_peer_check = 0.0
+        pd.d.heartbeat(force=True)
+        assert req not in pd.d.lent and "p-gone" not in pd.d.peer_pids
     finally:
         pd.d.receive_timeout_s = 120.0
 
@@ -261,3 +274,11 @@ def test_kv_digest_diagnostic_matches_the_pushed_bytes(pd, monkeypatch):
     got = toks[0].kvflow["kv_digest"]
     assert got == faults.kv_digest(pd.p.cache, p_table, 40) and got != [0, 0]
     assert all(0 <= v < 2**61 for v in got)
+
+
+def test_ipc_direction_needs_ipc(capsys):
+    from kvflow.serve.__main__ import parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["--transfer", "tcp", "--ipc-direction", "push"])
+    assert "--ipc-direction push needs --transfer ipc (got --transfer tcp)" in capsys.readouterr().err
+    assert parse_args(["--transfer", "tcp"]).ipc_direction == "auto"

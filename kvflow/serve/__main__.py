@@ -41,8 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
            "computed: on CUDA a GPU-ordered copy beside P's compute, no host round trip per "
            "layer); auto (default): push with --device cuda, pull on CPU")
     a("--layerwise-max-ctas", type=int, default=None,
-      help="with ipc push on CUDA: programs (CTAs) of each layer's copy while the prefill still "
-           "computes (default 16); fewer leave the prefill more SMs, more copy each layer faster")
+      help="with ipc push on CUDA: programs (CTAs) of each layerwise copy (a group of "
+           "--layers-per-copy layers) while the prefill still computes (default 16); fewer "
+           "leave the prefill more SMs, more copy each group faster")
     a("--layers-per-copy", type=int, default=None,
       help="with ipc push: layers per layerwise copy launch (default 4: each launch costs the "
            "prefill's host thread tens of microseconds; the last group is copied after the prefill)")
@@ -106,6 +107,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.layerwise_min_tokens is not None and args.layerwise_min_tokens < 0:
         parser.error(f"--layerwise-min-tokens must be >= 0, got {args.layerwise_min_tokens}")
+    if args.transfer != "ipc" and args.ipc_direction != "auto":
+        parser.error(f"--ipc-direction {args.ipc_direction} needs --transfer ipc "
+                     f"(got --transfer {args.transfer})")
     for flag in ("layerwise_max_ctas", "layers_per_copy"):
         v = getattr(args, flag)
         if v is not None and v < 1:

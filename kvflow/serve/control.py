@@ -194,9 +194,10 @@ class Controller:
                 continue
             await self.send(p, Pair(peer_id=d.id, peer_role="decode", peer_spec=d.reg.spec,
                                     peer_num_blocks=d.reg.num_blocks, data_addr=d.reg.data_addr,
-                                    shm_name=d.reg.shm_name))
+                                    shm_name=d.reg.shm_name, peer_pid=d.reg.pid))
             await self.send(d, Pair(peer_id=p.id, peer_role="prefill", peer_spec=p.reg.spec,
-                                    peer_num_blocks=p.reg.num_blocks, shm_name=p.reg.shm_name))
+                                    peer_num_blocks=p.reg.num_blocks, shm_name=p.reg.shm_name,
+                                    peer_pid=p.reg.pid))
 
     # ---- liveness -------------------------------------------------------------------
     async def _monitor(self) -> None:

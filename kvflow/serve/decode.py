@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import Any
 
@@ -56,6 +57,29 @@ class Seq:
     t_renewed: float = 0.0          # time.time() of the last LeaseRenew that named it
 
 
+@dataclasses.dataclass
+class Lent:
+    """Blocks of an ended request that a P may still write (ipc push): freed on its KVPushed or
+    once that P is dead; ``prefill_id`` is "" until the router's Abort names it."""
+    blocks: list[int]
+    prefill_id: str = ""
+    since: float = dataclasses.field(default_factory=time.monotonic)
+    warned: bool = False
+
+
+def pid_alive(pid: int) -> bool:
+    """True if process ``pid`` exists (0: unknown, taken as alive)."""
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class DecodeInstance(Instance):
     role = "decode"
 
@@ -74,8 +98,10 @@ class DecodeInstance(Instance):
         self.push = uses_push(cfg)  # P writes into this cache (kvflow.transfer.push)
         self.export_name = ""        # push: D's exported cache (shm segment / CUDA IPC export)
         self._shared = None
-        # push: blocks of requests that ended before P said it is done writing them
-        self.lent: dict[str, tuple[list[int], float]] = {}  # req -> (blocks, free-anyway time)
+        # push: blocks of requests that ended before their P said it is done writing them
+        self.lent: dict[str, Lent] = {}
+        self.peer_pids: dict[str, int] = {}  # paired P -> its pid (one host: liveness)
+        self._last_peer_check = 0.0
 
     def startup(self) -> None:
         super().startup()
@@ -134,10 +160,11 @@ class DecodeInstance(Instance):
     def on_pair(self, msg: Pair, frames, ident) -> None:
         error = check_pairing(self.spec, self.instance_id, msg.peer_spec, msg.peer_id)
         if not error:
-            self._free_lent(list(self.lent))  # a new P: the old one writes nothing more
             try:
                 self.receiver.attach(msg.peer_id, self.spec, msg.peer_num_blocks, msg.shm_name)
                 self.peer_id = msg.peer_id
+                self.peer_pids[msg.peer_id] = msg.peer_pid
+                self._check_peers()
             except Exception as exc:
                 error = f"cannot attach to {msg.peer_id}'s cache: {exc}"
         if error:
@@ -185,13 +212,26 @@ class DecodeInstance(Instance):
             self._free_lent([msg.req_id])
         self._end(msg.req_id, self.states.ABORTED, msg.reason or "aborted", notify=False,
                   lend=msg.prefill_sent and not msg.peer_dead)
+        if msg.req_id in self.lent and msg.prefill_id:
+            self.lent[msg.req_id].prefill_id = msg.prefill_id
 
     def _free_lent(self, req_ids: list[str]) -> None:
         for r in req_ids:
             entry = self.lent.pop(r, None)
             if entry is not None:
-                self.allocator.free(entry[0])
+                self.allocator.free(entry.blocks)
 
+    def _check_peers(self) -> None:
+        """Forget P's whose process is gone (same host): drop their mappings and give back the
+        blocks lent to them (a dead P writes nothing more)."""
+        if self.cfg.transfer != "ipc":  # tcp peers may live on other hosts
+            return
+        for peer, pid in list(self.peer_pids.items()):
+            if not pid_alive(pid):
+                del self.peer_pids[peer]
+                self.receiver.detach(peer)
+                self._free_lent([r for r, e in self.lent.items() if e.prefill_id == peer])
+                log.warning("%s: prefill instance %s (pid %d) is gone", self.instance_id, peer, pid)
     # ---- transfer handlers ----------------------------------------------------------
     def on_kvready(self, msg, frames, ident) -> None:
         self._arrive(msg, frames, ident)
@@ -242,7 +282,8 @@ class DecodeInstance(Instance):
                 raise TimeoutError(f"P's lease of {self.kv_lease_s:g} s on the sent blocks "
                                    f"expired before D could read them")
             # logical blocks 0..num_cached-1 are D's prefix-cache hit; P sends the rest
-            stats = self.receiver.receive(msg, frames, self.cache, req.block_table[seq.num_cached:n])
+            stats = self.receiver.receive(msg, frames, self.cache, req.block_table[seq.num_cached:n],
+                                          ident.decode() if ident else None)
         except Exception as exc:
             log.exception("%s: transfer of %s failed", self.instance_id, msg.req_id)
             pushed = isinstance(msg, KVPushed)  # P is done with D's blocks: free them now
@@ -302,7 +343,7 @@ class DecodeInstance(Instance):
             self.send(self.data, KVAck(req_id=req_id, ok=False, error=error or "aborted"),
                       ident=held[2])
         if self.push and lend and seq.req.state in (DecodeState.ALLOCATED, DecodeState.RECEIVING):
-            self.lent[req_id] = (list(seq.req.block_table), time.monotonic() + self.receive_timeout_s)
+            self.lent[req_id] = Lent(list(seq.req.block_table))
         else:
             self.allocator.free(seq.req.block_table)
         if self.receiver is not None:
@@ -344,12 +385,16 @@ class DecodeInstance(Instance):
 
     def heartbeat(self, force: bool = False) -> None:
         now = time.monotonic()
-        for req_id, (_, due) in list(self.lent.items()):
-            if now >= due:  # P neither finished nor died in time: give the blocks back
-                log.warning("%s: no KVPushed for ended request %s from %s within %g s; "
-                            "blocks freed", self.instance_id, req_id, self.peer_id,
-                            self.receive_timeout_s)
-                self._free_lent([req_id])
+        if now - self._last_peer_check >= 1.0:
+            self._last_peer_check = now
+            self._check_peers()
+        for req_id, entry in self.lent.items():
+            if not entry.warned and now - entry.since > self.receive_timeout_s:
+                # P may still write these blocks: they stay lent until its KVPushed or its death
+                entry.warned = True
+                log.warning("%s: ended request %s still waits for KVPushed from %s after %g s; "
+                            "its blocks stay held", self.instance_id, req_id,
+                            entry.prefill_id or "its prefill instance", self.receive_timeout_s)
         for req_id, (msg, frames, ident, due) in list(self.inflight.items()):
             if now >= due:
                 del self.inflight[req_id]
@@ -367,9 +412,11 @@ class DecodeInstance(Instance):
         super().heartbeat(force)
 
     def _renew(self, req_ids: list[str]) -> None:
-        """LeaseRenew to P for requests whose KV D still means to read."""
+        """LeaseRenew to every paired P (D does not know which one prefills a request before
+        its KV arrives; a P ignores ids it does not hold) for requests D still means to read."""
         wall = time.time()
-        self.send(self.data, LeaseRenew(req_ids=req_ids), ident=self.peer_id.encode())
+        for peer in self.peer_pids or [self.peer_id]:
+            self.send(self.data, LeaseRenew(req_ids=req_ids), ident=peer.encode())
         for r in req_ids:
             self.seqs[r].t_renewed = wall
 

@@ -152,7 +152,8 @@ class Router:
                 for inst_id in ids - set(dead):
                     asyncio.ensure_future(self.ctl.send(self.ctl.instances[inst_id], Abort(
                         req_id=req_id, reason="router ended the request",
-                        peer_dead=dead[0] if dead else "", prefill_sent=bool(st.prefill_id))))
+                        peer_dead=dead[0] if dead else "", prefill_sent=bool(st.prefill_id),
+                        prefill_id=st.prefill_id)))
             else:
                 self.metrics.requests.labels("ok").inc()
 

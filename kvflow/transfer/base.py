@@ -101,11 +101,15 @@ class KVReceiver(abc.ABC):
     def attach(self, peer_id: str, peer_spec: Any, peer_num_blocks: int, shm_name: str = "") -> None:
         """Meet P (at pairing): map its cache if the transfer reads it directly."""
 
+    def detach(self, peer_id: str) -> None:
+        """Forget P ``peer_id`` (it died): drop its mapping, if the transfer keeps one."""
+
     @abc.abstractmethod
     def receive(self, header: Any, frames: list[Any], cache: PagedKVCache,
-                dst_ids: list[int]) -> TransferStats:
+                dst_ids: list[int], peer_id: str | None = None) -> TransferStats:
         """Put the request's KV described by ``header`` (+ raw ``frames``) into ``cache`` at
-        ``dst_ids`` (D's own block ids, one per prompt block).
+        ``dst_ids`` (D's own block ids, one per prompt block). ``peer_id``: the P that sent it
+        (a D paired with several P's reads the sender's cache; None: the last paired one).
 
         Raises
         ------

@@ -317,22 +317,26 @@ class CudaIpcReceiver(IpcReceiver):
         self.copy_kwargs = {"direction": direction}
 
     def attach(self, peer_id, peer_spec, peer_num_blocks, shm_name=""):
-        self.close()
+        self.detach(peer_id)
         peer = import_cache(read_export(shm_name), peer_spec, peer_num_blocks)
         mine = torch.device("cuda", torch.cuda.current_device())
         enable_peer_access(mine, peer.device)
-        self.peer, self.peer_id = peer, peer_id
+        self.peers[peer_id], self.peer_id = peer, peer_id
 
-    def receive(self, header: Any, frames, cache, dst_ids) -> TransferStats | None:
+    def detach(self, peer_id: str) -> None:
+        """Drop P ``peer_id``'s mapping (torch closes the IPC handle)."""
+        if self.peers.pop(peer_id, None) is not None and torch.cuda.is_initialized():
+            torch.cuda.ipc_collect()
+
+    def receive(self, header: Any, frames, cache, dst_ids, peer_id: str | None = None) -> TransferStats | None:
         """``KVReady``: one ``copy_blocks`` launch in ``direction``; other headers (layerwise
         ``KVLayer`` parts) as the CPU ``ipc`` receiver (pull). Waits for the copies once when
         the request is complete (the ack lets P reuse its blocks)."""
-        if self.peer is None:
-            raise TransferError("ipc receive before pairing: no prefill cache is mapped")
+        peer = self.peer_for(peer_id)
         if not isinstance(header, KVReady):
-            stats = super().receive(header, frames, cache, dst_ids)
+            stats = super().receive(header, frames, cache, dst_ids, peer_id)
             if stats is not None:
-                run_on = cache.device if self.direction == "pull" else self.peer.device
+                run_on = cache.device if self.direction == "pull" else peer.device
                 torch.cuda.current_stream(run_on).synchronize()
             return stats
         src = as_ids(header.src_block_ids)
@@ -342,15 +346,15 @@ class CudaIpcReceiver(IpcReceiver):
         if frames:
             raise TransferError(f"ipc KVReady carries no payload frames, got {len(frames)}")
         t0 = time.perf_counter()
-        copy_blocks(self.peer, cache, src, as_ids(dst_ids), backend=self.backend,
+        copy_blocks(peer, cache, src, as_ids(dst_ids), backend=self.backend,
                     direction=self.direction)
-        run_on = cache.device if self.direction == "pull" else self.peer.device
+        run_on = cache.device if self.direction == "pull" else peer.device
         torch.cuda.current_stream(run_on).synchronize()  # P may reuse its blocks after the ack
         ms = (time.perf_counter() - t0) * 1e3
         n = int((src >= 0).sum())
         return TransferStats(blocks=n, payload_bytes=payload_bytes(cache.spec, n), copy_ms=ms)
 
     def close(self) -> None:
-        self.peer = None  # drops the storage: torch closes the IPC mapping
+        self.peers.clear()  # drops the storages: torch closes the IPC mappings
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.ipc_collect()

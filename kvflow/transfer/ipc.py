@@ -141,7 +141,11 @@ class IpcSender(KVSender):
 
 
 class IpcReceiver(KVReceiver):
-    """D side: map P's cache at pairing, then ``copy_blocks`` P's ids -> D's ids."""
+    """D side: map each paired P's cache at pairing, then ``copy_blocks`` P's ids -> D's ids.
+
+    D may be paired with several P's: one mapping per P (``peers``), and every transfer reads
+    the cache of the P that sent it (``peer_id``), never another one's.
+    """
 
     copy_kwargs: dict = {}  # extra copy_blocks arguments (the CUDA receiver sets direction)
 
@@ -149,19 +153,44 @@ class IpcReceiver(KVReceiver):
 
     def __init__(self, backend: str = "auto") -> None:
         self.backend = backend
-        self.peer: PagedKVCache | None = None
-        self.peer_id = ""
+        self.peers: dict[str, PagedKVCache] = {}
+        self.peer_id = ""  # the last one paired
         self.parts = LayerParts()
 
+    @property
+    def peer(self) -> PagedKVCache | None:
+        """The last paired P's mapped cache (None before pairing)."""
+        return self.peers.get(self.peer_id)
+
     def attach(self, peer_id, peer_spec, peer_num_blocks, shm_name=""):
-        self.peer = map_peer_cache(shm_name, peer_spec, peer_num_blocks)
+        self.peers[peer_id] = map_peer_cache(shm_name, peer_spec, peer_num_blocks)
         self.peer_id = peer_id
 
-    def receive(self, header: Any, frames, cache, dst_ids) -> TransferStats:
-        if self.peer is None:
+    def detach(self, peer_id: str) -> None:
+        """Drop P ``peer_id``'s mapping (it died or was replaced)."""
+        self.peers.pop(peer_id, None)
+
+    def peer_for(self, peer_id: str | None) -> PagedKVCache:
+        """The mapped cache of P ``peer_id`` (None: the only / last paired one).
+
+        Raises
+        ------
+        TransferError
+            Before pairing, or for a P that is not paired with this D.
+        """
+        if not self.peers:
             raise TransferError("ipc receive before pairing: no prefill cache is mapped")
+        cache = self.peers.get(self.peer_id if peer_id is None else peer_id)
+        if cache is None:
+            raise TransferError(f"ipc transfer from {peer_id!r}, which is not paired with this "
+                                f"decode instance (paired: {sorted(self.peers)})")
+        return cache
+
+    def receive(self, header: Any, frames, cache, dst_ids, peer_id: str | None = None) -> TransferStats:
+        src_cache = self.peer_for(peer_id)
         if isinstance(header, KVLayer):
-            return self.parts.receive(header, frames, cache, dst_ids, self._pull_part)
+            return self.parts.receive(header, frames, cache, dst_ids,
+                                      lambda *a: self._pull_part(src_cache, *a))
         if not isinstance(header, KVReady):
             raise TransferError(f"ipc expects a KVReady or KVLayer header, got "
                                 f"{type(header).__name__}")
@@ -172,21 +201,21 @@ class IpcReceiver(KVReceiver):
             raise TransferError(f"KVReady for {header.req_id} names {src.numel()} blocks; "
                                 f"D allocated {len(dst_ids)} for the prompt")
         t0 = time.perf_counter()
-        copy_blocks(self.peer, cache, src, as_ids(dst_ids), backend=self.backend)
+        copy_blocks(src_cache, cache, src, as_ids(dst_ids), backend=self.backend)
         ms = (time.perf_counter() - t0) * 1e3
         n = int((src >= 0).sum())
         return TransferStats(blocks=n, payload_bytes=payload_bytes(cache.spec, n), copy_ms=ms)
 
-    def _pull_part(self, header, frames, cache, dst_ids, layers) -> int:
+    def _pull_part(self, src_cache, header, frames, cache, dst_ids, layers) -> int:
         """copy_blocks of one layerwise part: P's ``src_block_ids`` -> D's ``dst_ids``."""
         if frames:
             raise TransferError(f"ipc KVLayer carries no payload frames, got {len(frames)}")
         if len(header.src_block_ids) != len(dst_ids):
             raise TransferError(f"KVLayer for {header.req_id} names {len(header.src_block_ids)} "
                                 f"source blocks for {len(dst_ids)} prompt blocks")
-        copy_blocks(self.peer, cache, as_ids(header.src_block_ids), as_ids(dst_ids), layers=layers,
+        copy_blocks(src_cache, cache, as_ids(header.src_block_ids), as_ids(dst_ids), layers=layers,
                     backend=self.backend, **self.copy_kwargs)
         return payload_bytes(cache.spec, len(dst_ids), layers)
 
     def close(self) -> None:
-        self.peer = None
+        self.peers.clear()

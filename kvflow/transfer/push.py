@@ -322,7 +322,7 @@ class PushReceiver(KVReceiver):
     def attach(self, peer_id, peer_spec, peer_num_blocks, shm_name=""):
         self.peer_id = peer_id
 
-    def receive(self, header: Any, frames, cache, dst_ids) -> TransferStats:
+    def receive(self, header: Any, frames, cache, dst_ids, peer_id=None) -> TransferStats:
         if not isinstance(header, KVPushed):
             raise TransferError(f"ipc push expects a KVPushed header, got {type(header).__name__}")
         if frames:

@@ -84,7 +84,7 @@ class TcpReceiver(KVReceiver):
         self.backend = backend
         self.parts = LayerParts()
 
-    def receive(self, header: Any, frames: list[Any], cache, dst_ids) -> TransferStats:
+    def receive(self, header: Any, frames: list[Any], cache, dst_ids, peer_id=None) -> TransferStats:
         spec = cache.spec
         if isinstance(header, KVLayer):
             return self.parts.receive(header, frames, cache, dst_ids, self._scatter_part)
