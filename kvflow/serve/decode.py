@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from typing import Any
 
@@ -65,19 +64,6 @@ class Lent:
     prefill_id: str = ""
     since: float = dataclasses.field(default_factory=time.monotonic)
     warned: bool = False
-
-
-def pid_alive(pid: int) -> bool:
-    """True if process ``pid`` exists (0: unknown, taken as alive)."""
-    if pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class DecodeInstance(Instance):
@@ -226,8 +212,9 @@ class DecodeInstance(Instance):
         blocks lent to them (a dead P writes nothing more)."""
         if self.cfg.transfer != "ipc":  # tcp peers may live on other hosts
             return
+        from kvflow.transfer.shm import pid_alive
         for peer, pid in list(self.peer_pids.items()):
-            if not pid_alive(pid):
+            if pid > 0 and not pid_alive(pid):  # 0: not told (a harness), taken as alive
                 del self.peer_pids[peer]
                 self.receiver.detach(peer)
                 self._free_lent([r for r, e in self.lent.items() if e.prefill_id == peer])

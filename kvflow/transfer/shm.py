@@ -24,7 +24,8 @@ def shm_path(name: str) -> str:
     return os.path.join(SHM_DIR, name)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """True if process ``pid`` exists on this host (also when it belongs to another user)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -39,7 +40,7 @@ def clean_stale_segments() -> list[str]:
     removed = []
     for entry in os.listdir(SHM_DIR):
         m = _NAME.match(entry)
-        if m and not _pid_alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             try:
                 os.unlink(os.path.join(SHM_DIR, entry))
                 removed.append(entry)
