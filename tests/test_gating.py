@@ -9,7 +9,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from kvflow.context import forward_context
 from kvflow.kernels import copy_blocks

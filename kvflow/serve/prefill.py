@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import time
 from typing import Any
 
