@@ -316,3 +316,41 @@ def test_served_disagg_cuda_token_identical_to_colocated():
             ("pull" if name.startswith("pull") else "push",
              "request" if name.endswith("request") else "layerwise")}, name
     assert all(len(t) == 12 for t in want)
+
+
+def test_receiver_keeps_one_mapping_per_prefill_and_reads_the_senders(monkeypatch):
+    """The CUDA receiver's bookkeeping, on CPU caches (mapping and stream sync stubbed): two P's
+    paired, each KVReady / KVLayer is read from the cache of the P that sent it; a detached P
+    is refused by name."""
+    import kvflow.transfer.cuda_ipc as ci
+    from kvflow.protocol import KVLayer, KVReady
+    from kvflow.transfer import TransferError
+
+    def filled(v):
+        c = PagedKVCache(SPEC, 8)
+        c.buffer.fill_(v)
+        return c
+    caches = {"exp-a": filled(1), "exp-b": filled(2)}
+    monkeypatch.setattr(ci, "read_export", lambda name: name)
+    monkeypatch.setattr(ci, "import_cache", lambda exp, spec, n: caches[exp])
+    monkeypatch.setattr(ci, "enable_peer_access", lambda a, b: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda dev=None: type("S", (), {"synchronize": lambda self: None})())
+    rx = ci.CudaIpcReceiver(backend="torch", direction="pull")
+    rx.attach("p1", SPEC, 8, "exp-a")
+    rx.attach("p2", SPEC, 8, "exp-b")
+    d = PagedKVCache(SPEC, 8)
+    ready = KVReady(req_id="r", src_block_ids=[3], first_token=0, num_prompt_tokens=4, t_start=0.0)
+    assert rx.receive(ready, [], d, [5], "p1").blocks == 1
+    part = KVLayer(req_id="s", reply_to="p2", layer_start=0, layer_stop=SPEC.num_layers,
+                   block_offset=0, num_blocks=1, src_block_ids=[4], num_prompt_tokens=4)
+    last = KVLayer(req_id="s", reply_to="p2", last=True, first_token=0, num_prompt_tokens=4)
+    assert rx.receive(part, [], d, [6], "p2") is None and rx.receive(last, [], d, [6], "p2").blocks == 1
+    for t in d.tensors():
+        assert bool((t[5].view(torch.uint8) == 1).all()) and bool((t[6].view(torch.uint8) == 2).all())
+    rx.detach("p1")
+    with pytest.raises(TransferError) as e:
+        rx.receive(ready, [], d, [5], "p1")
+    assert str(e.value) == ("ipc transfer from 'p1', which is not paired with this decode "
+                            "instance (paired: ['p2'])")
