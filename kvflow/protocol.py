@@ -62,6 +62,12 @@ class Register(_Msg):
     version: int = PROTOCOL_VERSION
 
 
+class Reregister(_Msg):
+    """Router -> an instance it does not know (declared dead after missed heartbeats, e.g. a
+    load spike, yet still alive): send :class:`Register` again to be paired anew."""
+    reason: str = ""
+
+
 class Heartbeat(_Msg):
     """Instance -> router, every heartbeat interval; carries block counts."""
     instance_id: str
@@ -230,7 +236,7 @@ class LeaseRenew(_Msg):
     req_ids: list[str]
 
 
-Message = Union[Register, Heartbeat, Pair, PairResult, Allocate, Allocated, Rejected, Prefill,
+Message = Union[Register, Reregister, Heartbeat, Pair, PairResult, Allocate, Allocated, Rejected, Prefill,
                 Tokens, Abort, KVReady, KVData, KVLayer, KVPushed, KVAck, LeaseRenew]
 MESSAGE_TYPES = Message.__args__
 

@@ -5,9 +5,12 @@ Pairing: when a P and a D have both registered, each gets a :class:`~kvflow.prot
 with the other's KV cache spec, checks it and answers :class:`~kvflow.protocol.PairResult`;
 ``ready`` is true only when a pair has been accepted by both (colocated: one instance).
 A remote instance that misses heartbeats for ``dead_after_s``, or a child process of this
-server that has exited (or sent nothing for ``hung_after_s``), is dead: every request that still needed it fails at once (the request's own
-clean-up then sends :class:`~kvflow.protocol.Abort` to the survivor, which frees its blocks),
-and its shared-memory segment is unlinked.
+server that has exited (or sent nothing for ``hung_after_s``), is dead: every request that
+still needed it fails at once (the request's own clean-up then sends
+:class:`~kvflow.protocol.Abort` to the survivor, which frees its blocks), and its
+shared-memory segment is unlinked once its process is gone. An instance declared dead that
+heartbeats again (it was only late, e.g. under load) is asked to register again
+(:class:`~kvflow.protocol.Reregister`, at most once a second) and is then paired anew.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from typing import Any, Callable
 import zmq
 import zmq.asyncio
 
-from kvflow.protocol import (PROTOCOL_VERSION, Heartbeat, Pair, PairResult, Register, Tokens,
-                             decode_or_log, encode)
+from kvflow.protocol import (PROTOCOL_VERSION, Heartbeat, Pair, PairResult, Register, Reregister,
+                             Tokens, decode_or_log, encode)
 
 log = logging.getLogger("kvflow.serve.router")
 
@@ -80,6 +83,7 @@ class Controller:
         self.requests: dict[str, ReqState] = {}
         self.errors: list[str] = []
         self.shm_names: set[str] = set()
+        self._asked: dict[bytes, float] = {}  # unknown instance -> when it was asked to register
         self._tasks: list[asyncio.Task] = []
         self._rr = 0
 
@@ -161,6 +165,13 @@ class Controller:
         info = self.instances.get(ident.decode(errors="replace"))
         if info is None:
             log.error("%s from unregistered instance %r; dropped", type(msg).__name__, ident)
+            if isinstance(msg, Heartbeat) and now - self._asked.get(ident, 0.0) >= 1.0:
+                self._asked[ident] = now  # alive after all (e.g. declared dead under load)
+                try:
+                    await self.sock.send_multipart([ident, encode(Reregister(
+                        reason="declared dead after missed heartbeats"))])
+                except zmq.ZMQError as exc:
+                    log.error("cannot ask %r to register again: %s", ident, exc)
             return
         info.last_seen = now
         if isinstance(msg, Heartbeat):
@@ -223,9 +234,10 @@ class Controller:
             other.pair_ok.discard(info.id)
         if self.metrics is not None:
             self.metrics.forget(info.id, info.role)
-        if info.reg.shm_name:
-            from kvflow.transfer.shm import unlink_segment
-            unlink_segment(info.reg.shm_name)
+        if info.reg.shm_name:  # kept while its owner lives: it may register again
+            from kvflow.transfer.shm import pid_alive, unlink_segment
+            if not pid_alive(info.reg.pid):
+                unlink_segment(info.reg.shm_name)
         for req_id, st in self.requests.items():
             needs = st.decode_id == info.id or (st.prefill_id == info.id and st.stage != "decoding")
             if needs:

@@ -135,6 +135,9 @@ class DecodeInstance(Instance):
     def open_channels(self) -> None:
         super().open_channels()
         self.data = self.ctx.socket(zmq.ROUTER)
+        # a P paired anew (it registered again) reconnects under the same identity: let the
+        # new connection take over instead of being refused while the old one lingers
+        self.data.setsockopt(zmq.ROUTER_HANDOVER, 1)
         port = self.data.bind_to_random_port(f"tcp://{self.cfg.host}")
         self.data_addr = f"tcp://{self.cfg.host}:{port}"
         self.sockets[self.data] = "prefill link"

@@ -166,14 +166,24 @@ class Instance:
         self.allocator = BlockAllocator(self.num_blocks)
         self.warmup()
         self.open_channels()
-        self.send_ctrl(Register(instance_id=self.instance_id, role=self.role,
-                                spec=self.spec.to_dict(), num_blocks=self.num_blocks,
-                                free_blocks=self.allocator.num_free,
-                                max_model_len=self.max_model_len, transfer=self.transfer_name(),
-                                pid=os.getpid(), **self.register_extra()))
+        self.register()
         log.info("%s ready: %d blocks of %d tokens (%d bytes each), max_model_len %d",
                  self.instance_id, self.num_blocks, self.spec.block_size,
                  self.spec.bytes_per_block, self.max_model_len)
+
+    def register(self) -> None:
+        """Send the router this instance's :class:`Register` (at start-up, and again when the
+        router asks: :class:`Reregister`)."""
+        self.send_ctrl(Register(instance_id=self.instance_id, role=self.role,
+                                spec=self.spec.to_dict(), num_blocks=self.num_blocks,
+                                free_blocks=self.free_blocks(),
+                                max_model_len=self.max_model_len, transfer=self.transfer_name(),
+                                pid=os.getpid(), **self.register_extra()))
+
+    def on_reregister(self, msg, frames, ident) -> None:
+        log.warning("%s: the router lost this instance (%s); registering again", self.instance_id,
+                    msg.reason or "no reason given")
+        self.register()
 
     def profile(self) -> int:
         """``num_blocks`` from a profile run at ``max_num_batched_tokens`` (nothing sent)."""
