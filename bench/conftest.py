@@ -76,7 +76,13 @@ def pytest_terminal_summary(terminalreporter):
         tr.write_line(f"{r['op']:<8}{r['backend']:<9}{r['payload_bytes'] / 2**20:>12.0f}"
                       f"{r['time_s'] * 1e3:>9.1f}{fmt(r['gbps'], '.2f'):>8}"
                       f"{fmt(r['ratio'], '.2f'):>7}{fmt(r['baseline_ratio'], '.2f'):>9}")
+    write_rows_if_asked(tr, "ops_cpu.json", _ROWS)
+
+
+def write_rows_if_asked(tr, name: str, rows: list[dict]) -> None:
+    """With ``KVFLOW_BENCH_OUT`` set, write ``rows`` (results schema) to ``$KVFLOW_BENCH_OUT/name``
+    and say so on the terminal reporter ``tr``."""
     out = os.environ.get("KVFLOW_BENCH_OUT")
     if out:
-        path = write_results(os.path.join(out, "ops_cpu.json"), env_info("cpu"), _ROWS)
+        path = write_results(os.path.join(out, name), env_info("cpu"), rows)
         tr.write_line(f"rows written to {path}")

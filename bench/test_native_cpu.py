@@ -26,11 +26,11 @@ import time
 
 import pytest
 
-from kvflow.bench.schema import env_info, make_row, write_results
+from kvflow.bench.schema import env_info, make_row
 from kvflow.bench.timing import median
 from kvflow.kernels import available_backends, gather_blocks, scatter_blocks
 
-from conftest import QUICK, ROUNDS, WARMUP
+from conftest import QUICK, ROUNDS, WARMUP, write_rows_if_asked
 
 RTT_ROUNDS, RTT_WARMUP = (200, 20) if QUICK else (2000, 100)
 _ROWS: list[dict] = []
@@ -61,10 +61,7 @@ def _print_rows(tr) -> None:
             tr.write_line(f"{r['op']:<8} {r['backend']:<7} {r['payload_bytes'] / 2**20:6.0f} MiB "
                           f"{r['time_s'] * 1e3:8.2f} ms {r['gbps']:7.2f} GB/s  ratio {r['ratio']:.2f}"
                           f"  x numba {r['baseline_ratio'] or 0:.2f}")
-    out = os.environ.get("KVFLOW_BENCH_OUT")
-    if out:
-        path = write_results(os.path.join(out, "native_cpu.json"), env_info("cpu"), _ROWS)
-        tr.write_line(f"rows written to {path}")
+    write_rows_if_asked(tr, "native_cpu.json", _ROWS)
 
 
 def _measure(benchmark, fn, rounds: int, warmup: int) -> list[float]:

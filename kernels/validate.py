@@ -92,6 +92,8 @@ def check_unique(name: str, ids: torch.Tensor) -> None:
 
 def check_same_spec(a_name: str, a: KVCacheSpec, b_name: str, b: KVCacheSpec) -> None:
     """Both caches must have one spec; the error names every differing field with both values."""
+    if a == b:  # the common case, on every call of copy_blocks: no field-by-field walk
+        return
     diffs = [f"{f}: {a_name} has {getattr(a, f)}, {b_name} has {getattr(b, f)}"
              for f in a.to_dict() if getattr(a, f) != getattr(b, f)]
     if diffs:

@@ -134,6 +134,20 @@ class PD:
         return alloc, p_table, header, toks
 
 
+def time_out_on_d(pd: PD, token_ids, timeout_s: float = 0.1):
+    """Allocate on D and let D's receive timeout (set to ``timeout_s``; the caller restores it)
+    end the request before any KV came; returns ``(req_id, D's final Tokens)``."""
+    import time
+
+    from kvflow.protocol import Tokens
+    pd.d.receive_timeout_s = timeout_s
+    req, _ = pd.allocate(token_ids)
+    time.sleep(1.5 * timeout_s)
+    pd.d.heartbeat(force=True)
+    (end,) = [m for m in pd.take(pd.d, Tokens) if m.req_id == req]
+    return req, end
+
+
 def every_block_back(pd: PD):
     """Body of an autouse fixture: the test starts with every block free (prefix cache empty)
     and must end with nothing queued, pending, in flight or lent and every block free again."""

@@ -15,7 +15,7 @@ from kvflow.engine import Engine
 from kvflow.protocol import KVAck, KVReady, LeaseRenew, Rejected, Tokens
 from kvflow.serve.instance import sample_token
 
-from .reliability_harness import PD, every_block_back
+from .reliability_harness import PD, every_block_back, time_out_on_d
 
 BS = 16
 TEXT = list(range(1, 200))  # token ids 1..199 (byte tokenizer: all in the vocabulary)
@@ -171,12 +171,8 @@ def test_lease_expires_without_renewal_and_holds_with_it(pd):
 
 
 def test_d_frees_a_request_whose_kv_never_comes(pd):
-    pd.d.receive_timeout_s = 0.1
     try:
-        req, _ = pd.allocate(TEXT[:40])
-        time.sleep(0.15)
-        pd.d.heartbeat(force=True)
-        (end,) = [m for m in pd.take(pd.d, Tokens) if m.req_id == req]
+        req, end = time_out_on_d(pd, TEXT[:40])
         assert end.error == "no KV from prefill within 0.1 s"
     finally:
         pd.d.receive_timeout_s = 120.0

@@ -16,7 +16,7 @@ from kvflow.protocol import Abort, KVPushed, Prefill, Rejected, Tokens, decode
 from kvflow.serve.instance import InstanceConfig, layerwise_min_tokens, uses_push
 from kvflow.transfer import TransferError
 
-from .reliability_harness import PD, every_block_back
+from .reliability_harness import PD, every_block_back, time_out_on_d
 from .test_reliability_pd import TEXT, colocated, tokens_of
 
 
@@ -117,12 +117,8 @@ def dead_pid() -> int:
 
 
 def test_receive_timeout_keeps_the_blocks_lent_until_p_is_done_or_dead(pd):
-    pd.d.receive_timeout_s = 0.1
     try:
-        req, _ = pd.allocate(TEXT[:40])
-        time.sleep(0.15)
-        pd.d.heartbeat(force=True)
-        (end,) = [m for m in pd.take(pd.d, Tokens) if m.req_id == req]
+        req, end = time_out_on_d(pd, TEXT[:40])
         assert end.error == "no KV from prefill within 0.1 s"
         time.sleep(0.15)
         pd.d.heartbeat(force=True)

@@ -107,16 +107,14 @@ class PrefillInstance(Instance):
         n = min(num_tokens, self.max_model_len, self.num_blocks * self.spec.block_size)
         blocks = list(range(self.spec.num_blocks_for(n)))
         chunk = max(1, min(self.cfg.max_num_batched_tokens, n // 2))
-        if self.writer is not None:
-            with forward_context(is_dummy_or_profile_run=True):
-                self.writer.prefill(self.engine, [0] * n, blocks, blocks, chunk)
-            return
         with forward_context(is_dummy_or_profile_run=True):
-            self.layerwise.prefill(self.engine, "dummy", [0] * n, blocks,
-                                   max(1, min(self.cfg.max_num_batched_tokens, n // 2)))
+            if self.writer is not None:
+                self.writer.prefill(self.engine, [0] * n, blocks, blocks, chunk)
+            else:
+                self.layerwise.prefill(self.engine, "dummy", [0] * n, blocks, chunk)
 
     def register_extra(self) -> dict[str, str]:
-        return {} if self.writer is not None else self.sender.export()
+        return self.sender.export()
 
     # ---- handlers -------------------------------------------------------------------
     def on_pair(self, msg: Pair, frames, ident) -> None:
@@ -159,7 +157,7 @@ class PrefillInstance(Instance):
             return
         try:
             self.writer.send_done(self.link, req_id, ok=False, error=error)
-        except Exception:  # D gone: it frees its blocks when told P... or D is dead anyway
+        except Exception:  # D is gone: nobody holds blocks for this request any more
             log.exception("%s: could not tell %s that %s failed", self.instance_id,
                           self.peer_id, req_id)
 

@@ -26,6 +26,7 @@ profile run nothing is copied and nothing is sent.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Any
@@ -152,6 +153,10 @@ class PushWriter:
         self.peer = map_decode_cache(shm_name, peer_spec, peer_num_blocks, self.cache.device)
         self.peer_id = peer_id
 
+    def export(self) -> dict[str, str]:
+        """Fields for P's Register message: none (P maps D's cache, not the other way)."""
+        return {}
+
     def close(self) -> None:
         if self._stream is not None:
             self._stream.synchronize()
@@ -175,8 +180,7 @@ class PushWriter:
                 raise TransferError(f"{name} holds block {bad[0]}, not in [0, {limit})")
         if len(set(dst)) != len(dst):
             raise TransferError(f"decode_block_ids repeats a block: {dst}")
-        pin = self.cuda
-        pairs = tuple(torch.tensor(x, dtype=torch.int64, pin_memory=pin) for x in (src, dst))
+        pairs = tuple(torch.tensor(x, dtype=torch.int64, pin_memory=self.cuda) for x in (src, dst))
         if not self.cuda:
             return pairs
         with torch.cuda.stream(self._stream):
@@ -269,11 +273,7 @@ class PushWriter:
         if not stats.t_start:
             stats.t_start = time.time()
         src, dst = pairs
-        if self.cuda:
-            with torch.cuda.stream(self._stream):
-                copy_blocks(self.cache, self.peer, src, dst, layers, backend=self.backend,
-                            max_ctas=max_ctas, validate=False)
-        else:
+        with torch.cuda.stream(self._stream) if self.cuda else contextlib.nullcontext():
             copy_blocks(self.cache, self.peer, src, dst, layers, backend=self.backend,
                         max_ctas=max_ctas, validate=False)
         stats.copy_ms += (time.perf_counter() - t0) * 1e3
@@ -315,7 +315,6 @@ class PushReceiver(KVReceiver):
     KV is already in D's blocks, so receiving only checks and reports it."""
 
     name = "ipc"
-    lends_blocks = True  # D's blocks are written by P until its KVPushed
 
     def __init__(self, backend: str = "auto") -> None:
         self.backend = backend
