@@ -2,13 +2,15 @@
 
 Run on a CUDA host from the repository root::
 
-    python tools/launch_sweep.py --json out.json
+    python tools/launch_sweep.py --round 2 --layouts --json out.json
 
-Each (tokens, repeat) measures the same-run ``copy_`` ceiling, then every variant x op
+``--round`` picks a list of :class:`LaunchConfig` variants (``ROUNDS``; round 1 also times a
+prefetch-ahead kernel variant, names starting ``pf``). Each (tokens, repeat) measures the same-run ``copy_`` ceiling, then every variant x op
 (gather, scatter, copy_blocks) in Llama-3-8B geometry (as tools/gpu_probe.py: 4096-block source
 cache, 1024-block destination cache, two rotated id sets / staging buffers). Repeats are
 interleaved so that drift of the device shows up as spread, not as a variant's gain.
-Diagnostics (copy_blocks at 1K tokens only): small caches (128 blocks each side: the same
+``--layouts`` adds HND bf16, MLA bf16 and NHD fp8 at 4K tokens.
+Diagnostics (round 1, copy_blocks at 1K tokens only): small caches (128 blocks each side: the same
 request in a 1 GiB footprint instead of 32 + 8 GiB) and sorted ids (neighbouring blocks),
 to tell address-translation / DRAM locality costs from the kernel's own.
 """
@@ -100,23 +102,46 @@ def _copy_runs_prefetch(src_table, dst_table, src_stage, dst_stage, src_ids, dst
                     tl.store(dp + offs, tl.load(sp + offs, mask=m), mask=m)
 
 
-def variants():
-    from kvflow.kernels.triton.copy_runs import LaunchConfig as C
-    return [
+ROUNDS = {
+    # round 1 (2026-11-30, commit 1126bcc): persistent vs not, chunks, warps, prefetch-ahead
+    "1": lambda C: [
         ("default", C()),
         ("nonpersist", C(persistent=False)),
         ("np c16K", C(persistent=False, copy_chunk_bytes=16384)),
         ("np c32K", C(persistent=False, copy_chunk_bytes=32768)),
         ("np c64K", C(persistent=False, copy_chunk_bytes=65536)),
         ("np 8w", C(persistent=False, num_warps=8)),
-        ("np 8w s32K", C(persistent=False, num_warps=8, block_bytes=32768, chunk_bytes=32768)),
+        ("np 8w s32K", C(persistent=False, num_warps=8, block_bytes=32768, chunk_bytes=32768,
+                         copy_block_bytes=32768)),
         ("np g32K", C(persistent=False, chunk_bytes=32768)),
         ("p c16K", C(copy_chunk_bytes=16384)),
         ("p 8w", C(num_warps=8)),
         ("pf c16K", C(copy_chunk_bytes=16384)),
         ("pf c32K", C(copy_chunk_bytes=32768)),
         ("pf 2/SM", C(ctas_per_sm=2)),
-    ]
+    ],
+    # round 2: non-persistent, 8 warps for gather/scatter; copy_blocks' step, item and warps
+    "2": lambda C: [
+        ("np 8w", C(persistent=False, num_warps=8)),
+        ("np 8w cs32K", C(persistent=False, num_warps=8, copy_block_bytes=32768)),
+        ("np 8w cs32K c32K", C(persistent=False, num_warps=8, copy_block_bytes=32768,
+                               copy_chunk_bytes=32768)),
+        ("np 8w cs32K c64K", C(persistent=False, num_warps=8, copy_block_bytes=32768,
+                               copy_chunk_bytes=65536)),
+        ("np 8w cs64K", C(persistent=False, num_warps=8, copy_block_bytes=65536)),
+        ("np 8w c32K", C(persistent=False, num_warps=8, copy_chunk_bytes=32768)),
+        ("np 16w cs64K", C(persistent=False, num_warps=16, copy_block_bytes=65536)),
+        ("np 16w cs32K", C(persistent=False, num_warps=16, copy_block_bytes=32768)),
+        ("np 4w cs32K", C(persistent=False, copy_block_bytes=32768)),
+        ("np 4w cs32K c32K", C(persistent=False, copy_block_bytes=32768,
+                               copy_chunk_bytes=32768)),
+    ],
+}
+
+
+def variants(rnd: str):
+    from kvflow.kernels.triton.copy_runs import LaunchConfig
+    return ROUNDS[rnd](LaunchConfig)
 
 
 def measure(op, src, dst, ids, dids, bufs, reps):
@@ -136,16 +161,27 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--round", default="2", choices=sorted(ROUNDS))
+    ap.add_argument("--layouts", action="store_true",
+                    help="also HND bf16, MLA bf16 and NHD fp8 at 4K tokens")
     a = ap.parse_args(argv)
     from kvflow.kernels.triton import copy_runs as cr
-    spec = spec_for("NHD", torch.bfloat16)
-    src = fill_random_(PagedKVCache(spec, 4096, "cuda"), 1)
-    dst = PagedKVCache(spec, 1024, "cuda")
-    small_src = fill_random_(PagedKVCache(spec, 128, "cuda"), 2)
-    small_dst = PagedKVCache(spec, 128, "cuda")
+    main_spec = spec_for("NHD", torch.bfloat16)
+    plan = [("NHD bf16", main_spec, t, r) for t, reps in ((1024, a.repeats), (4096, 2), (16384, 2))
+            for r in range(reps)]
+    if a.layouts:
+        plan += [(f"{lay} {dn}", spec_for(lay, dt), 4096, r)
+                 for lay, dn, dt in (("HND", "bf16", torch.bfloat16), ("MLA", "bf16", torch.bfloat16),
+                                     ("NHD", "fp8", torch.float8_e4m3fn)) for r in range(2)]
+    caches: dict = {}
     rows = []
-    plan = [(1024, r) for r in range(a.repeats)] + [(4096, r) for r in range(2)] + [(16384, r) for r in range(2)]
-    for tokens, rep in plan:
+    for label, spec, tokens, rep in plan:
+        if label not in caches:
+            caches.clear()
+            torch.cuda.empty_cache()
+            caches[label] = (fill_random_(PagedKVCache(spec, 4096, "cuda"), 1),
+                             PagedKVCache(spec, 1024, "cuda"))
+        src, dst = caches[label]
         n = spec.num_blocks_for(tokens)
         nbytes = payload_bytes(spec, n)
         reps = {1024: 100, 4096: 40, 16384: 15}[tokens]
@@ -153,10 +189,13 @@ def main(argv=None) -> int:
         dids = [rand_ids(1024, n, 30 + rep, "cuda", False), rand_ids(1024, n, 40 + rep, "cuda", False)]
         bufs = [staging_buffer(spec, n, None, "cuda") for _ in range(2)]
         ceil = ceiling(nbytes, reps)
-        rows.append(dict(tokens=tokens, rep=rep, op="copy_", variant="ceiling", **ceil, ratio=1.0))
-        cases = [(name, cfg, op, src, dst, ids, dids) for name, cfg in variants()
+        rows.append(dict(case=label, tokens=tokens, rep=rep, op="copy_", variant="ceiling", **ceil,
+                         ratio=1.0))
+        cases = [(name, cfg, op, src, dst, ids, dids) for name, cfg in variants(a.round)
                  for op in ("gather", "scatter", "copy")]
-        if tokens == 1024:
+        if tokens == 1024 and a.round == "1":
+            small_src = fill_random_(PagedKVCache(spec, 128, "cuda"), 2)
+            small_dst = PagedKVCache(spec, 128, "cuda")
             sids = [rand_ids(128, n, 50 + k, "cuda", False) for k in range(2)]
             sdids = [rand_ids(128, n, 60 + k, "cuda", False) for k in range(2)]
             sorted_ids = [i.sort().values for i in ids]
@@ -179,15 +218,15 @@ def main(argv=None) -> int:
                     cr._JIT[False] = jit
                 else:
                     cr._JIT.pop(False, None)
-            rows.append(dict(tokens=tokens, rep=rep, op=op, variant=name, **st,
+            rows.append(dict(case=label, tokens=tokens, rep=rep, op=op, variant=name, **st,
                              ratio=st["gbps"] / ceil["gbps"]))
-        print(f"tokens {tokens} repeat {rep} done (ceiling {ceil['gbps']:.0f} GB/s)", flush=True)
+        print(f"{label} {tokens} repeat {rep} done (ceiling {ceil['gbps']:.0f} GB/s)", flush=True)
     summary = {}
     for r in rows:
-        summary.setdefault((r["tokens"], r["op"], r["variant"]), []).append(r["ratio"])
-    print(f"{'tokens':>6} {'op':<8}{'variant':<20}{'ratios':<24}{'median':>7}")
-    for (tokens, op, var), rs in summary.items():
-        print(f"{tokens:>6} {op:<8}{var:<20}{' '.join(f'{x:.3f}' for x in rs):<24}"
+        summary.setdefault((r["case"], r["tokens"], r["op"], r["variant"]), []).append(r["ratio"])
+    print(f"{'case':<9}{'tokens':>6} {'op':<8}{'variant':<20}{'ratios':<36}{'median':>7}")
+    for (case, tokens, op, var), rs in summary.items():
+        print(f"{case:<9}{tokens:>6} {op:<8}{var:<20}{' '.join(f'{x:.3f}' for x in rs):<36}"
               f"{statistics.median(rs):>7.3f}")
     if a.json:
         import os

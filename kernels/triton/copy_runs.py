@@ -123,6 +123,7 @@ class LaunchConfig:
 
     block_bytes: int = 16384
     chunk_bytes: int = 16384
+    copy_block_bytes: int = 16384
     copy_chunk_bytes: int = 131072
     ctas_per_sm: int = 16
     num_warps: int = 4
@@ -178,11 +179,11 @@ def launch(*, src_table=None, dst_table=None, src_stage=None, dst_stage=None,
     run = run_bytes // word
     sms = _sm_count(device)
     capped = max_ctas is not None and max_ctas < sms
+    both = src_table is not None and dst_table is not None  # copy_blocks
     step, warps = (cfg.capped_block_bytes, cfg.capped_num_warps) if capped else \
-        (cfg.block_bytes, cfg.num_warps)
+        (cfg.copy_block_bytes if both else cfg.block_bytes, cfg.num_warps)
     block = max(4, min(triton.next_power_of_2(run), step // word))
-    chunk_bytes = cfg.copy_chunk_bytes if src_table is not None and dst_table is not None \
-        else cfg.chunk_bytes
+    chunk_bytes = cfg.copy_chunk_bytes if both else cfg.chunk_bytes
     chunk = block * max(1, min(-(-run // block), chunk_bytes // word // block))
     even = run % chunk == 0
     total = num_tensors * n * (-(-run // chunk))
