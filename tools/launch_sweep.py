@@ -136,6 +136,19 @@ ROUNDS = {
         ("np 4w cs32K c32K", C(persistent=False, copy_block_bytes=32768,
                                copy_chunk_bytes=32768)),
     ],
+    # round 3: 16 and 32 warps; copy_blocks' step; gather/scatter step = item
+    "3": lambda C: [
+        ("np 16w cs64K", C(persistent=False, num_warps=16, copy_block_bytes=65536)),
+        ("np 32w cs64K", C(persistent=False, num_warps=32, copy_block_bytes=65536)),
+        ("np 32w cs32K", C(persistent=False, num_warps=32, copy_block_bytes=32768)),
+        ("np 32w cs128K", C(persistent=False, num_warps=32, copy_block_bytes=131072)),
+        ("np 16w cs16K", C(persistent=False, num_warps=16, copy_block_bytes=16384)),
+        ("np 16w cs128K", C(persistent=False, num_warps=16, copy_block_bytes=131072)),
+        ("np 16w s32K cs64K", C(persistent=False, num_warps=16, block_bytes=32768,
+                                chunk_bytes=32768, copy_block_bytes=65536)),
+        ("np 16w s8K cs64K", C(persistent=False, num_warps=16, block_bytes=8192,
+                               chunk_bytes=8192, copy_block_bytes=65536)),
+    ],
 }
 
 
