@@ -14,7 +14,8 @@ Run on a CUDA host from the repository root::
    bytes once (DESIGN.md "Measuring"); the ceiling is ``dst.copy_(src)`` of the same byte count
    in the same run; ratio = op GB/s / ceiling GB/s. Median of ``reps`` timed calls (CUDA events)
    after warm-up, rotating two id sets / staging buffers (each >= 128 MiB, more than the 60 MB
-   L2). Variants: triton default grid, ``ctas_per_sm`` sweep, ``max_ctas`` 8/32/132; numba_cuda;
+   L2). Variants: triton default launch (one program per work item, 16 warps), persistent
+   grids, 4 / 8 warps, streaming hints, 64 KiB items, ``max_ctas`` 8/32/132; numba_cuda;
    torch per-layer index_select / index_copy_ (the baseline a user would write). Then HND, MLA
    and fp8 at 4K tokens, and peer copies between two GPUs when present.
 """
@@ -160,14 +161,14 @@ def variants(backends, sms, quick):
     from kvflow.kernels.triton.copy_runs import LaunchConfig
     out = [("triton", "default", None, None)]
     if not quick:
-        out += [("triton", f"ctas/SM={c}", None, LaunchConfig(ctas_per_sm=c)) for c in (1, 4, 8)]
-        out += [("triton", "stream", None, LaunchConfig(streaming=True)),
-                ("triton", "chunk=64K", None, LaunchConfig(chunk_bytes=65536, copy_chunk_bytes=65536)),
-                ("triton", "copy chunk=16K", None, LaunchConfig(copy_chunk_bytes=16384)),
-                ("triton", "step=8K", None, LaunchConfig(block_bytes=8192, chunk_bytes=8192,
-                                                         num_warps=2)),
-                ("triton", "nonpersist", None, LaunchConfig(persistent=False)),
-                ("triton", "8 warps", None, LaunchConfig(num_warps=8))]
+        out += [("triton", "persistent", None, LaunchConfig(persistent=True)),
+                ("triton", "old default", None,  # persistent, 4 warps, 16 KiB copy steps
+                 LaunchConfig(persistent=True, num_warps=4, copy_block_bytes=16384)),
+                ("triton", "4 warps", None, LaunchConfig(num_warps=4)),
+                ("triton", "8 warps", None, LaunchConfig(num_warps=8)),
+                ("triton", "stream", None, LaunchConfig(streaming=True)),
+                ("triton", "chunk=64K", None, LaunchConfig(chunk_bytes=65536,
+                                                           copy_chunk_bytes=65536))]
     out += [("triton", f"max_ctas={m}", m, None) for m in (8, 32, sms)]
     if "numba_cuda" in backends:
         out.append(("numba_cuda", "default", None, None))

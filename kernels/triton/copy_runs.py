@@ -6,10 +6,11 @@ layout (NHD, HND, MLA), so every op is "copy run ``src_id`` of source tensor ``j
 addresses (built once per cache and device, see :func:`cache_table`); a staging side is one
 buffer whose run ``(j, i)`` starts at ``(j * n + i) * run`` words (``staging_shape`` order).
 
-Grid: a persistent 1-D grid; program ``p`` walks work items ``w = p, p + G, p + 2G, ...`` over
+Grid: 1-D; program ``p`` walks work items ``w = p, p + G, p + 2G, ...`` over
 (tensor ``j``) x (pair ``i``) x (chunk ``c`` of ``CHUNK`` words), chunk fastest, so programs
-that run at the same time stream neighbouring bytes. ``G`` fills the GPU (``ctas_per_sm`` x SMs)
-unless ``max_ctas`` caps it (background copies beside prefill). Pairs whose cache-side id is
+that run at the same time stream neighbouring bytes. By default ``G`` is the number of work
+items (one program each, the hardware schedules them); ``max_ctas`` caps it (background copies
+beside prefill), and then each program loops. Pairs whose cache-side id is
 outside ``[0, num_blocks)`` (the -1 padding included) are skipped: destination untouched.
 
 Words: bytes are moved as int64/int32/int16/uint8 words (whatever divides the run and every base
@@ -86,26 +87,37 @@ def _copy_runs(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
 
 @dataclasses.dataclass
 class LaunchConfig:
-    """Launch settings of the copy kernel (tuned on an H200 with ``tools/gpu_probe.py``).
+    """Launch settings of the copy kernel (tuned on an H200).
+
+    Measured with ``tools/launch_sweep.py`` (three rounds, 2026-11-30, raw JSON and logs in
+    ``bench/results/raw/launch_sweep-*``): 5 interleaved repeats at 1K tokens, 2 at 4K and 16K,
+    Llama-3-8B geometry, ratio to the same-run ``copy_``. Chosen (gather / scatter / copy_blocks):
+    1K 0.94 / 0.93 / 0.91, 4K 0.96 / 0.94 / 0.93, 16K 0.95 / 0.94 / 0.93; the settings of the
+    previous defaults (persistent grid, 4 warps; round 1) gave 0.91 / 0.91 / 0.88, 0.91 / 0.90 / 0.92,
+    0.89 / 0.89 / 0.91.
 
     Attributes
     ----------
     block_bytes : int
-        Bytes one program moves per loop step (``BLOCK`` words): 16 KiB keeps 8 x 16-byte
-        loads per thread in flight at 4 warps.
+        Bytes one gather / scatter program moves per loop step (``BLOCK`` words). 16 KiB at
+        16 warps is two 16-byte loads per thread; 8 KiB and 32 KiB were 0.01 lower, 32 warps
+        0.05-0.07 lower.
     chunk_bytes : int
-        Work item size of gather and scatter; a run longer than this is split into chunks
-        (load balance). 16 KiB (one loop step) measured best on an H200, 2026-11-30
-        (tools/gpu_probe.py, bench/results/raw/gpu_probe-nvidia-h200-20261130.log).
+        Work item size of gather and scatter; a run longer than this is split into chunks.
+        16 KiB (one loop step) measured best.
+    copy_block_bytes : int
+        Loop step of copy_blocks: 64 KiB (eight 16-byte loads per thread at 16 warps);
+        +0.01 over 16 KiB at 1K tokens.
     copy_chunk_bytes : int
         Work item size of copy_blocks, which reads two ids and two table entries per item
-        before its first load: whole runs (up to 128 KiB) amortise them (same probe: copy
-        0.88-0.89 of the ceiling vs 0.85-0.86 with 64 KiB items).
+        before its first load: whole runs (up to 128 KiB) amortise them (32 KiB items: -0.02
+        at 4K and 16K tokens).
     ctas_per_sm : int
-        Persistent programs per SM when ``max_ctas`` is not given (16: 0.89-0.91 of the copy
-        ceiling vs 0.73-0.75 at 1, tools/gpu_probe.py on an H200).
+        Programs per SM of a persistent grid (``persistent=True``; 16: 0.89-0.91 of the copy
+        ceiling vs 0.73-0.75 at 1).
     num_warps : int
-        Warps per program.
+        Warps per program on full-grid launches: 16 (+0.02-0.03 over 4 and 8 warps for gather
+        and scatter, +0.01 for copy_blocks).
     capped_block_bytes, capped_num_warps : int
         ``block_bytes`` and ``num_warps`` when ``max_ctas`` caps the grid below one program
         per SM (background copies): fewer programs must each keep more bytes in flight
@@ -117,21 +129,23 @@ class LaunchConfig:
         The same hints on ``max_ctas``-capped launches (background copies beside a prefill:
         the bytes are touched once; keep them from evicting the prefill's working set in L2).
     persistent : bool
-        Cap the grid at ``ctas_per_sm`` x SMs and let each program loop over work items;
-        False launches one program per work item (the hardware schedules them).
+        Full-grid launches: True caps the grid at ``ctas_per_sm`` x SMs and lets each program
+        loop over work items; False (default) launches one program per work item and lets the
+        hardware schedule them (+0.02-0.04 at 4K and 16K tokens). ``max_ctas`` launches are
+        always persistent.
     """
 
     block_bytes: int = 16384
     chunk_bytes: int = 16384
-    copy_block_bytes: int = 16384
+    copy_block_bytes: int = 65536
     copy_chunk_bytes: int = 131072
     ctas_per_sm: int = 16
-    num_warps: int = 4
+    num_warps: int = 16
     capped_block_bytes: int = 65536
     capped_num_warps: int = 16
     streaming: bool = False
     capped_streaming: bool = True
-    persistent: bool = True
+    persistent: bool = False
 
 
 CONFIG = LaunchConfig()
