@@ -4,8 +4,9 @@ Run on a CUDA host from the repository root::
 
     python tools/launch_sweep.py --round 2 --layouts --json out.json
 
-``--round`` picks a list of :class:`LaunchConfig` variants (``ROUNDS``; round 1 also times a
-prefetch-ahead kernel variant, names starting ``pf``). Each (tokens, repeat) measures the same-run ``copy_`` ceiling, then every variant x op
+``--round`` picks a list of :class:`LaunchConfig` variants (``ROUNDS``, each given as changes to
+the defaults of round 1, ``ROUND1_DEFAULTS``, so that a round means the same after the defaults
+change). Each (tokens, repeat) measures the same-run ``copy_`` ceiling, then every variant x op
 (gather, scatter, copy_blocks) in Llama-3-8B geometry (as tools/gpu_probe.py: 4096-block source
 cache, 1024-block destination cache, two rotated id sets / staging buffers). Repeats are
 interleaved so that drift of the device shows up as spread, not as a variant's gain.
@@ -25,9 +26,6 @@ from pathlib import Path
 
 import torch
 
-import triton
-import triton.language as tl
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -36,74 +34,14 @@ from kvflow import PagedKVCache, staging_buffer  # noqa: E402
 from kvflow.kernels import copy_blocks, gather_blocks, payload_bytes, scatter_blocks  # noqa: E402
 
 
-@triton.jit
-def _prefetch(ptr):
-    """``prefetch.global.L2`` of one address (warms the address translation and L2)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                              [ptr.to(tl.int64)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _item(w, src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids, n, src_n, dst_n,
-          WORD: tl.constexpr, RUN: tl.constexpr, CHUNK: tl.constexpr,
-          SRC_CACHE: tl.constexpr, DST_CACHE: tl.constexpr):
-    NCHUNK: tl.constexpr = (RUN + CHUNK - 1) // CHUNK
-    c = w % NCHUNK
-    r = w // NCHUNK
-    i = r % n
-    j = r // n
-    valid = i >= 0
-    if SRC_CACHE:
-        s = tl.load(src_ids + i).to(tl.int64)
-        valid = valid & (s >= 0) & (s < src_n)
-        sp = tl.load(src_table + j).to(tl.pointer_type(WORD)) + s * RUN
-    else:
-        sp = src_stage + (j.to(tl.int64) * n + i) * RUN
-    if DST_CACHE:
-        d = tl.load(dst_ids + i).to(tl.int64)
-        valid = valid & (d >= 0) & (d < dst_n)
-        dp = tl.load(dst_table + j).to(tl.pointer_type(WORD)) + d * RUN
-    else:
-        dp = dst_stage + (j.to(tl.int64) * n + i) * RUN
-    return sp + c * CHUNK, dp + c * CHUNK, valid, c
-
-
-@triton.jit
-def _copy_runs_prefetch(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
-                        n, src_n, dst_n, total,
-                        WORD: tl.constexpr, ALIGN: tl.constexpr, RUN: tl.constexpr,
-                        CHUNK: tl.constexpr, BLOCK: tl.constexpr, EVEN: tl.constexpr,
-                        SRC_CACHE: tl.constexpr, DST_CACHE: tl.constexpr,
-                        STREAM: tl.constexpr):
-    """The product kernel plus a prefetch of the next work item's first source and
-    destination addresses before copying the current one (persistent grids only)."""
-    ar = tl.arange(0, BLOCK)
-    G = tl.num_programs(0)
-    for w in range(tl.program_id(0), total, G):
-        sp, dp, valid, c = _item(w, src_table, dst_table, src_stage, dst_stage, src_ids,
-                                 dst_ids, n, src_n, dst_n, WORD, RUN, CHUNK, SRC_CACHE,
-                                 DST_CACHE)
-        if w + G < total:
-            sp2, dp2, valid2, c2 = _item(w + G, src_table, dst_table, src_stage, dst_stage,
-                                         src_ids, dst_ids, n, src_n, dst_n, WORD, RUN, CHUNK,
-                                         SRC_CACHE, DST_CACHE)
-            if valid2:
-                _prefetch(sp2)
-                _prefetch(dp2)
-        if valid:
-            sp = tl.multiple_of(sp, ALIGN)
-            dp = tl.multiple_of(dp, ALIGN)
-            for k in range(0, CHUNK, BLOCK):
-                offs = k + ar
-                if EVEN:
-                    tl.store(dp + offs, tl.load(sp + offs))
-                else:
-                    m = c * CHUNK + offs < RUN
-                    tl.store(dp + offs, tl.load(sp + offs, mask=m), mask=m)
-
+# The LaunchConfig defaults when round 1 ran (commit 1126bcc); every variant below is a change
+# to these, whatever the defaults are now.
+ROUND1_DEFAULTS = dict(persistent=True, num_warps=4, copy_block_bytes=16384)
 
 ROUNDS = {
-    # round 1 (2026-11-30, commit 1126bcc): persistent vs not, chunks, warps, prefetch-ahead
+    # round 1 (2026-11-30, commit 1126bcc): persistent vs not, chunks, warps. That commit also
+    # timed a kernel variant that prefetched (prefetch.global.L2) the next work item's first
+    # source and destination addresses ("pf" rows of the round-1 log): no gain, removed.
     "1": lambda C: [
         ("default", C()),
         ("nonpersist", C(persistent=False)),
@@ -116,9 +54,6 @@ ROUNDS = {
         ("np g32K", C(persistent=False, chunk_bytes=32768)),
         ("p c16K", C(copy_chunk_bytes=16384)),
         ("p 8w", C(num_warps=8)),
-        ("pf c16K", C(copy_chunk_bytes=16384)),
-        ("pf c32K", C(copy_chunk_bytes=32768)),
-        ("pf 2/SM", C(ctas_per_sm=2)),
     ],
     # round 2: non-persistent, 8 warps for gather/scatter; copy_blocks' step, item and warps
     "2": lambda C: [
@@ -154,7 +89,10 @@ ROUNDS = {
 
 def variants(rnd: str):
     from kvflow.kernels.triton.copy_runs import LaunchConfig
-    return ROUNDS[rnd](LaunchConfig)
+
+    def config(**changes):
+        return LaunchConfig(**{**ROUND1_DEFAULTS, **changes})
+    return ROUNDS[rnd](config)
 
 
 def measure(op, src, dst, ids, dids, bufs, reps):
@@ -217,9 +155,6 @@ def main(argv=None) -> int:
                       ("diag sorted ids", None, "copy", src, dst, sorted_ids, sorted_dids)]
         for name, cfg, op, s, d, i, di in cases:
             saved, cr.CONFIG = cr.CONFIG, cfg or cr.CONFIG
-            jit = cr._JIT.get(False)
-            if name.startswith("pf"):
-                cr._JIT[False] = _copy_runs_prefetch
             try:
                 st = stats(measure(op, s, d, i, di, bufs, reps), nbytes)
             except Exception as exc:  # noqa: BLE001 - report and go on
@@ -227,10 +162,6 @@ def main(argv=None) -> int:
                 continue
             finally:
                 cr.CONFIG = saved
-                if jit is not None:
-                    cr._JIT[False] = jit
-                else:
-                    cr._JIT.pop(False, None)
             rows.append(dict(case=label, tokens=tokens, rep=rep, op=op, variant=name, **st,
                              ratio=st["gbps"] / ceil["gbps"]))
         print(f"{label} {tokens} repeat {rep} done (ceiling {ceil['gbps']:.0f} GB/s)", flush=True)
