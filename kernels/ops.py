@@ -11,17 +11,45 @@ from typing import Any
 
 import torch
 
-from kvflow.cache import PagedKVCache, staging_shape
-from kvflow.layout import normalize_layers
+from kvflow.cache import PagedKVCache, memory_relation, staging_shape
+from kvflow.layout import is_int, normalize_layers
 
 from .registry import get_backend
 from .validate import check_buffer, check_cache, check_ids, check_same_spec, check_unique
 
 
-def _check_max_ctas(max_ctas: Any) -> None:
-    if max_ctas is not None and (isinstance(max_ctas, bool) or not isinstance(max_ctas, int)
-                                 or max_ctas <= 0):
+def _check_max_ctas(max_ctas: Any) -> int | None:
+    """``max_ctas`` as a Python int (numpy integers accepted), or None.
+
+    Raises TypeError for a non-integer (bool, float, str), ValueError for one <= 0."""
+    if max_ctas is None:
+        return None
+    if not is_int(max_ctas):
+        raise TypeError(f"max_ctas must be None or a positive int, got {max_ctas!r}")
+    if max_ctas <= 0:
         raise ValueError(f"max_ctas must be None or a positive int, got {max_ctas!r}")
+    return int(max_ctas)
+
+
+def _check_validate(validate: Any) -> None:
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate must be True or False, got {validate!r}")
+
+
+def _check_disjoint(src_cache: PagedKVCache, dst_cache: PagedKVCache, s: torch.Tensor,
+                    d: torch.Tensor, validate: bool) -> None:
+    """Copying within one memory is allowed only as one cache with disjoint block ids.
+
+    Two cache objects over the same tensors (e.g. ``PagedKVCache(..., buffer=c.buffer)``)
+    count as one cache; caches whose memory overlaps in any other way are refused."""
+    relation = memory_relation(src_cache, dst_cache)
+    if relation == "overlapping":
+        raise ValueError("src_cache and dst_cache overlap in memory without being the same "
+                         "cache (same tensors); copy_blocks needs disjoint caches or one cache")
+    if relation == "same" and validate:
+        both = set(s.cpu().tolist()) & set(d.cpu().tolist()) - {-1}
+        if both:
+            raise ValueError(f"src_ids and dst_ids share block {min(both)} of one cache")
 
 
 def gather_blocks(cache: PagedKVCache, block_ids: Any, out: Any, layers: Any = None, *,
@@ -57,12 +85,13 @@ def gather_blocks(cache: PagedKVCache, block_ids: Any, out: Any, layers: Any = N
     TypeError, ValueError
         Bad argument, naming it and its value; RuntimeError for an unavailable backend.
     """
+    _check_validate(validate)
     cache = check_cache("cache", cache)
     start, stop = normalize_layers(layers, cache.spec.num_layers)
     ids = check_ids("block_ids", block_ids, cache.num_blocks, cache.device, validate)
     out = check_buffer("out", out, staging_shape(cache.spec, ids.numel(), (start, stop)),
                        cache.spec.dtype, cache.device)
-    _check_max_ctas(max_ctas)
+    max_ctas = _check_max_ctas(max_ctas)
     be = get_backend(backend, cache.device)
     if ids.numel():
         be.gather(cache, ids, out, start, stop, max_ctas)
@@ -90,6 +119,7 @@ def scatter_blocks(src: Any, cache: PagedKVCache, block_ids: Any, layers: Any = 
     PagedKVCache
         ``cache``.
     """
+    _check_validate(validate)
     cache = check_cache("cache", cache)
     start, stop = normalize_layers(layers, cache.spec.num_layers)
     ids = check_ids("block_ids", block_ids, cache.num_blocks, cache.device, validate)
@@ -97,7 +127,7 @@ def scatter_blocks(src: Any, cache: PagedKVCache, block_ids: Any, layers: Any = 
                        cache.spec.dtype, cache.device)
     if validate:
         check_unique("block_ids", ids)
-    _check_max_ctas(max_ctas)
+    max_ctas = _check_max_ctas(max_ctas)
     be = get_backend(backend, cache.device)
     if ids.numel():
         be.scatter(src, cache, ids, start, stop, max_ctas)
@@ -117,7 +147,8 @@ def copy_blocks(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, 
     Parameters
     ----------
     src_cache, dst_cache : PagedKVCache
-        Same ``spec`` (every field); may be the same cache (then ids must not overlap).
+        Same ``spec`` (every field); may be the same cache, or two objects over the same
+        tensors (then ids must not overlap); any other overlap of their memory is refused.
     src_ids, dst_ids : torch.Tensor, int32 or int64, shape [n] each
         Pairs of blocks; -1 on either side skips the pair; ``dst_ids`` distinct.
     layers, backend, max_ctas, validate
@@ -134,6 +165,7 @@ def copy_blocks(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, 
     """
     if direction not in ("pull", "push"):
         raise ValueError(f"direction must be 'pull' or 'push', got {direction!r}")
+    _check_validate(validate)
     src_cache = check_cache("src_cache", src_cache)
     dst_cache = check_cache("dst_cache", dst_cache)
     check_same_spec("src_cache", src_cache.spec, "dst_cache", dst_cache.spec)
@@ -145,11 +177,8 @@ def copy_blocks(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, 
                          f"they pair one to one")
     if validate:
         check_unique("dst_ids", d)
-        if src_cache is dst_cache:
-            both = set(s.cpu().tolist()) & set(d.cpu().tolist()) - {-1}
-            if both:
-                raise ValueError(f"src_ids and dst_ids share block {min(both)} of one cache")
-    _check_max_ctas(max_ctas)
+    _check_disjoint(src_cache, dst_cache, s, d, validate)
+    max_ctas = _check_max_ctas(max_ctas)
     if src_cache.device.type != dst_cache.device.type:
         raise ValueError(f"src_cache is on {src_cache.device} and dst_cache on {dst_cache.device}; "
                          f"copy_blocks moves between caches of one device type")

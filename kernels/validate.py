@@ -10,14 +10,12 @@ write out of bounds.
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
-import numpy as np
 import torch
 
 from kvflow.cache import PagedKVCache
-from kvflow.layout import KVCacheSpec
+from kvflow.layout import KVCacheSpec, is_int
 
 ID_DTYPES = (torch.int32, torch.int64)
 
@@ -54,9 +52,11 @@ def check_ids(name: str, ids: Any, num_blocks: int, device: torch.device,
     """
     ids = as_torch(ids, name)
     if isinstance(ids, (list, tuple)):
-        if not all(isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
-                   for v in ids):
+        if not all(is_int(v) for v in ids):
             raise TypeError(f"{name} must hold ints, got {ids!r}")
+        for i, v in enumerate(ids):
+            if not -2 ** 63 <= v < 2 ** 63:  # would not fit the int64 tensor
+                raise _out_of_range(name, i, int(v), num_blocks)
         ids = torch.tensor([int(v) for v in ids], dtype=torch.int64)
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"{name} must be a 1-D int32 or int64 tensor, got {type(ids).__name__}")
@@ -72,11 +72,15 @@ def check_ids(name: str, ids: Any, num_blocks: int, device: torch.device,
         bad = (host < -1) | (host >= num_blocks)
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
-            raise ValueError(f"{name}[{i}]={int(host[i])} is out of range for a cache of "
-                             f"{num_blocks} blocks (valid: 0..{num_blocks - 1}, or -1 for padding)")
+            raise _out_of_range(name, i, int(host[i]), num_blocks)
     if ids.device != device:
         ids = ids.to(device, non_blocking=True)
     return ids if ids.is_contiguous() else ids.contiguous()
+
+
+def _out_of_range(name: str, i: int, value: int, num_blocks: int) -> ValueError:
+    return ValueError(f"{name}[{i}]={value} is out of range for a cache of {num_blocks} blocks "
+                      f"(valid: 0..{num_blocks - 1}, or -1 for padding)")
 
 
 def check_unique(name: str, ids: torch.Tensor) -> None:
@@ -116,6 +120,6 @@ def check_buffer(name: str, buf: Any, shape: tuple[int, ...], dtype: torch.dtype
     if not buf.is_contiguous():
         raise ValueError(f"{name} must be contiguous, got strides {buf.stride()}")
     if buf.requires_grad:
-        raise ValueError(f"{name} requires grad; kernels write it in place (pass a tensor "
-                         f"with requires_grad=False)")
+        raise ValueError(f"{name} requires grad; kvflow's ops run outside autograd "
+                         f"(pass {name}.detach())")
     return buf

@@ -41,7 +41,7 @@ class PagedKVCache:
     ------
     TypeError, ValueError
         If ``num_blocks`` is not a positive int, or ``buffer`` is not a large enough flat
-        contiguous uint8 tensor.
+        contiguous uint8 tensor starting at an address aligned to ``spec.dtype``.
 
     Examples
     --------
@@ -73,6 +73,10 @@ class PagedKVCache:
                             f"{tuple(getattr(buffer, 'shape', ()))}")
         elif buffer.numel() < need:
             raise ValueError(f"buffer holds {buffer.numel()} bytes; the cache needs {need}")
+        elif buffer.data_ptr() % spec.itemsize:
+            raise ValueError(f"buffer starts at address {buffer.data_ptr():#x}, not a multiple of "
+                             f"{spec.itemsize} bytes ({spec.dtype}); lay the cache over an "
+                             f"aligned slice")
         self.buffer = buffer
         shape = spec.tensor_shape(num_blocks)
         self._tensors = [buffer[i * per_tensor:(i + 1) * per_tensor].view(spec.dtype).view(shape)
@@ -91,7 +95,8 @@ class PagedKVCache:
         Raises
         ------
         ValueError, TypeError
-            Naming the offending ``tensors[i]`` and what was expected.
+            Naming the offending ``tensors[i]`` and what was expected (also for a tensor
+            that requires grad), or no blocks at all.
         """
         tensors = [torch.utils.dlpack.from_dlpack(t)
                    if not isinstance(t, torch.Tensor) and hasattr(t, "__dlpack__") else t
@@ -112,12 +117,28 @@ class PagedKVCache:
                 raise ValueError(f"tensors[{i}] must be contiguous, got strides {t.stride()}")
             if t.device != tensors[0].device:
                 raise ValueError(f"tensors[{i}] is on {t.device}; tensors[0] is on {tensors[0].device}")
+            if t.requires_grad:
+                raise ValueError(f"tensors[{i}] requires grad; a KV cache is written in place "
+                                 f"outside autograd (pass tensors[{i}].detach())")
+        if num_blocks == 0:
+            raise ValueError(f"tensors hold 0 blocks (tensors[0].shape is "
+                             f"{tuple(tensors[0].shape)}); num_blocks must be positive")
         self = cls.__new__(cls)
         self.spec, self.num_blocks, self.buffer = spec, num_blocks, None
         self._tensors = tensors
         self.device = tensors[0].device
         self.backend_state = {}
         return self
+
+    def memory_span(self) -> tuple[int, int, tuple[int, ...]]:
+        """``(lowest address, highest address + 1, every tensor's base address)`` of the
+        cache's memory; computed once (the tensors of a cache never move)."""
+        span = self.backend_state.get("memory_span")
+        if span is None:
+            ptrs = tuple(t.data_ptr() for t in self._tensors)
+            ends = [p + t.numel() * t.element_size() for p, t in zip(ptrs, self._tensors)]
+            span = self.backend_state["memory_span"] = (min(ptrs), max(ends), ptrs)
+        return span
 
     def tensors(self) -> list[torch.Tensor]:
         """Every per-layer tensor, in the order of the module docstring."""
@@ -145,6 +166,24 @@ class PagedKVCache:
 
     def __repr__(self) -> str:
         return f"PagedKVCache({self.spec}, num_blocks={self.num_blocks}, device={self.device})"
+
+
+def memory_relation(a: PagedKVCache, b: PagedKVCache) -> str:
+    """``"same"`` (one cache, or two objects over the same tensors at the same addresses),
+    ``"overlapping"`` (their memory overlaps otherwise) or ``"disjoint"``.
+
+    Addresses are compared within this process (CUDA's unified addressing makes GPU addresses
+    unique across devices); two mappings of one shared-memory segment at different addresses
+    look disjoint."""
+    if a is b:
+        return "same"
+    lo_a, hi_a, ptrs_a = a.memory_span()
+    lo_b, hi_b, ptrs_b = b.memory_span()
+    if hi_a <= lo_b or hi_b <= lo_a:
+        return "disjoint"
+    if ptrs_a == ptrs_b and a.num_blocks == b.num_blocks and a.spec == b.spec:
+        return "same"
+    return "overlapping"
 
 
 def staging_shape(spec: KVCacheSpec, num_blocks: int, layers: Any = None) -> tuple[int, ...]:

@@ -241,10 +241,25 @@ def test_from_tensors_bad_entries():
         (good[:7] + [good[7][:2]], ValueError, "tensors[7].shape is (2, 4, 2, 8); expected (3, 4, 2, 8)"),
         (good[:1] + [good[1].transpose(1, 2).contiguous().transpose(1, 2)] + good[2:], ValueError,
          "tensors[1] must be contiguous, got strides (64, 8, 32, 1)"),
+        (good[:3] + [good[3].clone().requires_grad_(True)] + good[4:], ValueError,
+         "tensors[3] requires grad; a KV cache is written in place outside autograd "
+         "(pass tensors[3].detach())"),
+        ([t[:0] for t in good], ValueError,
+         "tensors hold 0 blocks (tensors[0].shape is (0, 4, 2, 8)); num_blocks must be positive"),
     ]
     for tensors, exc, message in cases:
         with pytest.raises(exc, match="^" + re.escape(message) + "$"):
             PagedKVCache.from_tensors(SPEC, tensors)
+
+
+def test_buffer_at_an_address_the_dtype_cannot_start_at():
+    raw = torch.zeros(2 * SPEC.bytes_per_block + 16, dtype=torch.uint8)
+    off = 1 if raw.data_ptr() % 2 == 0 else 0
+    buf = raw[off:]
+    with pytest.raises(ValueError, match="^" + re.escape(
+            f"buffer starts at address {buf.data_ptr():#x}, not a multiple of 2 bytes "
+            f"(torch.bfloat16); lay the cache over an aligned slice") + "$"):
+        PagedKVCache(SPEC, 2, buffer=buf)
 
 
 def test_staging_buffer_bad_layers():

@@ -100,6 +100,39 @@ def test_copy_same_cache_overlapping_ids(caches):
             lambda: copy_blocks(cache, cache, torch.tensor([3, 4]), torch.tensor([5, 3])), cache)
 
 
+def test_copy_two_objects_over_one_buffer_count_as_one_cache(caches):
+    # found by a new-user test: the overlap check compared objects, not memory, and backends
+    # then disagreed on chained copies (0->1, 1->2, 2->3)
+    cache, _ = caches
+    alias = PagedKVCache(SPEC, NB, buffer=cache.buffer)
+    rejects(ValueError, "src_ids and dst_ids share block 1 of one cache",
+            lambda: copy_blocks(cache, alias, torch.tensor([0, 1, 2]), torch.tensor([1, 2, 3])),
+            cache)
+    wrapped = PagedKVCache.from_tensors(SPEC, cache.tensors())
+    rejects(ValueError, "src_ids and dst_ids share block 2 of one cache",
+            lambda: copy_blocks(wrapped, cache, torch.tensor([2]), torch.tensor([2])), cache)
+
+
+@pytest.mark.parametrize("backend", backends_for("cpu"))
+def test_copy_within_one_buffer_with_disjoint_ids_matches_torch(backend):
+    ref = random_cache(SPEC, NB, seed=5)
+    got = random_cache(SPEC, NB, seed=5)
+    for c, be in ((ref, "torch"), (got, backend)):
+        copy_blocks(c, PagedKVCache(SPEC, NB, buffer=c.buffer), torch.tensor([0, 1, -1, 2]),
+                    torch.tensor([7, 8, 9, 10]), backend=be)
+    assert torch.equal(cache_bytes(got), cache_bytes(ref))
+    assert not torch.equal(cache_bytes(ref), cache_bytes(random_cache(SPEC, NB, seed=5)))
+
+
+def test_copy_between_partly_overlapping_caches(caches):
+    cache, _ = caches
+    shifted = PagedKVCache(SPEC, NB - 1, buffer=cache.buffer[SPEC.block_bytes:])
+    rejects(ValueError, "src_cache and dst_cache overlap in memory without being the same cache "
+            "(same tensors); copy_blocks needs disjoint caches or one cache",
+            lambda: copy_blocks(cache, shifted, torch.tensor([0]), torch.tensor([9]),
+                                validate=False), cache)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int16, torch.uint8, torch.bool], ids=str)
 def test_ids_wrong_dtype(caches, dtype):
     src, _ = caches
@@ -239,12 +272,52 @@ def test_layers_wrong_type(caches, layers):
             f"got {layers!r}", lambda: gather_blocks(src, torch.tensor([0]), out, layers), out)
 
 
-@pytest.mark.parametrize("max_ctas", [0, -4, 2.0, True], ids=repr)
-def test_max_ctas_invalid(caches, max_ctas):
+@pytest.mark.parametrize("max_ctas,exc", [(0, ValueError), (-4, ValueError),
+                                          (np.int64(0), ValueError), (2.0, TypeError),
+                                          (2.5, TypeError), ("8", TypeError), (True, TypeError)],
+                         ids=repr)
+def test_max_ctas_invalid(caches, max_ctas, exc):
     src, dst = caches
-    rejects(ValueError, f"max_ctas must be None or a positive int, got {max_ctas!r}",
+    rejects(exc, f"max_ctas must be None or a positive int, got {max_ctas!r}",
             lambda: copy_blocks(src, dst, torch.tensor([0]), torch.tensor([1]),
                                 max_ctas=max_ctas), dst)
+
+
+def test_numpy_integers_for_max_ctas_and_layers(caches):
+    src, _ = caches
+    a, b = _out(2, 1), _out(2, 1)
+    gather_blocks(src, torch.tensor([1, 3]), a, np.int64(1), max_ctas=np.int64(8))
+    gather_blocks(src, torch.tensor([1, 3]), b, 1, max_ctas=8)
+    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    c = _out(2, (1, 3))
+    gather_blocks(src, torch.tensor([1, 3]), c, (np.int32(1), np.int64(3)))
+    assert torch.equal(c[0].view(torch.uint8), a[0].view(torch.uint8))
+
+
+@pytest.mark.parametrize("layers", [slice(0.5, 2), slice(0, "2")], ids=repr)
+def test_layers_slice_of_non_ints(caches, layers):
+    src, _ = caches
+    out = _out(1)
+    rejects(TypeError, f"layers must be None, an int, a range, a slice or (start, stop) of ints, "
+            f"got {layers!r}", lambda: gather_blocks(src, torch.tensor([0]), out, layers), out)
+
+
+@pytest.mark.parametrize("validate", ["no", 0, None], ids=repr)
+def test_validate_must_be_a_bool(caches, validate):
+    src, dst = caches
+    rejects(TypeError, f"validate must be True or False, got {validate!r}",
+            lambda: copy_blocks(src, dst, torch.tensor([0]), torch.tensor([1]),
+                                validate=validate), dst)
+    rejects(TypeError, f"validate must be True or False, got {validate!r}",
+            lambda: scatter_blocks(_out(1), dst, torch.tensor([1]), validate=validate), dst)
+
+
+def test_list_id_too_large_for_int64(caches):
+    src, _ = caches
+    out = _out(3)
+    rejects(ValueError, f"block_ids[2]={2 ** 70} is out of range for a cache of 16 blocks "
+            f"(valid: 0..15, or -1 for padding)",
+            lambda: gather_blocks(src, [0, 1, 2 ** 70], out), out)
 
 
 # ---- backends -------------------------------------------------------------------------------
@@ -352,7 +425,8 @@ def test_user_report_edge_cases():
     with pytest.raises(ValueError, match=re.escape("num_blocks must be a non-negative int, got -1")):
         staging_buffer(spec, -1)
     out = staging_buffer(spec, 1).zero_().requires_grad_(True)
-    with pytest.raises(ValueError, match=re.escape("out requires grad; kernels write it in place")):
+    with pytest.raises(ValueError, match=re.escape("out requires grad; kvflow's ops run outside "
+                                                   "autograd (pass out.detach())")):
         gather_blocks(cache, torch.tensor([0]), out)
     np_ids = [np.int64(1), np.int32(3)]  # numpy integers in a list are ints too
     a, b = staging_buffer(spec, 2), staging_buffer(spec, 2)
