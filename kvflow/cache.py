@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from .layout import KVCacheSpec, _positive_int, normalize_layers
@@ -130,14 +131,19 @@ class PagedKVCache:
         self.backend_state = {}
         return self
 
-    def memory_span(self) -> tuple[int, int, tuple[int, ...]]:
-        """``(lowest address, highest address + 1, every tensor's base address)`` of the
-        cache's memory; computed once (the tensors of a cache never move)."""
+    def memory_span(self) -> tuple[int, int, tuple[int, ...], Any, Any]:
+        """The cache's memory, computed once (the tensors of a cache never move):
+        ``(lowest address, highest end, every tensor's base address in tensors() order,
+        interval starts sorted, running maximum of their ends)`` (the last two numpy int64
+        arrays, for :func:`memory_relation`)."""
         span = self.backend_state.get("memory_span")
         if span is None:
             ptrs = tuple(t.data_ptr() for t in self._tensors)
             ends = [p + t.numel() * t.element_size() for p, t in zip(ptrs, self._tensors)]
-            span = self.backend_state["memory_span"] = (min(ptrs), max(ends), ptrs)
+            order = sorted(range(len(ptrs)), key=ptrs.__getitem__)
+            starts = np.array([ptrs[i] for i in order], dtype=np.uint64)
+            reach = np.maximum.accumulate(np.array([ends[i] for i in order], dtype=np.uint64))
+            span = self.backend_state["memory_span"] = (min(ptrs), max(ends), ptrs, starts, reach)
         return span
 
     def tensors(self) -> list[torch.Tensor]:
@@ -170,20 +176,26 @@ class PagedKVCache:
 
 def memory_relation(a: PagedKVCache, b: PagedKVCache) -> str:
     """``"same"`` (one cache, or two objects over the same tensors at the same addresses),
-    ``"overlapping"`` (their memory overlaps otherwise) or ``"disjoint"``.
+    ``"overlapping"`` (any byte of one lies in the other otherwise) or ``"disjoint"``.
 
-    Addresses are compared within this process (CUDA's unified addressing makes GPU addresses
-    unique across devices); two mappings of one shared-memory segment at different addresses
-    look disjoint."""
+    Exact for caches of separately allocated tensors (``from_tensors``) whose address ranges
+    interleave. Addresses are compared within this process (CUDA's unified addressing makes
+    GPU addresses unique across devices); two mappings of one shared-memory segment at
+    different addresses look disjoint."""
     if a is b:
         return "same"
-    lo_a, hi_a, ptrs_a = a.memory_span()
-    lo_b, hi_b, ptrs_b = b.memory_span()
+    lo_a, hi_a, ptrs_a, starts_a, reach_a = a.memory_span()
+    lo_b, hi_b, ptrs_b, _, _ = b.memory_span()
     if hi_a <= lo_b or hi_b <= lo_a:
         return "disjoint"
     if ptrs_a == ptrs_b and a.num_blocks == b.num_blocks and a.spec == b.spec:
         return "same"
-    return "overlapping"
+    for p, t in zip(ptrs_b, b.tensors()):
+        # the last tensor of a starting before t's end; overlap if any of a up to it reaches t
+        i = int(np.searchsorted(starts_a, np.uint64(p + t.numel() * t.element_size()))) - 1
+        if i >= 0 and int(reach_a[i]) > p:
+            return "overlapping"
+    return "disjoint"
 
 
 def staging_shape(spec: KVCacheSpec, num_blocks: int, layers: Any = None) -> tuple[int, ...]:

@@ -124,6 +124,36 @@ def test_copy_within_one_buffer_with_disjoint_ids_matches_torch(backend):
     assert not torch.equal(cache_bytes(ref), cache_bytes(random_cache(SPEC, NB, seed=5)))
 
 
+def _interleaved(num_blocks):
+    """Two caches whose tensors alternate in one allocation: address ranges interleave, bytes
+    never overlap (as separately allocated per-layer tensors of two engines can)."""
+    per = SPEC.tensor_shape(num_blocks)
+    raw = random_bytes_(torch.empty(2 * SPEC.num_tensors * num_blocks * SPEC.block_bytes,
+                                    dtype=torch.uint8), seed=6)
+    parts = raw.view(SPEC.dtype).view(2 * SPEC.num_tensors, *per)
+    return (PagedKVCache.from_tensors(SPEC, list(parts[0::2])),
+            PagedKVCache.from_tensors(SPEC, list(parts[1::2])), parts)
+
+
+@pytest.mark.parametrize("backend", backends_for("cpu"))
+def test_copy_between_caches_of_interleaved_tensors(backend):
+    ref_src, ref_dst, _ = _interleaved(NB)
+    src, dst, _ = _interleaved(NB)
+    ids, dids = torch.tensor([3, -1, 0, 9]), torch.tensor([1, 2, 15, 4])
+    copy_blocks(ref_src, ref_dst, ids, dids, backend="torch")
+    copy_blocks(src, dst, ids, dids, backend=backend)
+    assert torch.equal(cache_bytes(dst), cache_bytes(ref_dst))
+    assert torch.equal(cache_bytes(src), cache_bytes(ref_src))
+
+
+def test_copy_refuses_a_cache_sharing_one_tensor_with_the_other():
+    src, _, parts = _interleaved(NB)
+    mixed = PagedKVCache.from_tensors(SPEC, [parts[1]] * (SPEC.num_tensors - 1) + [parts[6]])
+    rejects(ValueError, "src_cache and dst_cache overlap in memory without being the same cache "
+            "(same tensors); copy_blocks needs disjoint caches or one cache",
+            lambda: copy_blocks(src, mixed, torch.tensor([0]), torch.tensor([1])), src)
+
+
 def test_copy_between_partly_overlapping_caches(caches):
     cache, _ = caches
     shifted = PagedKVCache(SPEC, NB - 1, buffer=cache.buffer[SPEC.block_bytes:])

@@ -10,7 +10,7 @@ change). Each (tokens, repeat) measures the same-run ``copy_`` ceiling, then eve
 (gather, scatter, copy_blocks) in Llama-3-8B geometry (as tools/gpu_probe.py: 4096-block source
 cache, 1024-block destination cache, two rotated id sets / staging buffers). Repeats are
 interleaved so that drift of the device shows up as spread, not as a variant's gain.
-``--layouts`` adds HND bf16, MLA bf16 and NHD fp8 at 4K tokens.
+``--layouts`` adds HND bf16, MLA bf16 and NHD fp8 (4K tokens, or ``--layout-tokens``).
 Diagnostics (round 1, copy_blocks at 1K tokens only): small caches (128 blocks each side: the same
 request in a 1 GiB footprint instead of 32 + 8 GiB) and sorted ids (neighbouring blocks),
 to tell address-translation / DRAM locality costs from the kernel's own.
@@ -84,6 +84,21 @@ ROUNDS = {
         ("np 16w s8K cs64K", C(persistent=False, num_warps=16, block_bytes=8192,
                                chunk_bytes=8192, copy_block_bytes=65536)),
     ],
+    # round 4: copy_blocks items and steps for short runs (MLA 72 KiB, fp8 64 KiB blocks), at
+    # 16 warps, one program per item (the defaults chosen after round 3)
+    "4": lambda C: [
+        ("np 16w cs64K", C(persistent=False, num_warps=16, copy_block_bytes=65536)),
+        ("np 16w cs64K c64K", C(persistent=False, num_warps=16, copy_block_bytes=65536,
+                                copy_chunk_bytes=65536)),
+        ("np 16w cs32K c32K", C(persistent=False, num_warps=16, copy_block_bytes=32768,
+                                copy_chunk_bytes=32768)),
+        ("np 16w cs16K c16K", C(persistent=False, num_warps=16, copy_block_bytes=16384,
+                                copy_chunk_bytes=16384)),
+        ("np 16w cs16K c32K", C(persistent=False, num_warps=16, copy_block_bytes=16384,
+                                copy_chunk_bytes=32768)),
+        ("np 16w cs32K c64K", C(persistent=False, num_warps=16, copy_block_bytes=32768,
+                                copy_chunk_bytes=65536)),
+    ],
 }
 
 
@@ -114,16 +129,19 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--round", default="2", choices=sorted(ROUNDS))
     ap.add_argument("--layouts", action="store_true",
-                    help="also HND bf16, MLA bf16 and NHD fp8 at 4K tokens")
+                    help="also HND bf16, MLA bf16 and NHD fp8 (at --layout-tokens)")
+    ap.add_argument("--layout-tokens", default="4096",
+                    help="comma-separated request sizes for --layouts (default 4096)")
     a = ap.parse_args(argv)
     from kvflow.kernels.triton import copy_runs as cr
     main_spec = spec_for("NHD", torch.bfloat16)
     plan = [("NHD bf16", main_spec, t, r) for t, reps in ((1024, a.repeats), (4096, 2), (16384, 2))
             for r in range(reps)]
     if a.layouts:
-        plan += [(f"{lay} {dn}", spec_for(lay, dt), 4096, r)
+        plan += [(f"{lay} {dn}", spec_for(lay, dt), int(t), r)
                  for lay, dn, dt in (("HND", "bf16", torch.bfloat16), ("MLA", "bf16", torch.bfloat16),
-                                     ("NHD", "fp8", torch.float8_e4m3fn)) for r in range(2)]
+                                     ("NHD", "fp8", torch.float8_e4m3fn))
+                 for t in a.layout_tokens.split(",") for r in range(2)]
     caches: dict = {}
     rows = []
     for label, spec, tokens, rep in plan:
@@ -132,6 +150,7 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
             caches[label] = (fill_random_(PagedKVCache(spec, 4096, "cuda"), 1),
                              PagedKVCache(spec, 1024, "cuda"))
+            ceiling(2 ** 27, 10)  # the first copies after a large allocation run slow: discard
         src, dst = caches[label]
         n = spec.num_blocks_for(tokens)
         nbytes = payload_bytes(spec, n)
