@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from kvflow.cache import PagedKVCache, memory_relation, staging_shape
+from kvflow.cache import PagedKVCache, memory_relation, overlaps, staging_shape
 from kvflow.layout import is_int, normalize_layers
 
 from .registry import get_backend
@@ -34,6 +34,12 @@ def _check_max_ctas(max_ctas: Any) -> int | None:
 def _check_validate(validate: Any) -> None:
     if not isinstance(validate, bool):
         raise TypeError(f"validate must be True or False, got {validate!r}")
+
+
+def _check_separate(name: str, buf: torch.Tensor, cache: PagedKVCache) -> None:
+    if overlaps(cache, buf):
+        raise ValueError(f"{name} lies in the cache's memory; the staging buffer must be "
+                         f"separate memory")
 
 
 def _check_disjoint(src_cache: PagedKVCache, dst_cache: PagedKVCache, s: torch.Tensor,
@@ -91,6 +97,7 @@ def gather_blocks(cache: PagedKVCache, block_ids: Any, out: Any, layers: Any = N
     ids = check_ids("block_ids", block_ids, cache.num_blocks, cache.device, validate)
     out = check_buffer("out", out, staging_shape(cache.spec, ids.numel(), (start, stop)),
                        cache.spec.dtype, cache.device)
+    _check_separate("out", out, cache)
     max_ctas = _check_max_ctas(max_ctas)
     be = get_backend(backend, cache.device)
     if ids.numel():
@@ -125,6 +132,7 @@ def scatter_blocks(src: Any, cache: PagedKVCache, block_ids: Any, layers: Any = 
     ids = check_ids("block_ids", block_ids, cache.num_blocks, cache.device, validate)
     src = check_buffer("src", src, staging_shape(cache.spec, ids.numel(), (start, stop)),
                        cache.spec.dtype, cache.device)
+    _check_separate("src", src, cache)
     if validate:
         check_unique("block_ids", ids)
     max_ctas = _check_max_ctas(max_ctas)

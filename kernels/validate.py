@@ -15,21 +15,16 @@ from typing import Any
 import torch
 
 from kvflow.cache import PagedKVCache
+from kvflow.dlpack import to_torch
 from kvflow.layout import KVCacheSpec, is_int
 
 ID_DTYPES = (torch.int32, torch.int64)
 
 
 def as_torch(x: Any, name: str) -> Any:
-    """Pass torch tensors through; take paddle/numpy/cupy arrays zero-copy via DLPack."""
-    if isinstance(x, torch.Tensor) or x is None:
-        return x
-    if hasattr(x, "__dlpack__"):
-        try:
-            return torch.utils.dlpack.from_dlpack(x)
-        except Exception as exc:  # noqa: BLE001 - report the producer's own reason
-            raise TypeError(f"{name} could not be taken through DLPack: {exc}") from exc
-    return x
+    """Pass torch tensors through; take paddle/numpy/cupy arrays zero-copy via DLPack
+    (:func:`kvflow.dlpack.to_torch`)."""
+    return to_torch(x, name)
 
 
 def check_cache(name: str, cache: Any) -> PagedKVCache:

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from .dlpack import to_torch
 from .layout import KVCacheSpec, _positive_int, normalize_layers
 
 
@@ -99,9 +100,7 @@ class PagedKVCache:
             Naming the offending ``tensors[i]`` and what was expected (also for a tensor
             that requires grad), or no blocks at all.
         """
-        tensors = [torch.utils.dlpack.from_dlpack(t)
-                   if not isinstance(t, torch.Tensor) and hasattr(t, "__dlpack__") else t
-                   for t in tensors]
+        tensors = [to_torch(t, f"tensors[{i}]") for i, t in enumerate(tensors)]
         if len(tensors) != spec.num_tensors:
             raise ValueError(f"tensors has {len(tensors)} entries; spec needs {spec.num_tensors} "
                              f"({spec.num_layers} layers x {spec.tensors_per_layer})")
@@ -184,18 +183,26 @@ def memory_relation(a: PagedKVCache, b: PagedKVCache) -> str:
     different addresses look disjoint."""
     if a is b:
         return "same"
-    lo_a, hi_a, ptrs_a, starts_a, reach_a = a.memory_span()
+    lo_a, hi_a, ptrs_a, _, _ = a.memory_span()
     lo_b, hi_b, ptrs_b, _, _ = b.memory_span()
     if hi_a <= lo_b or hi_b <= lo_a:
         return "disjoint"
     if ptrs_a == ptrs_b and a.num_blocks == b.num_blocks and a.spec == b.spec:
         return "same"
-    for p, t in zip(ptrs_b, b.tensors()):
-        # the last tensor of a starting before t's end; overlap if any of a up to it reaches t
-        i = int(np.searchsorted(starts_a, np.uint64(p + t.numel() * t.element_size()))) - 1
-        if i >= 0 and int(reach_a[i]) > p:
-            return "overlapping"
-    return "disjoint"
+    return "overlapping" if any(overlaps(a, t) for t in b.tensors()) else "disjoint"
+
+
+def overlaps(cache: PagedKVCache, t: torch.Tensor) -> bool:
+    """True when any byte of ``t``'s span (``data_ptr`` .. + ``numel * element_size``) lies in
+    ``cache``'s memory."""
+    lo, hi, _, starts, reach = cache.memory_span()
+    p = t.data_ptr()
+    end = p + t.numel() * t.element_size()
+    if end <= lo or hi <= p or t.numel() == 0:
+        return False
+    # the last tensor of the cache starting before t's end; overlap if any up to it reaches t
+    i = int(np.searchsorted(starts, np.uint64(end))) - 1
+    return i >= 0 and int(reach[i]) > p
 
 
 def staging_shape(spec: KVCacheSpec, num_blocks: int, layers: Any = None) -> tuple[int, ...]:

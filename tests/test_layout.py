@@ -250,6 +250,11 @@ def test_from_tensors_bad_entries():
     for tensors, exc, message in cases:
         with pytest.raises(exc, match="^" + re.escape(message) + "$"):
             PagedKVCache.from_tensors(SPEC, tensors)
+    flipped = [np.zeros((3, 4, 2, 8), dtype=np.float32)[::-1] for _ in range(SPEC.num_tensors)]
+    with pytest.raises(TypeError, match="^" + re.escape(
+            "tensors[0] has a negative stride ((-256, 64, 32, 4)); pass a copy with positive "
+            "strides (e.g. numpy.ascontiguousarray)") + "$"):
+        PagedKVCache.from_tensors(SPEC.with_(dtype=torch.float32), flipped)
 
 
 def test_buffer_at_an_address_the_dtype_cannot_start_at():

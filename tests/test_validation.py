@@ -342,6 +342,32 @@ def test_validate_must_be_a_bool(caches, validate):
             lambda: scatter_blocks(_out(1), dst, torch.tensor([1]), validate=validate), dst)
 
 
+def test_numpy_ids_with_a_negative_stride(caches):
+    # found by a new-user test: torch's from_dlpack aborted the process on these
+    src, dst = caches
+    rejects(TypeError, "src_ids has a negative stride ((-8,)); pass a copy with positive "
+            "strides (e.g. numpy.ascontiguousarray)",
+            lambda: copy_blocks(src, dst, np.arange(2)[::-1], np.arange(2)), dst)
+    out = _out(2)
+    rejects(TypeError, "block_ids has a negative stride ((-4,)); pass a copy with positive "
+            "strides (e.g. numpy.ascontiguousarray)",
+            lambda: gather_blocks(src, np.arange(2, dtype=np.int32)[::-1], out), out)
+    good = gather_blocks(src, np.ascontiguousarray(np.arange(2)[::-1]), _out(2))
+    assert torch.equal(good.view(torch.uint8), gather_blocks(src, [1, 0], out).view(torch.uint8))
+
+
+def test_staging_buffer_inside_the_cache(caches):
+    src, dst = caches
+    shape = staging_shape(SPEC, 2)
+    nbytes = torch.Size(shape).numel() * 2
+    inside = dst.buffer[SPEC.block_bytes:SPEC.block_bytes + nbytes].view(SPEC.dtype).view(shape)
+    rejects(ValueError, "out lies in the cache's memory; the staging buffer must be separate "
+            "memory", lambda: gather_blocks(dst, torch.tensor([0, 1]), inside), dst)
+    rejects(ValueError, "src lies in the cache's memory; the staging buffer must be separate "
+            "memory", lambda: scatter_blocks(inside, dst, torch.tensor([5, 6])), dst)
+    gather_blocks(src, torch.tensor([0, 1]), inside)  # another cache's memory is fine
+
+
 def test_list_id_too_large_for_int64(caches):
     src, _ = caches
     out = _out(3)
