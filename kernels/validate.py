@@ -21,10 +21,7 @@ from kvflow.layout import KVCacheSpec, is_int
 ID_DTYPES = (torch.int32, torch.int64)
 
 
-def as_torch(x: Any, name: str) -> Any:
-    """Pass torch tensors through; take paddle/numpy/cupy arrays zero-copy via DLPack
-    (:func:`kvflow.dlpack.to_torch`)."""
-    return to_torch(x, name)
+as_torch = to_torch  # paddle/numpy/cupy arrays as torch tensors, zero-copy (kvflow.dlpack)
 
 
 def check_cache(name: str, cache: Any) -> PagedKVCache:
