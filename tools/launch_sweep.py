@@ -139,7 +139,8 @@ def main(argv=None) -> int:
             for r in range(reps)]
     if a.layouts:
         plan += [(f"{lay} {dn}", spec_for(lay, dt), int(t), r)
-                 for lay, dn, dt in (("HND", "bf16", torch.bfloat16), ("MLA", "bf16", torch.bfloat16),
+                 for lay, dn, dt in (("HND", "bf16", torch.bfloat16),
+                                     ("MLA", "bf16", torch.bfloat16),
                                      ("NHD", "fp8", torch.float8_e4m3fn))
                  for t in a.layout_tokens.split(",") for r in range(2)]
     caches: dict = {}
@@ -155,8 +156,8 @@ def main(argv=None) -> int:
         n = spec.num_blocks_for(tokens)
         nbytes = payload_bytes(spec, n)
         reps = {1024: 100, 4096: 40, 16384: 15}[tokens]
-        ids = [rand_ids(4096, n, 10 + rep, "cuda", False), rand_ids(4096, n, 20 + rep, "cuda", False)]
-        dids = [rand_ids(1024, n, 30 + rep, "cuda", False), rand_ids(1024, n, 40 + rep, "cuda", False)]
+        ids = [rand_ids(4096, n, seed + rep, "cuda", False) for seed in (10, 20)]
+        dids = [rand_ids(1024, n, seed + rep, "cuda", False) for seed in (30, 40)]
         bufs = [staging_buffer(spec, n, None, "cuda") for _ in range(2)]
         ceil = ceiling(nbytes, reps)
         rows.append(dict(case=label, tokens=tokens, rep=rep, op="copy_", variant="ceiling", **ceil,

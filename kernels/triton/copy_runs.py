@@ -94,10 +94,10 @@ class LaunchConfig:
     Llama-3-8B geometry, ratio to the same-run ``copy_``. Chosen after round 3 (gather /
     scatter / copy_blocks): 1K 0.94 / 0.93 / 0.91, 4K 0.96 / 0.94 / 0.93, 16K 0.95 / 0.94 /
     0.93; the previous defaults (persistent grid, 4 warps; round 1) gave 0.91 / 0.91 / 0.88,
-    0.91 / 0.90 / 0.92, 0.89 / 0.89 / 0.91. Round 4 (copy_blocks items and steps of 16-64 KiB, also for the
-    shorter runs of MLA and fp8 blocks) found nothing better for Llama-3-8B bf16: 32 KiB items
-    gained 0.02 for MLA bf16 at 1K and 0.005 for fp8 but lost 0.01 for bf16 NHD/HND at 4K and
-    16K, so the defaults stay tuned to the Llama-3-8B geometry.
+    0.91 / 0.90 / 0.92, 0.89 / 0.89 / 0.91. Round 4 (copy_blocks items and steps of
+    16-64 KiB, also for the shorter runs of MLA and fp8 blocks) found nothing better for
+    Llama-3-8B bf16: 32 KiB items gained 0.02 for MLA bf16 at 1K and 0.005 for fp8 but lost
+    0.01 for bf16 NHD/HND at 4K and 16K, so the defaults stay tuned to the Llama-3-8B geometry.
 
     Attributes
     ----------
