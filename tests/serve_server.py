@@ -87,13 +87,35 @@ class Server:
     def total_blocks(self) -> dict[str, int]:
         return {i["role"]: i["num_blocks"] for i in self.health()["instances"]}
 
+    def fresh_health(self, since: float) -> dict | None:
+        """/health if every instance's counts come from a heartbeat sent after ``since``
+        (this process's monotonic clock), else None: a count the router holds may predate
+        the work a test just did."""
+        t_ask = time.monotonic()
+        h = self.health()
+        fresh = all(t_ask - i["heartbeat_age_s"] > since for i in h["instances"])
+        return h if fresh else None
+
+    def wait_settled(self, want: dict[str, int], timeout: float = 5.0,
+                     idle: bool = False) -> dict[str, tuple[int, int]]:
+        """Wait until one fresh /health shows ``want`` free blocks per role (and, with
+        ``idle``, nothing running); return the last {role: (free_blocks, num_running)} seen."""
+        since = time.monotonic()
+        deadline = since + timeout
+        got: dict[str, tuple[int, int]] = {}
+        while True:
+            h = self.fresh_health(since)
+            if h is not None:
+                got = {i["role"]: (i["free_blocks"], i["num_running"]) for i in h["instances"]}
+                if all(got.get(r, (None, 0))[0] == n for r, n in want.items()) and \
+                        (not idle or all(run == 0 for _, run in got.values())):
+                    return got
+            if time.monotonic() >= deadline:
+                return got
+            time.sleep(0.05)
+
     def wait_free_blocks(self, want: dict[str, int], timeout: float = 5.0) -> dict[str, int]:
-        deadline = time.monotonic() + timeout
-        got = self.free_blocks()
-        while got != want and time.monotonic() < deadline:
-            time.sleep(0.1)
-            got = self.free_blocks()
-        return got
+        return {r: free for r, (free, _) in self.wait_settled(want, timeout).items()}
 
     def complete(self, **body):
         return self.client.post("/v1/completions", json=body)

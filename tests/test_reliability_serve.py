@@ -38,10 +38,10 @@ def server():
 @pytest.fixture(autouse=True)
 def blocks_come_back(server):
     start = {"prefill": 40, "decode": 40}
-    assert server.wait_free_blocks(start) == start
+    idle = {role: (n, 0) for role, n in start.items()}
+    assert server.wait_settled(start, idle=True) == idle, "blocks held or work running before the test"
     yield
-    assert server.wait_free_blocks(start, timeout=6) == start, "blocks not given back"
-    assert all(i["num_running"] == 0 for i in server.health()["instances"]), "work left waiting"
+    assert server.wait_settled(start, timeout=6, idle=True) == idle, "blocks not given back or work left waiting"
 
 
 def test_prefix_hit_moves_only_missing_blocks(server):

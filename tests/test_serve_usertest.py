@@ -25,24 +25,15 @@ def server():
         srv.stop()
 
 
-def _settled(server, timeout: float) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        h = server.health()
-        ok = all(i["free_blocks"] == i["num_blocks"] and i["num_running"] == 0 for i in h["instances"])
-        if ok or time.monotonic() > deadline:
-            return {i["role"]: (i["free_blocks"], i["num_blocks"], i["num_running"]) for i in h["instances"]}
-        time.sleep(0.1)
-
-
 def test_non_streaming_disconnect_aborts(server):
     """B1: curl -m 1 on a long non-streaming request frees P's and D's blocks at once."""
     with httpx.Client(base_url=server.url, timeout=0.5) as c:
         with pytest.raises(httpx.TimeoutException):
             c.post("/v1/completions", json={"prompt": "hello world", "max_tokens": 2000,
                                             "ignore_eos": True})
-    got = _settled(server, timeout=4.0)   # 2000 tokens take ~25 s on 2 CPU cores
-    assert all(free == total and running == 0 for free, total, running in got.values()), got
+    total = server.total_blocks()
+    got = server.wait_settled(total, timeout=4.0, idle=True)   # 2000 tokens take ~25 s on 2 cores
+    assert got == {role: (n, 0) for role, n in total.items()}, got
 
 
 def test_child_dying_before_registering_stops_the_server():
@@ -108,6 +99,15 @@ def test_openai_fields_at_no_op_values_and_valid_types_work(server):
     r = server.complete(prompt=[256, 65, 66], max_tokens=2, temperature=1, seed=3, stream=False,
                         ignore_eos=True)
     assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 2, r.text
+
+
+def test_unknown_model_is_404_naming_the_served_one(server):
+    """As vLLM: a request for a model the server does not serve is refused before any work."""
+    r = server.complete(prompt="hi", max_tokens=2, model="nope")
+    assert r.status_code == 404
+    assert r.json() == {"error": {"message": "The model `nope` does not exist; this server serves "
+                                             "`kvflow-tiny`.", "type": "invalid_request_error",
+                                  "param": "model", "code": None}}
 
 
 @pytest.mark.parametrize("argv, want", [

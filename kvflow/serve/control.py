@@ -38,6 +38,7 @@ class InstanceInfo:
     last_seen: float
     free_blocks: int
     num_running: int = 0
+    heartbeat_at: float = 0.0  # router's monotonic clock; free_blocks/num_running date from it
     pair_ok: set = dataclasses.field(default_factory=set)
 
     @property
@@ -152,7 +153,7 @@ class Controller:
             if msg.role not in ("prefill", "decode", "colocated") or msg.instance_id != ident.decode():
                 log.error("rejected Register of %r (role %r)", msg.instance_id, msg.role)
                 return
-            info = InstanceInfo(msg, ident, now, msg.free_blocks)
+            info = InstanceInfo(msg, ident, now, msg.free_blocks, heartbeat_at=now)
             self.instances[msg.instance_id] = info
             self.registered_pids.add(msg.pid)
             if msg.shm_name:
@@ -176,6 +177,7 @@ class Controller:
         info.last_seen = now
         if isinstance(msg, Heartbeat):
             info.free_blocks, info.num_running = msg.free_blocks, msg.num_running
+            info.heartbeat_at = now
             self._set_blocks(info)
         elif isinstance(msg, PairResult):
             if msg.ok:
@@ -246,11 +248,13 @@ class Controller:
                                            error=f"{info.role} instance {info.id} died ({why})"))
 
     def health(self) -> dict:
+        now = time.monotonic()
         return {"status": "ok" if self.ready() else "starting", "mode": self.mode,
                 "control_addr": self.addr,
                 "instances": [{"id": i.id, "role": i.role, "pid": i.reg.pid,
                                "transfer": i.reg.transfer, "num_blocks": i.reg.num_blocks,
                                "free_blocks": i.free_blocks, "num_running": i.num_running,
+                               "heartbeat_age_s": now - i.heartbeat_at,
                                "max_model_len": i.reg.max_model_len, "spec": i.reg.spec,
                                "shm_name": i.reg.shm_name, "data_addr": i.reg.data_addr,
                                "paired_with": sorted(i.pair_ok)}

@@ -79,6 +79,9 @@ class Router:
         return hmac.compare_digest(given, b"Bearer " + self.api_key)
 
     def tokenize(self, body: CompletionRequest) -> list[int]:
+        if body.model is not None and body.model != self.model_name:  # vLLM answers 404 too
+            raise RequestError(404, f"The model `{body.model}` does not exist; this server "
+                                    f"serves `{self.model_name}`.", "model")
         if isinstance(body.prompt, str):
             try:
                 return self.tokenizer.encode(body.prompt)
@@ -220,7 +223,7 @@ def create_app(router: Router) -> FastAPI:
             first = await _next_unless_gone(events, request)  # errors keep their status
         except RequestError as exc:
             return JSONResponse(error_body(exc.message, exc.param,
-                                           "invalid_request_error" if exc.status == 400 else "server_error"),
+                                           "invalid_request_error" if exc.status < 500 else "server_error"),
                                 status_code=exc.status)
         ttft = time.monotonic() - t0
         metrics.ttft.observe(ttft)
