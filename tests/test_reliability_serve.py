@@ -98,7 +98,12 @@ def test_d_out_of_blocks_waits_a_bounded_time_then_503(server):
     # A marked 100 + 400-token request holds 32 of D's 40 blocks for >= 4 s (P's prefill and
     # D's transfer are slowed); an 11-block request meanwhile waits --admit-timeout-s, then 503.
     import threading
-    th = threading.Thread(target=server.complete, kwargs=dict(prompt=MARK + "x" * 96, max_tokens=400))
+    first = {}
+
+    def hold() -> None:  # its own client: 400 tokens on a loaded 2-core machine may take > 60 s
+        with httpx.Client(base_url=server.url, timeout=180) as c:
+            first["r"] = c.post("/v1/completions", json={"prompt": MARK + "x" * 96, "max_tokens": 400})
+    th = threading.Thread(target=hold)
     th.start()
     deadline = time.monotonic() + 10
     while server.free_blocks()["decode"] != 8:
@@ -108,7 +113,8 @@ def test_d_out_of_blocks_waits_a_bounded_time_then_503(server):
     busy = server.complete(prompt="y" * 100, max_tokens=60)
     assert busy.status_code == 503 and 1.5 <= time.monotonic() - t0 < 4
     assert busy.json()["error"]["message"] == "requested 11 blocks but only 8 of 40 are free"
-    th.join(60)
+    th.join(180)
+    assert first["r"].status_code == 200, first["r"].text  # the request that held the blocks
 
 
 def test_over_capacity_is_400_before_any_transfer(server):
