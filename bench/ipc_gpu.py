@@ -311,8 +311,8 @@ def run_xproc(a, kb: KernelBench, env, rows) -> None:
 
 
 async def _complete(client, url, prompt, max_tokens):
-    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True}  # model: any name
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True}  # model left out: the served one
     import json
     t0, ttft, toks, kv = time.perf_counter(), None, [], {}
     async with client.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:

@@ -90,7 +90,7 @@ def test_disagg_is_token_identical_to_colocated(servers, reference, transfer):
         kv = body["kvflow"]
         blocks = -(-n // spec["block_size"])
         assert kv["transfer"] == transfer.split("-")[0] and kv["blocks"] == blocks
-        assert kv["ipc_direction"] == ("push" if transfer == "ipc-push" else "pull")
+        assert kv["ipc_direction"] == {"ipc": "pull", "ipc-push": "push", "tcp": None}[transfer]
         assert kv["payload_bytes"] == blocks * bytes_per_block
         assert kv["prefill_instance"].startswith("p-") and kv["decode_instance"].startswith("d-")
         assert kv["transfer_ms"] > 0

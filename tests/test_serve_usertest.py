@@ -1,7 +1,9 @@
 """Bugs found by a new-user test of `python -m kvflow.serve`: a non-streaming client that
 disconnects aborts its request (B1), a child that dies before registering stops the server
-(B2), strict request types (B3), OpenAI's other completion fields (B4). One server for the
-module (P + D over ipc, kvflow-tiny, max_model_len 2048)."""
+(B2), strict request types (B3), OpenAI's other completion fields (B4); from a second one, B5: null means the default,
+messages give the value sent, stream_options.include_usage, a fresh seed per request, route
+and Content-Type errors, client disconnects counted as "aborted". One server for the module
+(P + D over ipc, kvflow-tiny, max_model_len 2048)."""
 
 from __future__ import annotations
 
@@ -75,6 +77,7 @@ def test_child_dying_before_registering_stops_the_server():
     ({"prompt": "hi", "suffix": "end"}, "suffix", "not supported"),
     ({"prompt": "hi", "logit_bias": {"50": 10}}, "logit_bias", "not supported"),
     ({"prompt": "hi", "top_k": 5}, "top_k", "Extra inputs"),
+    ({"prompt": "hi", "stream_options": {"foo": 1}}, "stream_options", "Extra inputs"),
 ])
 def test_wrong_types_and_unsupported_values_are_400(server, body, field, words):
     """B3 (strict types, prompt errors) and B4 (OpenAI fields at values kvflow cannot honour)."""
@@ -99,6 +102,110 @@ def test_openai_fields_at_no_op_values_and_valid_types_work(server):
     r = server.complete(prompt=[256, 65, 66], max_tokens=2, temperature=1, seed=3, stream=False,
                         ignore_eos=True)
     assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 2, r.text
+
+
+def _error(r) -> tuple[int, str, str]:
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error", err
+    return r.status_code, err["param"], err["message"]
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"prompt": "hi", "max_tokens": -1}, "max_tokens",
+     "max_tokens: Input should be greater than or equal to 1, got -1"),
+    ({"prompt": "hi", "max_tokens": "8"}, "max_tokens", 'max_tokens: Input should be a valid integer, got "8"'),
+    ({"prompt": "hi", "n": 2}, "n", "n: Input should be less than or equal to 1, got 2"),
+    ({"prompt": "hi", "seed": -1}, "seed", "seed: Input should be greater than or equal to 0, got -1"),
+    ({"prompt": [1, -2, 3]}, "prompt", "prompt: prompt holds token id -2; token ids must be >= 0"),
+    ({"prompt": "hi", "stream_options": {"include_usage": 1}}, "stream_options",
+     "stream_options.include_usage: Input should be a valid boolean, got 1"),
+    ([1], "body", "body: Input should be a valid dictionary or object to extract fields from, got [1]"),
+])
+def test_messages_name_the_field_and_the_value_sent(server, body, param, message):
+    """B5: every 400 names the field and the value that was sent."""
+    assert _error(server.client.post("/v1/completions", json=body)) == (400, param, message)
+
+
+def test_nan_temperature_and_bodies_that_are_not_json(server):
+    """B5: NaN is "not finite" (not "<= 100"); a bad body says where or which Content-Type came."""
+    post = server.client.post
+    r = post("/v1/completions", content=b'{"prompt": "hi", "temperature": NaN}',
+             headers={"Content-Type": "application/json"})
+    assert _error(r) == (400, "temperature", "temperature: Input should be a finite number, got NaN")
+    r = post("/v1/completions", content=b'{"prompt": "hi",', headers={"Content-Type": "application/json"})
+    assert _error(r) == (400, "body", "body: not valid JSON at character 16: Expecting property "
+                                      "name enclosed in double quotes")
+    r = post("/v1/completions", content=b"", headers={"Content-Type": "application/json"})
+    assert _error(r) == (400, "body", "body: the request has no body; send a JSON object")
+    r = post("/v1/completions", content=b'{"prompt": "hi"}', headers={"Content-Type": "text/plain"})
+    assert _error(r) == (400, "body", "body: send a JSON object with Content-Type: application/json "
+                                      "(got Content-Type: text/plain)")
+
+
+def test_route_errors_name_the_route_not_the_body(server):
+    """B5: 404 and 405 say which method and path, in OpenAI's error shape."""
+    r = server.client.get("/v1/completions")
+    assert _error(r) == (405, None, "Method Not Allowed: GET /v1/completions")
+    assert r.headers["allow"] == "POST"
+    r = server.client.post("/v1/chat/completions", json={"messages": []})
+    assert _error(r) == (404, None, "Not Found: POST /v1/chat/completions")
+
+
+def test_null_means_the_default(server):
+    """B5: as OpenAI's API, null for max_tokens, temperature, stream, seed, n, ignore_eos is the
+    default (16 greedy tokens, not streamed); stop=[""] is a no-op like stop=""."""
+    base = server.complete(prompt="Null is the default", ignore_eos=True).json()
+    nulls = server.complete(prompt="Null is the default", max_tokens=None, temperature=None,
+                            stream=None, seed=None, n=None, ignore_eos=True, stop=[""]).json()
+    assert len(base["choices"][0]["token_ids"]) == 16
+    assert nulls["choices"][0]["token_ids"] == base["choices"][0]["token_ids"]
+
+
+def test_sampling_without_a_seed_draws_a_fresh_one(server):
+    """B5: as vLLM, temperature > 0 without a seed differs between requests; with a seed it
+    repeats."""
+    body = dict(prompt="Sample me", max_tokens=12, temperature=1.0, ignore_eos=True)
+    fresh = {tuple(server.complete(**body).json()["choices"][0]["token_ids"]) for _ in range(3)}
+    assert len(fresh) == 3
+    seeded = {tuple(server.complete(**body, seed=11).json()["choices"][0]["token_ids"]) for _ in range(2)}
+    assert len(seeded) == 1
+
+
+def test_stream_include_usage_ends_with_a_usage_chunk(server):
+    """B5: stream_options.include_usage adds one chunk with no choices and the token counts
+    just before [DONE] (as OpenAI and vLLM); without it no chunk has usage."""
+    def events(**extra):
+        with server.client.stream("POST", "/v1/completions", json=dict(
+                prompt="count me", max_tokens=3, stream=True, ignore_eos=True, **extra)) as r:
+            return [ln[len("data: "):] for ln in r.iter_lines() if ln.startswith("data: ")]
+    import json
+    ev = events(stream_options={"include_usage": True})
+    assert ev[-1] == "[DONE]"
+    last = json.loads(ev[-2])
+    assert last["choices"] == [] and last["usage"] == {"prompt_tokens": 9, "completion_tokens": 3,
+                                                       "total_tokens": 12}
+    assert sum(len(json.loads(e)["choices"][0]["token_ids"]) for e in ev[:-2]) == 3
+    plain = events()
+    assert len(plain) == len(ev) - 1 and all("usage" not in json.loads(e) for e in plain[:-1])
+
+
+def test_client_disconnect_counts_as_aborted(server):
+    """B5: /metrics counts a request whose client went away as outcome="aborted", not "error"."""
+    def count(outcome):
+        for ln in server.client.get("/metrics").text.splitlines():
+            if ln.startswith(f'kvflow_requests_total{{outcome="{outcome}"}}'):
+                return float(ln.split()[-1])
+        return 0.0
+    before = count("aborted"), count("error")
+    with httpx.Client(base_url=server.url, timeout=0.5) as c:
+        with pytest.raises(httpx.TimeoutException):
+            c.post("/v1/completions", json={"prompt": "go away", "max_tokens": 1500, "ignore_eos": True})
+    deadline = time.monotonic() + 4
+    while count("aborted") == before[0] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (count("aborted"), count("error")) == (before[0] + 1, before[1])
+    total = server.total_blocks()
+    assert server.wait_settled(total, idle=True) == {role: (n, 0) for role, n in total.items()}
 
 
 def test_unknown_model_is_404_naming_the_served_one(server):

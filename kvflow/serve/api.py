@@ -8,7 +8,8 @@ ignored) and answers with
 followed by ``data: [DONE]``. Every response carries a ``kvflow`` object: ``prefill_instance``,
 ``decode_instance``, ``transfer`` ("ipc", "tcp" or "none" when colocated), ``blocks`` and
 ``payload_bytes`` moved (blocks x ``KVCacheSpec.bytes_per_block``), ``transfer_ms`` (from P
-starting the transfer to the blocks being in D's cache, wall clock).
+starting the transfer to the blocks being in D's cache, wall clock), ``cached_blocks``,
+``transfer_mode`` and ``ipc_direction`` (docs/tutorials/quickstart.md, section 4).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 #: why another value is refused).
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "top_p": ((1,), "kvflow samples from the full distribution; use top_p=1"),
-    "stop": (("", []), "kvflow stops only at the end-of-sequence token or max_tokens; omit stop"),
+    "stop": (("", [], [""]), "kvflow stops only at the end-of-sequence token or max_tokens; omit stop"),
     "logprobs": ((), "kvflow does not return log probabilities; omit logprobs"),
     "echo": ((False,), "kvflow does not echo the prompt; use echo=false"),
     "presence_penalty": ((0,), "kvflow applies no penalties; use presence_penalty=0"),
@@ -34,6 +35,15 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "logit_bias": (({},), "kvflow applies no logit bias; omit logit_bias"),
 }
 UNSUPPORTED_FIELDS = tuple(UNSUPPORTED)
+
+
+class StreamOptions(BaseModel):
+    """``stream_options`` of a streaming request: ``include_usage`` adds a last chunk with
+    ``usage`` and no choices before ``data: [DONE]`` (as OpenAI and vLLM)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    include_usage: Optional[bool] = None
 
 
 class CompletionRequest(BaseModel):
@@ -46,17 +56,21 @@ class CompletionRequest(BaseModel):
     max_tokens : int
         New tokens to generate, >= 1 (OpenAI's default 16).
     temperature : float
-        0 = greedy; > 0 samples (seeded by ``seed``).
+        0 = greedy (kvflow's default, so that outputs compare token for token across transfer
+        modes; OpenAI's and vLLM's default is 1); > 0 samples, finite, <= 100.
     stream : bool
         Server-sent events, one per token.
-    seed : int
-        Sampling seed (temperature > 0).
+    seed : int or None
+        Sampling seed (temperature > 0); None (default) draws a fresh seed per request, as vLLM.
     ignore_eos : bool
         Keep generating past the end-of-sequence token (vLLM's extension).
+    stream_options : StreamOptions or None
+        ``{"include_usage": true}`` adds a usage chunk at the end of a stream.
+
+    null means the default for every field, as in OpenAI's API.
 
     OpenAI's ``top_p``, ``stop``, ``logprobs``, ``echo``, ``presence_penalty``,
-    ``frequency_penalty``, ``best_of``, ``suffix``, ``logit_bias``, ``stream_options`` and
-    ``user`` are accepted when null or set to what kvflow does anyway (:data:`UNSUPPORTED`);
+    ``frequency_penalty``, ``best_of``, ``suffix``, ``logit_bias`` and ``user`` are accepted when null or set to what kvflow does anyway (:data:`UNSUPPORTED`);
     another value is HTTP 400 naming the field. Types are strict: ``"3"``, ``true`` or ``2.0``
     is not an integer, ``"yes"`` not a boolean (an integer is a valid float).
     """
@@ -66,9 +80,9 @@ class CompletionRequest(BaseModel):
     model: Optional[str] = None
     prompt: Union[str, list[int]]
     max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(0.0, ge=0.0, le=100.0)
+    temperature: float = Field(0.0, ge=0.0, le=100.0, allow_inf_nan=False)
     stream: bool = False
-    seed: int = Field(0, ge=0, lt=2**62)
+    seed: Optional[int] = Field(None, ge=0, lt=2**62)
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=1)
     user: Optional[str] = None
@@ -82,7 +96,12 @@ class CompletionRequest(BaseModel):
     best_of: Optional[int] = None
     suffix: Optional[str] = None
     logit_bias: Optional[dict[str, float]] = None
-    stream_options: Optional[dict[str, Any]] = None
+    stream_options: Optional[StreamOptions] = None
+
+    @field_validator("max_tokens", "temperature", "stream", "ignore_eos", "n", mode="before")
+    @classmethod
+    def _null_is_default(cls, v: Any, info: ValidationInfo) -> Any:
+        return cls.model_fields[info.field_name].default if v is None else v
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -106,8 +125,9 @@ class CompletionRequest(BaseModel):
     def _not_empty(cls, v: Any) -> Any:
         if len(v) == 0:
             raise ValueError("prompt must not be empty")
-        if isinstance(v, list) and any(t < 0 for t in v):
-            raise ValueError("prompt token ids must be >= 0")
+        bad = [t for t in v if t < 0] if isinstance(v, list) else []
+        if bad:
+            raise ValueError(f"prompt holds token id {bad[0]}; token ids must be >= 0")
         return v
 
 
@@ -123,9 +143,19 @@ def completion_response(req_id: str, model: str, text: str, token_ids: list[int]
             "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": None,
                          "finish_reason": finish_reason, "token_ids": token_ids}],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(token_ids),
-                      "total_tokens": prompt_tokens + len(token_ids)},
-            "kvflow": kvflow}
+            "usage": usage(prompt_tokens, len(token_ids)), "kvflow": kvflow}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """OpenAI's ``usage`` object (token counts)."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def usage_chunk(req_id: str, model: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    """The last streamed chunk of ``stream_options.include_usage``: no choices, ``usage``."""
+    return {"id": req_id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def completion_chunk(req_id: str, model: str, text: str, token_ids: list[int],

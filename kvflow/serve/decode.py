@@ -295,7 +295,8 @@ class DecodeInstance(Instance):
                       "block_table": list(req.block_table), "cached_blocks": seq.num_cached,
                       "transfer_mode": "layerwise" if type(msg).__name__ == "KVLayer"
                       or getattr(msg, "layerwise", False) else "request",
-                      "ipc_direction": "push" if self.push else "pull"}
+                      "ipc_direction": None if self.cfg.transfer != "ipc"
+                      else "push" if self.push else "pull"}
         digest = faults.kv_digest(self.cache, req.block_table, len(req.prompt_token_ids))
         if digest is not None:
             seq.kvflow["kv_digest"] = digest

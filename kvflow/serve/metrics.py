@@ -10,7 +10,7 @@ kvflow_transfer_blocks_total{transfer}    counter    KV blocks moved P -> D
 kvflow_transfer_seconds{transfer}         histogram  P starts the transfer -> blocks in D's cache
 kvflow_free_blocks{instance,role}         gauge      free KV blocks of each instance
 kvflow_num_blocks{instance,role}          gauge      KV blocks of each instance
-kvflow_requests_total{outcome}            counter    finished requests by outcome
+kvflow_requests_total{outcome}            counter    finished requests: ok, error, aborted
 ========================================  =========  ===========================================
 """
 

@@ -24,6 +24,7 @@ import asyncio
 import hmac
 import json
 import logging
+import secrets
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -35,7 +36,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvflow.protocol import Abort, Allocate, Allocated, Prefill, Rejected, Tokens
 
-from .api import CompletionRequest, completion_chunk, completion_response, error_body
+from .api import (CompletionRequest, completion_chunk, completion_response, error_body,
+                  usage_chunk)
 from .control import Controller, ReqState
 from .metrics import Metrics
 
@@ -114,15 +116,16 @@ class Router:
                                     f"exceeds max_model_len={limit}",
                                "prompt" if len(token_ids) >= limit else "max_tokens")
         req_id = f"cmpl-{uuid.uuid4().hex}"
+        seed = body.seed if body.seed is not None else secrets.randbelow(1 << 62)  # as vLLM
         st = ReqState(asyncio.Queue(), decode_id=d.id)
         self.ctl.requests[req_id] = st
-        done = False
+        done, outcome = False, "error"
         try:
             deadline = time.monotonic() + self.admit_timeout_s
             while True:
                 await self.ctl.send(d, Allocate(req_id=req_id, token_ids=token_ids,
                                                 max_tokens=body.max_tokens,
-                                                temperature=body.temperature, seed=body.seed,
+                                                temperature=body.temperature, seed=seed,
                                                 ignore_eos=body.ignore_eos))
                 msg = await self._wait(st, self.reply_timeout_s, f"decode instance {d.id} to allocate")
                 if isinstance(msg, Allocated):
@@ -133,7 +136,7 @@ class Router:
                 raise self._error(msg)
             st.prefill_id, st.stage = p.id, "prefilling"
             await self.ctl.send(p, Prefill(req_id=req_id, token_ids=token_ids,
-                                           temperature=body.temperature, seed=body.seed,
+                                           temperature=body.temperature, seed=seed,
                                            decode_id=d.id, decode_block_ids=msg.block_ids,
                                            skip_blocks=msg.num_cached_blocks))
             timeout, what = self.first_token_timeout_s, "the first token"
@@ -143,13 +146,17 @@ class Router:
                     raise self._error(msg)
                 st.stage, timeout, what = "decoding", self.token_timeout_s, "the next token"
                 done = msg.finished
-                yield msg
+                try:
+                    yield msg
+                except GeneratorExit:  # closed by the HTTP side: the client went away
+                    outcome = "aborted"
+                    raise
                 if done:
                     return
         finally:
             self.ctl.requests.pop(req_id, None)
             if not done:
-                self.metrics.requests.labels("error").inc()
+                self.metrics.requests.labels(outcome).inc()
                 ids = {st.prefill_id, st.decode_id} - {""}
                 dead = sorted(i for i in ids if i not in self.ctl.instances)
                 for inst_id in ids - set(dead):
@@ -182,22 +189,16 @@ def create_app(router: Router) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        # e.g. a body that is not UTF-8 / not JSON: OpenAI's error shape, the body named
-        return JSONResponse(error_body(f"body: {exc.detail}", "body" if exc.status_code == 400 else None),
-                            status_code=exc.status_code)
+        # OpenAI's error shape: a body that is not UTF-8 names the body; 404/405 the route
+        if exc.status_code == 400:
+            return JSONResponse(error_body(f"body: {exc.detail}", "body"), status_code=400)
+        return JSONResponse(error_body(f"{exc.detail}: {request.method} {request.url.path}"),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         errs = exc.errors()
-        first = errs[0] if errs else {"loc": (), "msg": "invalid body"}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        if first.get("type") == "json_invalid":  # the body is not JSON: loc is a byte offset
-            loc = []
-        param = loc[0] if loc else "body"
-        detail = str(first.get("msg", ""))
-        if detail.startswith("Value error, "):  # our validators' messages name the field already
-            detail = detail[len("Value error, "):]
-        msg = f"{'.'.join(loc) or 'body'}: {detail}"
+        msg, param = validation_message(errs[0] if errs else {}, request.headers.get("content-type"))
         return JSONResponse(error_body(msg, param), status_code=400)
 
     @app.get("/health")
@@ -269,6 +270,9 @@ def create_app(router: Router) -> FastAPI:
                         break
                     msg = await events.__anext__()
                 finish(ids)
+                if body.stream_options is not None and body.stream_options.include_usage:
+                    yield "data: " + json.dumps(usage_chunk(rid, router.model_name, len(token_ids),
+                                                            len(ids))) + "\n\n"
             except RequestError as exc:
                 yield "data: " + json.dumps(error_body(exc.message, exc.param, "server_error")) + "\n\n"
             finally:
@@ -278,6 +282,31 @@ def create_app(router: Router) -> FastAPI:
         return StreamingResponse(sse(), media_type="text/event-stream")
 
     return app
+
+
+def validation_message(err: dict, content_type: str | None) -> tuple[str, str]:
+    """(message, param) for the first pydantic error ``err`` of a request body: the field, what
+    is wrong and the value sent (``max_tokens: Input should be greater than or equal to 1, got
+    -1``); a body that is not JSON says where, or which Content-Type came instead."""
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    kind, detail = err.get("type"), str(err.get("msg", "invalid body"))
+    if kind == "json_invalid":  # loc is a character offset into the body
+        at = f" at character {loc[0]}" if loc else ""
+        return f"body: not valid JSON{at}: {err.get('ctx', {}).get('error', detail)}", "body"
+    if not loc and "json" not in (content_type or ""):
+        got = f"Content-Type: {content_type}" if content_type else "no Content-Type"
+        return f"body: send a JSON object with Content-Type: application/json (got {got})", "body"
+    if not loc and kind == "missing":
+        return "body: the request has no body; send a JSON object", "body"
+    if detail.startswith("Value error, "):  # our validators' messages name the field and value
+        return f"{'.'.join(loc) or 'body'}: {detail[len('Value error, '):]}", loc[0] if loc else "body"
+    if "input" in err and kind != "missing":
+        try:
+            sent = json.dumps(err["input"])
+        except (TypeError, ValueError):
+            sent = repr(err["input"])
+        detail += f", got {sent if len(sent) <= 80 else sent[:77] + '...'}"
+    return f"{'.'.join(loc) or 'body'}: {detail}", loc[0] if loc else "body"
 
 
 class _APIKeyMiddleware:
