@@ -117,6 +117,13 @@ class Server:
     def wait_free_blocks(self, want: dict[str, int], timeout: float = 5.0) -> dict[str, int]:
         return {r: free for r, (free, _) in self.wait_settled(want, timeout).items()}
 
+    def requests_total(self, outcome: str) -> float:
+        """``kvflow_requests_total{outcome=...}`` from /metrics (0 before the first)."""
+        for ln in self.client.get("/metrics").text.splitlines():
+            if ln.startswith(f'kvflow_requests_total{{outcome="{outcome}"}}'):
+                return float(ln.split()[-1])
+        return 0.0
+
     def complete(self, **body):
         return self.client.post("/v1/completions", json=body)
 

@@ -74,7 +74,12 @@ def _disconnect_after(server, seconds, prompt, max_tokens=8):
 
 @pytest.mark.parametrize("stage, after", [("prefilling", 1.0), ("mid-transfer", 3.0)])
 def test_client_disconnect_while_prefilling_or_mid_transfer(server, stage, after):
+    before = server.requests_total("aborted"), server.requests_total("error")
     assert _disconnect_after(server, after, MARK + stage)
+    deadline = time.monotonic() + 4
+    while server.requests_total("aborted") == before[0] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (server.requests_total("aborted"), server.requests_total("error")) == (before[0] + 1, before[1])
 
 
 def test_client_disconnect_while_queued_behind_another_prefill(server):

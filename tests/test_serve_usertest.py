@@ -191,11 +191,7 @@ def test_stream_include_usage_ends_with_a_usage_chunk(server):
 
 def test_client_disconnect_counts_as_aborted(server):
     """B5: /metrics counts a request whose client went away as outcome="aborted", not "error"."""
-    def count(outcome):
-        for ln in server.client.get("/metrics").text.splitlines():
-            if ln.startswith(f'kvflow_requests_total{{outcome="{outcome}"}}'):
-                return float(ln.split()[-1])
-        return 0.0
+    count = server.requests_total
     before = count("aborted"), count("error")
     with httpx.Client(base_url=server.url, timeout=0.5) as c:
         with pytest.raises(httpx.TimeoutException):

@@ -146,13 +146,12 @@ class Router:
                     raise self._error(msg)
                 st.stage, timeout, what = "decoding", self.token_timeout_s, "the next token"
                 done = msg.finished
-                try:
-                    yield msg
-                except GeneratorExit:  # closed by the HTTP side: the client went away
-                    outcome = "aborted"
-                    raise
+                yield msg
                 if done:
                     return
+        except (GeneratorExit, asyncio.CancelledError):  # the HTTP side gave up: client gone
+            outcome = "aborted"
+            raise
         finally:
             self.ctl.requests.pop(req_id, None)
             if not done:
