@@ -83,6 +83,8 @@ def test_sample_greedy_ties_and_temperature():
     assert set(draws) <= {0, 1, 2, 3} and {1, 3} <= set(draws)
     # near-zero temperature concentrates on the maxima
     assert set(sample(logits, 1e-4, g1) for _ in range(20)) <= {1, 3}
+    # below 1e-5 it is greedy (vLLM's _SAMPLING_EPS): logits / 1e-39 would overflow to NaN
+    assert [sample(logits, t, g1) for t in (1e-39, 5e-324, 9.9e-6)] == [1, 1, 1]
     with pytest.raises(ValueError, match=r"^temperature must be a finite number >= 0, got -1.0$"):
         sample(logits, -1.0)
     with pytest.raises(ValueError, match=r"^logits must be a non-empty 1-D tensor \[vocab\], got shape \(2, 2\)$"):

@@ -94,7 +94,7 @@ def test_openai_fields_at_no_op_values_and_valid_types_work(server):
                                "stream_options", "user")}
     defaults = {"top_p": 1, "stop": [], "echo": False, "presence_penalty": 0,
                 "frequency_penalty": 0.0, "best_of": 1, "logit_bias": {}, "user": "me",
-                "stream_options": {"include_usage": True}, "n": 1, "model": "kvflow-tiny"}
+                "n": 1, "model": "kvflow-tiny"}
     for extra in (nulls, defaults):
         r = server.complete(prompt="hi", max_tokens=2, temperature=0, **extra)
         assert r.status_code == 200, r.text
@@ -115,8 +115,17 @@ def _error(r) -> tuple[int, str, str]:
      "max_tokens: Input should be greater than or equal to 1, got -1"),
     ({"prompt": "hi", "max_tokens": "8"}, "max_tokens", 'max_tokens: Input should be a valid integer, got "8"'),
     ({"prompt": "hi", "n": 2}, "n", "n: Input should be less than or equal to 1, got 2"),
-    ({"prompt": "hi", "seed": -1}, "seed", "seed: Input should be greater than or equal to 0, got -1"),
-    ({"prompt": [1, -2, 3]}, "prompt", "prompt: prompt holds token id -2; token ids must be >= 0"),
+    ({"prompt": [1, -2, 3]}, "prompt", "prompt holds token id -2; token ids must be >= 0"),
+    ({"prompt": [1, 258]}, "prompt", "prompt holds token id 258, not in [0, 258)"),
+    ({"prompt": "hi", "stop": [1]}, "stop", "stop=[1] is not supported: kvflow stops only at the "
+                                            "end-of-sequence token or max_tokens; omit stop"),
+    ({"prompt": "hi", "logit_bias": {"1": 5}}, "logit_bias",
+     'logit_bias={"1": 5} is not supported: kvflow applies no logit bias; omit logit_bias'),
+    ({"prompt": "hi", "suffix": "s" * 10**5}, "suffix",
+     'suffix="' + "s" * 76 + '... is not supported: kvflow does not insert text; omit suffix'),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options",
+     "stream_options is only allowed with stream=true"),
+    ({"prompt": "hi", "seed": 2**63}, "seed", f"seed: Input should be less than {2**63}, got {2**63}"),
     ({"prompt": "hi", "stream_options": {"include_usage": 1}}, "stream_options",
      "stream_options.include_usage: Input should be a valid boolean, got 1"),
     ([1], "body", "body: Input should be a valid dictionary or object to extract fields from, got [1]"),
@@ -137,9 +146,17 @@ def test_nan_temperature_and_bodies_that_are_not_json(server):
                                       "name enclosed in double quotes")
     r = post("/v1/completions", content=b"", headers={"Content-Type": "application/json"})
     assert _error(r) == (400, "body", "body: the request has no body; send a JSON object")
-    r = post("/v1/completions", content=b'{"prompt": "hi"}', headers={"Content-Type": "text/plain"})
-    assert _error(r) == (400, "body", "body: send a JSON object with Content-Type: application/json "
-                                      "(got Content-Type: text/plain)")
+    for ctype in ("text/plain", "text/json"):
+        r = post("/v1/completions", content=b'{"prompt": "hi"}', headers={"Content-Type": ctype})
+        assert _error(r) == (400, "body", "body: send a JSON object with Content-Type: "
+                                          f"application/json (got Content-Type: {ctype})")
+    r = post("/v1/completions", content='{"prompt": "café"}'.encode("latin-1"),
+             headers={"Content-Type": "application/json"})
+    assert _error(r) == (400, "body", "body: cannot be read as UTF-8 JSON: 'utf-8' codec can't decode "
+                                      "byte 0xe9 in position 15: invalid continuation byte")
+    deep = b'{"prompt": ' + b"[" * 960 + b"]" * 960 + b"}"   # json parses it; our message must not
+    r = post("/v1/completions", content=deep, headers={"Content-Type": "application/json"})
+    assert _error(r)[:2] == (400, "prompt")
 
 
 def test_route_errors_name_the_route_not_the_body(server):
@@ -159,6 +176,19 @@ def test_null_means_the_default(server):
                             stream=None, seed=None, n=None, ignore_eos=True, stop=[""]).json()
     assert len(base["choices"][0]["token_ids"]) == 16
     assert nulls["choices"][0]["token_ids"] == base["choices"][0]["token_ids"]
+
+
+def test_tiny_temperature_is_greedy_and_any_int64_seed_works(server):
+    """B5: temperature under 1e-5 is greedy as in vLLM (1e-39 used to overflow to NaN: HTTP
+    500); seeds may be negative, as vLLM's."""
+    body = dict(prompt="Greedy at heart", max_tokens=6, ignore_eos=True)
+    greedy = server.complete(**body).json()["choices"][0]["token_ids"]
+    for t in (1e-39, 5e-324, 9e-6):
+        r = server.complete(**body, temperature=t)
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == greedy, (t, r.text)
+    for seed in (-1, -2**63, 2**63 - 1):
+        r = server.complete(**body, temperature=1.0, seed=seed)
+        assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 6
 
 
 def test_sampling_without_a_seed_draws_a_fresh_one(server):
@@ -187,6 +217,9 @@ def test_stream_include_usage_ends_with_a_usage_chunk(server):
     assert sum(len(json.loads(e)["choices"][0]["token_ids"]) for e in ev[:-2]) == 3
     plain = events()
     assert len(plain) == len(ev) - 1 and all("usage" not in json.loads(e) for e in plain[:-1])
+    every = [json.loads(e) for e in events(stream_options={"include_usage": True,
+                                                            "continuous_usage_stats": True})[:-1]]
+    assert [e["usage"]["completion_tokens"] for e in every] == [1, 2, 3, 3]  # vLLM's option
 
 
 def test_client_disconnect_counts_as_aborted(server):
@@ -208,9 +241,13 @@ def test_unknown_model_is_404_naming_the_served_one(server):
     """As vLLM: a request for a model the server does not serve is refused before any work."""
     r = server.complete(prompt="hi", max_tokens=2, model="nope")
     assert r.status_code == 404
-    assert r.json() == {"error": {"message": "The model `nope` does not exist; this server serves "
-                                             "`kvflow-tiny`.", "type": "invalid_request_error",
+    assert r.json() == {"error": {"message": 'The model "nope" does not exist; this server serves '
+                                             '"kvflow-tiny".', "type": "invalid_request_error",
                                   "param": "model", "code": None}}
+    r = server.client.post("/v1/completions", content=b'{"prompt": "hi", "model": "\\ud800"}',
+                           headers={"Content-Type": "application/json"})  # a lone surrogate: no 500
+    assert _error(r) == (404, "model", 'The model "\\ud800" does not exist; this server serves '
+                                       '"kvflow-tiny".')
 
 
 @pytest.mark.parametrize("argv, want", [

@@ -21,6 +21,17 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 
+def shown(value: Any, limit: int = 80) -> str:
+    """``value`` as JSON for an error message: ASCII only (a lone surrogate is escaped, so the
+    error body can always be encoded), at most ``limit`` characters."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError, RecursionError):
+        text = repr(value) if not isinstance(value, (list, dict)) else f"<a nested {type(value).__name__}>"
+        text = text.encode("ascii", "backslashreplace").decode()
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 #: OpenAI completion fields kvflow does not implement: field -> (values accepted besides null,
 #: why another value is refused).
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {
@@ -39,11 +50,13 @@ UNSUPPORTED_FIELDS = tuple(UNSUPPORTED)
 
 class StreamOptions(BaseModel):
     """``stream_options`` of a streaming request: ``include_usage`` adds a last chunk with
-    ``usage`` and no choices before ``data: [DONE]`` (as OpenAI and vLLM)."""
+    ``usage`` and no choices before ``data: [DONE]`` (as OpenAI and vLLM); with it,
+    ``continuous_usage_stats`` (vLLM's) puts the running ``usage`` in every chunk."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: Optional[bool] = None
+    continuous_usage_stats: Optional[bool] = None  # vLLM's: usage in every chunk too
 
 
 class CompletionRequest(BaseModel):
@@ -61,11 +74,13 @@ class CompletionRequest(BaseModel):
     stream : bool
         Server-sent events, one per token.
     seed : int or None
-        Sampling seed (temperature > 0); None (default) draws a fresh seed per request, as vLLM.
+        Sampling seed (temperature > 0), any int64; None (default) draws a fresh seed per
+        request, as vLLM.
     ignore_eos : bool
         Keep generating past the end-of-sequence token (vLLM's extension).
     stream_options : StreamOptions or None
-        ``{"include_usage": true}`` adds a usage chunk at the end of a stream.
+        Only with ``stream`` true (as OpenAI and vLLM): ``{"include_usage": true}`` adds a
+        usage chunk at the end of the stream.
 
     null means the default for every field, as in OpenAI's API.
 
@@ -82,7 +97,7 @@ class CompletionRequest(BaseModel):
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(0.0, ge=0.0, le=100.0, allow_inf_nan=False)
     stream: bool = False
-    seed: Optional[int] = Field(None, ge=0, lt=2**62)
+    seed: Optional[int] = Field(None, ge=-2**63, lt=2**63)
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=1)
     user: Optional[str] = None
@@ -110,15 +125,15 @@ class CompletionRequest(BaseModel):
                 isinstance(t, int) and not isinstance(t, bool) for t in v)):
             return v
         raise ValueError("prompt must be a string or a list of token ids (integers), got "
-                         + json.dumps(v)[:80])
+                         + shown(v))
 
-    @field_validator(*[name for name in UNSUPPORTED_FIELDS])
+    @field_validator(*[name for name in UNSUPPORTED_FIELDS], mode="before")  # the value as sent
     @classmethod
     def _no_op_only(cls, v: Any, info: ValidationInfo) -> Any:
         allowed, why = UNSUPPORTED[info.field_name]
         if v is None or any(v == a and type(v) is not bool or v is a for a in allowed):
             return v
-        raise ValueError(f"{info.field_name}={json.dumps(v)} is not supported: {why}")
+        raise ValueError(f"{info.field_name}={shown(v)} is not supported: {why}")
 
     @field_validator("prompt")
     @classmethod
@@ -128,6 +143,13 @@ class CompletionRequest(BaseModel):
         bad = [t for t in v if t < 0] if isinstance(v, list) else []
         if bad:
             raise ValueError(f"prompt holds token id {bad[0]}; token ids must be >= 0")
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None and not info.data.get("stream"):  # stream is declared (checked) first
+            raise ValueError("stream_options is only allowed with stream=true")
         return v
 
 

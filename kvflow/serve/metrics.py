@@ -42,6 +42,8 @@ class Metrics:
         self.free_blocks = Gauge("kvflow_free_blocks", "Free KV blocks", ["instance", "role"], registry=r)
         self.num_blocks = Gauge("kvflow_num_blocks", "KV blocks", ["instance", "role"], registry=r)
         self.requests = Counter("kvflow_requests", "Finished requests", ["outcome"], registry=r)
+        for outcome in ("ok", "error", "aborted"):  # every series from the start, at 0
+            self.requests.labels(outcome)
 
     def observe_transfer(self, kv: dict) -> None:
         if kv.get("transfer") in ("ipc", "tcp"):

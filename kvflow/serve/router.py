@@ -36,8 +36,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvflow.protocol import Abort, Allocate, Allocated, Prefill, Rejected, Tokens
 
-from .api import (CompletionRequest, completion_chunk, completion_response, error_body,
-                  usage_chunk)
+from .api import (CompletionRequest, completion_chunk, completion_response, error_body, shown,
+                  usage, usage_chunk)
 from .control import Controller, ReqState
 from .metrics import Metrics
 
@@ -82,8 +82,8 @@ class Router:
 
     def tokenize(self, body: CompletionRequest) -> list[int]:
         if body.model is not None and body.model != self.model_name:  # vLLM answers 404 too
-            raise RequestError(404, f"The model `{body.model}` does not exist; this server "
-                                    f"serves `{self.model_name}`.", "model")
+            raise RequestError(404, f"The model {shown(body.model)} does not exist; this server "
+                                    f"serves {shown(self.model_name)}.", "model")
         if isinstance(body.prompt, str):
             try:
                 return self.tokenizer.encode(body.prompt)
@@ -119,7 +119,7 @@ class Router:
         seed = body.seed if body.seed is not None else secrets.randbelow(1 << 62)  # as vLLM
         st = ReqState(asyncio.Queue(), decode_id=d.id)
         self.ctl.requests[req_id] = st
-        done, outcome = False, "error"
+        done, outcome = False, "error"  # outcome None: a 4xx, not counted
         try:
             deadline = time.monotonic() + self.admit_timeout_s
             while True:
@@ -152,10 +152,14 @@ class Router:
         except (GeneratorExit, asyncio.CancelledError):  # the HTTP side gave up: client gone
             outcome = "aborted"
             raise
+        except RequestError as exc:  # a 4xx (D refused the prompt's size) is the client's, not ours
+            outcome = "error" if exc.status >= 500 else None
+            raise
         finally:
             self.ctl.requests.pop(req_id, None)
             if not done:
-                self.metrics.requests.labels(outcome).inc()
+                if outcome is not None:
+                    self.metrics.requests.labels(outcome).inc()
                 ids = {st.prefill_id, st.decode_id} - {""}
                 dead = sorted(i for i in ids if i not in self.ctl.instances)
                 for inst_id in ids - set(dead):
@@ -189,15 +193,17 @@ def create_app(router: Router) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         # OpenAI's error shape: a body that is not UTF-8 names the body; 404/405 the route
-        if exc.status_code == 400:
-            return JSONResponse(error_body(f"body: {exc.detail}", "body"), status_code=400)
+        if exc.status_code == 400:  # FastAPI could not read the body; the cause says why
+            why = f"cannot be read as UTF-8 JSON: {exc.__cause__}" if exc.__cause__ else exc.detail
+            why = str(why).encode("ascii", "backslashreplace").decode()[:200]
+            return JSONResponse(error_body(f"body: {why}", "body"), status_code=400)
         return JSONResponse(error_body(f"{exc.detail}: {request.method} {request.url.path}"),
                             status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         errs = exc.errors()
-        msg, param = validation_message(errs[0] if errs else {}, request.headers.get("content-type"))
+        msg, param = validation_message(errs, request.headers.get("content-type"))
         return JSONResponse(error_body(msg, param), status_code=400)
 
     @app.get("/health")
@@ -251,6 +257,10 @@ def create_app(router: Router) -> FastAPI:
                                        router.tokenizer.decode(ids), ids, msg.finish_reason,
                                        len(token_ids), kv)
 
+        opts = body.stream_options
+        with_usage = opts is not None and bool(opts.include_usage)
+        every_chunk = with_usage and bool(opts.continuous_usage_stats)  # vLLM's option
+
         async def sse() -> AsyncIterator[str]:
             ids, sent, msg, rid = [], "", first, f"cmpl-{uuid.uuid4().hex[:24]}"
             try:
@@ -261,15 +271,17 @@ def create_app(router: Router) -> FastAPI:
                         delta, sent = text[len(sent):], text
                     else:
                         delta = ""
-                    yield "data: " + json.dumps(completion_chunk(
-                        rid, router.model_name, delta, msg.token_ids,
-                        msg.finish_reason or None if msg.finished else None,
-                        kv if msg.finished else None)) + "\n\n"
+                    chunk = completion_chunk(rid, router.model_name, delta, msg.token_ids,
+                                             msg.finish_reason or None if msg.finished else None,
+                                             kv if msg.finished else None)
+                    if every_chunk:
+                        chunk["usage"] = usage(len(token_ids), len(ids))
+                    yield "data: " + json.dumps(chunk) + "\n\n"
                     if msg.finished:
                         break
                     msg = await events.__anext__()
                 finish(ids)
-                if body.stream_options is not None and body.stream_options.include_usage:
+                if with_usage:
                     yield "data: " + json.dumps(usage_chunk(rid, router.model_name, len(token_ids),
                                                             len(ids))) + "\n\n"
             except RequestError as exc:
@@ -283,29 +295,29 @@ def create_app(router: Router) -> FastAPI:
     return app
 
 
-def validation_message(err: dict, content_type: str | None) -> tuple[str, str]:
-    """(message, param) for the first pydantic error ``err`` of a request body: the field, what
-    is wrong and the value sent (``max_tokens: Input should be greater than or equal to 1, got
-    -1``); a body that is not JSON says where, or which Content-Type came instead."""
-    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+def validation_message(errs: list[dict], content_type: str | None) -> tuple[str, str]:
+    """(message, param) for the pydantic errors ``errs`` of a request body (the first one is
+    reported): the field, what is wrong and the value sent (``max_tokens: Input should be
+    greater than or equal to 1, got -1``, values cut to 80 characters); a body that is not
+    JSON says where, or which Content-Type came instead."""
+    err = errs[0] if errs else {}
+    loc = [str(x)[:80] for x in err.get("loc", ()) if x != "body"]
     kind, detail = err.get("type"), str(err.get("msg", "invalid body"))
     if kind == "json_invalid":  # loc is a character offset into the body
         at = f" at character {loc[0]}" if loc else ""
         return f"body: not valid JSON{at}: {err.get('ctx', {}).get('error', detail)}", "body"
-    if not loc and "json" not in (content_type or ""):
+    if not loc and (isinstance(err.get("input"), (bytes, bytearray)) or "json" not in (content_type or "")):
         got = f"Content-Type: {content_type}" if content_type else "no Content-Type"
         return f"body: send a JSON object with Content-Type: application/json (got {got})", "body"
     if not loc and kind == "missing":
         return "body: the request has no body; send a JSON object", "body"
+    param = loc[0] if loc else "body"
     if detail.startswith("Value error, "):  # our validators' messages name the field and value
-        return f"{'.'.join(loc) or 'body'}: {detail[len('Value error, '):]}", loc[0] if loc else "body"
+        detail = detail[len("Value error, "):]
+        return (detail if detail.startswith(param) else f"{param}: {detail}"), param
     if "input" in err and kind != "missing":
-        try:
-            sent = json.dumps(err["input"])
-        except (TypeError, ValueError):
-            sent = repr(err["input"])
-        detail += f", got {sent if len(sent) <= 80 else sent[:77] + '...'}"
-    return f"{'.'.join(loc) or 'body'}: {detail}", loc[0] if loc else "body"
+        detail += f", got {shown(err['input'])}"
+    return f"{'.'.join(loc) or 'body'}: {detail}", param
 
 
 class _APIKeyMiddleware:

@@ -1,0 +1,60 @@
+"""The router's request outcomes in /metrics, in process with a scripted controller: a
+request a decode instance refuses for capacity is HTTP 400 and counted nowhere (like every
+other 4xx), one it refuses with an error counts as "error", and every outcome series
+exists from the start at 0."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+from fastapi.testclient import TestClient
+
+from kvflow.model import ByteTokenizer
+from kvflow.protocol import Allocate, Rejected
+from kvflow.serve.metrics import Metrics
+from kvflow.serve.router import Router, create_app
+
+
+class ScriptedController:
+    """What Router.run needs of a Controller: one P/D pair whose D answers every Allocate
+    with ``Rejected(kind)``."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind, self.requests, self.sent = kind, {}, []
+        inst = lambda i: types.SimpleNamespace(id=i, reg=types.SimpleNamespace(max_model_len=512))  # noqa: E731
+        self.p, self.d = inst("p-1"), inst("d-1")
+        self.instances = {"p-1": self.p, "d-1": self.d}
+
+    def pick(self):
+        return self.p, self.d
+
+    async def send(self, inst, msg) -> None:
+        self.sent.append(type(msg).__name__)
+        if isinstance(msg, Allocate):
+            self.requests[msg.req_id].queue.put_nowait(
+                Rejected(req_id=msg.req_id, kind=self.kind, error=f"refused: {self.kind}"))
+
+    def ready(self) -> bool:
+        return True
+
+    def health(self) -> dict:
+        return {"status": "ok", "instances": []}
+
+
+def _outcomes(text: str) -> dict[str, float]:
+    return {ln.split('"')[1]: float(ln.split()[-1]) for ln in text.splitlines()
+            if ln.startswith("kvflow_requests_total{")}
+
+
+@pytest.mark.parametrize("kind, status, counted", [("capacity", 400, {}), ("error", 500, {"error": 1.0})])
+def test_refusals_by_d_and_their_outcome(kind, status, counted):
+    ctl = ScriptedController(kind)
+    metrics = Metrics()
+    with TestClient(create_app(Router(ctl, ByteTokenizer(), "kvflow-tiny", metrics))) as c:
+        assert _outcomes(c.get("/metrics").text) == {"ok": 0.0, "error": 0.0, "aborted": 0.0}
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+        assert r.status_code == status and r.json()["error"]["message"] == f"refused: {kind}"
+        assert _outcomes(c.get("/metrics").text) == dict({"ok": 0.0, "error": 0.0, "aborted": 0.0},
+                                                         **counted)
+    assert ctl.sent[0] == "Allocate" and "Prefill" not in ctl.sent  # P never heard of it
