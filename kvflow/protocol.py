@@ -59,6 +59,7 @@ class Register(_Msg):
     pid: int
     data_addr: str = ""             # D: ZMQ address P connects to; "" otherwise
     shm_name: str = ""              # ipc: the exported cache (P's for pull, D's for push)
+    host_id: str = ""               # kvflow.serve.liveness.host_id(): pids comparable when equal
     version: int = PROTOCOL_VERSION
 
 

@@ -133,6 +133,8 @@ def test_kill_d_mid_transfer_p_frees_within_2s_then_a_new_d_works(cl):
     t_kill = time.monotonic()
     cl.wait(lambda h: cl.inst(cl.p.pid)["free_blocks"] == p["num_blocks"], 2.0, "P frees")
     assert time.monotonic() - t_kill < 2.0
+    # same host: the router saw the process exit (0.1 s ticks), not the heartbeats stop (1 s)
+    assert any(e.endswith(f"(pid {cl.d.pid}) exited") for e in cl.health()["errors"])
     th.join(10)
     assert out["r"].status_code == 502 and "died" in out["r"].json()["error"]["message"]
     # A new D pairs with the same P and serves.

@@ -1,7 +1,7 @@
 """The router's request outcomes in /metrics, in process with a scripted controller: a
-request a decode instance refuses for capacity is HTTP 400 and counted nowhere (like every
-other 4xx), one it refuses with an error counts as "error", and every outcome series
-exists from the start at 0."""
+request a decode instance refuses for capacity is HTTP 400 naming the prompt (when it alone
+cannot fit) or max_tokens, and counted nowhere (like every other 4xx); one it refuses with an
+error counts as "error"; every outcome series exists from the start at 0."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ class ScriptedController:
 
     def __init__(self, kind: str) -> None:
         self.kind, self.requests, self.sent = kind, {}, []
-        inst = lambda i: types.SimpleNamespace(id=i, reg=types.SimpleNamespace(max_model_len=512))  # noqa: E731
+        inst = lambda i: types.SimpleNamespace(id=i, reg=types.SimpleNamespace(  # noqa: E731
+            max_model_len=512, num_blocks=8, spec={"block_size": 16}))
         self.p, self.d = inst("p-1"), inst("d-1")
         self.instances = {"p-1": self.p, "d-1": self.d}
 
@@ -47,14 +48,18 @@ def _outcomes(text: str) -> dict[str, float]:
             if ln.startswith("kvflow_requests_total{")}
 
 
-@pytest.mark.parametrize("kind, status, counted", [("capacity", 400, {}), ("error", 500, {"error": 1.0})])
-def test_refusals_by_d_and_their_outcome(kind, status, counted):
+@pytest.mark.parametrize("kind, prompt, status, param, counted", [
+    ("capacity", "hi", 400, "max_tokens", {}),            # 1 block: the prompt alone would fit
+    ("capacity", "y" * 200, 400, "prompt", {}),           # 13 blocks > D's 8
+    ("error", "hi", 500, None, {"error": 1.0})])
+def test_refusals_by_d_and_their_outcome(kind, prompt, status, param, counted):
     ctl = ScriptedController(kind)
     metrics = Metrics()
     with TestClient(create_app(Router(ctl, ByteTokenizer(), "kvflow-tiny", metrics))) as c:
         assert _outcomes(c.get("/metrics").text) == {"ok": 0.0, "error": 0.0, "aborted": 0.0}
-        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+        r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4})
         assert r.status_code == status and r.json()["error"]["message"] == f"refused: {kind}"
+        assert r.json()["error"]["param"] == param
         assert _outcomes(c.get("/metrics").text) == dict({"ok": 0.0, "error": 0.0, "aborted": 0.0},
                                                          **counted)
     assert ctl.sent[0] == "Allocate" and "Prefill" not in ctl.sent  # P never heard of it

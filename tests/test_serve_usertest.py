@@ -124,7 +124,10 @@ def _error(r) -> tuple[int, str, str]:
     ({"prompt": "hi", "suffix": "s" * 10**5}, "suffix",
      'suffix="' + "s" * 76 + '... is not supported: kvflow does not insert text; omit suffix'),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options",
-     "stream_options is only allowed with stream=true"),
+     "stream_options is only allowed with stream=true, got stream=false"),
+    ({"prompt": "hi", "max_tokens": 10**100}, "max_tokens",
+     f"max_tokens: Input should be less than 2147483648, got {str(10**100)[:77]}..."),
+    ({"prompt": [10**100]}, "prompt", f"prompt holds token id {str(10**100)[:77]}..., not in [0, 258)"),
     ({"prompt": "hi", "seed": 2**63}, "seed", f"seed: Input should be less than {2**63}, got {2**63}"),
     ({"prompt": "hi", "stream_options": {"include_usage": 1}}, "stream_options",
      "stream_options.include_usage: Input should be a valid boolean, got 1"),
@@ -152,8 +155,18 @@ def test_nan_temperature_and_bodies_that_are_not_json(server):
                                           f"application/json (got Content-Type: {ctype})")
     r = post("/v1/completions", content='{"prompt": "café"}'.encode("latin-1"),
              headers={"Content-Type": "application/json"})
-    assert _error(r) == (400, "body", "body: cannot be read as UTF-8 JSON: 'utf-8' codec can't decode "
+    assert _error(r) == (400, "body", "body: cannot be read as JSON: 'utf-8' codec can't decode "
                                       "byte 0xe9 in position 15: invalid continuation byte")
+    r = post("/v1/completions", content=b'{"prompt": "hi"}', headers={"Content-Type": "text/" + "x" * 5000})
+    assert _error(r) == (400, "body", "body: send a JSON object with Content-Type: application/json "
+                                      f"(got Content-Type: text/{'x' * 72}...)")
+    import gzip
+    r = post("/v1/completions", content=gzip.compress(b'{"prompt": "hi"}'),
+             headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert _error(r) == (400, "body", "body: Content-Encoding: gzip is not supported; send the JSON as is")
+    r = post("/v1/completions", content=b'{"prompt": "hi", "\\ud800": 1}',
+             headers={"Content-Type": "application/json"})
+    assert _error(r) == (400, "body", 'body: a key or text is not valid Unicode, got "\\ud800"')
     deep = b'{"prompt": ' + b"[" * 960 + b"]" * 960 + b"}"   # json parses it; our message must not
     r = post("/v1/completions", content=deep, headers={"Content-Type": "application/json"})
     assert _error(r)[:2] == (400, "prompt")
@@ -166,6 +179,10 @@ def test_route_errors_name_the_route_not_the_body(server):
     assert r.headers["allow"] == "POST"
     r = server.client.post("/v1/chat/completions", json={"messages": []})
     assert _error(r) == (404, None, "Not Found: POST /v1/chat/completions")
+    r = server.client.get("/" + "x" * 5000)
+    assert _error(r) == (404, None, f"Not Found: GET /{'x' * 76}...")
+    models = server.client.get("/v1/models").json()["data"]
+    assert [m["id"] for m in models] == ["kvflow-tiny"] and 0 < time.time() - models[0]["created"] < 3600
 
 
 def test_null_means_the_default(server):

@@ -21,15 +21,20 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 
+def clipped(text: str, limit: int = 80) -> str:
+    """``text`` for an error message: ASCII only (a lone surrogate is escaped, so the error
+    body can always be encoded), at most ``limit`` characters."""
+    text = text.encode("ascii", "backslashreplace").decode()
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def shown(value: Any, limit: int = 80) -> str:
-    """``value`` as JSON for an error message: ASCII only (a lone surrogate is escaped, so the
-    error body can always be encoded), at most ``limit`` characters."""
+    """``value`` as JSON for an error message (:func:`clipped`)."""
     try:
         text = json.dumps(value)
     except (TypeError, ValueError, RecursionError):
         text = repr(value) if not isinstance(value, (list, dict)) else f"<a nested {type(value).__name__}>"
-        text = text.encode("ascii", "backslashreplace").decode()
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return clipped(text, limit)
 
 
 #: OpenAI completion fields kvflow does not implement: field -> (values accepted besides null,
@@ -94,7 +99,7 @@ class CompletionRequest(BaseModel):
 
     model: Optional[str] = None
     prompt: Union[str, list[int]]
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=1, lt=2**31)
     temperature: float = Field(0.0, ge=0.0, le=100.0, allow_inf_nan=False)
     stream: bool = False
     seed: Optional[int] = Field(None, ge=-2**63, lt=2**63)
@@ -142,14 +147,15 @@ class CompletionRequest(BaseModel):
             raise ValueError("prompt must not be empty")
         bad = [t for t in v if t < 0] if isinstance(v, list) else []
         if bad:
-            raise ValueError(f"prompt holds token id {bad[0]}; token ids must be >= 0")
+            raise ValueError(f"prompt holds token id {shown(bad[0])}; token ids must be >= 0")
         return v
 
     @field_validator("stream_options")
     @classmethod
     def _stream_options_need_stream(cls, v: Any, info: ValidationInfo) -> Any:
         if v is not None and not info.data.get("stream"):  # stream is declared (checked) first
-            raise ValueError("stream_options is only allowed with stream=true")
+            raise ValueError(f"stream_options is only allowed with stream=true, got stream="
+                             f"{shown(info.data.get('stream', False))}")
         return v
 
 

@@ -4,8 +4,9 @@ connects a DEALER to; registration, pairing, liveness, and routing of replies to
 Pairing: when a P and a D have both registered, each gets a :class:`~kvflow.protocol.Pair`
 with the other's KV cache spec, checks it and answers :class:`~kvflow.protocol.PairResult`;
 ``ready`` is true only when a pair has been accepted by both (colocated: one instance).
-A remote instance that misses heartbeats for ``dead_after_s``, or a child process of this
-server that has exited (or sent nothing for ``hung_after_s``), is dead: every request that
+A remote instance that misses heartbeats for ``dead_after_s``, one on this host whose process
+has exited (:mod:`kvflow.serve.liveness`), or a child process of this server that has exited
+(or sent nothing for ``hung_after_s``), is dead: every request that
 still needed it fails at once (the request's own clean-up then sends
 :class:`~kvflow.protocol.Abort` to the survivor, which frees its blocks), and its
 shared-memory segment is unlinked once its process is gone. An instance declared dead that
@@ -26,6 +27,8 @@ import zmq.asyncio
 
 from kvflow.protocol import (PROTOCOL_VERSION, Heartbeat, Pair, PairResult, Register, Reregister,
                              Tokens, decode_or_log, encode)
+
+from .liveness import host_id, process_exited
 
 log = logging.getLogger("kvflow.serve.router")
 
@@ -220,8 +223,12 @@ class Controller:
             for info in list(self.instances.values()):
                 ours = None if self.proc_alive is None else self.proc_alive(info.reg.pid)
                 # A child of ours is dead when its process has exited (a long prefill may
-                # delay heartbeats); a remote instance when its heartbeats stop.
+                # delay heartbeats); any instance when its heartbeats stop; one on this host
+                # (same pid namespace) also as soon as its process has exited.
                 limit = self.dead_after_s if ours is None else self.hung_after_s
+                if ours is None and info.reg.host_id and info.reg.host_id == host_id() \
+                        and process_exited(info.reg.pid):
+                    ours = False
                 if ours is False or now - info.last_seen > limit:
                     exited = ours is False
                     self.instance_died(info, "exited" if exited else

@@ -203,6 +203,7 @@ class DecodeInstance(Instance):
                   lend=msg.prefill_sent and not msg.peer_dead)
         if msg.req_id in self.lent and msg.prefill_id:
             self.lent[msg.req_id].prefill_id = msg.prefill_id
+        self.report_blocks()  # the router sees the freed blocks now, not a heartbeat later
 
     def _free_lent(self, req_ids: list[str]) -> None:
         for r in req_ids:

@@ -35,6 +35,8 @@ from kvflow.context import sends_allowed
 from kvflow.layout import KVCacheSpec
 from kvflow.protocol import Heartbeat, Register, decode_or_log, encode
 
+from .liveness import host_id
+
 log = logging.getLogger("kvflow.serve")
 
 
@@ -178,7 +180,7 @@ class Instance:
                                 spec=self.spec.to_dict(), num_blocks=self.num_blocks,
                                 free_blocks=self.free_blocks(),
                                 max_model_len=self.max_model_len, transfer=self.transfer_name(),
-                                pid=os.getpid(), **self.register_extra()))
+                                pid=os.getpid(), host_id=host_id(), **self.register_extra()))
 
     def on_reregister(self, msg, frames, ident) -> None:
         log.warning("%s: the router lost this instance (%s); registering again", self.instance_id,
@@ -242,12 +244,16 @@ class Instance:
     def free_blocks(self) -> int:
         return self.allocator.num_free
 
+    def report_blocks(self) -> None:
+        """Send a :class:`Heartbeat` (free blocks, running requests) now."""
+        self._last_hb = time.monotonic()
+        self.send_ctrl(Heartbeat(instance_id=self.instance_id, free_blocks=self.free_blocks(),
+                                 num_running=self.num_running()))
+
     def heartbeat(self, force: bool = False) -> None:
         now = time.monotonic()
         if force or now - self._last_hb >= self.cfg.heartbeat_s:
-            self._last_hb = now
-            self.send_ctrl(Heartbeat(instance_id=self.instance_id, free_blocks=self.free_blocks(),
-                                     num_running=self.num_running()))
+            self.report_blocks()
             if self.cfg.parent_pid and os.getppid() != self.cfg.parent_pid:
                 log.error("%s: parent %d is gone; exiting", self.instance_id, self.cfg.parent_pid)
                 self.stopping = True

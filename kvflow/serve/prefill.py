@@ -173,6 +173,7 @@ class PrefillInstance(Instance):
         # "not ok") or the lease ends; if D died nobody reads them: free now.
         if msg.peer_dead or entry is None or not entry[0]:
             self._release(msg.req_id)
+        self.report_blocks()  # the router sees the freed blocks now, not a heartbeat later
 
     def on_leaserenew(self, msg: LeaseRenew, frames, ident) -> None:
         now = time.monotonic()

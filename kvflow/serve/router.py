@@ -36,8 +36,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvflow.protocol import Abort, Allocate, Allocated, Prefill, Rejected, Tokens
 
-from .api import (CompletionRequest, completion_chunk, completion_response, error_body, shown,
-                  usage, usage_chunk)
+from .api import (CompletionRequest, clipped, completion_chunk, completion_response, error_body,
+                  shown, usage, usage_chunk)
 from .control import Controller, ReqState
 from .metrics import Metrics
 
@@ -69,6 +69,7 @@ class Router:
     def __init__(self, controller: Controller, tokenizer: Any, model_name: str, metrics: Metrics,
                  *, admit_timeout_s: float | None = None, api_key: str | None = None) -> None:
         self.ctl, self.tokenizer, self.model_name, self.metrics = controller, tokenizer, model_name, metrics
+        self.created = int(time.time())  # /v1/models "created": when this router started
         if admit_timeout_s is not None:
             self.admit_timeout_s = admit_timeout_s
         self.api_key = api_key.encode() if api_key else None
@@ -93,7 +94,8 @@ class Router:
         vocab = self.tokenizer.vocab_size
         bad = [t for t in body.prompt if t >= vocab]
         if bad:
-            raise RequestError(400, f"prompt holds token id {bad[0]}, not in [0, {vocab})", "prompt")
+            raise RequestError(400, f"prompt holds token id {shown(bad[0])}, not in [0, {vocab})",
+                               "prompt")
         return list(body.prompt)
 
     async def _wait(self, st: ReqState, timeout: float, what: str) -> Any:
@@ -133,7 +135,11 @@ class Router:
                 if isinstance(msg, Rejected) and msg.kind == "busy" and time.monotonic() < deadline:
                     await asyncio.sleep(0.05)
                     continue
-                raise self._error(msg)
+                err = self._error(msg)
+                if err.param == "prompt" and -(-len(token_ids) // d.reg.spec["block_size"]) \
+                        <= d.reg.num_blocks:  # the prompt alone fits D's cache: max_tokens is to blame
+                    err.param = "max_tokens"
+                raise err
             st.prefill_id, st.stage = p.id, "prefilling"
             await self.ctl.send(p, Prefill(req_id=req_id, token_ids=token_ids,
                                            temperature=body.temperature, seed=seed,
@@ -194,10 +200,13 @@ def create_app(router: Router) -> FastAPI:
     async def _http_error(request: Request, exc: StarletteHTTPException):
         # OpenAI's error shape: a body that is not UTF-8 names the body; 404/405 the route
         if exc.status_code == 400:  # FastAPI could not read the body; the cause says why
-            why = f"cannot be read as UTF-8 JSON: {exc.__cause__}" if exc.__cause__ else exc.detail
-            why = str(why).encode("ascii", "backslashreplace").decode()[:200]
-            return JSONResponse(error_body(f"body: {why}", "body"), status_code=400)
-        return JSONResponse(error_body(f"{exc.detail}: {request.method} {request.url.path}"),
+            coding = request.headers.get("content-encoding", "identity")
+            if coding != "identity":
+                why = f"Content-Encoding: {clipped(coding)} is not supported; send the JSON as is"
+            else:
+                why = f"cannot be read as JSON: {exc.__cause__}" if exc.__cause__ else exc.detail
+            return JSONResponse(error_body(f"body: {clipped(str(why), 200)}", "body"), status_code=400)
+        return JSONResponse(error_body(f"{exc.detail}: {request.method} {clipped(request.url.path)}"),
                             status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
@@ -214,7 +223,8 @@ def create_app(router: Router) -> FastAPI:
     async def models():
         lens = [i.reg.max_model_len for i in ctl.instances.values()]
         return {"object": "list", "data": [{"id": router.model_name, "object": "model",
-                                            "owned_by": "kvflow", "max_model_len": min(lens) if lens else None}]}
+                                            "created": router.created, "owned_by": "kvflow",
+                                            "max_model_len": min(lens) if lens else None}]}
 
     @app.get("/metrics")
     async def metrics_endpoint():
@@ -307,10 +317,13 @@ def validation_message(errs: list[dict], content_type: str | None) -> tuple[str,
         at = f" at character {loc[0]}" if loc else ""
         return f"body: not valid JSON{at}: {err.get('ctx', {}).get('error', detail)}", "body"
     if not loc and (isinstance(err.get("input"), (bytes, bytearray)) or "json" not in (content_type or "")):
-        got = f"Content-Type: {content_type}" if content_type else "no Content-Type"
+        got = f"Content-Type: {clipped(content_type)}" if content_type else "no Content-Type"
         return f"body: send a JSON object with Content-Type: application/json (got {got})", "body"
     if not loc and kind == "missing":
         return "body: the request has no body; send a JSON object", "body"
+    if kind == "string_unicode":  # a lone surrogate where pydantic wants text (e.g. a key)
+        where = ".".join(loc) or "body"
+        return f"{where}: a key or text is not valid Unicode, got {shown(err.get('input'))}", loc[0] if loc else "body"
     param = loc[0] if loc else "body"
     if detail.startswith("Value error, "):  # our validators' messages name the field and value
         detail = detail[len("Value error, "):]
