@@ -49,17 +49,22 @@ class Cluster:
         except httpx.TransportError:
             return {"status": "down", "instances": [], "errors": []}
 
-    def wait(self, pred, timeout=60.0, what="condition"):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+    def wait(self, pred, timeout=60.0, what="condition", fresh=False):
+        """Poll /health until ``pred(health)``; with ``fresh``, only on snapshots whose every
+        count comes from a heartbeat sent after the wait began (the router keeps the last one,
+        which may predate what the test just did)."""
+        start = time.monotonic()
+        while time.monotonic() < start + timeout:
+            t_ask = time.monotonic()
             h = self.health()
-            if pred(h):
+            if (not fresh or all(t_ask - i["heartbeat_age_s"] > start for i in h["instances"])) \
+                    and pred(h):
                 return h
             time.sleep(0.05)
         raise AssertionError(f"{what} not reached in {timeout} s: {self.health()}")
 
-    def inst(self, pid):
-        return next((i for i in self.health()["instances"] if i["pid"] == pid), None)
+    def inst(self, pid, h=None):
+        return next((i for i in (h or self.health())["instances"] if i["pid"] == pid), None)
 
     def complete(self, **body):
         return self.client.post("/v1/completions", json=body)
@@ -123,15 +128,17 @@ def test_mismatch_refused_naming_both_values_and_p_keeps_serving(cl):
 
 def test_kill_d_mid_transfer_p_frees_within_2s_then_a_new_d_works(cl):
     p = cl.inst(cl.p.pid)
-    th, out = in_background(cl.complete, prompt=MARK + "D will die mid-transfer", max_tokens=4)
-    def sent(h):  # P's prefill is over (the request is pending on P) and P holds its blocks
-        i = cl.inst(cl.p.pid)
-        return i["num_running"] == 1 and i["free_blocks"] < p["num_blocks"]
-    cl.wait(sent, 15, "P sent, holds blocks")
+    prompt = MARK + "D will die mid-transfer"
+    blocks = -(-(1 + len(prompt)) // 16)            # <bos> + one token per byte, 16 per block
+    th, out = in_background(cl.complete, prompt=prompt, max_tokens=4)
+    def sent(h):  # P's prefill is over: this request (only) is pending on P, holding its blocks
+        i = cl.inst(cl.p.pid, h)
+        return i["num_running"] == 1 and i["free_blocks"] == p["num_blocks"] - blocks
+    cl.wait(sent, 15, "P sent, holds blocks", fresh=True)
     time.sleep(0.5)                      # D holds the transfer in flight (RECEIVING)
     cl.d.kill()
     t_kill = time.monotonic()
-    cl.wait(lambda h: cl.inst(cl.p.pid)["free_blocks"] == p["num_blocks"], 2.0, "P frees")
+    cl.wait(lambda h: cl.inst(cl.p.pid, h)["free_blocks"] == p["num_blocks"], 2.0, "P frees", fresh=True)
     assert time.monotonic() - t_kill < 2.0
     # same host: the router saw the process exit (0.1 s ticks), not the heartbeats stop (1 s)
     assert any(e.endswith(f"(pid {cl.d.pid}) exited") for e in cl.health()["errors"])
@@ -149,7 +156,8 @@ def test_kill_p_mid_prefill_d_frees_and_client_gets_an_error(cl):
     d = cl.inst(cl.d2.pid)
     old_p = cl.inst(cl.p.pid)
     th, out = in_background(cl.complete, prompt=MARK + "P will die mid-prefill", max_tokens=4)
-    cl.wait(lambda h: cl.inst(cl.d2.pid)["free_blocks"] < d["num_blocks"], 15, "D allocated")
+    cl.wait(lambda h: cl.inst(cl.d2.pid, h)["free_blocks"] < d["num_blocks"], 15, "D allocated",
+            fresh=True)
     time.sleep(0.5)                      # P sleeps 3 s inside the prefill
     cl.p.kill()
     t_kill = time.monotonic()
@@ -158,7 +166,8 @@ def test_kill_p_mid_prefill_d_frees_and_client_gets_an_error(cl):
     assert not th.is_alive() and out["t"] - t_kill < 3.0
     assert out["r"].status_code == 502
     assert out["r"].json()["error"]["message"].startswith(f"prefill instance {old_p['id']} died")
-    cl.wait(lambda h: cl.inst(cl.d2.pid)["free_blocks"] == d["num_blocks"], 3.0, "D frees")
+    cl.wait(lambda h: cl.inst(cl.d2.pid, h)["free_blocks"] == d["num_blocks"], 3.0, "D frees",
+            fresh=True)
     cl.old_p = old_p
 
 
@@ -180,5 +189,5 @@ def test_restart_after_crash_ignores_and_removes_leftovers(cl):
     assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == cl.reference
     assert r.json()["kvflow"]["prefill_instance"] == new["id"]
     d = cl.inst(cl.d2.pid)
-    assert cl.wait(lambda h: cl.inst(p2.pid)["free_blocks"] == new["num_blocks"]
-                   and cl.inst(cl.d2.pid)["free_blocks"] == d["num_blocks"], 3, "all free")
+    assert cl.wait(lambda h: cl.inst(p2.pid, h)["free_blocks"] == new["num_blocks"]
+                   and cl.inst(cl.d2.pid, h)["free_blocks"] == d["num_blocks"], 3, "all free", fresh=True)
