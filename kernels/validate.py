@@ -21,9 +21,6 @@ from kvflow.layout import KVCacheSpec, is_int
 ID_DTYPES = (torch.int32, torch.int64)
 
 
-as_torch = to_torch  # paddle/numpy/cupy arrays as torch tensors, zero-copy (kvflow.dlpack)
-
-
 def check_cache(name: str, cache: Any) -> PagedKVCache:
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"{name} must be a kvflow.PagedKVCache, got {type(cache).__name__}")
@@ -42,7 +39,7 @@ def check_ids(name: str, ids: Any, num_blocks: int, device: torch.device,
         ``ids`` is not 1-D, lives on another accelerator, or (``validate``) holds an id
         outside ``[-1, num_blocks)`` (-1 is padding).
     """
-    ids = as_torch(ids, name)
+    ids = to_torch(ids, name)
     if isinstance(ids, (list, tuple)):
         if not all(is_int(v) for v in ids):
             raise TypeError(f"{name} must hold ints, got {ids!r}")
@@ -99,7 +96,7 @@ def check_same_spec(a_name: str, a: KVCacheSpec, b_name: str, b: KVCacheSpec) ->
 def check_buffer(name: str, buf: Any, shape: tuple[int, ...], dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:
     """A staging buffer must match shape, dtype and device exactly and be contiguous."""
-    buf = as_torch(buf, name)
+    buf = to_torch(buf, name)
     if not isinstance(buf, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(buf).__name__}")
     if buf.dtype != dtype:

@@ -116,10 +116,12 @@ class Allocated(_Msg):
 
 class Rejected(_Msg):
     """Any instance -> router: the request cannot be served; ``kind`` is "capacity" (never
-    fits: HTTP 400), "busy" (no free blocks now: retry) or "error"."""
+    fits: HTTP 400, ``param`` names the request field to blame), "busy" (no free blocks now:
+    retry) or "error"."""
     req_id: str
     kind: str
     error: str
+    param: str = ""
 
 
 class Prefill(_Msg):

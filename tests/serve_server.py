@@ -13,6 +13,8 @@ import time
 
 import httpx
 
+from kvflow.serve.liveness import process_exited
+
 SMALL = ["--max-model-len", "512", "--memory-budget-mb", "32", "--max-num-batched-tokens", "256"]
 
 
@@ -23,15 +25,15 @@ def free_port() -> int:
 
 
 def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie counts as gone
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
+    """The process runs (a zombie counts as gone)."""
+    return not process_exited(pid)
+
+
+def heartbeats_after(health: dict, since: float, t_ask: float) -> bool:
+    """Every instance's counts in ``health`` (asked for at ``t_ask``) come from a heartbeat sent
+    after ``since`` (this process's monotonic clock): the router keeps each instance's last
+    one, which may predate the work a test just did."""
+    return all(t_ask - i["heartbeat_age_s"] > since for i in health["instances"])
 
 
 class Server:
@@ -89,12 +91,10 @@ class Server:
 
     def fresh_health(self, since: float) -> dict | None:
         """/health if every instance's counts come from a heartbeat sent after ``since``
-        (this process's monotonic clock), else None: a count the router holds may predate
-        the work a test just did."""
+        (:func:`heartbeats_after`), else None."""
         t_ask = time.monotonic()
         h = self.health()
-        fresh = all(t_ask - i["heartbeat_age_s"] > since for i in h["instances"])
-        return h if fresh else None
+        return h if heartbeats_after(h, since, t_ask) else None
 
     def wait_settled(self, want: dict[str, int], timeout: float = 5.0,
                      idle: bool = False) -> dict[str, tuple[int, int]]:

@@ -156,3 +156,15 @@ def test_admission():
         admission_check(100, 28, max_model_len=4096, num_blocks=7, block_size=16)
     with pytest.raises(ValueError, match=r"^block_size must be a positive int, got 0$"):
         admission_check(1, 1, max_model_len=8, num_blocks=1, block_size=0)
+
+
+@pytest.mark.parametrize("prompt_len, max_tokens, max_model_len, num_blocks, param", [
+    (100, 29, 128, 100, "max_tokens"), (128, 1, 128, 100, "prompt"),   # max_model_len
+    (100, 28, 4096, 7, "max_tokens"), (113, 1, 4096, 7, "prompt"),     # D's blocks
+])
+def test_admission_blames_the_prompt_only_when_it_alone_cannot_fit(prompt_len, max_tokens,
+                                                                   max_model_len, num_blocks, param):
+    with pytest.raises(AdmissionError) as exc:
+        admission_check(prompt_len, max_tokens, max_model_len=max_model_len,
+                        num_blocks=num_blocks, block_size=16)
+    assert exc.value.param == param

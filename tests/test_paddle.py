@@ -16,7 +16,7 @@ paddle = pytest.importorskip("paddle")
 
 from kvflow import KVCacheSpec, PagedKVCache, staging_shape  # noqa: E402
 from kvflow.kernels import copy_blocks, gather_blocks, scatter_blocks  # noqa: E402
-from kvflow.kernels.validate import as_torch  # noqa: E402
+from kvflow.dlpack import to_torch  # noqa: E402
 
 from .conftest import assert_bytes_equal, backends_for, cache_bytes, random_cache  # noqa: E402
 
@@ -76,7 +76,7 @@ def test_scatter_and_copy_into_paddle_cache(backend, dtype):
     src = paddle.to_tensor(src_np).view(getattr(paddle, dtype)).reshape(
         list(staging_shape(spec, len(IDS))))
     tensors, cache, ref = _paddle_cache(spec, 8, seed=2)
-    scatter_blocks(as_torch(src, "src"), ref, torch.tensor(DST), backend="torch")
+    scatter_blocks(to_torch(src, "src"), ref, torch.tensor(DST), backend="torch")
     scatter_blocks(src, cache, paddle.to_tensor(DST, dtype="int64"), backend=backend)
     got = np.concatenate([_paddle_bytes(p) for p in tensors])
     np.testing.assert_array_equal(got, cache_bytes(ref).numpy())

@@ -17,7 +17,7 @@ import pytest
 
 from kvflow.transfer.shm import SHM_DIR
 
-from .serve_server import free_port, pid_alive
+from .serve_server import free_port, heartbeats_after, pid_alive
 
 MARK = "\x07\x07\x07"
 FAULTS = {"KVFLOW_FAULT_PREFILL_DELAY_S": "3", "KVFLOW_FAULT_RECEIVE_DELAY_S": "3",
@@ -51,14 +51,12 @@ class Cluster:
 
     def wait(self, pred, timeout=60.0, what="condition", fresh=False):
         """Poll /health until ``pred(health)``; with ``fresh``, only on snapshots whose every
-        count comes from a heartbeat sent after the wait began (the router keeps the last one,
-        which may predate what the test just did)."""
+        count comes from a heartbeat sent after the wait began (:func:`heartbeats_after`)."""
         start = time.monotonic()
         while time.monotonic() < start + timeout:
             t_ask = time.monotonic()
             h = self.health()
-            if (not fresh or all(t_ask - i["heartbeat_age_s"] > start for i in h["instances"])) \
-                    and pred(h):
+            if (not fresh or heartbeats_after(h, start, t_ask)) and pred(h):
                 return h
             time.sleep(0.05)
         raise AssertionError(f"{what} not reached in {timeout} s: {self.health()}")

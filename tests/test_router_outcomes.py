@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 
 from kvflow.model import ByteTokenizer
 from kvflow.protocol import Allocate, Rejected
+from kvflow.sched.request import AdmissionError, admission_check
 from kvflow.serve.metrics import Metrics
 from kvflow.serve.router import Router, create_app
 
@@ -33,8 +34,15 @@ class ScriptedController:
     async def send(self, inst, msg) -> None:
         self.sent.append(type(msg).__name__)
         if isinstance(msg, Allocate):
-            self.requests[msg.req_id].queue.put_nowait(
-                Rejected(req_id=msg.req_id, kind=self.kind, error=f"refused: {self.kind}"))
+            param = ""
+            if self.kind == "capacity":  # the field D's admission check blames
+                try:
+                    admission_check(len(msg.token_ids), msg.max_tokens, max_model_len=10**6,
+                                    num_blocks=8, block_size=16)
+                except AdmissionError as exc:
+                    param = exc.param
+            self.requests[msg.req_id].queue.put_nowait(Rejected(
+                req_id=msg.req_id, kind=self.kind, error=f"refused: {self.kind}", param=param))
 
     def ready(self) -> bool:
         return True
@@ -49,7 +57,7 @@ def _outcomes(text: str) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("kind, prompt, status, param, counted", [
-    ("capacity", "hi", 400, "max_tokens", {}),            # 1 block: the prompt alone would fit
+    ("capacity", "x" * 125, 400, "max_tokens", {}),      # 8 blocks with <bos>: the prompt fits
     ("capacity", "y" * 200, 400, "prompt", {}),           # 13 blocks > D's 8
     ("error", "hi", 500, None, {"error": 1.0})])
 def test_refusals_by_d_and_their_outcome(kind, prompt, status, param, counted):

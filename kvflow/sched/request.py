@@ -76,7 +76,13 @@ class IllegalTransitionError(ValueError):
 
 
 class AdmissionError(ValueError):
-    """A request that can never fit: refused before any block is allocated or moved."""
+    """A request that can never fit: refused before any block is allocated or moved.
+    ``param`` is the request field to blame: "prompt" when the prompt alone cannot fit,
+    else "max_tokens"."""
+
+    def __init__(self, message: str, param: str = "prompt") -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def is_terminal(state: enum.Enum) -> bool:
@@ -226,9 +232,12 @@ def admission_check(prompt_len: int, max_tokens: int, *, max_model_len: int, num
     total = prompt_len + max_tokens
     if total > max_model_len:
         raise AdmissionError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} "
-                             f"exceeds max_model_len={max_model_len}")
+                             f"exceeds max_model_len={max_model_len}",
+                             "prompt" if prompt_len >= max_model_len else "max_tokens")
     need = blocks_needed(total, block_size)
     if need > num_blocks:
         raise AdmissionError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs "
-                             f"{need} blocks of {block_size} tokens; the cache has {num_blocks}")
+                             f"{need} blocks of {block_size} tokens; the cache has {num_blocks}",
+                             "prompt" if blocks_needed(prompt_len, block_size) > num_blocks
+                             else "max_tokens")
     return need

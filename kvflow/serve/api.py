@@ -90,8 +90,9 @@ class CompletionRequest(BaseModel):
     null means the default for every field, as in OpenAI's API.
 
     OpenAI's ``top_p``, ``stop``, ``logprobs``, ``echo``, ``presence_penalty``,
-    ``frequency_penalty``, ``best_of``, ``suffix``, ``logit_bias`` and ``user`` are accepted when null or set to what kvflow does anyway (:data:`UNSUPPORTED`);
-    another value is HTTP 400 naming the field. Types are strict: ``"3"``, ``true`` or ``2.0``
+    ``frequency_penalty``, ``best_of``, ``suffix``, ``logit_bias`` and ``user`` are accepted
+    when null or set to what kvflow does anyway (:data:`UNSUPPORTED`); another value is HTTP
+    400 naming the field. Types are strict: ``"3"``, ``true`` or ``2.0``
     is not an integer, ``"yes"`` not a boolean (an integer is a valid float).
     """
 

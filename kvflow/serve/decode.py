@@ -170,7 +170,8 @@ class DecodeInstance(Instance):
                                    num_blocks=self.num_blocks, block_size=self.spec.block_size)
             blocks = self._allocate(msg.token_ids, need)
         except (AdmissionError, ValueError) as exc:
-            self.send_ctrl(Rejected(req_id=msg.req_id, kind="capacity", error=str(exc)))
+            self.send_ctrl(Rejected(req_id=msg.req_id, kind="capacity", error=str(exc),
+                                    param=getattr(exc, "param", "prompt")))
             return
         except NoFreeBlocksError as exc:
             self.send_ctrl(Rejected(req_id=msg.req_id, kind="busy", error=str(exc)))

@@ -147,7 +147,7 @@ class PrefillInstance(Instance):
                      f"instance {self.instance_id} has {self.num_blocks} (max_model_len "
                      f"{self.max_model_len})")
             self._push_failed(msg.req_id, error)
-            self.send_ctrl(Rejected(req_id=msg.req_id, kind="capacity", error=error))
+            self.send_ctrl(Rejected(req_id=msg.req_id, kind="capacity", error=error, param="prompt"))
             return
         self.queue.append(msg)
 

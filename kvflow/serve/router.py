@@ -135,11 +135,7 @@ class Router:
                 if isinstance(msg, Rejected) and msg.kind == "busy" and time.monotonic() < deadline:
                     await asyncio.sleep(0.05)
                     continue
-                err = self._error(msg)
-                if err.param == "prompt" and -(-len(token_ids) // d.reg.spec["block_size"]) \
-                        <= d.reg.num_blocks:  # the prompt alone fits D's cache: max_tokens is to blame
-                    err.param = "max_tokens"
-                raise err
+                raise self._error(msg)
             st.prefill_id, st.stage = p.id, "prefilling"
             await self.ctl.send(p, Prefill(req_id=req_id, token_ids=token_ids,
                                            temperature=body.temperature, seed=seed,
@@ -180,7 +176,7 @@ class Router:
     def _error(msg: Any) -> RequestError:
         if isinstance(msg, Rejected):
             return RequestError(400 if msg.kind == "capacity" else 503 if msg.kind == "busy" else 500,
-                                msg.error, "prompt" if msg.kind == "capacity" else None)
+                                msg.error, (msg.param or "prompt") if msg.kind == "capacity" else None)
         if isinstance(msg, Tokens):
             return RequestError(502, msg.error)
         return RequestError(500, f"unexpected reply {type(msg).__name__}")
@@ -321,16 +317,15 @@ def validation_message(errs: list[dict], content_type: str | None) -> tuple[str,
         return f"body: send a JSON object with Content-Type: application/json (got {got})", "body"
     if not loc and kind == "missing":
         return "body: the request has no body; send a JSON object", "body"
+    where, param = ".".join(loc) or "body", loc[0] if loc else "body"
     if kind == "string_unicode":  # a lone surrogate where pydantic wants text (e.g. a key)
-        where = ".".join(loc) or "body"
-        return f"{where}: a key or text is not valid Unicode, got {shown(err.get('input'))}", loc[0] if loc else "body"
-    param = loc[0] if loc else "body"
+        return f"{where}: a key or text is not valid Unicode, got {shown(err.get('input'))}", param
     if detail.startswith("Value error, "):  # our validators' messages name the field and value
         detail = detail[len("Value error, "):]
         return (detail if detail.startswith(param) else f"{param}: {detail}"), param
     if "input" in err and kind != "missing":
         detail += f", got {shown(err['input'])}"
-    return f"{'.'.join(loc) or 'body'}: {detail}", param
+    return f"{where}: {detail}", param
 
 
 class _APIKeyMiddleware:
