@@ -57,7 +57,13 @@ def test_config_checks():
     with pytest.raises(ValueError, match=r"^hidden_size must be a positive int, got 0$"):
         ModelConfig(vocab_size=8, hidden_size=0, num_layers=1, num_heads=1, num_kv_heads=1,
                     head_dim=4, intermediate_size=8)
-    with pytest.raises(ValueError, match=r"^rope_scaling=\{'rope_type': 'yarn'\} is not supported"):
+    with pytest.raises(ValueError, match=r"^rope_scaling rope_type='longrope' is not supported; "
+                                         r"kvflow implements \('default', 'linear', 'dynamic', "
+                                         r"'llama3', 'yarn'\)$"):
+        ModelConfig(vocab_size=8, hidden_size=8, num_layers=1, num_heads=1, num_kv_heads=1,
+                    head_dim=4, intermediate_size=8, rope_scaling={"rope_type": "longrope"})
+    with pytest.raises(ValueError, match=r"^rope_scaling=\{'rope_type': 'yarn'\}: rope_type 'yarn' "
+                                         r"takes \('factor', "):
         ModelConfig(vocab_size=8, hidden_size=8, num_layers=1, num_heads=1, num_kv_heads=1,
                     head_dim=4, intermediate_size=8, rope_scaling={"rope_type": "yarn"})
     with pytest.raises(ValueError, match=r"^name='x' is not a built-in model"):

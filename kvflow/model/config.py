@@ -10,8 +10,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-# model_type values of config.json that this forward reproduces exactly.
-HF_MODEL_TYPES = ("llama", "qwen2")
+from .hf_config import HF_MODEL_TYPES, model_config_kwargs
+from .rope import check_rope_scaling
+
+__all__ = ["ModelConfig", "PRESETS", "HF_MODEL_TYPES", "BYTE_VOCAB"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -25,7 +27,8 @@ class ModelConfig:
     rope_theta : float
         RoPE base (Su et al. 2021, "RoFormer"), HF ``rotate_half`` convention.
     rope_scaling : dict or None
-        HF ``rope_scaling``; ``None`` or ``{"rope_type": "llama3", ...}`` (Llama 3.1) are supported.
+        None (plain RoPE) or ``{"rope_type": t, ...}`` with t one of linear, dynamic, llama3,
+        yarn and the keys that type reads (:mod:`kvflow.model.rope`).
     rms_norm_eps : float
         Epsilon of RMSNorm (Zhang & Sennrich 2019).
     max_position_embeddings : int
@@ -36,6 +39,8 @@ class ModelConfig:
         q/k/v projections carry a bias (Qwen2: always).
     o_bias : bool
         The output projection carries a bias (Llama with ``attention_bias``; never Qwen2).
+    mlp_bias : bool
+        gate/up/down projections carry a bias (Llama ``mlp_bias``; never Qwen2).
     name : str
         Preset name or checkpoint path.
     """
@@ -54,6 +59,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     o_bias: bool = False
+    mlp_bias: bool = False
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -65,9 +71,9 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
                              f"num_kv_heads={self.num_kv_heads} (GQA groups)")
-        rs = self.rope_scaling
-        if rs is not None and (rs.get("rope_type") or rs.get("type")) not in ("default", "llama3"):
-            raise ValueError(f"rope_scaling={rs!r} is not supported; use None or rope_type 'llama3'")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+        check_rope_scaling(self.rope_scaling)
 
     @classmethod
     def preset(cls, name: str) -> "ModelConfig":
@@ -84,36 +90,19 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], name: str = "") -> "ModelConfig":
-        """Build from a Hugging Face ``config.json`` of a Llama or Qwen2 model.
+        """Build from a Hugging Face ``config.json`` of a Llama or Qwen2 model (written by
+        transformers 4.x or >= 5: ``rope_theta``/``rope_scaling`` or ``rope_parameters``).
 
         Raises
         ------
         ValueError
-            For a ``model_type`` other than :data:`HF_MODEL_TYPES`, or Qwen2 with
-            ``use_sliding_window`` (not implemented).
+            Naming the field and value, for anything that would change the math and that
+            kvflow does not reproduce: ``model_type`` other than :data:`HF_MODEL_TYPES`, an
+            unsupported RoPE (type, key, ``partial_rotary_factor``), ``hidden_act`` other than
+            silu, an active sliding window, soft-capping or other families' fields
+            (:func:`kvflow.model.hf_config.model_config_kwargs`).
         """
-        mt = cfg.get("model_type")
-        if mt not in HF_MODEL_TYPES:
-            raise ValueError(f"config.json model_type={mt!r} is not supported; use one of {HF_MODEL_TYPES}")
-        if mt == "qwen2" and cfg.get("use_sliding_window"):
-            raise ValueError("config.json use_sliding_window=True is not supported")
-        heads = cfg["num_attention_heads"]
-        bias = bool(cfg.get("attention_bias", False))
-        return cls(
-            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-            num_layers=cfg["num_hidden_layers"], num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            intermediate_size=cfg["intermediate_size"],
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rope_scaling=cfg.get("rope_scaling"),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=True if mt == "qwen2" else bias,
-            o_bias=False if mt == "qwen2" else bias,
-            name=name,
-        )
+        return cls(**model_config_kwargs(cfg), name=name)
 
 
 # Byte-level vocabulary: 256 bytes + <bos> (256) + <eos> (257).

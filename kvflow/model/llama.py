@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from kvflow.layout import KVCacheSpec
 
 from .config import ModelConfig
+from .rope import rope_frequencies
 
 # attn(layer, q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim], v [same]) -> [T, num_heads, head_dim]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -65,21 +66,10 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """float32 [head_dim // 2] inverse frequencies ``theta^(-2i/d)`` (RoFormer), with Llama 3.1's
-    ``rope_scaling`` (rope_type "llama3": long wavelengths divided by ``factor``, a smooth ramp
-    between ``low_freq_factor`` and ``high_freq_factor``) when configured."""
-    d = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    rs = config.rope_scaling
-    if rs and (rs.get("rope_type") or rs.get("type")) == "llama3":
-        factor, lo, hi = rs["factor"], rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
-        old = rs.get("original_max_position_embeddings", 8192)
-        wavelen = 2 * math.pi / inv
-        ramp = ((old / wavelen - lo) / (hi - lo)).clamp(0.0, 1.0)
-        inv = torch.where(wavelen > old / lo, inv / factor,
-                          torch.where(wavelen < old / hi, inv, (1 - ramp) * inv / factor + ramp * inv))
-    return inv.float()
+def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """float32 [head_dim // 2] inverse frequencies of ``config``'s RoPE and its cos/sin scale
+    (yarn's attention factor, else 1.0); see :func:`kvflow.model.rope.rope_frequencies`."""
+    return rope_frequencies(config.rope_theta, config.rope_scaling, config.head_dim)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -111,9 +101,9 @@ class MLP(nn.Module):
 
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.up_proj = Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -164,7 +154,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        inv_freq, self.rope_scale = rope_inv_freq(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._rope: torch.Tensor | None = None  # [max_position_embeddings, 2, head_dim] cos, sin
 
     @property
@@ -190,15 +181,18 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(h)
 
     def rope_table(self) -> torch.Tensor:
-        """float32 [max_position_embeddings, 2, head_dim] cos and sin of every position, built
-        once (per device): a position's values never depend on which tokens share its forward,
-        so chunked prefill writes exactly the bytes of a one-shot prefill."""
+        """float32 [max_position_embeddings, 2, head_dim] cos and sin of every position (times
+        the RoPE's attention scale, yarn), built once (per device): a position's values never
+        depend on which tokens share its forward, so chunked prefill writes exactly the bytes
+        of a one-shot prefill."""
         if self._rope is None or self._rope.device != self.inv_freq.device:
             pos = torch.arange(self.config.max_position_embeddings, dtype=torch.float32,
                                device=self.inv_freq.device)
             freqs = pos[:, None] * self.inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
             self._rope = torch.stack((emb.cos(), emb.sin()), dim=1)
+            if self.rope_scale != 1.0:
+                self._rope *= self.rope_scale
         return self._rope
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
