@@ -158,6 +158,14 @@ def test_checkpoint_errors(tmp_path):
                                          r"\['model.layers.1.mlp.up_proj.weight'\], "
                                          r"unexpected \['model.extra.weight'\]$"):
         load_model(str(tmp_path))
+    build_checkpoint(tmp_path, "llama")  # weights of head_dim 16, config.json says 32
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "head_dim": 2 * HD}))
+    with pytest.raises(ValueError, match=r": model.layers.0.self_attn.k_proj.weight has shape "
+                                         r"\[32, 64\] but config.json \(hidden_size=64, "
+                                         r"num_attention_heads=4, num_key_value_heads=2, head_dim=32, "
+                                         r"intermediate_size=96, vocab_size=20\) needs \[64, 64\] "
+                                         r"\(8 tensors differ\)$"):
+        load_model(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
     with pytest.raises(ValueError, match=r"^config.json model_type='gpt2' is not supported; "
                                          r"use one of \('llama', 'qwen2'\)$"):

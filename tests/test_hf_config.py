@@ -93,6 +93,9 @@ def test_both_conventions_and_defaults():
         "original_max_position_embeddings": 64}})
     assert yarn.rope_scaling == {"rope_type": "yarn", "factor": 4.0,
                                  "original_max_position_embeddings": 64}
+    both = ModelConfig.from_hf({**LLAMA, "rope_theta": 1e5, "rope_scaling": {"type": "linear", "factor": 2.0},
+                                "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e5}})
+    assert (both.rope_theta, both.rope_scaling) == (1e5, {"rope_type": "linear", "factor": 2.0})
     plain = ModelConfig.from_hf({k: v for k, v in QWEN2.items() if k != "max_position_embeddings"})
     assert (plain.rope_theta, plain.max_position_embeddings, plain.attention_bias, plain.o_bias) == \
         (10000.0, 32768, True, False)  # transformers' Qwen2Config defaults

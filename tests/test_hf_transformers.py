@@ -11,7 +11,8 @@ import torch
 
 from kvflow import PagedKVCache
 from kvflow.engine import Engine, sample
-from kvflow.model import load_model
+from kvflow.model import ModelConfig, load_model
+from kvflow.model.llama import rope_inv_freq
 
 from .hf_models import CASES, PROMPTS, build, transformers_greedy
 from .serve_server import Server
@@ -35,6 +36,38 @@ def kvflow_greedy(path, ids: list[int], n: int) -> tuple[torch.Tensor, list[int]
         out.append(sample(logits, 0.0))
         logits = engine.decode([(out[-1], len(ids) + len(out) - 1, table)])[0]
     return first, out
+
+
+ROPES = [
+    {"rope_type": "default", "rope_theta": 100000.0},
+    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 3.0},
+    {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 2.0, "low_freq_factor": 0.5,
+     "high_freq_factor": 3.0, "original_max_position_embeddings": 100},
+    {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 32768},
+    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 4096,
+     "truncate": False, "beta_fast": 24.0, "beta_slow": 1.5},
+    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0, "original_max_position_embeddings": 4096,
+     "mscale": 0.707, "mscale_all_dim": 0.707},
+    {"rope_type": "yarn", "rope_theta": 50000.0, "factor": None, "original_max_position_embeddings": 1024,
+     "attention_factor": 1.25},
+]
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("i", range(len(ROPES)))
+def test_rope_frequencies_equal_transformers_bit_for_bit(i, head_dim):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    cfg = LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, num_hidden_layers=1,
+                      vocab_size=8, intermediate_size=8, max_position_embeddings=131072,
+                      rope_parameters=dict(ROPES[i]))
+    ref = LlamaRotaryEmbedding(cfg)
+    inv, scale = rope_inv_freq(ModelConfig.from_hf(cfg.to_dict()))
+    assert torch.equal(inv, ref.inv_freq) and scale == ref.attention_scaling
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

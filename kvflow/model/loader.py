@@ -43,7 +43,9 @@ def load_model(name_or_path: str = "kvflow-tiny", *, dtype: Any = torch.float32,
     ------
     ValueError
         ``name_or_path`` is neither a built-in name nor a checkpoint directory; a checkpoint
-        misses weights or carries unexpected ones (named).
+        misses weights, carries unexpected ones, or one of a shape its config.json does not
+        give (named); config.json asks for math kvflow does not do
+        (:meth:`ModelConfig.from_hf`, the field named).
     """
     if name_or_path in PRESETS:
         model = init_random_(LlamaForCausalLM(PRESETS[name_or_path]), SEED)
@@ -75,6 +77,15 @@ def _load_hf(path: str, dtype: Any, device: Any):
     if missing or unexpected:
         raise ValueError(f"checkpoint {path!r} does not match a {config.num_layers}-layer "
                          f"model: missing {missing[:8]}, unexpected {unexpected[:8]}")
+    shapes = {k: tuple(p.shape) for k, p in model.named_parameters()}
+    wrong = [k for k in sorted(state) if tuple(state[k].shape) != shapes[k]]
+    if wrong:
+        k, c = wrong[0], config
+        raise ValueError(f"checkpoint {path!r}: {k} has shape {list(state[k].shape)} but "
+                         f"config.json (hidden_size={c.hidden_size}, num_attention_heads="
+                         f"{c.num_heads}, num_key_value_heads={c.num_kv_heads}, head_dim="
+                         f"{c.head_dim}, intermediate_size={c.intermediate_size}, vocab_size="
+                         f"{c.vocab_size}) needs {list(shapes[k])} ({len(wrong)} tensors differ)")
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
     return _ready(model.to(device=device)), HFTokenizer(path)
 

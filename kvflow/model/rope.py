@@ -67,10 +67,12 @@ def rope_from_hf(cfg: dict[str, Any]) -> tuple[float, dict | None]:
     for name, v in (("rope_scaling", scaling), ("rope_parameters", params)):
         if v is not None and not isinstance(v, dict):
             raise ValueError(f"config.json {name}={v!r} must be an object or null")
-    if scaling and params and _canonical(scaling) != _canonical(params):
-        raise ValueError(f"config.json rope_scaling={scaling!r} and rope_parameters={params!r} "
-                         "disagree; keep one")
-    p = dict(scaling or params or {})
+    if scaling and params:  # both written (by hand, or by tools that keep the old field)
+        if _canonical(scaling) != _canonical(params):
+            raise ValueError(f"config.json rope_scaling={scaling!r} and rope_parameters={params!r} "
+                             "disagree; keep one")
+        _one("rope_theta", params.get("rope_theta"), scaling.get("rope_theta"))
+    p = {**(scaling or {}), **(params or {})}
     nested = sorted(k for k, v in p.items() if isinstance(v, dict))
     if nested:
         raise ValueError(f"config.json rope_parameters has per-layer-type entries {nested}; "
@@ -110,7 +112,8 @@ def rope_from_hf(cfg: dict[str, Any]) -> tuple[float, dict | None]:
 
 
 def _canonical(d: dict) -> dict:
-    d = dict(d)
+    """``d`` without rope_theta (compared on its own), its ``type`` read as ``rope_type``."""
+    d = {k: v for k, v in d.items() if k != "rope_theta"}
     t = d.pop("type", None)
     d.setdefault("rope_type", t)
     return d
