@@ -28,7 +28,7 @@ import zmq.asyncio
 from kvflow.protocol import (PROTOCOL_VERSION, Heartbeat, Pair, PairResult, Register, Reregister,
                              Tokens, decode_or_log, encode)
 
-from .liveness import host_id, process_exited
+from .liveness import DEAD, process_state
 
 log = logging.getLogger("kvflow.serve.router")
 
@@ -226,8 +226,7 @@ class Controller:
                 # delay heartbeats); any instance when its heartbeats stop; one on this host
                 # (same pid namespace) also as soon as its process has exited.
                 limit = self.dead_after_s if ours is None else self.hung_after_s
-                if ours is None and info.reg.host_id and info.reg.host_id == host_id() \
-                        and process_exited(info.reg.pid):
+                if ours is None and process_state(info.reg.pid, info.reg.host_id) == DEAD:
                     ours = False
                 if ours is False or now - info.last_seen > limit:
                     exited = ours is False
@@ -244,9 +243,10 @@ class Controller:
         if self.metrics is not None:
             self.metrics.forget(info.id, info.role)
         if info.reg.shm_name:  # kept while its owner lives: it may register again
-            from kvflow.transfer.shm import pid_alive, unlink_segment
-            if not pid_alive(info.reg.pid):
-                unlink_segment(info.reg.shm_name)
+            from kvflow import segments
+            parsed = segments.parse_name(info.reg.shm_name)
+            if parsed is not None and segments.owner_state(parsed.owner) == segments.DEAD:
+                segments.unlink(info.reg.shm_name)
         for req_id, st in self.requests.items():
             needs = st.decode_id == info.id or (st.prefill_id == info.id and st.stage != "decoding")
             if needs:

@@ -217,9 +217,9 @@ class DecodeInstance(Instance):
         blocks lent to them (a dead P writes nothing more)."""
         if self.cfg.transfer != "ipc":  # tcp peers may live on other hosts
             return
-        from kvflow.transfer.shm import pid_alive
+        from kvflow.segments import process_exited
         for peer, pid in list(self.peer_pids.items()):
-            if pid > 0 and not pid_alive(pid):  # 0: not told (a harness), taken as alive
+            if pid > 0 and process_exited(pid):  # 0: not told (a harness), taken as alive
                 del self.peer_pids[peer]
                 self.receiver.detach(peer)
                 self._free_lent([r for r, e in self.lent.items() if e.prefill_id == peer])
