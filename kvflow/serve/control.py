@@ -87,6 +87,7 @@ class Controller:
         self.requests: dict[str, ReqState] = {}
         self.errors: list[str] = []
         self.shm_names: set[str] = set()
+        self.exited: set[str] = set()  # instances declared dead whose process was seen to exit
         self._asked: dict[bytes, float] = {}  # unknown instance -> when it was asked to register
         self._tasks: list[asyncio.Task] = []
         self._rr = 0
@@ -210,10 +211,11 @@ class Controller:
                 continue
             await self.send(p, Pair(peer_id=d.id, peer_role="decode", peer_spec=d.reg.spec,
                                     peer_num_blocks=d.reg.num_blocks, data_addr=d.reg.data_addr,
-                                    shm_name=d.reg.shm_name, peer_pid=d.reg.pid))
+                                    shm_name=d.reg.shm_name, peer_pid=d.reg.pid,
+                                    peer_host_id=d.reg.host_id))
             await self.send(d, Pair(peer_id=p.id, peer_role="prefill", peer_spec=p.reg.spec,
                                     peer_num_blocks=p.reg.num_blocks, shm_name=p.reg.shm_name,
-                                    peer_pid=p.reg.pid))
+                                    peer_pid=p.reg.pid, peer_host_id=p.reg.host_id))
 
     # ---- liveness -------------------------------------------------------------------
     async def _monitor(self) -> None:
@@ -231,11 +233,16 @@ class Controller:
                 if ours is False or now - info.last_seen > limit:
                     exited = ours is False
                     self.instance_died(info, "exited" if exited else
-                                       f"missed heartbeats for {self.dead_after_s:.1f} s")
+                                       f"missed heartbeats for {self.dead_after_s:.1f} s",
+                                       exited=exited)
 
-    def instance_died(self, info: InstanceInfo, why: str) -> None:
-        """Forget a dead instance, fail the requests that still need it, unlink its segment."""
+    def instance_died(self, info: InstanceInfo, why: str, *, exited: bool = False) -> None:
+        """Forget a dead instance, fail the requests that still need it, unlink its segment.
+        ``exited``: its process was seen to exit (else it only went silent and may still run:
+        the survivors keep what it may still read or write, :class:`~kvflow.protocol.Abort`)."""
         self.instances.pop(info.id, None)
+        if exited:
+            self.exited.add(info.id)
         self.errors.append(f"{info.role} instance {info.id} (pid {info.reg.pid}) {why}")
         log.error("%s", self.errors[-1])
         for other in self.instances.values():
