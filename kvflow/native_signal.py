@@ -22,13 +22,13 @@ or the native switch :func:`set_profile_run` is on; :func:`send_signal` before
 
 from __future__ import annotations
 
-import secrets
 import time
 import weakref
 from typing import Any, Callable
 
 from kvflow.context import sends_allowed
-from kvflow.signal.segment import PREFIX, check_instance_id, check_num_layers, cleanup_stale
+from kvflow.signal.segment import check_instance_id, check_num_layers, cleanup_stale
+from kvflow.signal.segment import new_segment_name as _new_name
 
 try:
     from kvflow import _native
@@ -56,8 +56,9 @@ def CompletionFlag():  # noqa: N802 - a factory that reads as the native class
 
 
 def new_segment_name(instance_id: str) -> str:
-    """``kvflow-sig-<instance_id>-<16 random hex>``, the name scheme of kvflow/signal/segment.py."""
-    return f"{PREFIX}{check_instance_id(instance_id)}-{secrets.token_hex(8)}"
+    """``kvflow-sig-<instance_id>-<owner>-<16 random hex>``, the name scheme of every kvflow
+    segment (:mod:`kvflow.segments`)."""
+    return _new_name(instance_id)
 
 
 # ---- the seed's process-wide channel ---------------------------------------------------------
@@ -104,7 +105,7 @@ class NativeSignalChannel:
     ----------
     segment : kvflow._native.SignalSegment
     name : str
-        ``kvflow-sig-<instance_id>-<16 hex>`` (attach with :class:`kvflow.signal.SignalReader`).
+        ``kvflow-sig-<instance_id>-<owner>-<16 hex>`` (attach with :class:`kvflow.signal.SignalReader`).
     num_layers : int
     """
 

@@ -85,6 +85,7 @@ class Pair(_Msg):
     data_addr: str = ""             # to P: D's data address
     shm_name: str = ""              # the peer's exported cache (ipc): P's to D (pull), D's to P (push)
     peer_pid: int = 0               # the peer's process id (one host: a liveness check)
+    peer_host_id: str = ""          # the peer's Register.host_id: its pid is comparable when equal
 
 
 class PairResult(_Msg):
@@ -148,15 +149,18 @@ class Tokens(_Msg):
 
 class Abort(_Msg):
     """Router -> P and D: drop the request and give its blocks back. ``peer_dead`` names the
-    request's other instance when it died: P then frees blocks it sent at once (nobody will
-    read them) instead of holding them until D's ack or the lease ends. ``prefill_sent``: the
-    router had sent the Prefill to P, so with ipc push P may still be writing D's blocks (D
-    keeps them until P's :class:`KVPushed`)."""
+    request's other instance when the router declared it dead; ``peer_exited`` says the router
+    saw its process exit (not only its heartbeats stop). Only then does P free blocks it sent
+    at once (nobody will read them) instead of holding them until D's ack or the lease ends.
+    ``prefill_sent``: the router had sent the Prefill to P, so with ipc push P may still be
+    writing D's blocks: D keeps them until P's :class:`KVPushed`, or P's process is gone, or
+    (a P that D cannot judge) ``kv_lease_s`` after P was declared dead."""
     req_id: str
     reason: str = ""
     peer_dead: str = ""
     prefill_sent: bool = True
     prefill_id: str = ""            # the P that got the Prefill ("" if none or unknown)
+    peer_exited: bool = False       # peer_dead's process has exited (seen by the router)
 
 
 # ---- P <-> D (data link) -----------------------------------------------------------------

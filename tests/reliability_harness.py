@@ -115,10 +115,10 @@ class PD:
         for msg in self.take(self.d, LeaseRenew):
             self.p.on_leaserenew(msg, [], None)
 
-    def abort(self, req_id, peer_dead="", prefill_sent=True):
+    def abort(self, req_id, peer_dead="", prefill_sent=True, peer_exited=False):
         for inst in (self.p, self.d):
-            inst.on_abort(Abort(req_id=req_id, peer_dead=peer_dead, prefill_sent=prefill_sent),
-                          [], None)
+            inst.on_abort(Abort(req_id=req_id, peer_dead=peer_dead, prefill_sent=prefill_sent,
+                                peer_exited=peer_exited), [], None)
 
     def decode_all(self):
         while self.d.has_work():

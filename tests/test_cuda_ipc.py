@@ -25,6 +25,7 @@ from kvflow.serve.procs import instance_env
 from kvflow.transfer.base import TransferError
 from kvflow.transfer.cuda_ipc import (CudaIpcExport, CudaIpcReceiver, decode_export, encode_export,
                                       import_cache, ordinal_of_uuid, publish_export, read_export)
+from kvflow.segments import Owner
 from kvflow.transfer.shm import shm_path, unlink_segment
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,7 +57,7 @@ def test_publish_is_private_and_removable():
     name = publish_export(export())
     try:
         assert stat.S_IMODE(os.stat(shm_path(name)).st_mode) == 0o600
-        assert name.startswith(f"kvflow-cudaipc-{os.getpid()}-")
+        assert name.startswith(f"kvflow-cudaipc-{Owner.me().tag}-")
         assert read_export(name) == export()
     finally:
         assert unlink_segment(name)

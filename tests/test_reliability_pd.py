@@ -122,9 +122,11 @@ def test_abort_after_p_sent_holds_until_d_acks_then_late_transfer_is_ignored(pd)
 
 
 def test_abort_with_dead_peer_frees_p_at_once(pd):
+    """D's process exited (the router saw it): nobody reads P's blocks any more. A D declared
+    dead only for missed heartbeats may still read them: tests/test_reliability_leases.py."""
     req, alloc = pd.allocate(TEXT[:40])
     pd.prefill(req, TEXT[:40], alloc)
-    pd.abort(req, peer_dead=pd.d.instance_id)
+    pd.abort(req, peer_dead=pd.d.instance_id, peer_exited=True)
     assert req not in pd.p.pending
 
 

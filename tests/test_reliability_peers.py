@@ -15,6 +15,7 @@ import time
 import httpx
 import pytest
 
+from kvflow.segments import Owner
 from kvflow.transfer.shm import SHM_DIR
 
 from .serve_server import free_port, heartbeats_after, pid_alive
@@ -170,8 +171,9 @@ def test_kill_p_mid_prefill_d_frees_and_client_gets_an_error(cl):
 
 
 def test_restart_after_crash_ignores_and_removes_leftovers(cl):
-    # What a crashed P leaves when nobody cleaned up: a segment named after its dead pid.
-    stale = f"kvflow-prefill-{cl.p.pid}-{'ab' * 6}"
+    # What a crashed P leaves when nobody cleaned up: a segment named after its dead process.
+    me = Owner.me()
+    stale = f"kvflow-prefill-{Owner(cl.p.pid, 1, me.pid_ns, me.boot).tag}-{'ab' * 6}"
     path = os.path.join(SHM_DIR, stale)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     os.write(fd, b"\xff" * 4096)

@@ -1,8 +1,8 @@
 """ipc push (P writes into D's exported cache, kvflow.transfer.push) on an in-process P + D pair
 (tests/reliability_harness.py): token identity with a colocated engine, prefix hits, and who
 owns D's blocks when a request ends early -- D keeps them ("lent") until P's KVPushed says it
-wrote its last byte, unless the Prefill never went out or P is dead. Every test ends with P's
-and D's free-block counts at their start."""
+wrote its last byte, unless the Prefill never went out or P's process is gone. Every test ends
+with P's and D's free-block counts at their start."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 
 from kvflow.context import forward_context
 from kvflow.protocol import Abort, KVPushed, Prefill, Rejected, Tokens, decode
+from kvflow.segments import host_id
 from kvflow.serve.instance import InstanceConfig, layerwise_min_tokens, uses_push
 from kvflow.transfer import TransferError
 
@@ -100,12 +101,13 @@ def test_abort_while_queued_on_p_tells_d_to_free(pd):
     assert req not in pd.d.lent
 
 
-def test_abort_before_the_prefill_went_out_or_with_p_dead_frees_d_at_once(pd):
+def test_abort_before_the_prefill_went_out_or_with_p_exited_frees_d_at_once(pd):
     req, _ = pd.allocate(TEXT[:40])
     pd.d.on_abort(Abort(req_id=req, prefill_sent=False), [], None)
     assert req not in pd.d.lent and pd.d.allocator.num_used == 0
-    req, _ = pd.allocate(TEXT[:40])
-    pd.d.on_abort(Abort(req_id=req, peer_dead=pd.p.instance_id), [], None)
+    req, _ = pd.allocate(TEXT[:40])  # the router saw P's process exit: it writes nothing more
+    pd.d.on_abort(Abort(req_id=req, peer_dead=pd.p.instance_id, prefill_id=pd.p.instance_id,
+                        peer_exited=True), [], None)
     assert req not in pd.d.lent and pd.d.allocator.num_used == 0
 
 
@@ -127,6 +129,7 @@ def test_receive_timeout_keeps_the_blocks_lent_until_p_is_done_or_dead(pd):
         pd.d.on_abort(Abort(req_id=req, prefill_id="p-gone"), [], None)
         assert pd.d.lent[req].prefill_id == "p-gone"
         pd.d.peer_pids["p-gone"] = dead_pid()
+        pd.d.peer_hosts["p-gone"] = host_id()  # its pid is comparable with D's
         pd.d._last_peer_check = 0.0
         pd.d.heartbeat(force=True)
         assert req not in pd.d.lent and "p-gone" not in pd.d.peer_pids

@@ -192,9 +192,11 @@ def test_garbage_control_frames_and_late_completions_are_ignored(server):
 
 
 def test_shared_memory_is_0600_with_unguessable_names(server):
-    name = server.instance("prefill")["shm_name"]
-    role, pid, rand = name.split("-")[1:]
+    p = server.instance("prefill")
+    name = p["shm_name"]
+    role, owner, rand = name.split("-")[1:]
     assert role == "prefill" and len(rand) >= 12 and int(rand, 16) >= 0
+    assert owner.split(".")[0] == str(p["pid"])  # pid.start.pidns.boot: kvflow/segments.py
     mode = os.stat(os.path.join(SHM_DIR, name)).st_mode
     assert stat.S_IMODE(mode) == 0o600
     assert server.health()["control_addr"].startswith("tcp://127.0.0.1:")

@@ -1,8 +1,10 @@
 """P dying in the middle of a request: the client gets an error within 5 s, D gets every block
-back, P's shared-memory segment is removed; the server still shuts down cleanly."""
+back, P's shared-memory segments (its cache, and its signal segment once the server stops) are
+removed; the server still shuts down cleanly."""
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import threading
@@ -37,6 +39,9 @@ def test_prefill_death_mid_request(server):
                             max_tokens=16)
         result["status"], result["body"], result["t"] = r.status_code, r.json(), time.monotonic()
 
+    # P's signal segment (layerwise transfer, created at pairing) exists while P lives
+    signals = os.path.join(SHM_DIR, f"kvflow-sig-{p0['id'].replace('-', '_')}-*")
+    assert len(glob.glob(signals)) == 1
     th = threading.Thread(target=client)
     th.start()
     deadline = time.monotonic() + 10
@@ -62,7 +67,9 @@ def test_prefill_death_mid_request(server):
     assert h.status_code == 503 and any(p0["id"] in e for e in h.json()["errors"])
     r = server.complete(prompt="anyone there?", max_tokens=2)
     assert r.status_code == 503 and "no prefill/decode pair is ready" in r.json()["error"]["message"]
-    # Shutdown still leaves nothing behind.
+    # Shutdown still leaves nothing behind: no process, and no segment of any kind of the
+    # killed P (its signal segment was left behind before issue 14).
     pids = set(server.seen_pids)
     assert server.stop() == 0
     assert not [p for p in pids if pid_alive(p)]
+    assert glob.glob(signals) == []

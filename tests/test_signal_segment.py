@@ -10,6 +10,7 @@ import struct
 import numpy as np
 import pytest
 
+from kvflow.segments import Owner
 from kvflow.signal import MAGIC, Segment, SignalChannel, SignalReader, cleanup_stale, segment_bytes
 from kvflow.signal.segment import SHM_DIR, process_start_time
 
@@ -19,8 +20,10 @@ def _iid() -> str:
 
 
 def _fake_segment(pid: int, start: int, *, magic: bytes = MAGIC, num_layers: int = 2) -> str:
-    """Write a segment file with a chosen owner header; return its name."""
-    name = f"kvflow-sig-{_iid()}-{secrets.token_hex(8)}"
+    """Write a segment file with a chosen owner (name and header); return its name."""
+    me = Owner.me()
+    owner = Owner(pid, start, me.pid_ns, me.boot)
+    name = f"kvflow-sig-{_iid()}-{owner.tag}-{secrets.token_hex(8)}"
     head = struct.pack("<8sIIQQQ", magic, 1, num_layers, pid, start, 0).ljust(64, b"\0")
     with open(os.path.join(SHM_DIR, name), "xb") as f:
         f.write(head + b"\0" * (segment_bytes(num_layers) - 64))
@@ -74,7 +77,8 @@ def test_cleanup_removes_dead_and_reused_pid_keeps_live_and_unwritten():
     reused = _fake_segment(os.getpid(), process_start_time(os.getpid()) + 1)  # pid reuse
     ppid = os.getppid()
     live = _fake_segment(ppid, process_start_time(ppid))
-    unwritten = _fake_segment(0, 0, magic=b"\0" * 8)  # header not written yet: leave it
+    # a live owner's segment whose header is not written yet (being created): judged by name
+    unwritten = _fake_segment(ppid, process_start_time(ppid), magic=b"\0" * 8)
     try:
         with SignalChannel.create(_iid(), 2) as mine:  # create() cleans first
             left = set(os.listdir(SHM_DIR))
@@ -87,8 +91,10 @@ def test_cleanup_removes_dead_and_reused_pid_keeps_live_and_unwritten():
 
 
 @pytest.mark.parametrize("name, message", [
-    ("../etc/passwd", "name must look like 'kvflow-sig-<instance_id>-<16 hex>', got '../etc/passwd'"),
-    ("kvflow-sig-x-0123", "name must look like 'kvflow-sig-<instance_id>-<16 hex>', got 'kvflow-sig-x-0123'"),
+    ("../etc/passwd", "name must look like 'kvflow-sig-<instance_id>-<owner>-<16 hex>', got '../etc/passwd'"),
+    ("kvflow-sig-x-0123", "name must look like 'kvflow-sig-<instance_id>-<owner>-<16 hex>', got 'kvflow-sig-x-0123'"),
+    ("kvflow-sig-x-0123456789abcdef", "name must look like 'kvflow-sig-<instance_id>-<owner>-<16 hex>', "
+                                      "got 'kvflow-sig-x-0123456789abcdef'"),  # the older scheme
 ])
 def test_attach_rejects_bad_names(name, message):
     with pytest.raises(ValueError) as e:

@@ -16,6 +16,7 @@ import zmq
 from kvflow import KVCacheSpec, PagedKVCache
 from kvflow.context import forward_context
 from kvflow.protocol import KVData, KVReady, decode
+from kvflow.segments import Owner
 from kvflow.transfer import TransferError, make_receiver
 from kvflow.transfer.ipc import SHM_DIR, IpcSender, SharedCache, clean_stale_segments, map_peer_cache
 from kvflow.transfer.tcp import TcpSender
@@ -148,15 +149,15 @@ def test_shared_segment_mode_name_and_stale_cleanup():
     spec = SPECS[0]
     a, b = SharedCache(spec, 4), SharedCache(spec, 4)
     try:
-        assert a.name != b.name and a.name.startswith(f"kvflow-prefill-{os.getpid()}-")
+        assert a.name != b.name and a.name.startswith(f"kvflow-prefill-{Owner.me().tag}-")
         assert stat.S_IMODE(os.stat(a.path).st_mode) == 0o600
         with pytest.raises(TransferError, match="holds 6144 bytes; the peer cache of 5 blocks needs 7680"):
             map_peer_cache(a.name, spec, 5)
         with pytest.raises(ValueError, match="shm_name must look like"):
             map_peer_cache("../etc/passwd", spec, 4)
         # A segment left by a dead owner is removed; live owners' segments stay.
-        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                              capture_output=True, text=True, check=True)
+        dead = subprocess.run([sys.executable, "-c", "from kvflow.segments import Owner; "
+                               "print(Owner.me().tag)"], capture_output=True, text=True, check=True)
         stale = f"kvflow-decode-{dead.stdout.strip()}-0123456789ab"
         open(os.path.join(SHM_DIR, stale), "wb").close()
         assert stale in clean_stale_segments()

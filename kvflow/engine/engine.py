@@ -53,6 +53,11 @@ class Engine:
             raise ValueError("cache does not match the model: " + "; ".join(diffs))
         self.model, self.cache, self.spec = model, cache, s
         self.device = model.device
+        #: Called as ``before_chunk(token_ids, start, end)`` before each prefill forward of
+        #: positions ``[start, end)`` (every path: whole, chunked, layerwise, push), on the
+        #: caller's thread. A serving instance heartbeats there, so a long prefill is not
+        #: taken for a dead one.
+        self.before_chunk: Callable[[list[int], int, int], None] | None = None
 
     # ---- checks -----------------------------------------------------------------------
     def _table(self, name: str, block_table, num_tokens: int) -> torch.Tensor:
@@ -119,6 +124,8 @@ class Engine:
         step = chunk_size or n
         for start in range(num_computed_tokens, n, step):
             end = min(start + step, n)
+            if self.before_chunk is not None:
+                self.before_chunk(token_ids, start, end)
             hidden = self._prefill_chunk(ids[start:end], start, table, on_layer_done)
         return self.model.compute_logits(hidden[-1:])[0]
 

@@ -235,7 +235,7 @@ async def _watch_children(children, ctl, server, failed: list[str]) -> None:
 async def _serve(args: argparse.Namespace, http_sock, children) -> int:
     import uvicorn
 
-    from kvflow.transfer.shm import clean_stale_segments, unlink_segment
+    from kvflow.transfer.shm import clean_stale_segments
 
     from .control import Controller
     from .procs import instance_env
@@ -276,8 +276,8 @@ async def _serve(args: argparse.Namespace, http_sock, children) -> int:
     finally:
         if children is not None:
             children.stop_all()
-        for name in ctl.shm_names:
-            unlink_segment(name)
+        # every kind of segment whose owner is gone (the children's, also those of one killed
+        # earlier); an instance started on its own keeps its segments while it runs
         clean_stale_segments()
         await ctl.close()
 

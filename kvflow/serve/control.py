@@ -28,7 +28,7 @@ import zmq.asyncio
 from kvflow.protocol import (PROTOCOL_VERSION, Heartbeat, Pair, PairResult, Register, Reregister,
                              Tokens, decode_or_log, encode)
 
-from .liveness import host_id, process_exited
+from .liveness import DEAD, process_state
 
 log = logging.getLogger("kvflow.serve.router")
 
@@ -87,6 +87,7 @@ class Controller:
         self.requests: dict[str, ReqState] = {}
         self.errors: list[str] = []
         self.shm_names: set[str] = set()
+        self.exited: set[str] = set()  # instances declared dead whose process was seen to exit
         self._asked: dict[bytes, float] = {}  # unknown instance -> when it was asked to register
         self._tasks: list[asyncio.Task] = []
         self._rr = 0
@@ -210,10 +211,11 @@ class Controller:
                 continue
             await self.send(p, Pair(peer_id=d.id, peer_role="decode", peer_spec=d.reg.spec,
                                     peer_num_blocks=d.reg.num_blocks, data_addr=d.reg.data_addr,
-                                    shm_name=d.reg.shm_name, peer_pid=d.reg.pid))
+                                    shm_name=d.reg.shm_name, peer_pid=d.reg.pid,
+                                    peer_host_id=d.reg.host_id))
             await self.send(d, Pair(peer_id=p.id, peer_role="prefill", peer_spec=p.reg.spec,
                                     peer_num_blocks=p.reg.num_blocks, shm_name=p.reg.shm_name,
-                                    peer_pid=p.reg.pid))
+                                    peer_pid=p.reg.pid, peer_host_id=p.reg.host_id))
 
     # ---- liveness -------------------------------------------------------------------
     async def _monitor(self) -> None:
@@ -226,17 +228,21 @@ class Controller:
                 # delay heartbeats); any instance when its heartbeats stop; one on this host
                 # (same pid namespace) also as soon as its process has exited.
                 limit = self.dead_after_s if ours is None else self.hung_after_s
-                if ours is None and info.reg.host_id and info.reg.host_id == host_id() \
-                        and process_exited(info.reg.pid):
+                if ours is None and process_state(info.reg.pid, info.reg.host_id) == DEAD:
                     ours = False
                 if ours is False or now - info.last_seen > limit:
                     exited = ours is False
                     self.instance_died(info, "exited" if exited else
-                                       f"missed heartbeats for {self.dead_after_s:.1f} s")
+                                       f"missed heartbeats for {self.dead_after_s:.1f} s",
+                                       exited=exited)
 
-    def instance_died(self, info: InstanceInfo, why: str) -> None:
-        """Forget a dead instance, fail the requests that still need it, unlink its segment."""
+    def instance_died(self, info: InstanceInfo, why: str, *, exited: bool = False) -> None:
+        """Forget a dead instance, fail the requests that still need it, unlink its segment.
+        ``exited``: its process was seen to exit (else it only went silent and may still run:
+        the survivors keep what it may still read or write, :class:`~kvflow.protocol.Abort`)."""
         self.instances.pop(info.id, None)
+        if exited:
+            self.exited.add(info.id)
         self.errors.append(f"{info.role} instance {info.id} (pid {info.reg.pid}) {why}")
         log.error("%s", self.errors[-1])
         for other in self.instances.values():
@@ -244,9 +250,10 @@ class Controller:
         if self.metrics is not None:
             self.metrics.forget(info.id, info.role)
         if info.reg.shm_name:  # kept while its owner lives: it may register again
-            from kvflow.transfer.shm import pid_alive, unlink_segment
-            if not pid_alive(info.reg.pid):
-                unlink_segment(info.reg.shm_name)
+            from kvflow import segments
+            parsed = segments.parse_name(info.reg.shm_name)
+            if parsed is not None and segments.owner_state(parsed.owner) == segments.DEAD:
+                segments.unlink(info.reg.shm_name)
         for req_id, st in self.requests.items():
             needs = st.decode_id == info.id or (st.prefill_id == info.id and st.stage != "decoding")
             if needs:

@@ -21,6 +21,13 @@ whose KV it still means to read; P frees sent blocks whose lease (``kv_lease_s``
 Before pulling from P's shared cache (ipc), D checks that P's lease still holds (with a 20%
 margin) and otherwise refuses the transfer rather than read blocks P may have reused.
 
+Push (P writes into D's blocks): blocks of a request that ended before P's ``KVPushed`` stay
+*lent* -- never reused while the writing process exists. They come back on P's ``KVPushed``;
+when P's process is gone (judged as the router judges instances: P's pid, only when P's host
+id equals D's, :mod:`kvflow.serve.liveness`; or the router saw it exit, ``Abort.peer_exited``);
+or, for a P that D cannot judge (another pid namespace), ``kv_lease_s`` after the router
+declared it dead. A router's "dead" alone (missed heartbeats: a slow prefill) frees nothing.
+
 """
 
 from __future__ import annotations
@@ -59,11 +66,15 @@ class Seq:
 @dataclasses.dataclass
 class Lent:
     """Blocks of an ended request that a P may still write (ipc push): freed on its KVPushed or
-    once that P is dead; ``prefill_id`` is "" until the router's Abort names it."""
+    once that P's process is gone; ``prefill_id`` is "" until the router's Abort names it;
+    ``dead_at`` (monotonic) when the router declared that P dead, ``exited`` when it saw the
+    process exit."""
     blocks: list[int]
     prefill_id: str = ""
     since: float = dataclasses.field(default_factory=time.monotonic)
     warned: bool = False
+    dead_at: float = 0.0
+    exited: bool = False
 
 
 class DecodeInstance(Instance):
@@ -87,6 +98,8 @@ class DecodeInstance(Instance):
         # push: blocks of requests that ended before their P said it is done writing them
         self.lent: dict[str, Lent] = {}
         self.peer_pids: dict[str, int] = {}  # paired P -> its pid (one host: liveness)
+        self.peer_hosts: dict[str, str] = {}  # paired P -> its host id (pids comparable if ours)
+        self.gone_peers: set[str] = set()     # P's whose process D saw gone
         self._last_peer_check = 0.0
 
     def startup(self) -> None:
@@ -153,6 +166,7 @@ class DecodeInstance(Instance):
                 self.receiver.attach(msg.peer_id, self.spec, msg.peer_num_blocks, msg.shm_name)
                 self.peer_id = msg.peer_id
                 self.peer_pids[msg.peer_id] = msg.peer_pid
+                self.peer_hosts[msg.peer_id] = msg.peer_host_id
                 self._check_peers()
             except Exception as exc:
                 error = f"cannot attach to {msg.peer_id}'s cache: {exc}"
@@ -198,12 +212,17 @@ class DecodeInstance(Instance):
             raise
 
     def on_abort(self, msg: Abort, frames, ident) -> None:
-        if msg.peer_dead:
-            self._free_lent([msg.req_id])
+        # push: a P that got the Prefill may still write the blocks, even one the router
+        # declared dead (a slow prefill misses heartbeats): they stay lent (_settle_lent)
         self._end(msg.req_id, self.states.ABORTED, msg.reason or "aborted", notify=False,
-                  lend=msg.prefill_sent and not msg.peer_dead)
-        if msg.req_id in self.lent and msg.prefill_id:
-            self.lent[msg.req_id].prefill_id = msg.prefill_id
+                  lend=msg.prefill_sent)
+        entry = self.lent.get(msg.req_id)
+        if entry is not None:
+            entry.prefill_id = msg.prefill_id or entry.prefill_id
+            if msg.peer_dead and msg.peer_dead == entry.prefill_id:
+                entry.dead_at = entry.dead_at or time.monotonic()
+                entry.exited = entry.exited or msg.peer_exited
+            self._settle_lent()
         self.report_blocks()  # the router sees the freed blocks now, not a heartbeat later
 
     def _free_lent(self, req_ids: list[str]) -> None:
@@ -212,18 +231,35 @@ class DecodeInstance(Instance):
             if entry is not None:
                 self.allocator.free(entry.blocks)
 
+    def _settle_lent(self) -> None:
+        """Give back lent blocks whose writer can write no more: its process is gone, or D
+        cannot judge it and ``kv_lease_s`` has passed since the router declared it dead."""
+        from .liveness import DEAD, UNKNOWN, process_state
+        now = time.monotonic()
+        done = []
+        for req_id, e in self.lent.items():
+            p = e.prefill_id
+            state = DEAD if e.exited or p in self.gone_peers else \
+                process_state(self.peer_pids.get(p, 0), self.peer_hosts.get(p, ""))
+            if state == DEAD or (state == UNKNOWN and e.dead_at
+                                 and now - e.dead_at >= self.kv_lease_s):
+                done.append(req_id)
+        self._free_lent(done)
+
     def _check_peers(self) -> None:
-        """Forget P's whose process is gone (same host): drop their mappings and give back the
-        blocks lent to them (a dead P writes nothing more)."""
+        """Forget P's whose process is gone (judged only on this host and pid namespace):
+        drop their mappings and give back the blocks lent to them (a dead P writes nothing
+        more)."""
         if self.cfg.transfer != "ipc":  # tcp peers may live on other hosts
             return
-        from kvflow.transfer.shm import pid_alive
+        from .liveness import DEAD, process_state
         for peer, pid in list(self.peer_pids.items()):
-            if pid > 0 and not pid_alive(pid):  # 0: not told (a harness), taken as alive
+            if process_state(pid, self.peer_hosts.get(peer, "")) == DEAD:
                 del self.peer_pids[peer]
+                self.gone_peers.add(peer)
                 self.receiver.detach(peer)
-                self._free_lent([r for r, e in self.lent.items() if e.prefill_id == peer])
                 log.warning("%s: prefill instance %s (pid %d) is gone", self.instance_id, peer, pid)
+        self._settle_lent()
     # ---- transfer handlers ----------------------------------------------------------
     def on_kvready(self, msg, frames, ident) -> None:
         self._arrive(msg, frames, ident)
@@ -378,7 +414,7 @@ class DecodeInstance(Instance):
 
     def heartbeat(self, force: bool = False) -> None:
         now = time.monotonic()
-        if now - self._last_peer_check >= 1.0:
+        if now - self._last_peer_check >= (0.1 if self.lent else 1.0):
             self._last_peer_check = now
             self._check_peers()
         for req_id, entry in self.lent.items():

@@ -5,6 +5,8 @@ variable is set, and costs one dictionary lookup when off.
 variable                           effect
 =================================  ===========================================================
 ``KVFLOW_FAULT_PREFILL_DELAY_S``   P sleeps this long before a prefill (P is "prefilling")
+``KVFLOW_FAULT_CHUNK_DELAY_S``     P sleeps this long inside each prefill chunk (a slow
+                                   forward: no heartbeat can go out meanwhile)
 ``KVFLOW_FAULT_RECEIVE_DELAY_S``   D keeps an arrived transfer in flight (RECEIVING) this long
                                    before copying it (a slow transfer: abort or kill D now)
 ``KVFLOW_FAULT_MATCH``             comma-separated token ids: faults apply only to requests
@@ -21,7 +23,8 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-_VARS = {"prefill": "KVFLOW_FAULT_PREFILL_DELAY_S", "receive": "KVFLOW_FAULT_RECEIVE_DELAY_S"}
+_VARS = {"prefill": "KVFLOW_FAULT_PREFILL_DELAY_S", "receive": "KVFLOW_FAULT_RECEIVE_DELAY_S",
+         "chunk": "KVFLOW_FAULT_CHUNK_DELAY_S"}
 
 
 def _contains(ids: Sequence[int], run: list[int]) -> bool:
@@ -30,7 +33,7 @@ def _contains(ids: Sequence[int], run: list[int]) -> bool:
 
 
 def delay_s(kind: str, token_ids: Sequence[int]) -> float:
-    """Seconds of injected delay for fault ``kind`` ("prefill" or "receive") of a request with
+    """Seconds of injected delay for fault ``kind`` ("prefill", "chunk" or "receive") of a request with
     prompt ``token_ids``; 0.0 when the fault is off or the prompt does not match."""
     value = os.environ.get(_VARS[kind], "")
     if not value:

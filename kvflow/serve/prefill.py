@@ -32,7 +32,7 @@ from typing import Any
 import zmq
 
 from kvflow.cache import PagedKVCache
-from kvflow.context import forward_context
+from kvflow.context import forward_context, sends_allowed
 from kvflow.protocol import Abort, KVAck, LeaseRenew, Pair, PairResult, Prefill, Rejected
 from kvflow.sched import NoFreeBlocksError
 
@@ -82,7 +82,19 @@ class PrefillInstance(Instance):
         self.sender = TcpSender(self.cfg.backend)
         return super().make_cache(num_blocks)
 
+    def between_chunks(self, token_ids: list[int], start: int, end: int) -> None:
+        """The engine's ``before_chunk`` hook: a heartbeat between prefill chunks (on this
+        thread, so the control socket stays single-threaded), else a prefill longer than the
+        router's ``--dead-after-s`` gets a live P declared dead. Not in a dummy run."""
+        if self.ctrl is None or not sends_allowed():
+            return
+        Instance.heartbeat(self)
+        delay = faults.delay_s("chunk", token_ids)
+        if delay:  # test fault: a slow forward, no heartbeat meanwhile
+            time.sleep(delay)
+
     def warmup(self) -> None:
+        self.engine.before_chunk = self.between_chunks
         from kvflow.kernels import gather_blocks
         from kvflow.cache import staging_buffer
         scratch = PagedKVCache(self.spec, 2, device=self.cfg.device)
@@ -170,8 +182,9 @@ class PrefillInstance(Instance):
             self.layerwise.abort(msg.req_id)  # drop its pending signals: no further part goes
         entry = self.pending.get(msg.req_id)
         # Blocks D may still be reading stay held until D's ack (D acks an aborted request
-        # "not ok") or the lease ends; if D died nobody reads them: free now.
-        if msg.peer_dead or entry is None or not entry[0]:
+        # "not ok") or the lease ends -- also when D was declared dead only for missed
+        # heartbeats; if D's process exited nobody reads them: free now.
+        if (msg.peer_dead and msg.peer_exited) or entry is None or not entry[0]:
             self._release(msg.req_id)
         self.report_blocks()  # the router sees the freed blocks now, not a heartbeat later
 

@@ -168,7 +168,8 @@ class Router:
                     asyncio.ensure_future(self.ctl.send(self.ctl.instances[inst_id], Abort(
                         req_id=req_id, reason="router ended the request",
                         peer_dead=dead[0] if dead else "", prefill_sent=bool(st.prefill_id),
-                        prefill_id=st.prefill_id)))
+                        prefill_id=st.prefill_id,
+                        peer_exited=bool(dead) and dead[0] in getattr(self.ctl, "exited", ()))))
             else:
                 self.metrics.requests.labels("ok").inc()
 

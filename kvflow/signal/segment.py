@@ -2,8 +2,10 @@
 
 Layout (fixed; ``xpu/``'s C++ sender writes the same bytes; all integers little-endian)
 -------------------------------------------------------------------------------------
-Name ``kvflow-sig-<instance_id>-<16 random hex digits>`` under ``/dev/shm`` (``shm_open`` name
-``/kvflow-sig-...``), created ``O_CREAT | O_EXCL``, mode ``0600``; the random part comes from
+Name ``kvflow-sig-<instance_id>-<owner>-<16 random hex digits>`` under ``/dev/shm`` (``shm_open``
+name ``/kvflow-sig-...``; the scheme of every kvflow segment, :mod:`kvflow.segments`, whose
+owner part -- pid, start time, pid namespace, boot -- lets any process judge whether the owner
+lives), created ``O_CREAT | O_EXCL``, mode ``0600``; the random part comes from
 :func:`secrets.token_hex`, so a name cannot be guessed from the pid. File size
 :func:`segment_bytes` = ``64 + 64 * num_layers`` rounded up to 4096 (a whole page, so the file
 can be host-registered with CUDA); bytes past the last slot are zero.
@@ -37,11 +39,13 @@ from __future__ import annotations
 import mmap
 import os
 import re
-import secrets
 import struct
 import time
 
 import numpy as np
+
+from kvflow import segments
+from kvflow.segments import process_start_time  # noqa: F401 - part of this module's API
 
 MAGIC = b"KVFSIG01"
 VERSION = 1
@@ -52,30 +56,30 @@ STEP_OFFSET = 0
 COUNT_OFFSET = 8
 PAGE_BYTES = 4096
 SHM_DIR = "/dev/shm"
+KIND = "sig"
 PREFIX = "kvflow-sig-"
+NAME_FORMAT = "kvflow-sig-<instance_id>-<owner>-<16 hex>"
 _HEADER = struct.Struct("<8sIIQQQ")  # magic, version, num_layers, pid, start_time, created_ns
 _INSTANCE_RE = re.compile(r"^[A-Za-z0-9_]{1,64}$")
-_NAME_RE = re.compile(r"^kvflow-sig-[A-Za-z0-9_]{1,64}-[0-9a-f]{16}$")
 MAX_LAYERS = 1 << 16
+
+
+def new_segment_name(instance_id: str) -> str:
+    """A fresh ``kvflow-sig-<instance_id>-<owner>-<16 hex>`` name owned by this process."""
+    return segments.new_name(KIND, check_instance_id(instance_id), nhex=16)
+
+
+def is_segment_name(name: str) -> bool:
+    """True for a signal segment name (with or without the leading ``/`` of shm_open)."""
+    parsed = segments.parse_name(name.lstrip("/")) if isinstance(name, str) else None
+    return parsed is not None and parsed.kind == KIND and bool(parsed.label) \
+        and len(name.rsplit("-", 1)[1]) == 16
 
 
 def segment_bytes(num_layers: int) -> int:
     """File size of a segment: ``64 + 64 * num_layers`` bytes rounded up to a 4096-byte page."""
     need = HEADER_BYTES + SLOT_BYTES * num_layers
     return -(-need // PAGE_BYTES) * PAGE_BYTES
-
-
-def process_start_time(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks after boot (``/proc/<pid>/stat`` field 22), or None
-    if no such process exists (or /proc cannot tell)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # Field 2 (comm) may hold spaces and parentheses: split after the last ')'.
-    rest = stat[stat.rfind(b")") + 2:].split()
-    return int(rest[19])  # fields 3.. start at index 0, so field 22 is index 19
 
 
 def check_instance_id(instance_id: str) -> str:
@@ -150,16 +154,9 @@ class Segment:
         check_instance_id(instance_id)
         check_num_layers(num_layers)
         size = segment_bytes(num_layers)
-        while True:
-            path = os.path.join(shm_dir, f"{PREFIX}{instance_id}-{secrets.token_hex(8)}")
-            try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-                break
-            except FileExistsError:  # 2^-64 per try; loop rather than reason about it
-                continue
+        name, fd = segments.create(KIND, size, label=instance_id, nhex=16, shm_dir=shm_dir)
+        path = os.path.join(shm_dir, name)
         try:
-            os.fchmod(fd, 0o600)  # the umask may only remove bits; make the mode exact
-            os.ftruncate(fd, size)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
@@ -188,8 +185,8 @@ class Segment:
         FileNotFoundError
             No such segment.
         """
-        if not isinstance(name, str) or not _NAME_RE.match(name.lstrip("/")):
-            raise ValueError(f"name must look like 'kvflow-sig-<instance_id>-<16 hex>', got {name!r}")
+        if not isinstance(name, str) or not is_segment_name(name):
+            raise ValueError(f"name must look like {NAME_FORMAT!r}, got {name!r}")
         path = os.path.join(shm_dir, name.lstrip("/"))
         fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
         try:
@@ -235,54 +232,14 @@ class Segment:
         return f"Segment({self.name!r}, num_layers={self.num_layers}, owner={self.owner})"
 
 
-def owner_alive(pid: int, start_time: int) -> bool:
-    """True if process ``pid`` exists and started at ``start_time`` (so it is the owner, not a
-    later process that reused the pid)."""
-    if pid <= 0:
-        return False
-    now = process_start_time(pid)
-    if now is None:
-        return False
-    return start_time == 0 or now == start_time
-
-
 def cleanup_stale(*, shm_dir: str = SHM_DIR) -> list[str]:
-    """Remove signal segments whose owner is dead (or whose pid was reused).
-
-    Scans ``<shm_dir>/kvflow-sig-*``; a file is removed only if its header is valid and names a
-    process that no longer exists or has another start time. Files with a bad or unwritten
-    header (possibly being created right now), files of live owners, and files this user
-    cannot read are left alone.
+    """Remove the segments of dead owners -- signal segments and every other kvflow kind
+    (:func:`kvflow.segments.clean_stale`: the owner is judged from the name; those of live
+    owners, of other pid namespaces or boots, and unparseable names are left alone).
 
     Returns
     -------
     list of str
         Names removed.
     """
-    removed = []
-    try:
-        names = sorted(os.listdir(shm_dir))
-    except OSError:
-        return removed
-    for name in names:
-        if not _NAME_RE.match(name):
-            continue
-        path = os.path.join(shm_dir, name)
-        try:
-            with open(path, "rb") as f:
-                head = f.read(HEADER_BYTES)
-        except OSError:
-            continue
-        if len(head) < _HEADER.size:
-            continue
-        magic, version, _, pid, start, _ = _HEADER.unpack_from(head, 0)
-        if magic != MAGIC or version != VERSION:
-            continue
-        if owner_alive(pid, start):
-            continue
-        try:
-            os.unlink(path)
-            removed.append(name)
-        except OSError:
-            pass
-    return removed
+    return segments.clean_stale(shm_dir)

@@ -194,12 +194,13 @@ def decode_export(data: bytes) -> CudaIpcExport:
 
 def publish_export(exp: CudaIpcExport, role: str = "cudaipc") -> str:
     """Write ``exp`` to a new 0600 shared-memory file; returns its segment name
-    (``kvflow-<role>-<pid>-<hex>``, removed by :func:`kvflow.transfer.shm.unlink_segment`)."""
-    import secrets
-    name = f"kvflow-{role}-{os.getpid()}-{secrets.token_hex(6)}"
-    fd = os.open(shm_path(name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    (``kvflow-<role>-<owner>-<hex>``, :func:`kvflow.segments.create`; removed by
+    :func:`kvflow.transfer.shm.unlink_segment`)."""
+    from kvflow import segments
+    data = encode_export(exp)
+    name, fd = segments.create(role, len(data))
     with os.fdopen(fd, "wb") as f:
-        f.write(encode_export(exp))
+        f.write(data)
     return name
 
 

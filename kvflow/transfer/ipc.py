@@ -2,10 +2,11 @@
 read-only once, at pairing, and pulls each request's blocks with
 :func:`kvflow.kernels.copy_blocks` straight into the block ids D allocated.
 
-Segments are files under ``/dev/shm`` named ``kvflow-<role>-<pid>-<random hex>`` (unique per
-instance, not only per pid), created ``O_EXCL`` with mode 0600, unlinked by the owner on exit
-(and by the parent server if the owner is killed); :func:`clean_stale_segments` removes those
-whose owner pid is gone. On GPU the same interface would carry CUDA IPC handles instead.
+Segments are files under ``/dev/shm`` named, created and cleaned by :mod:`kvflow.segments`
+(``kvflow-<role>-<owner>-<random hex>``: unique per instance, ``O_EXCL``, mode 0600, every
+page reserved at creation, so a cache larger than the free shared memory is refused at start-up
+instead of dying with SIGBUS later); unlinked by the owner on exit (and by the parent server if
+the owner is killed); :func:`clean_stale_segments` removes those whose owner is judged dead.
 
 Layerwise (:class:`~kvflow.protocol.KVLayer`): D is told per part (layers + P's block ids) and
 pulls just that with ``copy_blocks(..., layers=range)``; P never writes into D's cache.
@@ -16,8 +17,6 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import re
-import secrets
 import time
 import warnings
 from typing import Any
@@ -28,6 +27,8 @@ from kvflow.cache import PagedKVCache
 from kvflow.kernels import copy_blocks, payload_bytes
 from kvflow.layout import KVCacheSpec
 from kvflow.protocol import KVLayer, KVReady, encode
+
+from kvflow import segments
 
 from .shm import SHM_DIR, clean_stale_segments, shm_path, unlink_segment  # noqa: F401
 from .base import KVReceiver, KVSender, TransferError, TransferStats, as_ids, check_send_allowed
@@ -51,17 +52,24 @@ class SharedCache:
         Segment name, to hand to the peer.
     cache : PagedKVCache
         The cache (``cache.buffer`` is the mapping).
+
+    Raises
+    ------
+    ValueError
+        ``role`` not lowercase letters.
+    kvflow.segments.SegmentSpaceError
+        The cache (``num_blocks * spec.bytes_per_block`` bytes) does not fit in the free
+        shared memory; the message gives both sizes and the flags that lower the first.
     """
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, role: str = "prefill") -> None:
-        if not re.fullmatch(r"[a-z]+", role):
-            raise ValueError(f"role must be lowercase letters, got {role!r}")
         nbytes = num_blocks * spec.bytes_per_block
-        self.name = f"kvflow-{role}-{os.getpid()}-{secrets.token_hex(6)}"
+        self.name, fd = segments.create(
+            role, nbytes, what=f"the {role} instance's KV cache ({num_blocks} blocks x "
+                               f"{spec.bytes_per_block} bytes)",
+            hint="lower --num-blocks or --memory-budget-mb")
         self.path = shm_path(self.name)
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, nbytes)
             self._mmap = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)

@@ -6,7 +6,8 @@ the block ids it allocated. Works between hosts (the link is a TCP socket).
 
 Frame layout: ``[KVData header (msgpack), layer 0, layer 1, ...]``; layer ``l`` is
 ``staging[l]`` = ``[tensors_per_layer, num_blocks, *block_shape]`` of ``spec.dtype``, i.e.
-``tensors_per_layer * num_blocks * spec.block_bytes`` bytes.
+``tensors_per_layer * num_blocks * spec.block_bytes`` bytes. Zero blocks (D's prefix cache holds
+every prompt block) is a transfer too: empty layer frames, nothing written on D.
 
 Layerwise: ``[KVLayer header, one frame per layer of the part]``, each gathered with
 ``gather_blocks(layers=...)`` as soon as the prefill signals the layer; D scatters on arrival.
@@ -107,7 +108,7 @@ class TcpReceiver(KVReceiver):
                                     f"{buf.nbytes} bytes, expected {layer_bytes}")
         t0 = time.perf_counter()
         total = 0
-        for layer, buf in enumerate(bufs):
+        for layer, buf in enumerate(bufs if n else ()):  # zero blocks (prefix hit): nothing to write
             with warnings.catch_warnings():  # zmq frames are read-only; scatter only reads them
                 warnings.simplefilter("ignore", UserWarning)
                 src = torch.frombuffer(buf, dtype=torch.uint8)

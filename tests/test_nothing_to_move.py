@@ -1,0 +1,169 @@
+"""A transfer of zero blocks (D's prefix cache already holds every prompt block) is a success
+for every transfer kind: tcp, ipc pull (request mode), layerwise (ipc and tcp parts) and ipc
+push. Checked at the transfer level (sender + receiver, nothing written into D's cache) and in
+the served path in process (the same two-block prompt twice: the repeat moves nothing and
+decodes the same tokens). Issue 14 kind 5: tcp answered the repeat with 502 "both buffer length
+(0) and count (-1) must not be 0"."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import zmq
+
+from kvflow import KVCacheSpec, PagedKVCache
+from kvflow.protocol import KVData, KVLayer, KVPushed, KVReady, decode
+from kvflow.transfer import make_receiver
+from kvflow.transfer.ipc import IpcSender, SharedCache
+from kvflow.transfer.push import PushReceiver, PushWriter
+from kvflow.transfer.tcp import TcpSender
+
+SPEC = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
+
+
+@pytest.fixture
+def link():
+    ctx = zmq.Context()
+    d_sock = ctx.socket(zmq.ROUTER)
+    port = d_sock.bind_to_random_port("tcp://127.0.0.1")
+    p_sock = ctx.socket(zmq.DEALER)
+    p_sock.connect(f"tcp://127.0.0.1:{port}")
+    yield p_sock, d_sock
+    p_sock.close(0)
+    d_sock.close(0)
+    ctx.term()
+
+
+def _recv(d_sock):
+    assert d_sock.poll(5000), "no frames arrived within 5 s"
+    _, head, *payload = d_sock.recv_multipart(copy=False)
+    return decode(head), payload
+
+
+def _d_cache() -> PagedKVCache:
+    cache = PagedKVCache(SPEC, 8)
+    cache.buffer.fill_(0x5A)
+    return cache
+
+
+def _untouched(cache: PagedKVCache) -> bool:
+    return bool((cache.buffer == 0x5A).all())
+
+
+def test_tcp_sends_and_receives_zero_blocks(link):
+    p_sock, d_sock = link
+    TcpSender().send(p_sock, "r", PagedKVCache(SPEC, 8), [], first_token=3, num_prompt_tokens=8)
+    head, payload = _recv(d_sock)
+    assert isinstance(head, KVData) and head.num_blocks == 0
+    d = _d_cache()
+    stats = make_receiver("tcp").receive(head, payload, d, [])
+    assert (stats.blocks, stats.payload_bytes) == (0, 0) and _untouched(d)
+
+
+def test_ipc_pull_sends_and_receives_zero_blocks(link):
+    p_sock, d_sock = link
+    shared = SharedCache(SPEC, 8)
+    try:
+        rx = make_receiver("ipc")
+        rx.attach("p0", SPEC, 8, shm_name=shared.name)
+        IpcSender(shared).send(p_sock, "r", shared.cache, [], first_token=3, num_prompt_tokens=8)
+        head, payload = _recv(d_sock)
+        assert isinstance(head, KVReady) and head.src_block_ids == []
+        d = _d_cache()
+        stats = rx.receive(head, payload, d, [], "p0")
+        assert (stats.blocks, stats.payload_bytes) == (0, 0) and _untouched(d)
+    finally:
+        shared.close()
+
+
+@pytest.mark.parametrize("transfer", ["ipc", "tcp"])
+def test_layerwise_last_part_alone_completes_zero_blocks(transfer):
+    rx = make_receiver(transfer)
+    if transfer == "ipc":  # stands for P's mapped cache: nothing is read from it
+        rx.peers["p0"] = PagedKVCache(SPEC, 8)
+    d = _d_cache()
+    last = KVLayer(req_id="r", reply_to="p0", last=True, first_token=3, num_prompt_tokens=8)
+    stats = rx.receive(last, [], d, [], "p0")
+    assert (stats.blocks, stats.payload_bytes) == (0, 0) and _untouched(d)
+
+
+def test_push_writes_nothing_and_d_accepts_zero_blocks():
+    from kvflow.engine import Engine
+    from kvflow.model import load_model
+    model, _ = load_model("kvflow-tiny")
+    spec = model.kv_spec(16)
+    eng = Engine(model, PagedKVCache(spec, 4))
+    w = PushWriter(eng.cache, layers_per_copy=2)
+    w.peer = PagedKVCache(spec, 4)
+    w.peer.buffer.fill_(0x5A)
+    for layerwise in (True, False):
+        _, stats = w.prefill(eng, list(range(1, 33)), [0, 1], [2, 3], 16, skip_blocks=2,
+                             layerwise=layerwise)
+        w.finish(stats)
+        assert (stats.blocks, stats.payload_bytes, stats.t_start) == (0, 0, 0.0)
+        assert bool((w.peer.buffer == 0x5A).all())
+    stats = PushReceiver().receive(KVPushed(req_id="r", ok=True, first_token=3, num_blocks=0),
+                                   [], w.peer, [])
+    assert (stats.blocks, stats.payload_bytes) == (0, 0)
+
+
+# ---- served path, in process: the same two-block prompt twice --------------------------------
+def _request(h, rid: str, tokens: list[int], min_tokens: int):
+    """As the router does: Allocate on D, Prefill on P with D's prefix hit as ``skip_blocks``;
+    returns (generated ids or the error message, the first Tokens' kvflow dict)."""
+    from kvflow.protocol import Allocate, Allocated, Prefill, Rejected, Tokens
+    h.p.cfg.layerwise_min_tokens = min_tokens
+    h.to(h.d, Allocate(req_id=rid, token_ids=tokens, max_tokens=5, ignore_eos=True))
+    (alloc,) = h.wait_for((Allocated, Rejected), req_id=rid)
+    h.to(h.p, Prefill(req_id=rid, token_ids=tokens, decode_id=h.d.instance_id,
+                      decode_block_ids=alloc.block_ids, skip_blocks=alloc.num_cached_blocks))
+    out, first = [], None
+    while True:
+        (msg,) = h.wait_for((Tokens, Rejected), req_id=rid)
+        if isinstance(msg, Rejected) or msg.error:
+            return msg.error, first
+        first = first if first is not None else msg.kvflow
+        out += msg.token_ids
+        if msg.finished:
+            return out, first
+
+
+@pytest.mark.parametrize("transfer, extra", [
+    ("tcp", {}), ("tcp", {"layerwise": True}), ("ipc", {}), ("ipc", {"layerwise": True}),
+    ("ipc", {"ipc_direction": "push"})], ids=["tcp", "tcp-layerwise", "ipc", "ipc-layerwise", "push"])
+def test_repeat_of_a_fully_cached_prompt_moves_nothing_and_decodes_the_same(transfer, extra):
+    from .test_serve_layerwise import NEVER, Harness, prompt
+    extra = dict(extra)
+    layerwise = extra.pop("layerwise", False)
+    h = Harness(transfer, enable_prefix_caching=True, **extra)
+    try:
+        toks = prompt(32)                                  # exactly 2 blocks of 16
+        min_tokens = 0 if layerwise or extra else NEVER
+        first, kv1 = _request(h, "first", toks, min_tokens)
+        again, kv2 = _request(h, "again", toks, min_tokens)
+        assert isinstance(first, list) and again == first, again
+        assert (kv1["blocks"], kv1["cached_blocks"]) == (2, 0)
+        assert (kv2["blocks"], kv2["payload_bytes"], kv2["cached_blocks"]) == (0, 0, 2)
+        assert kv2["transfer_mode"] == ("layerwise" if layerwise or extra else "request")
+        h.d.prefix.clear()
+        assert h.blocks_back() == h.free0
+    finally:
+        h.close()
+
+
+def test_served_tcp_repeat_of_a_two_block_prompt_is_200_and_moves_nothing():
+    """The issue's report, end to end: ``--transfer tcp --enable-prefix-caching``, a prompt of
+    exactly 2 blocks sent twice; the repeat was HTTP 502."""
+    from .serve_server import Server
+    srv = Server("--transfer", "tcp", "--enable-prefix-caching", "--num-blocks", "16")
+    try:
+        srv.wait_healthy()
+        body = dict(prompt="A" * 31, max_tokens=6, ignore_eos=True)   # <bos> + 31 bytes = 2 blocks
+        a, b = srv.complete(**body), srv.complete(**body)
+        assert (a.status_code, b.status_code) == (200, 200), b.text
+        assert a.json()["kvflow"]["blocks"] == 2
+        kv = b.json()["kvflow"]
+        assert (kv["blocks"], kv["payload_bytes"], kv["cached_blocks"]) == (0, 0, 2)
+        assert b.json()["choices"][0]["token_ids"] == a.json()["choices"][0]["token_ids"]
+    finally:
+        assert srv.stop() == 0
