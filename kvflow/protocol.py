@@ -63,6 +63,14 @@ class Register(_Msg):
     version: int = PROTOCOL_VERSION
 
 
+class Registered(_Msg):
+    """Router -> instance, the answer to every :class:`Register`: accepted (``ok``), or refused
+    with ``error`` (protocol version, a role that does not fit the router's ``--mode``, ...);
+    a refused instance prints the error and exits 1."""
+    ok: bool
+    error: str = ""
+
+
 class Reregister(_Msg):
     """Router -> an instance it does not know (declared dead after missed heartbeats, e.g. a
     load spike, yet still alive): send :class:`Register` again to be paired anew."""
@@ -243,7 +251,7 @@ class LeaseRenew(_Msg):
     req_ids: list[str]
 
 
-Message = Union[Register, Reregister, Heartbeat, Pair, PairResult, Allocate, Allocated, Rejected, Prefill,
+Message = Union[Register, Registered, Reregister, Heartbeat, Pair, PairResult, Allocate, Allocated, Rejected, Prefill,
                 Tokens, Abort, KVReady, KVData, KVLayer, KVPushed, KVAck, LeaseRenew]
 MESSAGE_TYPES = Message.__args__
 

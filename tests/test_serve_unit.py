@@ -115,6 +115,9 @@ def test_cli_help_names_every_flag():
     (["--transfer", "rdma"], "invalid choice: 'rdma'"),
 ])
 def test_cli_rejects_bad_flags(argv, message, capsys):
+    """One line on stderr and exit status 1 (issue 14), not argparse's usage and status 2."""
     with pytest.raises(SystemExit) as info:
         parse_args(argv)
-    assert info.value.code == 2 and message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert info.value.code == 1 and err.startswith("kvflow.serve: error: ") and message in err
+    assert err.count("\n") == 1

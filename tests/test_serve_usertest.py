@@ -7,6 +7,7 @@ and Content-Type errors, client disconnects counted as "aborted". One server for
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from .serve_server import Server, free_port
+from .serve_server import Server, free_port, pid_alive
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +40,10 @@ def test_non_streaming_disconnect_aborts(server):
 
 
 def test_child_dying_before_registering_stops_the_server():
-    """B2: a child that exits before registering (bad --backend) makes the server exit non-zero
-    promptly, naming the child, its exit code and its error; no child is left running."""
-    cmd = [sys.executable, "-m", "kvflow.serve", "--port", str(free_port()), "--backend", "nonsense",
+    """B2: a child that exits before registering (a --backend that cannot run on the CPU) makes
+    the server exit 1 promptly with one line naming the child, its exit code and its error; no
+    child is left running (issue 14: one line, no traceback)."""
+    cmd = [sys.executable, "-m", "kvflow.serve", "--port", str(free_port()), "--backend", "numba_cuda",
            "--memory-budget-mb", "32", "--max-num-batched-tokens", "64"]
     t0 = time.monotonic()
     try:
@@ -49,11 +51,14 @@ def test_child_dying_before_registering_stops_the_server():
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"server still running after 45 s:\n{exc.stdout}\n{exc.stderr}")
     took = time.monotonic() - t0
-    text = out.stdout + out.stderr
-    assert out.returncode != 0, text
-    assert took < 30, (took, text)
-    assert "exited with code 1 before registering" in text, text
-    assert "backend='nonsense' is unknown" in text.split("before registering")[-1], text
+    assert out.returncode == 1 and took < 30, (took, out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr and len(out.stderr.splitlines()) == 1, out.stderr
+    assert re.fullmatch(r"kvflow.serve: error: the (prefill|decode) instance \(pid \d+\) exited with "
+                        r"code 1 before registering: --backend numba_cuda: backend='numba_cuda' (is "
+                        r"unavailable|runs on \['cuda'\], not on cpu).*; use --backend auto or one available here \(.*torch.*\)\n",
+                        out.stderr), out.stderr
+    pids = [int(p) for p in re.findall(r"pid (\d+)", out.stdout)]
+    assert len(pids) == 2 and not any(pid_alive(p) for p in pids), out.stdout
 
 
 @pytest.mark.parametrize("body, field, words", [

@@ -2,7 +2,7 @@
 sampling, and the profile run that sizes the cache."""
 
 from .engine import Engine
-from .profile import determine_num_blocks
+from .profile import MemoryBudgetError, determine_num_blocks
 from .sampling import sample
 
-__all__ = ["Engine", "determine_num_blocks", "sample"]
+__all__ = ["Engine", "MemoryBudgetError", "determine_num_blocks", "sample"]

@@ -6,7 +6,9 @@ Formula (vLLM's, ``determine_num_available_blocks``, in bytes)::
 
 On CUDA the KV bytes are also capped by ``torch.cuda.mem_get_info()`` free bytes after the
 profile run (memory other processes hold is not ours to take). On CPU there is no device
-"free memory": the budget given is the memory the instance may use.
+"free memory": the budget given is the memory the instance may use. The server's budget
+(``--memory-budget-mb``, or on CUDA ``--gpu-memory-utilization`` x the GPU's free memory at
+start) comes from :mod:`kvflow.serve.budget`.
 """
 
 from __future__ import annotations
@@ -77,6 +79,31 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
+class MemoryBudgetError(ValueError):
+    """The memory budget leaves no room for one KV block; the attributes give the parts (bytes).
+
+    Attributes
+    ----------
+    budget, weights, peak, block_bytes : int
+        The budget, the model's weights, the profile run's peak activations, one block.
+    tokens : int
+        The profile run's batch (``max_num_batched_tokens``).
+    free_after : int or None
+        CUDA: the device's free bytes after the profile run (the KV cache's other cap); None on CPU.
+    """
+
+    def __init__(self, message: str, *, budget: int, weights: int, peak: int, block_bytes: int,
+                 tokens: int, free_after: int | None = None) -> None:
+        super().__init__(message)
+        self.budget, self.weights, self.peak, self.block_bytes = budget, weights, peak, block_bytes
+        self.tokens, self.free_after = tokens, free_after
+
+    @property
+    def needed(self) -> int:
+        """Bytes of the smallest budget that fits: weights + peak activations + one block."""
+        return self.weights + self.peak + self.block_bytes
+
+
 def determine_num_blocks(model, spec, *, memory_budget_bytes: int, max_num_batched_tokens: int,
                          device: Any = "cpu") -> int:
     """Size the paged KV cache by a profile run (see the module docstring for the formula).
@@ -106,8 +133,9 @@ def determine_num_blocks(model, spec, *, memory_budget_bytes: int, max_num_batch
     Raises
     ------
     ValueError
-        ``memory_budget_bytes`` not a positive int, or too small for one block (the message
-        gives weights, activations, block bytes).
+        ``memory_budget_bytes`` not a positive int; :class:`MemoryBudgetError` (a ValueError)
+        when it is too small for one block (the message and attributes give weights,
+        activations, block bytes).
     """
     from .engine import Engine
 
@@ -119,11 +147,15 @@ def determine_num_blocks(model, spec, *, memory_budget_bytes: int, max_num_batch
     peak = engine.profile_run(max_num_batched_tokens)
     weights = weight_bytes(model)
     kv_bytes = b - weights - peak
+    free_after = None
     if device.type == "cuda":
-        kv_bytes = min(kv_bytes, torch.cuda.mem_get_info(device)[0])
+        free_after = torch.cuda.mem_get_info(device)[0]
+        kv_bytes = min(kv_bytes, free_after)
     num_blocks = kv_bytes // spec.bytes_per_block
     if num_blocks < 1:
-        raise ValueError(f"memory_budget_bytes={b} leaves {kv_bytes} bytes for the KV cache after "
-                         f"weights ({weights} B) and peak activations ({peak} B at "
-                         f"{max_num_batched_tokens} tokens); one block needs {spec.bytes_per_block} B")
+        raise MemoryBudgetError(
+            f"memory_budget_bytes={b} leaves {kv_bytes} bytes for the KV cache after weights "
+            f"({weights} B) and peak activations ({peak} B at {max_num_batched_tokens} tokens); "
+            f"one block needs {spec.bytes_per_block} B", budget=b, weights=weights, peak=peak,
+            block_bytes=spec.bytes_per_block, tokens=max_num_batched_tokens, free_after=free_after)
     return int(num_blocks)

@@ -13,15 +13,28 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 import signal
 import sys
 
+from .budget import check_budget_flags
+from .startup import (StartupError, check_backend, check_device, check_host, check_model,
+                      one_line_errors, say)
+
 DESCRIPTION = __doc__.split("\n\n")[0]
+log = logging.getLogger("kvflow.serve")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: :class:`StartupError` (exit 1) instead of usage + exit 2."""
+
+    def error(self, message: str):
+        raise StartupError(f"{message}; python -m kvflow.serve --help lists the flags")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m kvflow.serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="python -m kvflow.serve", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--host", default="127.0.0.1", help="address the router (HTTP and control socket) and "
       "D's data socket bind to (default 127.0.0.1: this machine only)")
@@ -56,13 +69,15 @@ def build_parser() -> argparse.ArgumentParser:
            "layerwise (default: 0 with ipc push; else 16384: on one H200 the host-signalled "
            "path beat request mode only at 16K tokens, "
            "bench/results/layerwise_gpu-nvidia-h200-20261129-run1.json)")
-    a("--device", default="cpu", help="torch device of the model and caches (default cpu); "
-      "with cuda and --role all each instance gets its own GPU (see --prefill-device)")
+    a("--device", default="cpu", choices=("cpu", "cuda"), help="torch device of the model and "
+      "caches (default cpu); with cuda and --role all each instance gets its own GPU (see "
+      "--prefill-device)")
     a("--prefill-device", type=int, default=0, help="with --device cuda: GPU (this process's "
       "ordinal) of the prefill or colocated instance (default 0)")
     a("--decode-device", type=int, default=1, help="with --device cuda: GPU of the decode "
       "instance (default 1); P and D each also see the other's GPU, to open its cache by "
-      "CUDA IPC")
+      "CUDA IPC. Equal to --prefill-device (e.g. 0 on a one-GPU machine): P and D share that "
+      "GPU, each with half of --gpu-memory-utilization")
     a("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
       help="model weights and KV cache dtype (default float32)")
     a("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
@@ -71,9 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-num-batched-tokens", type=int, default=512,
       help="tokens per prefill forward (chunked prefill) and the profile run's batch (default 512)")
     a("--num-blocks", type=int, default=None,
-      help="KV blocks per instance; default: sized by a profile run from --memory-budget-mb")
-    a("--memory-budget-mb", type=int, default=512,
-      help="MiB per instance for weights + activations + KV cache, for the profile run (default 512)")
+      help="KV blocks per instance; default: sized by a profile run from the memory budget "
+           "(--memory-budget-mb, or --gpu-memory-utilization on CUDA)")
+    a("--memory-budget-mb", type=int, default=None,
+      help="MiB per instance for weights + activations + KV cache, for the profile run "
+           "(default 512 on CPU; on CUDA the default is --gpu-memory-utilization)")
+    a("--gpu-memory-utilization", type=float, default=None,
+      help="with --device cuda: fraction of the GPU's free memory (measured when the instance "
+           "starts) that one instance takes for weights + activations + KV cache, as vLLM's flag "
+           "(default 0.9; P and D on one GPU get half each)")
     a("--backend", default="auto", help="kvflow.kernels backend for block movement (default auto)")
     a("--role", choices=("all", "router", "prefill", "decode", "colocated"), default="all",
       help="all: router + instances as child processes (default); router: the router only; "
@@ -82,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
       "(printed by --role router); needed by --role prefill/decode/colocated")
     a("--control-port", type=int, default=0,
       help="port of the router's ZMQ control socket (default 0: a free port)")
+    a("--register-timeout-s", type=float, default=60.0,
+      help="--role prefill/decode/colocated: give up (exit 1) when the router has not answered "
+           "the registration within this many seconds after start-up; a warning says every few "
+           "seconds that the instance waits (default 60)")
     a("--enable-prefix-caching", action="store_true",
       help="D keeps a prefix cache of full prompt blocks; a hit moves only the missing blocks")
     a("--kv-lease-s", type=float, default=5.0,
@@ -102,60 +127,73 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _fail(message: str):
+    raise StartupError(message)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Parse and check the flags (also ``--model``, without loading it); a bad one prints one
+    line naming the flag, its value and a fix to stderr and exits 1 (``SystemExit(1)``)."""
+    try:
+        return check_args(argv)
+    except StartupError as exc:
+        say(str(exc), sys.stderr)
+        raise SystemExit(1) from None
+
+
+def check_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """:func:`parse_args` that raises instead of printing.
+
+    Raises
+    ------
+    StartupError
+        One line naming the flag, its value and a fix.
+    """
+    args = build_parser().parse_args(argv)
     if args.layerwise_min_tokens is not None and args.layerwise_min_tokens < 0:
-        parser.error(f"--layerwise-min-tokens must be >= 0, got {args.layerwise_min_tokens}")
+        _fail(f"--layerwise-min-tokens must be >= 0, got {args.layerwise_min_tokens}")
     if args.transfer != "ipc" and args.ipc_direction != "auto":
-        parser.error(f"--ipc-direction {args.ipc_direction} needs --transfer ipc "
-                     f"(got --transfer {args.transfer})")
+        _fail(f"--ipc-direction {args.ipc_direction} needs --transfer ipc "
+              f"(got --transfer {args.transfer})")
     for flag in ("layerwise_max_ctas", "layers_per_copy"):
         v = getattr(args, flag)
         if v is not None and v < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
-    for name in ("kv_lease_s", "receive_timeout_s", "admit_timeout_s", "dead_after_s"):
+            _fail(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    for name in ("kv_lease_s", "receive_timeout_s", "admit_timeout_s", "dead_after_s",
+                 "register_timeout_s"):
         v = getattr(args, name)
         if not 0 < v < 1e6:
-            parser.error(f"--{name.replace('_', '-')} must be a positive number of seconds, got {v}")
+            _fail(f"--{name.replace('_', '-')} must be a positive number of seconds, got {v}")
     if args.api_key is None:
         args.api_key = os.environ.get("KVFLOW_API_KEY") or None
     for name in ("prefill_device", "decode_device"):
         if getattr(args, name) < 0:
-            parser.error(f"--{name.replace('_', '-')} must be a GPU ordinal >= 0, got {getattr(args, name)}")
+            _fail(f"--{name.replace('_', '-')} must be a GPU ordinal >= 0, got {getattr(args, name)}")
     for name in ("port", "block_size", "max_model_len", "num_blocks", "memory_budget_mb",
                  "max_num_batched_tokens"):
         v = getattr(args, name)
         if name == "port" and not 0 < v < 65536:
-            parser.error(f"--port must be a port in 1..65535, got {v}")
+            _fail(f"--port must be a port in 1..65535, got {v}")
         if name != "port" and v is not None and v <= 0:
-            parser.error(f"--{name.replace('_', '-')} must be positive, got {v}")
+            _fail(f"--{name.replace('_', '-')} must be positive, got {v}")
     if not 0 <= args.control_port < 65536:
-        parser.error(f"--control-port must be a port in 0..65535 (0: a free one), got {args.control_port}")
-    limit = _model_max_len(args.model)
-    if args.max_model_len is not None and limit is not None and args.max_model_len > limit:
-        parser.error(f"--max-model-len {args.max_model_len} exceeds the model's "
-                     f"max_position_embeddings={limit} ({args.model}); use at most {limit}")
+        _fail(f"--control-port must be a port in 0..65535 (0: a free one), got {args.control_port}")
+    check_budget_flags(args.device, args.memory_budget_mb, args.gpu_memory_utilization)
+    limit = check_model(args.model)
+    if args.max_model_len is not None and args.max_model_len > limit:
+        _fail(f"--max-model-len {args.max_model_len} exceeds the model's "
+              f"max_position_embeddings={limit} ({args.model}); use at most {limit}")
     if args.role in ("prefill", "decode", "colocated") and not args.router_url:
-        parser.error(f"--role {args.role} needs --router-url tcp://HOST:PORT (the router's control address)")
-    if args.router_url and not args.router_url.startswith("tcp://"):
-        parser.error(f"--router-url must look like tcp://HOST:PORT, got {args.router_url!r}")
+        _fail(f"--role {args.role} needs --router-url tcp://HOST:PORT (the router's control address)")
+    if args.router_url:
+        m = re.fullmatch(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(\d{1,5})", args.router_url)
+        if not m or not 0 < int(m.group(2)) < 65536:
+            _fail(f"--router-url must look like tcp://HOST:PORT, got {args.router_url!r}")
+    if args.backend != "auto":
+        from kvflow.kernels.registry import backend_names
+        if args.backend not in backend_names():
+            _fail(f"--backend {args.backend} is unknown; use auto or one of {', '.join(backend_names())}")
     return args
-
-
-def _model_max_len(model: str) -> int | None:
-    """``max_position_embeddings`` of a built-in model or a local checkpoint's config.json;
-    None when it cannot be read here (the instance reports that error itself)."""
-    import json
-
-    from kvflow.model.config import PRESETS
-    if model in PRESETS:
-        return PRESETS[model].max_position_embeddings
-    try:
-        with open(os.path.join(model, "config.json")) as f:
-            return int(json.load(f).get("max_position_embeddings", 2048))
-    except (OSError, ValueError, TypeError, AttributeError):
-        return None
 
 
 def _instance_args(args: argparse.Namespace, router_url: str) -> list[str]:
@@ -163,20 +201,37 @@ def _instance_args(args: argparse.Namespace, router_url: str) -> list[str]:
            "--dtype", args.dtype,
            "--block-size", str(args.block_size), "--transfer", args.transfer,
            "--transfer-mode", args.transfer_mode, "--ipc-direction", args.ipc_direction,
-           "--memory-budget-mb", str(args.memory_budget_mb), "--backend", args.backend,
+           "--backend", args.backend,
            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--host", args.host,
            "--log-level", args.log_level, "--kv-lease-s", str(args.kv_lease_s),
            "--receive-timeout-s", str(args.receive_timeout_s)]
     if args.enable_prefix_caching:
         out.append("--enable-prefix-caching")
     for name in ("max_model_len", "num_blocks", "layerwise_min_tokens", "layerwise_max_ctas",
-                 "layers_per_copy"):
+                 "layers_per_copy", "memory_budget_mb", "gpu_memory_utilization"):
         if getattr(args, name) is not None:
             out += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if (args.device == "cuda" and args.mode == "disagg" and args.memory_budget_mb is None
+            and args.prefill_device == args.decode_device):
+        from .budget import shared_gpu_utilization  # P and D on one GPU: half the fraction each
+        out += ["--gpu-memory-utilization",
+                str(shared_gpu_utilization(args.gpu_memory_utilization, 2))]
     return out
 
 
 def run_instance(args: argparse.Namespace) -> int:
+    """Run one instance (``--role prefill|decode|colocated``) until SIGINT/SIGTERM.
+
+    Raises
+    ------
+    StartupError
+        A start-up failure (device, ``--host``, model, memory budget, no answer from the router
+        within ``--register-timeout-s``, refused registration), or a later refusal by the router.
+    """
+    check_device(args.device)
+    check_backend(args.backend, args.device)
+    if args.role == "decode":
+        check_host(args.host)  # D's data socket binds a free port there
     from .colocated import ColocatedInstance
     from .decode import DecodeInstance
     from .instance import InstanceConfig
@@ -187,7 +242,8 @@ def run_instance(args: argparse.Namespace) -> int:
                          device=args.device, dtype=args.dtype, block_size=args.block_size,
                          max_model_len=args.max_model_len, num_blocks=args.num_blocks,
                          max_num_batched_tokens=args.max_num_batched_tokens,
-                         memory_budget_mb=args.memory_budget_mb, transfer=args.transfer,
+                         memory_budget_mb=args.memory_budget_mb,
+                         gpu_memory_utilization=args.gpu_memory_utilization, transfer=args.transfer,
                          transfer_mode=args.transfer_mode, ipc_direction=args.ipc_direction,
                          layerwise_min_tokens=args.layerwise_min_tokens,
                          layerwise_max_ctas=args.layerwise_max_ctas,
@@ -199,37 +255,32 @@ def run_instance(args: argparse.Namespace) -> int:
     cls = {"prefill": PrefillInstance, "decode": DecodeInstance, "colocated": ColocatedInstance}[args.role]
     inst = cls(cfg)
     try:
-        inst.startup()
+        with one_line_errors(f"the {args.role} instance could not start"):
+            inst.startup()
+            inst.wait_registered(args.register_timeout_s)
         inst.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
         inst.close()
+    if inst.fatal:
+        raise StartupError(inst.fatal)
     return 0
 
 
-async def _watch_children(children, ctl, server, failed: list[str]) -> None:
-    """With --role all: a child that exits before it registered (e.g. a bad --backend or a
-    too small --memory-budget-mb) can never serve, so report it and stop the server."""
-    while True:
-        await asyncio.sleep(0.2)
-        if failed:
-            server.should_exit = True
-            continue
-        for pid, role, code in children.exited():
-            # A child that registered and later died is the control plane's business (it frees
-            # and reports); only one that never registered means the server cannot start.
-            if pid in ctl.registered_pids or ctl.ready():
-                continue
-            tail = await asyncio.get_running_loop().run_in_executor(None, children.last_stderr, pid)
-            last = "\n".join("    " + line for line in tail[-10:]) or "    (nothing on stderr)"
-            failed.append(f"kvflow.serve: the {role} instance (pid {pid}) exited with code {code} "
-                          f"before registering with the router; its last stderr lines:\n{last}\n"
-                          f"kvflow.serve: stopping (fix the error above and start again)")
-            ctl.errors.append(f"{role} instance pid {pid} exited with code {code} before registering")
-            print(failed[-1], file=sys.stderr, flush=True)
-            server.should_exit = True
-            break
+def _controller(args: argparse.Namespace, metrics, children):
+    """The control plane, bound to ``--host``:``--control-port``."""
+    import zmq
+
+    from .control import Controller
+    from .startup import bind_error
+    try:
+        return Controller(args.host, args.control_port, mode=args.mode, metrics=metrics,
+                          proc_alive=children.alive if children else None,
+                          dead_after_s=args.dead_after_s)
+    except zmq.ZMQError as exc:
+        raise bind_error("--control-port", args.control_port, args.host, args.control_port,
+                         exc.errno, zmq.strerror(exc.errno)) from None
 
 
 async def _serve(args: argparse.Namespace, http_sock, children) -> int:
@@ -237,53 +288,74 @@ async def _serve(args: argparse.Namespace, http_sock, children) -> int:
 
     from kvflow.transfer.shm import clean_stale_segments
 
-    from .control import Controller
-    from .procs import instance_env
     from .metrics import Metrics
+    from .procs import instance_env, watch_children
+    from .startup import watch_output
     from .router import Router, create_app, load_tokenizer
 
     metrics = Metrics()
-    ctl = Controller(args.host, args.control_port, mode=args.mode, metrics=metrics,
-                     proc_alive=children.alive if children else None,
-                     dead_after_s=args.dead_after_s)
-    ctl.start()
+    ctl = None
     try:
-        if children is not None:
-            iargs = _instance_args(args, ctl.addr)
-            roles = ("colocated",) if args.mode == "colocated" else ("prefill", "decode")
-            for role in roles:
-                children.spawn(role, iargs, env=instance_env(role, args.device, args.prefill_device,
-                                                             args.decode_device))
-        router = Router(ctl, load_tokenizer(args.model), args.model, metrics,
+        with one_line_errors("the router could not start"):
+            ctl = _controller(args, metrics, children)
+            ctl.start()
+            try:
+                tokenizer = load_tokenizer(args.model)
+            except (OSError, ValueError) as exc:
+                raise StartupError(f"--model {args.model}: cannot load its tokenizer: {exc}") from None
+            if children is not None:
+                iargs = _instance_args(args, ctl.addr)
+                roles = ("colocated",) if args.mode == "colocated" else ("prefill", "decode")
+                for role in roles:
+                    children.spawn(role, iargs, env=instance_env(role, args.device, args.prefill_device,
+                                                                 args.decode_device))
+        router = Router(ctl, tokenizer, args.model, metrics,
                         admit_timeout_s=args.admit_timeout_s, api_key=args.api_key)
         server = uvicorn.Server(uvicorn.Config(create_app(router), log_level=args.log_level,
                                                access_log=False, lifespan="off",
                                                timeout_graceful_shutdown=3))
         host, port = http_sock.getsockname()[:2]
         pids = ", ".join(f"{p.args[4]} pid {pid}" for pid, p in children.procs.items()) if children else "none"
-        print(f"kvflow.serve: router listening on http://{host}:{port} (mode {args.mode}, "
-              f"transfer {args.transfer}, model {args.model}; control {ctl.addr}; "
-              f"instances: {pids}). Ctrl-C stops.", flush=True)
+        closed: list[str] = []
+        if not say(f"kvflow.serve: router listening on http://{host}:{port} (mode {args.mode}, "
+                   f"transfer {args.transfer}, model {args.model}; control {ctl.addr}; "
+                   f"instances: {pids}). Ctrl-C stops."):
+            closed.append("stdout")
+            server.should_exit = True
         failed: list[str] = []
-        watcher = (asyncio.ensure_future(_watch_children(children, ctl, server, failed))
-                   if children is not None else None)
+        watchers = [asyncio.ensure_future(watch_output(server, closed))]
+        if children is not None:
+            watchers.append(asyncio.ensure_future(watch_children(children, ctl, server, failed)))
         try:
             await server.serve(sockets=[http_sock])
         finally:
-            if watcher is not None:
-                watcher.cancel()
-        return 1 if failed else 0
+            for w in watchers:
+                w.cancel()
+        if closed and not failed:
+            say(f"kvflow.serve: stopping: the reader of {closed[0]} has gone (a closed pipe)",
+                sys.stderr)
+        return 1 if failed or closed else 0
     finally:
         if children is not None:
             children.stop_all()
         # every kind of segment whose owner is gone (the children's, also those of one killed
         # earlier); an instance started on its own keeps its segments while it runs
         clean_stale_segments()
-        await ctl.close()
+        if ctl is not None:
+            await ctl.close()
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    """The CLI; returns the exit status (1 and one line on stderr for a start-up failure)."""
+    try:
+        return _main(argv)
+    except StartupError as exc:
+        say(str(exc), sys.stderr)
+        return 1
+
+
+def _main(argv: list[str] | None) -> int:
+    args = check_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.role in ("prefill", "decode", "colocated"):
@@ -293,6 +365,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from .procs import Children, bind_http_socket
 
+    if args.role == "all":
+        gpus = {"--prefill-device": args.prefill_device}
+        if args.mode == "disagg":
+            gpus["--decode-device"] = args.decode_device
+        check_device(args.device, gpus)
     clean_stale_segments()
     http_sock = bind_http_socket(args.host, args.port)
     children = Children() if args.role == "all" else None
@@ -309,8 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if children is not None:
             children.stop_all()
-    print("kvflow.serve: stopped" if code == 0 else f"kvflow.serve: stopped (exit code {code})",
-          flush=True)
+    say("kvflow.serve: stopped" if code == 0 else f"kvflow.serve: stopped (exit code {code})")
     return code
 
 

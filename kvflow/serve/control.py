@@ -1,6 +1,9 @@
 """The router's control plane: one ZMQ ROUTER socket that every P, D or colocated instance
 connects a DEALER to; registration, pairing, liveness, and routing of replies to requests.
 
+Registration: every :class:`~kvflow.protocol.Register` is answered with
+:class:`~kvflow.protocol.Registered`, ok or refused with the reason (another protocol version,
+or a role that does not fit the router's ``--mode``); a refused instance prints it and exits 1.
 Pairing: when a P and a D have both registered, each gets a :class:`~kvflow.protocol.Pair`
 with the other's KV cache spec, checks it and answers :class:`~kvflow.protocol.PairResult`;
 ``ready`` is true only when a pair has been accepted by both (colocated: one instance).
@@ -25,8 +28,8 @@ from typing import Any, Callable
 import zmq
 import zmq.asyncio
 
-from kvflow.protocol import (PROTOCOL_VERSION, Heartbeat, Pair, PairResult, Register, Reregister,
-                             Tokens, decode_or_log, encode)
+from kvflow.protocol import (PROTOCOL_VERSION, Heartbeat, Pair, PairResult, Register, Registered,
+                             Reregister, Tokens, decode_or_log, encode)
 
 from .liveness import DEAD, process_state
 
@@ -150,13 +153,13 @@ class Controller:
     async def _handle(self, ident: bytes, msg: Any) -> None:
         now = time.monotonic()
         if isinstance(msg, Register):
-            if msg.version != PROTOCOL_VERSION:
-                self.errors.append(f"{msg.instance_id} speaks protocol {msg.version}, "
-                                   f"router {PROTOCOL_VERSION}; ignored")
+            refused = self._refusal(ident, msg)
+            if refused:
+                self.errors.append(f"registration of {msg.instance_id} refused: {refused}")
+                log.error("%s", self.errors[-1])
+                await self._answer(ident, Registered(ok=False, error=refused))
                 return
-            if msg.role not in ("prefill", "decode", "colocated") or msg.instance_id != ident.decode():
-                log.error("rejected Register of %r (role %r)", msg.instance_id, msg.role)
-                return
+            await self._answer(ident, Registered(ok=True))
             info = InstanceInfo(msg, ident, now, msg.free_blocks, heartbeat_at=now)
             self.instances[msg.instance_id] = info
             self.registered_pids.add(msg.pid)
@@ -194,6 +197,27 @@ class Controller:
                 st.queue.put_nowait(msg)
         else:
             log.error("unexpected %s from %s; dropped", type(msg).__name__, info.id)
+
+    def _refusal(self, ident: bytes, msg: Register) -> str:
+        """Why ``msg`` cannot register here ('' when it can): protocol version, role, or a role
+        that does not fit this router's mode."""
+        if msg.version != PROTOCOL_VERSION:
+            return (f"it speaks protocol version {msg.version}, the router {PROTOCOL_VERSION}; "
+                    f"run the same kvflow version on both")
+        if msg.role not in ("prefill", "decode", "colocated") or msg.instance_id != ident.decode():
+            return f"malformed Register (instance_id {msg.instance_id!r}, role {msg.role!r})"
+        fits = ("colocated",) if self.mode == "colocated" else ("prefill", "decode")
+        if msg.role not in fits:
+            return (f"--role {msg.role} does not fit a router in --mode {self.mode}; start the "
+                    f"instance with --role {' or --role '.join(fits)}, or the router with "
+                    f"--mode {'disagg' if self.mode == 'colocated' else 'colocated'}")
+        return ""
+
+    async def _answer(self, ident: bytes, msg: Any) -> None:
+        try:
+            await self.sock.send_multipart([ident, encode(msg)])
+        except zmq.ZMQError as exc:
+            log.error("cannot answer %r: %s", ident, exc)
 
     def _set_blocks(self, info: InstanceInfo) -> None:
         if self.metrics is not None:

@@ -3,12 +3,17 @@ event loop, registration and heartbeats.
 
 Start-up order (:meth:`Instance.startup`) is the profile-run rule of DESIGN.md made concrete:
 
-1. load the model; build its :class:`~kvflow.layout.KVCacheSpec`;
+1. take the memory budget (:mod:`kvflow.serve.budget`: on CUDA a fraction of the GPU's free
+   memory, measured before the weights load); load the model; build its
+   :class:`~kvflow.layout.KVCacheSpec`;
 2. size ``num_blocks`` with :func:`kvflow.engine.determine_num_blocks` (a profile run with
    ``is_dummy_or_profile_run`` set) unless ``--num-blocks`` was given; **no socket exists yet**,
    so nothing can be signalled or sent;
 3. allocate the cache (P with ``ipc``: in shared memory), warm the copy kernels;
-4. only then open the ZMQ sockets and :class:`~kvflow.protocol.Register` with the router.
+4. only then open the ZMQ sockets and :class:`~kvflow.protocol.Register` with the router;
+   the CLI then waits for its :class:`~kvflow.protocol.Registered`
+   (:meth:`Instance.wait_registered`, bounded by ``--register-timeout-s``). A failure at any
+   step is one line (:class:`~kvflow.serve.startup.StartupError`).
 
 The loop (:meth:`Instance.serve_forever`) polls its sockets, hands each decoded message to
 ``on_<type>`` handlers, does one unit of work (:meth:`Instance.work`: a prefill on P, a decode
@@ -33,9 +38,10 @@ from kvflow.layerwise.scheduler import DEFAULT_LAYERWISE_MIN_TOKENS
 from kvflow.cache import PagedKVCache
 from kvflow.context import sends_allowed
 from kvflow.layout import KVCacheSpec
-from kvflow.protocol import Heartbeat, Register, decode_or_log, encode
+from kvflow.protocol import Heartbeat, Register, Registered, decode_or_log, encode
 
 from .liveness import host_id
+from .startup import StartupError
 
 log = logging.getLogger("kvflow.serve")
 
@@ -53,7 +59,8 @@ class InstanceConfig:
     max_model_len: int | None = None   # default: min(model limit, 2048)
     max_num_batched_tokens: int = 512  # prefill chunk and profile-run batch (tokens)
     num_blocks: int | None = None      # None: profile run sizes it
-    memory_budget_mb: int = 512
+    memory_budget_mb: int | None = None          # None: 512 on CPU, else the fraction below
+    gpu_memory_utilization: float | None = None  # CUDA: budget = this x free memory (None: 0.9)
     transfer: str = "ipc"
     transfer_mode: str = "layerwise"   # "layerwise" | "request" (P: kvflow.transfer.layerwise)
     layerwise_min_tokens: int | None = None  # shorter prompts: request mode (None: per direction)
@@ -147,22 +154,33 @@ class Instance:
         self.sockets: dict[Any, str] = {}
         self._last_hb = 0.0
         self.messages_sent = 0
+        self.registered = False
+        self.fatal = ""  # set when the router refused this instance: print it and exit 1
 
     # ---- start-up -------------------------------------------------------------------
     def startup(self) -> None:
         """Load, size (profile run), allocate, warm up; then open sockets and register."""
         from kvflow.engine import Engine
+        from kvflow.layout import as_torch_dtype
         from kvflow.model import load_model
         from kvflow.sched import BlockAllocator
 
+        from .budget import memory_budget
         cfg = self.cfg
-        from kvflow.layout import as_torch_dtype
-        self.model, self.tokenizer = load_model(cfg.model, dtype=as_torch_dtype(cfg.dtype),
-                                                device=cfg.device)
+        # the GPU's free memory is measured before this instance's weights take any of it
+        budget = None if cfg.num_blocks else memory_budget(cfg.device, cfg.memory_budget_mb,
+                                                           cfg.gpu_memory_utilization)
+        try:
+            self.model, self.tokenizer = load_model(cfg.model, dtype=as_torch_dtype(cfg.dtype),
+                                                    device=cfg.device)
+        except (ValueError, OSError) as exc:  # checkpoint errors: named files and tensors
+            raise StartupError(f"--model {cfg.model!r}: {exc}") from None
+        except Exception as exc:  # e.g. a corrupt safetensors file, out of memory
+            raise StartupError(f"--model {cfg.model!r}: {type(exc).__name__}: {exc}") from None
         self.spec = self.model.kv_spec(cfg.block_size)
         limit = self.model.config.max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or min(limit, 2048), limit)
-        self.num_blocks = cfg.num_blocks or self.profile()
+        self.num_blocks = cfg.num_blocks or self.profile(budget)
         self.cache = self.make_cache(self.num_blocks)
         self.engine = Engine(self.model, self.cache)
         self.allocator = BlockAllocator(self.num_blocks)
@@ -182,22 +200,75 @@ class Instance:
                                 max_model_len=self.max_model_len, transfer=self.transfer_name(),
                                 pid=os.getpid(), host_id=host_id(), **self.register_extra()))
 
+    def wait_registered(self, timeout_s: float, note_every_s: float = 3.0) -> None:
+        """Wait until the router answers :class:`Register` (after :meth:`startup`), handling
+        what arrives meanwhile; say so at warning level after 1 s, then every
+        ``note_every_s``.
+
+        Raises
+        ------
+        StartupError
+            The router refused this instance (its reason), or did not answer within
+            ``timeout_s`` (``--register-timeout-s``).
+        """
+        t0 = time.monotonic()
+        next_note = t0 + min(1.0, note_every_s)
+        while not self.registered and not self.fatal:
+            now = time.monotonic()
+            if now >= t0 + timeout_s:
+                raise StartupError(
+                    f"no answer from the router at {self.cfg.router_addr} within "
+                    f"--register-timeout-s {timeout_s:g}; start the router first "
+                    f"(python -m kvflow.serve --role router), fix --router-url, or wait "
+                    f"longer with a larger --register-timeout-s")
+            if now >= next_note:
+                log.warning("%s: waiting for the router at %s (%.0f s; giving up after "
+                            "--register-timeout-s %g)", self.instance_id, self.cfg.router_addr,
+                            now - t0, timeout_s)
+                next_note += note_every_s
+            if self.ctrl.poll(int(1000 * min(0.1, max(0.0, t0 + timeout_s - now))) + 1):
+                self.drain(self.ctrl)
+        if self.fatal:
+            raise StartupError(self.fatal)
+
+    def on_registered(self, msg: Registered, frames, ident) -> None:
+        if msg.ok:
+            self.registered = True
+            return
+        # printed (one line) by whoever started the instance; serve_forever stops
+        self.fatal = (f"the router at {self.cfg.router_addr} refused this {self.role} instance: "
+                      f"{msg.error}")
+        self.stopping = True
+
     def on_reregister(self, msg, frames, ident) -> None:
         log.warning("%s: the router lost this instance (%s); registering again", self.instance_id,
                     msg.reason or "no reason given")
         self.register()
 
-    def profile(self) -> int:
-        """``num_blocks`` from a profile run at ``max_num_batched_tokens`` (nothing sent)."""
-        from kvflow.engine import determine_num_blocks
+    def profile(self, budget=None) -> int:
+        """``num_blocks`` from a profile run at ``max_num_batched_tokens`` (nothing sent) in
+        ``budget`` (:class:`~kvflow.serve.budget.MemoryBudget`; default from the config).
+
+        Raises
+        ------
+        StartupError
+            The budget leaves no room for one block (naming the flag and the value that fits).
+        """
+        from kvflow.engine import MemoryBudgetError, determine_num_blocks
+
+        from .budget import memory_budget, too_small_message
         assert self.ctrl is None, "profile run must happen before any channel exists"
-        n = determine_num_blocks(self.model, self.spec,
-                                 memory_budget_bytes=self.cfg.memory_budget_mb << 20,
-                                 max_num_batched_tokens=min(self.cfg.max_num_batched_tokens,
-                                                            self.max_model_len),
-                                 device=self.cfg.device)
-        log.info("%s profile run: %d blocks fit in %d MiB", self.instance_id, n,
-                 self.cfg.memory_budget_mb)
+        if budget is None:
+            budget = memory_budget(self.cfg.device, self.cfg.memory_budget_mb,
+                                   self.cfg.gpu_memory_utilization)
+        try:
+            n = determine_num_blocks(self.model, self.spec, memory_budget_bytes=budget.bytes,
+                                     max_num_batched_tokens=min(self.cfg.max_num_batched_tokens,
+                                                                self.max_model_len),
+                                     device=self.cfg.device)
+        except MemoryBudgetError as exc:
+            raise StartupError(too_small_message(budget, exc, self.cfg.model)) from None
+        log.info("%s profile run: %d blocks fit in %s", self.instance_id, n, budget.describe())
         return n
 
     def make_cache(self, num_blocks: int) -> PagedKVCache:

@@ -9,6 +9,7 @@ SIGKILLs stragglers; the caller then unlinks the shared-memory segments the chil
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -19,6 +20,8 @@ import threading
 import time
 from collections import deque
 
+from .startup import PREFIX, bind_error, say
+
 log = logging.getLogger("kvflow.serve.procs")
 
 
@@ -27,8 +30,8 @@ def bind_http_socket(host: str, port: int) -> socket.socket:
 
     Raises
     ------
-    SystemExit
-        If ``host:port`` cannot be bound (e.g. already in use), with that message.
+    kvflow.serve.startup.StartupError
+        If ``host:port`` cannot be bound, naming ``--port`` (in use, privileged) or ``--host``.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -37,8 +40,8 @@ def bind_http_socket(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise SystemExit(f"kvflow.serve: cannot listen on {host}:{port}: {exc.strerror} "
-                         f"(pick another --port)") from None
+        code = None if isinstance(exc, socket.gaierror) else exc.errno
+        raise bind_error("--port", port, host, port, code, exc.strerror) from None
     sock.listen(128)
     sock.set_inheritable(False)
     return sock
@@ -51,6 +54,7 @@ class Children:
         self.procs: dict[int, subprocess.Popen] = {}
         self.roles: dict[int, str] = {}
         self.stderr_tail: dict[int, deque[str]] = {}
+        self.fatal: dict[int, str] = {}  # a child's one-line start-up error, held back
         self._readers: list[threading.Thread] = []
 
     def spawn(self, role: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -61,8 +65,8 @@ class Children:
         self.procs[proc.pid] = proc
         self.roles[proc.pid] = role
         tail = self.stderr_tail[proc.pid] = deque(maxlen=20)
-        reader = threading.Thread(target=_tee, args=(proc.stderr, tail), daemon=True,
-                                  name=f"stderr-{role}-{proc.pid}")
+        reader = threading.Thread(target=_tee, args=(proc.stderr, tail, self.fatal, proc.pid),
+                                  daemon=True, name=f"stderr-{role}-{proc.pid}")
         reader.start()
         self._readers.append(reader)
         log.info("started %s instance, pid %d", role, proc.pid)
@@ -102,12 +106,17 @@ class Children:
             t.join(1.0)
 
 
-def _tee(pipe, tail: deque) -> None:
-    """Copy a child's stderr to ours line by line, keeping the last lines in ``tail``."""
+def _tee(pipe, tail: deque, fatal: dict[int, str], pid: int) -> None:
+    """Copy a child's stderr to ours line by line, keeping the last lines in ``tail``; a
+    one-line error (:class:`~kvflow.serve.startup.StartupError`) goes to ``fatal[pid]``
+    instead, for the server to print once, naming the child."""
     try:
         for raw in iter(pipe.readline, b""):
             line = raw.decode("utf-8", "replace")
             tail.append(line.rstrip("\n"))
+            if line.startswith(PREFIX):
+                fatal[pid] = line[len(PREFIX):].strip()
+                continue
             try:
                 sys.stderr.write(line)
                 sys.stderr.flush()
@@ -135,3 +144,44 @@ def instance_env(role: str, device: str, prefill_device: int, decode_device: int
     p, d = parent_cards("cuda", [prefill_device]) + parent_cards("cuda", [decode_device])
     cards = {"decode": [d, p], "prefill": [p, d]}.get(role, [p])
     return worker_env_for_cards("cuda", cards)
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"exited with code {code}"
+
+
+async def watch_children(children, ctl, server, failed: list[str]) -> None:
+    """With --role all: a child that exits before it registered (e.g. a too small
+    --memory-budget-mb) can never serve: print one line (its own one-line error, else its last
+    stderr line) and stop the server."""
+    seen: set[int] = set()
+    while True:
+        await asyncio.sleep(0.2)
+        if failed:
+            server.should_exit = True
+            continue
+        for pid, role, code in children.exited():
+            if pid in seen:
+                continue
+            seen.add(pid)
+            # A child that registered and later died is the control plane's business (it frees
+            # and reports); only one that never registered means the server cannot start.
+            if pid in ctl.registered_pids or ctl.ready():
+                if pid in children.fatal:  # held back by the stderr reader: say it once
+                    say(f"{PREFIX}the {role} instance (pid {pid}) stopped: {children.fatal[pid]}",
+                        sys.stderr)
+                continue
+            tail = await asyncio.get_running_loop().run_in_executor(None, children.last_stderr, pid)
+            why = children.fatal.get(pid) or next((ln.strip() for ln in reversed(tail) if ln.strip()),
+                                                  "nothing on stderr")
+            failed.append(f"the {role} instance (pid {pid}) {_exit_text(code)} before "
+                          f"registering: {why}")
+            ctl.errors.append(failed[-1])
+            say(PREFIX + failed[-1], sys.stderr)
+            server.should_exit = True
+            break

@@ -1,0 +1,257 @@
+"""Start-up checks of ``python -m kvflow.serve``: every failure is one line.
+
+A failure before the server serves raises :class:`StartupError`, whose text is one line on
+stderr (``kvflow.serve: error: <what>; <fix>``) naming the flag or value at fault; the process
+exits 1 without a traceback (``--log-level debug`` logs the traceback of an unexpected one).
+The checks here run in the process that is started (router or instance), before children are
+spawned and before any model loads:
+
+- :func:`check_model`: ``--model`` is a built-in name or a checkpoint directory;
+- :func:`check_device`: ``--device cuda`` has CUDA and the GPU ordinals exist;
+- :func:`check_backend`: an explicit ``--backend`` runs on the device (in the instance);
+- :func:`bind_error`, :func:`check_host`: a socket that cannot bind names its flag (``--port``
+  for HTTP, ``--control-port`` for the router's control socket, ``--host`` for both and for D's
+  data socket, which binds a free port the OS picks);
+- :func:`one_line_errors`: any other exception during start-up becomes one line too.
+
+:func:`watch_output` (with :func:`output_closed`) stops the server when the reader of its stdout
+or stderr goes away (``python -m kvflow.serve | head -3``) instead of running on unseen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import glob
+import json
+import logging
+import os
+import select
+import stat
+import sys
+from typing import Iterator
+
+PREFIX = "kvflow.serve: error: "
+log = logging.getLogger("kvflow.serve")
+
+
+class StartupError(SystemExit):
+    """A start-up failure: ``str(exc)`` is the one line to print; exit status 1.
+
+    A :class:`SystemExit`, so that it ends the process with that line and status 1 even where
+    nobody catches it, and is not swallowed by ``except Exception``.
+    """
+
+    def __init__(self, message: str) -> None:
+        self.message = " ".join(str(message).split())  # one line, whatever the cause printed
+        super().__init__(PREFIX + self.message)
+
+    def __str__(self) -> str:
+        return PREFIX + self.message
+
+
+def say(line: str, stream=None) -> bool:
+    """Print ``line`` to ``stream`` (default stdout) and flush; False when the stream's reader
+    has gone (a closed pipe), which the caller treats as a request to stop."""
+    stream = sys.stdout if stream is None else stream
+    try:
+        print(line, file=stream, flush=True)
+        return True
+    except (BrokenPipeError, ValueError, OSError):
+        silence(stream)
+        return False
+
+
+def silence(stream) -> None:
+    """Point ``stream``'s file descriptor at /dev/null, so that later writes (and the flush at
+    interpreter exit) neither fail nor print "Exception ignored ... BrokenPipeError"."""
+    try:
+        fd = stream.fileno()
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, fd)
+        os.close(null)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def output_closed(fds: tuple[int, ...] = (1, 2)) -> int | None:
+    """The first of ``fds`` that is a pipe or socket whose reader has gone (``poll`` reports
+    POLLERR or POLLHUP on it), else None. A terminal or file never counts as closed."""
+    poller = select.poll()
+    watched = []
+    for fd in fds:
+        try:
+            mode = os.fstat(fd).st_mode
+        except OSError:
+            continue
+        if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+            poller.register(fd, 0)  # errors and hang-ups are always reported
+            watched.append(fd)
+    if not watched:
+        return None
+    for fd, events in poller.poll(0):
+        if events & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
+            return fd
+    return None
+
+
+def check_model(model: str) -> int:
+    """Check ``--model`` without loading weights; return its ``max_position_embeddings``.
+
+    Raises
+    ------
+    StartupError
+        ``model`` is neither a built-in name (listing them) nor a checkpoint directory
+        (naming what it lacks), or its config.json is unreadable or unsupported.
+    """
+    from kvflow.model.config import PRESETS, ModelConfig
+
+    if model in PRESETS:
+        return PRESETS[model].max_position_embeddings
+    names = ", ".join(PRESETS)
+    if not os.path.exists(model):
+        raise StartupError(f"--model {model!r} is neither a built-in model ({names}) nor a "
+                           f"directory; pass one of those names or the path of a local Hugging "
+                           f"Face Llama/Qwen2 checkpoint")
+    if not os.path.isdir(model):
+        raise StartupError(f"--model {model!r} is a file, not a checkpoint directory; pass the "
+                           f"directory that holds config.json, *.safetensors and tokenizer.json")
+    has = {f: os.path.isfile(os.path.join(model, f)) for f in ("config.json", "tokenizer.json")}
+    has["*.safetensors"] = bool(glob.glob(os.path.join(glob.escape(model), "*.safetensors")))
+    missing = [f for f in ("config.json", "*.safetensors", "tokenizer.json") if not has[f]]
+    if missing:
+        raise StartupError(f"--model {model!r} is a directory but not a checkpoint: it has no "
+                           f"{', '.join(missing)}; pass a Hugging Face Llama/Qwen2 checkpoint "
+                           f"directory or a built-in model ({names})")
+    path = os.path.join(model, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = ModelConfig.from_hf(json.load(f), name=model)
+    except json.JSONDecodeError as exc:
+        raise StartupError(f"--model {model!r}: config.json is not valid JSON ({exc})") from None
+    except OSError as exc:
+        raise StartupError(f"--model {model!r}: cannot read config.json ({exc.strerror})") from None
+    except KeyError as exc:
+        raise StartupError(f"--model {model!r}: config.json has no {exc.args[0]!r}") from None
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise StartupError(f"--model {model!r}: {exc}") from None
+    return config.max_position_embeddings
+
+
+def check_device(device: str, gpus: dict[str, int] | None = None) -> None:
+    """Check that ``--device`` can run here, before any child starts.
+
+    Parameters
+    ----------
+    device : str
+        ``"cpu"`` (nothing to check) or ``"cuda"``.
+    gpus : dict, optional
+        ``{flag: ordinal}`` of the GPUs this process will hand out, e.g.
+        ``{"--prefill-device": 0, "--decode-device": 1}``; each must be below the device count.
+
+    Raises
+    ------
+    StartupError
+        No CUDA (a CPU build of torch, or no visible GPU), or an ordinal past the visible GPUs.
+    """
+    if device == "cpu":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            why = f"this torch ({torch.__version__}) is built without CUDA"
+        else:
+            why = (f"torch sees no CUDA GPU (CUDA_VISIBLE_DEVICES="
+                   f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r})")
+        raise StartupError(f"--device {device}: {why}; use --device cpu, or install torch with "
+                           f"CUDA (pip install -e \".[gpu]\") on a machine with a GPU")
+    n = torch.cuda.device_count()
+    for flag, ordinal in (gpus or {}).items():
+        if ordinal >= n:
+            fix = (f"pass {flag} 0 to put P and D on the one GPU (each then gets half of "
+                   f"--gpu-memory-utilization)" if n == 1 else f"pass a {flag} below {n}")
+            raise StartupError(f"{flag} {ordinal}: this process sees {n} CUDA GPU(s) "
+                               f"(ordinals 0..{n - 1}); {fix}")
+
+
+def check_backend(backend: str, device: str) -> None:
+    """Check that ``--backend`` can run on ``device`` in this process (an instance, before it
+    loads its model; ``auto`` always can).
+
+    Raises
+    ------
+    StartupError
+        Naming the backend, why it cannot run, and the backends that can.
+    """
+    if backend == "auto":
+        return
+    import torch
+
+    from kvflow.kernels.registry import available_backends, get_backend
+    try:
+        get_backend(backend, torch.device(device))
+    except (ValueError, RuntimeError) as exc:
+        ok = [n for n, why in available_backends().items() if why == "available"]
+        raise StartupError(f"--backend {backend}: {exc}; use --backend auto or one available "
+                           f"here ({', '.join(ok)})") from None
+
+
+def bind_error(flag: str, value: object, host: str, port: int, code: int | None,
+               reason: str) -> StartupError:
+    """The one-line error for a socket that cannot bind ``host:port``.
+
+    ``flag``/``value`` name what chose the port (``--port 8000``, ``--control-port 0``); ``code``
+    is the errno (also ZMQ's, which uses the same numbers), ``reason`` its text.
+    """
+    where = f"{host}:{port}" if port else host
+    if code == errno.EADDRINUSE:
+        return StartupError(f"{flag} {value} is in use ({where}: {reason}); stop what holds it "
+                            f"or pick another {flag}")
+    if code == errno.EACCES:
+        return StartupError(f"{flag} {value} needs privileges ({where}: {reason}); pick a "
+                            f"{flag} of 1024 or more")
+    if code in (errno.EADDRNOTAVAIL, errno.EINVAL, errno.ENODEV) or code is None:
+        return StartupError(f"--host {host} is not an address of this machine ({where}: "
+                            f"{reason}); use 127.0.0.1, 0.0.0.0 or one of this host's addresses")
+    return StartupError(f"cannot listen on {where} ({flag} {value}, --host {host}): {reason}; "
+                        f"check --host and {flag}")
+
+
+def check_host(host: str) -> None:
+    """Bind a throw-away socket on ``host`` (any port): raise the one-line error of
+    :func:`bind_error` when this machine cannot listen there (D's data socket binds it)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, 0))
+        except socket.gaierror as exc:
+            raise bind_error("--host", host, host, 0, None, exc.strerror) from None
+        except OSError as exc:
+            raise bind_error("--host", host, host, 0, exc.errno, exc.strerror) from None
+
+
+@contextlib.contextmanager
+def one_line_errors(what: str) -> Iterator[None]:
+    """An unexpected exception in the ``with`` block becomes a one-line :class:`StartupError`
+    ``"<what>: <type>: <message>"``; its traceback is logged at debug level."""
+    try:
+        yield
+    except Exception as exc:  # StartupError is a SystemExit: it passes through unchanged
+        log.debug("%s", what, exc_info=True)
+        raise StartupError(f"{what}: {type(exc).__name__}: {exc} "
+                           f"(--log-level debug shows where)") from None
+
+
+async def watch_output(server, closed: list[str]) -> None:
+    """Stop the server when the reader of its stdout or stderr has gone (``... | head -3``)."""
+    while not server.should_exit:
+        await asyncio.sleep(0.2)
+        fd = output_closed()
+        if fd is not None:
+            closed.append("stdout" if fd == 1 else "stderr")
+            silence(sys.stdout if fd == 1 else sys.stderr)
+            server.should_exit = True

@@ -1,0 +1,208 @@
+"""Issue 14, kind 8: every start-up failure of `python -m kvflow.serve` is one line on stderr
+naming the flag or value and a fix, exit status 1, no traceback; the server stops when the
+reader of its stdout goes away. Each test runs the real CLI as a subprocess; most fail before
+any child starts or any model loads."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from .serve_server import free_port, pid_alive
+
+SMALL = ["--max-model-len", "256", "--memory-budget-mb", "32", "--max-num-batched-tokens", "64"]
+
+
+def serve(*args: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "kvflow.serve", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, **(env or {})))
+
+
+def one_line(out: subprocess.CompletedProcess) -> str:
+    """The failure's only stderr line (after checking status 1 and no traceback)."""
+    assert out.returncode == 1, (out.returncode, out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr, out.stderr
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1, out.stderr
+    return lines[0]
+
+
+@pytest.fixture
+def busy_port():
+    """A port some other socket listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def test_unknown_model_lists_the_built_in_ones():
+    assert one_line(serve("--model", "llama-7b")) == (
+        "kvflow.serve: error: --model 'llama-7b' is neither a built-in model (kvflow-tiny, "
+        "kvflow-llama-32l) nor a directory; pass one of those names or the path of a local "
+        "Hugging Face Llama/Qwen2 checkpoint")
+
+
+def test_a_directory_that_is_not_a_checkpoint_says_what_it_lacks(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    assert one_line(serve("--model", str(tmp_path), "--role", "router")) == (
+        f"kvflow.serve: error: --model '{tmp_path}' is a directory but not a checkpoint: it has "
+        f"no *.safetensors, tokenizer.json; pass a Hugging Face Llama/Qwen2 checkpoint directory "
+        f"or a built-in model (kvflow-tiny, kvflow-llama-32l)")
+
+
+def test_a_checkpoint_with_a_bad_config_names_the_field(tmp_path):
+    for name in ("tokenizer.json", "model.safetensors"):
+        (tmp_path / name).write_text("{}")
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    assert one_line(serve("--model", str(tmp_path))) == (
+        f"kvflow.serve: error: --model '{tmp_path}': config.json model_type='gpt2' is not "
+        f"supported; use one of ('llama', 'qwen2')")
+
+
+def test_device_cuda_without_cuda_fails_before_any_child_starts():
+    out = serve("--device", "cuda", "--port", str(free_port()), env={"CUDA_VISIBLE_DEVICES": ""})
+    why = (f"this torch ({torch.__version__}) is built without CUDA" if torch.version.cuda is None
+           else "torch sees no CUDA GPU (CUDA_VISIBLE_DEVICES='')")
+    assert one_line(out) == (f"kvflow.serve: error: --device cuda: {why}; use --device cpu, or "
+                             f"install torch with CUDA (pip install -e \".[gpu]\") on a machine "
+                             f"with a GPU")
+    assert "router listening" not in out.stdout  # nothing was started
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--transfer", "rdma"], "argument --transfer: invalid choice: 'rdma' (choose from 'ipc', "
+                             "'tcp'); python -m kvflow.serve --help lists the flags"),
+    (["--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization 0.5 needs --device cuda; "
+                                          "on cpu the budget is --memory-budget-mb"),
+    (["--backend", "nonsense"], "--backend nonsense is unknown; use auto or one of native, numba, "
+                                "numba_cuda, torch, triton, xpu"),
+    (["--role", "decode", "--router-url", "tcp://host"],
+     "--router-url must look like tcp://HOST:PORT, got 'tcp://host'"),
+])
+def test_bad_flags_are_one_line(argv, line):
+    assert one_line(serve(*argv)) == "kvflow.serve: error: " + line
+
+
+def test_busy_http_port_is_named(busy_port):
+    assert one_line(serve("--port", str(busy_port))) == (
+        f"kvflow.serve: error: --port {busy_port} is in use (127.0.0.1:{busy_port}: Address "
+        f"already in use); stop what holds it or pick another --port")
+
+
+def test_busy_control_port_is_named(busy_port):
+    assert one_line(serve("--role", "router", "--port", str(free_port()), "--control-port",
+                          str(busy_port))) == (
+        f"kvflow.serve: error: --control-port {busy_port} is in use (127.0.0.1:{busy_port}: "
+        f"Address already in use); stop what holds it or pick another --control-port")
+
+
+@pytest.mark.parametrize("role", ["router", "decode"])
+def test_host_that_is_not_this_machine_is_named(role):
+    """The router's HTTP socket and D's data socket (a free port the OS picks) bind --host."""
+    port = free_port()
+    out = serve("--role", role, "--host", "192.0.2.1", "--port", str(port),
+                "--router-url", "tcp://127.0.0.1:9")
+    where = f"192.0.2.1:{port}" if role == "router" else "192.0.2.1"
+    assert one_line(out) == (
+        f"kvflow.serve: error: --host 192.0.2.1 is not an address of this machine ({where}: "
+        f"Cannot assign requested address); use 127.0.0.1, 0.0.0.0 or one of this host's addresses")
+
+
+def test_instance_waits_for_the_router_then_gives_up_in_one_line():
+    url = f"tcp://127.0.0.1:{free_port()}"  # nobody listens
+    out = serve("--role", "decode", "--router-url", url, "--register-timeout-s", "4.5", *SMALL)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    *notes, last = out.stderr.splitlines()
+    assert last == (f"kvflow.serve: error: no answer from the router at {url} within "
+                    f"--register-timeout-s 4.5; start the router first (python -m kvflow.serve "
+                    f"--role router), fix --router-url, or wait longer with a larger "
+                    f"--register-timeout-s")
+    # said at the default log level (warning) after 1 s, then every 3 s
+    note = (rf"\S+ \S+ kvflow.serve WARNING d-\d+-[0-9a-f]{{6}}: waiting for the router at "
+            rf"{re.escape(url)} \((\d+) s; giving up after --register-timeout-s 4.5\)")
+    assert [re.fullmatch(note, n).group(1) for n in notes] == ["1", "4"], notes
+
+
+def test_registration_refused_by_the_router_is_printed_by_the_instance():
+    port, control = free_port(), free_port()
+    router = subprocess.Popen([sys.executable, "-m", "kvflow.serve", "--role", "router", "--mode",
+                               "colocated", "--port", str(port), "--control-port", str(control)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "router listening" in router.stdout.readline()
+        out = serve("--role", "prefill", "--router-url", f"tcp://127.0.0.1:{control}", *SMALL)
+    finally:
+        router.send_signal(signal.SIGINT)
+        router.wait(20)
+    assert one_line(out) == (
+        f"kvflow.serve: error: the router at tcp://127.0.0.1:{control} refused this prefill "
+        f"instance: --role prefill does not fit a router in --mode colocated; start the instance "
+        f"with --role colocated, or the router with --mode disagg")
+
+
+def test_child_failing_at_start_is_one_line_naming_it_and_the_flag_to_raise():
+    """A too small --memory-budget-mb (CPU) fails in the children's profile run; the server
+    prints one line (the first child's), stops the other child and exits 1."""
+    out = serve("--port", str(free_port()), "--memory-budget-mb", "1", "--max-model-len", "256",
+                "--max-num-batched-tokens", "256")
+    line = one_line(out)
+    m = re.fullmatch(r"kvflow.serve: error: the (prefill|decode) instance \(pid (\d+)\) exited "
+                     r"with code 1 before registering: (.*)", line)
+    assert m, line
+    assert m.group(3) == (
+        "--memory-budget-mb 1 is too small for kvflow-tiny: weights 9.0 MiB + peak activations "
+        "3.3 MiB at --max-num-batched-tokens 256 + one KV block 32.0 KiB = 12.4 MiB; raise "
+        "--memory-budget-mb to at least 13")
+    pids = [int(p) for p in re.findall(r"pid (\d+)", out.stdout)]
+    assert len(pids) == 2 and not any(pid_alive(p) for p in pids), out.stdout
+
+
+def test_server_stops_when_the_reader_of_its_stdout_goes_away():
+    """`python -m kvflow.serve | head -1`: once head exits, the router and both children exit
+    within a few seconds, without a traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvflow.serve", "--port", str(free_port()),
+                             *SMALL], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stdout.readline()
+        pids = [int(p) for p in re.findall(r"pid (\d+)", first)]
+        assert len(pids) == 2, first
+        proc.stdout.close()  # the reader goes away, as head does after its lines
+        t0 = time.monotonic()
+        proc.wait(10)
+        took = time.monotonic() - t0
+        deadline = time.monotonic() + 5
+        while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert took < 5 and proc.returncode == 1, (took, proc.returncode, err)
+    assert not any(pid_alive(p) for p in pids)
+    assert "Traceback" not in err
+    assert err.splitlines()[-1] == "kvflow.serve: stopping: the reader of stdout has gone (a closed pipe)"
+
+
+def test_checkpoint_whose_tensors_do_not_match_is_one_line(tmp_path):
+    """A checkpoint error found while loading the weights (in the instance) names --model."""
+    from safetensors.torch import save_file
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "llama", "vocab_size": 16, "hidden_size": 8, "num_hidden_layers": 1, '
+        '"num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 16}')
+    (tmp_path / "tokenizer.json").write_text("{}")
+    save_file({"foo": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
+    out = serve("--role", "prefill", "--router-url", "tcp://127.0.0.1:9", "--model", str(tmp_path))
+    assert re.fullmatch(rf"kvflow.serve: error: --model '{tmp_path}': checkpoint '{tmp_path}' does "
+                        rf"not match a 1-layer model: missing \['lm_head.weight', .*\], "
+                        rf"unexpected \['foo'\]", one_line(out)), out.stderr
