@@ -232,6 +232,8 @@ def run_instance(args: argparse.Namespace) -> int:
     check_backend(args.backend, args.device)
     if args.role == "decode":
         check_host(args.host)  # D's data socket binds a free port there
+    from kvflow.segments import SegmentSpaceError
+
     from .colocated import ColocatedInstance
     from .decode import DecodeInstance
     from .instance import InstanceConfig
@@ -256,7 +258,10 @@ def run_instance(args: argparse.Namespace) -> int:
     inst = cls(cfg)
     try:
         with one_line_errors(f"the {args.role} instance could not start"):
-            inst.startup()
+            try:
+                inst.startup()
+            except SegmentSpaceError as exc:  # /dev/shm too small: the sizes and the flags
+                raise StartupError(exc.strerror) from None
             inst.wait_registered(args.register_timeout_s)
         inst.serve_forever()
     except KeyboardInterrupt:
