@@ -246,11 +246,26 @@ def one_line_errors(what: str) -> Iterator[None]:
                            f"(--log-level debug shows where)") from None
 
 
+def _stream_fds() -> tuple[int, ...]:
+    """Of fds 1 and 2, those that are this process's sys.stdout / sys.stderr (a process
+    started with a closed fd 1 may later reuse the number for a socket: never watch that)."""
+    out = []
+    for fd, stream in ((1, sys.stdout), (2, sys.stderr)):
+        try:
+            if stream is not None and stream.fileno() == fd:
+                out.append(fd)
+        except (OSError, ValueError, AttributeError):
+            pass
+    return tuple(out)
+
+
 async def watch_output(server, closed: list[str]) -> None:
-    """Stop the server when the reader of its stdout or stderr has gone (``... | head -3``)."""
-    while not server.should_exit:
+    """Stop the server when the reader of its stdout or stderr has gone (``... | head -3``):
+    checked every 0.2 s; ``closed`` gets "stdout" or "stderr"."""
+    fds = _stream_fds()
+    while fds and not server.should_exit:
         await asyncio.sleep(0.2)
-        fd = output_closed()
+        fd = output_closed(fds)
         if fd is not None:
             closed.append("stdout" if fd == 1 else "stderr")
             silence(sys.stdout if fd == 1 else sys.stderr)
