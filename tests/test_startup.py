@@ -18,7 +18,7 @@ import torch
 
 from .serve_server import free_port, pid_alive
 
-SMALL = ["--max-model-len", "256", "--memory-budget-mb", "32", "--max-num-batched-tokens", "64"]
+SMALL = ["--max-model-len", "256", "--num-blocks", "64", "--max-num-batched-tokens", "64"]  # no profile run
 
 
 def serve(*args: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:

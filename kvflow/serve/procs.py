@@ -5,6 +5,9 @@ Children are ``python -m kvflow.serve --role prefill|decode|colocated ...`` (the
 user runs on another host), started with ``KVFLOW_PARENT_PID`` so that they exit by themselves
 if the server dies without cleaning up. :meth:`Children.stop_all` sends SIGTERM, waits, then
 SIGKILLs stragglers; the caller then unlinks the shared-memory segments the children made.
+A child's stderr is copied to ours, except its one-line start-up error, which
+:func:`watch_children` prints once, naming the child, when it exits before registering (and
+then stops the server).
 """
 
 from __future__ import annotations
