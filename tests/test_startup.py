@@ -74,8 +74,7 @@ def test_device_cuda_without_cuda_fails_before_any_child_starts():
     why = (f"this torch ({torch.__version__}) is built without CUDA" if torch.version.cuda is None
            else "torch sees no CUDA GPU (CUDA_VISIBLE_DEVICES='')")
     assert one_line(out) == (f"kvflow.serve: error: --device cuda: {why}; use --device cpu, or "
-                             f"install torch with CUDA (pip install -e \".[gpu]\") on a machine "
-                             f"with a GPU")
+                             f"a CUDA build of torch on a machine with an NVIDIA GPU")
     assert "router listening" not in out.stdout  # nothing was started
 
 

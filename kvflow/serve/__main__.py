@@ -4,7 +4,9 @@ With no arguments: the router on http://127.0.0.1:8000, one prefill (P) and one 
 instance of the built-in ``kvflow-tiny`` model as child processes, KV moved over ``ipc``
 (shared memory); serves until Ctrl-C (SIGINT) or SIGTERM, then stops every child and removes
 every shared-memory segment. ``--role`` starts a single component (for several hosts): the
-router prints its control address, which ``--router-url`` of each instance names.
+router prints its control address, which ``--router-url`` of each instance names. A start-up
+failure is one line on stderr naming the flag or value and a fix, exit status 1
+(:mod:`kvflow.serve.startup`).
 """
 
 from __future__ import annotations

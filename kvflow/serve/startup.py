@@ -165,8 +165,8 @@ def check_device(device: str, gpus: dict[str, int] | None = None) -> None:
         else:
             why = (f"torch sees no CUDA GPU (CUDA_VISIBLE_DEVICES="
                    f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r})")
-        raise StartupError(f"--device {device}: {why}; use --device cpu, or install torch with "
-                           f"CUDA (pip install -e \".[gpu]\") on a machine with a GPU")
+        raise StartupError(f"--device {device}: {why}; use --device cpu, or a CUDA build of "
+                           f"torch on a machine with an NVIDIA GPU")
     n = torch.cuda.device_count()
     for flag, ordinal in (gpus or {}).items():
         if ordinal >= n:
