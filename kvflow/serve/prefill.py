@@ -168,10 +168,11 @@ class PrefillInstance(Instance):
         if msg.req_id in self.pending or any(m.req_id == msg.req_id for m in self.queue):
             return (f"request id {msg.req_id} is already live on prefill instance "
                     f"{self.instance_id}; a second Prefill with it is refused")
-        if msg.decode_id not in self.links:
-            return (f"prefill instance {self.instance_id} is not paired with decode instance "
-                    f"{msg.decode_id!r} (paired: {sorted(self.links)})")
-        return ""
+        return "" if msg.decode_id in self.links else self._not_paired(msg.decode_id)
+
+    def _not_paired(self, decode_id: str) -> str:
+        return (f"prefill instance {self.instance_id} is not paired with decode instance "
+                f"{decode_id!r} (paired: {sorted(self.links)})")
 
     def on_prefill(self, msg: Prefill, frames, ident) -> None:
         error = self._refusal(msg)
@@ -246,9 +247,8 @@ class PrefillInstance(Instance):
         link = self.links.get(msg.decode_id)
         if link is None:  # its D was unpaired while the request waited here
             self.queue.popleft()
-            self.send_ctrl(Rejected(req_id=msg.req_id, kind="error", error=(
-                f"prefill instance {self.instance_id} is not paired with decode instance "
-                f"{msg.decode_id!r} (paired: {sorted(self.links)})")))
+            self.send_ctrl(Rejected(req_id=msg.req_id, kind="error",
+                                    error=self._not_paired(msg.decode_id)))
             return
         try:
             blocks = self.allocator.allocate(self.spec.num_blocks_for(len(msg.token_ids)))
