@@ -13,6 +13,7 @@ Flow of one disaggregated request (see DESIGN.md, "Data flow of one request")::
       (layerwise: KVLayer parts as layers are signalled, then a last KVLayer --> D --KVAck--> P)
     D --Tokens--> router   (first token, then one per decode step; ``finished`` ends it)
     router --Abort--> P, D (on done-by-error, timeout, client disconnect, peer death)
+    router --Unpair--> P  (a paired D died: P drops only that D's link)
     D --LeaseRenew--> P   (every heartbeat: "I still mean to read these requests' blocks")
 
 Prefix hit on D: ``Allocated.num_cached_blocks = k`` says D already holds the request's logical
@@ -60,6 +61,7 @@ class Register(_Msg):
     data_addr: str = ""             # D: ZMQ address P connects to; "" otherwise
     shm_name: str = ""              # ipc: the exported cache (P's for pull, D's for push)
     host_id: str = ""               # kvflow.serve.liveness.host_id(): pids comparable when equal
+    fingerprint: dict[str, Any] = {}  # kvflow.serve.fingerprint (config, dtype, weights...)
     version: int = PROTOCOL_VERSION
 
 
@@ -94,6 +96,14 @@ class Pair(_Msg):
     shm_name: str = ""              # the peer's exported cache (ipc): P's to D (pull), D's to P (push)
     peer_pid: int = 0               # the peer's process id (one host: a liveness check)
     peer_host_id: str = ""          # the peer's Register.host_id: its pid is comparable when equal
+    peer_fingerprint: dict[str, Any] = {}  # the peer's Register.fingerprint, checked too
+
+
+class Unpair(_Msg):
+    """Router -> P: forget decode instance ``peer_id`` (it died or left): drop the link to it
+    (and its push mapping / layerwise socket); links to other D's stay."""
+    peer_id: str
+    reason: str = ""
 
 
 class PairResult(_Msg):
@@ -135,7 +145,9 @@ class Rejected(_Msg):
 
 class Prefill(_Msg):
     """Router -> P (disagg) or colocated instance: run the prefill of ``token_ids``, sample the
-    first token, and hand the KV to D (which allocated ``decode_block_ids``)."""
+    first token, and hand the KV to the D the router chose, ``decode_id`` (which allocated
+    ``decode_block_ids``). P refuses (:class:`Rejected`) a ``decode_id`` it is not paired with
+    and a ``req_id`` it already has queued or pending."""
     req_id: str
     token_ids: list[TokenId]
     temperature: float = 0.0
@@ -251,7 +263,8 @@ class LeaseRenew(_Msg):
     req_ids: list[str]
 
 
-Message = Union[Register, Registered, Reregister, Heartbeat, Pair, PairResult, Allocate, Allocated, Rejected, Prefill,
+Message = Union[Register, Registered, Reregister, Heartbeat, Pair, Unpair, PairResult, Allocate,
+                Allocated, Rejected, Prefill,
                 Tokens, Abort, KVReady, KVData, KVLayer, KVPushed, KVAck, LeaseRenew]
 MESSAGE_TYPES = Message.__args__
 

@@ -35,7 +35,8 @@ def capture(inst, out: list) -> None:
 def make_instance(cls, role: str, **kw):
     cfg = InstanceConfig(role=role, router_addr=ROUTER, transfer=kw.pop("transfer", "ipc"),
                          transfer_mode="request",
-                         num_blocks=kw.pop("num_blocks", 48), max_model_len=256,
+                         num_blocks=kw.pop("num_blocks", 48),
+                         max_model_len=kw.pop("max_model_len", 256),
                          max_num_batched_tokens=256, **kw)
     inst = cls(cfg)
     out: list = []
@@ -55,13 +56,14 @@ class PD:
         self.d = make_instance(DecodeInstance, "decode", num_blocks=d_blocks, transfer=transfer,
                                enable_prefix_caching=prefix, kv_lease_s=lease_s,
                                ipc_direction=ipc_direction)
-        self.p.link, self.p.peer_id = FakeLink(), self.d.instance_id
+        self.link = self.p.links[self.d.instance_id] = FakeLink()  # what P sends to D
         if self.p.writer is not None:  # push: P maps D's exported cache
             self.p.writer.attach(self.d.instance_id, self.d.export_name, self.d.spec,
                                  self.d.num_blocks)
         self.d.on_pair(Pair(peer_id=self.p.instance_id, peer_role="prefill",
                             peer_spec=self.p.spec.to_dict(), peer_num_blocks=self.p.num_blocks,
-                            shm_name=self.p.shared.name if self.p.shared else ""), [], None)
+                            shm_name=self.p.shared.name if self.p.shared else "",
+                            peer_fingerprint=self.p.fingerprint), [], None)
         assert self.d.out[-1].ok, self.d.out[-1]
         self.n = 0
 
@@ -101,7 +103,7 @@ class PD:
             self.p.work()
         finally:
             del self.p.allocator.allocate
-        frames = self.p.link.frames.pop()
+        frames = self.link.frames.pop()
         return table, decode(frames[0]), frames[1:]
 
     def deliver(self, header, frames=()):

@@ -106,7 +106,7 @@ def test_prompt_shorter_than_a_block_moves_its_one_partial_block(pd):
 def test_abort_while_queued_on_p(pd):
     req, alloc = pd.allocate(TEXT[:40])
     from kvflow.protocol import Prefill
-    pd.p.on_prefill(Prefill(req_id=req, token_ids=TEXT[:40]), [], None)
+    pd.p.on_prefill(Prefill(req_id=req, token_ids=TEXT[:40], decode_id=pd.d.instance_id), [], None)
     pd.abort(req)
     assert not pd.p.has_work()
 
@@ -187,7 +187,7 @@ def test_over_capacity_refused_before_any_transfer_and_busy_when_full(pd):
     _, rej = pd.allocate(TEXT[:100], max_tokens=157)
     assert isinstance(rej, Rejected) and rej.kind == "capacity"
     assert rej.error == "prompt (100 tokens) + max_tokens (157) = 257 exceeds max_model_len=256"
-    assert not pd.p.link.frames
+    assert not pd.link.frames
     held = [pd.allocate(TEXT[:100], max_tokens=156)[0] for _ in range(3)]  # 16 blocks each
     _, rej = pd.allocate(TEXT[:20], max_tokens=10)
     assert isinstance(rej, Rejected) and rej.kind == "busy"
@@ -231,18 +231,18 @@ def test_one_d_paired_with_two_p_reads_each_request_from_its_own_p():
     pd = PD(prefix=False)
     p2 = make_instance(PrefillInstance, "prefill")
     try:
-        p2.link, p2.peer_id = FakeLink(), pd.d.instance_id
+        p2.links[pd.d.instance_id] = FakeLink()
         pd.d.on_pair(Pair(peer_id=p2.instance_id, peer_role="prefill", peer_spec=p2.spec.to_dict(),
                           peer_num_blocks=p2.num_blocks, shm_name=p2.shared.name,
-                          peer_pid=os.getpid()), [], None)
+                          peer_pid=os.getpid(), peer_fingerprint=p2.fingerprint), [], None)
         assert pd.d.out[-1].ok and sorted(pd.d.receiver.peers) == sorted([pd.p.instance_id,
                                                                           p2.instance_id])
         for p, prompt in ((pd.p, TEXT[:40]), (p2, TEXT[50:120]), (pd.p, TEXT[5:90])):
             req, alloc = pd.allocate(prompt)
-            p.on_prefill(Prefill(req_id=req, token_ids=prompt, decode_block_ids=alloc.block_ids),
-                         [], None)
+            p.on_prefill(Prefill(req_id=req, token_ids=prompt, decode_id=pd.d.instance_id,
+                                 decode_block_ids=alloc.block_ids), [], None)
             p.work()
-            hdr = decode(p.link.frames.pop()[0])
+            hdr = decode(p.links[pd.d.instance_id].frames.pop()[0])
             pd.d.on_kvready(hdr, [], p.instance_id.encode())
             (ack,) = pd.take(pd.d, KVAck)
             p.on_kvack(ack, [], None)

@@ -90,11 +90,11 @@ def test_d_keeps_blocks_of_an_aborted_request_until_p_has_pushed(pd):
 
 def test_abort_while_queued_on_p_tells_d_to_free(pd):
     req, alloc = pd.allocate(TEXT[:40])
-    pd.p.on_prefill(Prefill(req_id=req, token_ids=TEXT[:40], decode_block_ids=alloc.block_ids),
-                    [], None)
+    pd.p.on_prefill(Prefill(req_id=req, token_ids=TEXT[:40], decode_id=pd.d.instance_id,
+                            decode_block_ids=alloc.block_ids), [], None)
     pd.abort(req)
     assert not pd.p.has_work() and req in pd.d.lent
-    (frame,) = pd.p.link.frames.pop()
+    (frame,) = pd.link.frames.pop()
     done = decode(frame)
     assert isinstance(done, KVPushed) and not done.ok and done.error == "aborted"
     pd.deliver(done)
@@ -148,10 +148,10 @@ def test_kvpushed_not_ok_fails_the_request_and_frees_at_once(pd):
 def test_bad_decode_block_ids_fail_on_p_and_write_nothing(pd):
     req, alloc = pd.allocate(TEXT[:40])
     snap = [t.clone() for t in pd.d.cache.tensors()]
-    pd.p.on_prefill(Prefill(req_id=req, token_ids=TEXT[:40],
+    pd.p.on_prefill(Prefill(req_id=req, token_ids=TEXT[:40], decode_id=pd.d.instance_id,
                             decode_block_ids=[alloc.block_ids[0], 999, alloc.block_ids[2]]), [], None)
     pd.p.work()
-    done = decode(pd.p.link.frames.pop()[0])
+    done = decode(pd.link.frames.pop()[0])
     want = f"prefill failed on {pd.p.instance_id}: decode_block_ids holds block 999, not in [0, 48)"
     assert isinstance(done, KVPushed) and not done.ok and done.error == want
     (rej,) = pd.take(pd.p, Rejected)
@@ -164,9 +164,10 @@ def test_bad_decode_block_ids_fail_on_p_and_write_nothing(pd):
 
 
 def test_over_capacity_prefill_tells_d(pd):
-    pd.p.on_prefill(Prefill(req_id="huge", token_ids=[1] * 300), [], None)
+    pd.p.on_prefill(Prefill(req_id="huge", token_ids=[1] * 300, decode_id=pd.d.instance_id),
+                    [], None)
     (rej,) = pd.take(pd.p, Rejected)
-    done = decode(pd.p.link.frames.pop()[0])
+    done = decode(pd.link.frames.pop()[0])
     assert rej.kind == "capacity" and not done.ok and done.error == rej.error
     assert done.error.startswith("prompt of 300 tokens needs 19 blocks; prefill instance")
 
@@ -175,11 +176,11 @@ def test_dummy_run_writes_and_sends_nothing(pd):
     snap = [t.clone() for t in pd.d.cache.tensors()]
     sent = pd.p.writer.messages_sent
     pd.p.dummy_run(48)
-    assert pd.p.writer.messages_sent == sent and not pd.p.link.frames
+    assert pd.p.writer.messages_sent == sent and not pd.link.frames
     assert all(torch.equal(a, b) for a, b in zip(snap, pd.d.cache.tensors()))
     with forward_context(is_dummy_or_profile_run=True):
         with pytest.raises(RuntimeError, match="PushWriter.send_done during a dummy/profile run"):
-            pd.p.writer.send_done(pd.p.link, "x", ok=True)
+            pd.p.writer.send_done(pd.link, "x", ok=True)
 
 
 def test_attach_without_an_export_names_the_flag(pd):
@@ -221,14 +222,14 @@ def test_writer_copies_each_group_once_per_chunk_byte_exact(group, chunk):
     dst = PagedKVCache(spec, 24)
     dst.buffer.fill_(0xAB)
     w = push.PushWriter(eng.cache, "numba", layers_per_copy=group)
-    w.peer = dst
+    w.peers["d-1"] = dst
     calls = []
     real = w._copy
     w._copy = lambda pairs, layers, cap, stats: (calls.append((layers, cap)),
                                                  real(pairs, layers, cap, stats))[1]
     toks = [(5 * i + 1) % 250 for i in range(150)]
     blocks, dst_ids = list(range(2, 12)), [20, 3, 7, 0, 11, 19, 4, 9, 15, 1]
-    logits, stats = w.prefill(eng, toks, blocks, dst_ids, chunk, layerwise=True)
+    logits, stats = w.prefill(eng, toks, blocks, dst_ids, chunk, peer_id="d-1", layerwise=True)
     w.finish(stats)
     L = spec.num_layers
     chunks = -(-150 // (chunk or 150))
@@ -256,11 +257,13 @@ def test_writer_refuses_bad_settings_and_short_tables():
             push.PushWriter(cache, **kw)
         assert str(e.value) == msg
     w = push.PushWriter(cache)
-    with pytest.raises(TransferError, match="push before pairing: no decode cache is mapped"):
-        w.prefill(None, [1, 2, 3], [0], [0], None)
-    w.peer = PagedKVCache(spec, 8)
     with pytest.raises(TransferError) as e:
-        w.prefill(None, [1] * 9, [0, 1, 2], [0, 1], None)
+        w.prefill(None, [1, 2, 3], [0], [0], None, peer_id="d-1")
+    assert str(e.value) == ("push to decode instance 'd-1', which is not paired with this prefill "
+                            "instance (paired: [])")
+    w.peers["d-1"] = PagedKVCache(spec, 8)
+    with pytest.raises(TransferError) as e:
+        w.prefill(None, [1] * 9, [0, 1, 2], [0, 1], None, peer_id="d-1")
     assert str(e.value) == ("decode_block_ids has 2 blocks and P's table 3; the 9-token prompt "
                             "needs 3")
 

@@ -61,9 +61,11 @@ class Harness:
         regs = {m.role: m for m in self.wait_for(Register, 2)}
         self.to(self.p, Pair(peer_id=self.d.instance_id, peer_role="decode", peer_spec=regs["decode"].spec,
                              peer_num_blocks=regs["decode"].num_blocks, data_addr=regs["decode"].data_addr,
-                             shm_name=regs["decode"].shm_name))
+                             shm_name=regs["decode"].shm_name,
+                             peer_fingerprint=regs["decode"].fingerprint))
         self.to(self.d, Pair(peer_id=self.p.instance_id, peer_role="prefill", peer_spec=regs["prefill"].spec,
-                             peer_num_blocks=regs["prefill"].num_blocks, shm_name=regs["prefill"].shm_name))
+                             peer_num_blocks=regs["prefill"].num_blocks, shm_name=regs["prefill"].shm_name,
+                             peer_fingerprint=regs["prefill"].fingerprint))
         assert all(r.ok for r in self.wait_for(PairResult, 2))
         self.free0 = (self.p.allocator.num_free, self.d.allocator.num_free)
 
@@ -296,7 +298,7 @@ def test_profile_warmup_and_dummy_runs_signal_and_send_nothing(monkeypatch):
         assert arrived == [] and h.d.seqs == {}
         monkeypatch.undo()
         with forward_context(is_dummy_or_profile_run=True):
-            assert lw.open(h.ctx, "tcp://127.0.0.1:1") is False  # set-up refused in a dummy run
+            assert lw.open(h.ctx, "tcp://127.0.0.1:1", "d-x") is False  # refused in a dummy run
         assert h.blocks_back() == h.free0
     finally:
         h.close()

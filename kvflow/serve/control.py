@@ -5,8 +5,11 @@ Registration: every :class:`~kvflow.protocol.Register` is answered with
 :class:`~kvflow.protocol.Registered`, ok or refused with the reason (another protocol version,
 or a role that does not fit the router's ``--mode``); a refused instance prints it and exits 1.
 Pairing: when a P and a D have both registered, each gets a :class:`~kvflow.protocol.Pair`
-with the other's KV cache spec, checks it and answers :class:`~kvflow.protocol.PairResult`;
-``ready`` is true only when a pair has been accepted by both (colocated: one instance).
+with the other's KV cache spec and model fingerprint, checks them and answers
+:class:`~kvflow.protocol.PairResult`; ``ready`` is true only when a pair has been accepted by
+both (colocated: one instance). Every P is paired with every D (N x M); :meth:`Controller.pick`
+chooses a (P, D) per request and the Prefill names that D, so a P with several D's sends each
+request to its own D. When a D dies its P's get :class:`~kvflow.protocol.Unpair`.
 A remote instance that misses heartbeats for ``dead_after_s``, one on this host whose process
 has exited (:mod:`kvflow.serve.liveness`), or a child process of this server that has exited
 (or sent nothing for ``hung_after_s``), is dead: every request that
@@ -20,6 +23,7 @@ heartbeats again (it was only late, e.g. under load) is asked to register again
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import time
@@ -29,7 +33,7 @@ import zmq
 import zmq.asyncio
 
 from kvflow.protocol import (PROTOCOL_VERSION, Heartbeat, Pair, PairResult, Register, Registered,
-                             Reregister, Tokens, decode_or_log, encode)
+                             Reregister, Tokens, Unpair, decode_or_log, encode)
 
 from .liveness import DEAD, process_state
 
@@ -54,6 +58,14 @@ class InstanceInfo:
     @property
     def role(self) -> str:
         return self.reg.role
+
+
+def _least(infos, key: Callable[[InstanceInfo], Any], turn: int) -> InstanceInfo:
+    """The instance of least ``key``; among equals (ordered by id), number ``turn`` modulo."""
+    infos = sorted(infos, key=lambda i: i.id)
+    best = min(key(i) for i in infos)
+    tied = [i for i in infos if key(i) == best]
+    return tied[turn % len(tied)]
 
 
 @dataclasses.dataclass
@@ -116,7 +128,9 @@ class Controller:
                    for p in self.by_role("prefill") for d in self.by_role("decode"))
 
     def pick(self) -> tuple[InstanceInfo, InstanceInfo] | None:
-        """(prefill, decode) for the next request: a paired pair, the D with most free blocks."""
+        """(prefill, decode) for the next request, among pairs both sides accepted: the D with
+        most free blocks, then fewest requests in flight here; then, of the P's paired with
+        that D, the one with fewest prefills in flight here. Ties rotate (round robin)."""
         if self.mode == "colocated":
             cs = sorted(self.by_role("colocated"), key=lambda i: -i.free_blocks)
             return (cs[0], cs[0]) if cs else None
@@ -125,9 +139,15 @@ class Controller:
         if not pairs:
             return None
         self._rr += 1
-        pairs.sort(key=lambda pd: -pd[1].free_blocks)
-        return pairs[self._rr % len(pairs)] if pairs[0][1].free_blocks == pairs[-1][1].free_blocks \
-            else pairs[0]
+        busy_d, busy_p = collections.Counter(), collections.Counter()
+        for st in self.requests.values():
+            busy_d[st.decode_id] += 1
+            busy_p[st.prefill_id] += st.stage == "prefilling"
+        ds = {d.id: d for _, d in pairs}
+        d = _least(ds.values(), lambda d: (-d.free_blocks, busy_d[d.id]), self._rr)
+        # P's turn advances once per round over the D's: every (P, D) combination comes up
+        p = _least([p for p, dd in pairs if dd is d], lambda p: busy_p[p.id], self._rr // len(ds))
+        return p, d
 
     async def send(self, inst: InstanceInfo, msg: Any) -> None:
         try:
@@ -236,10 +256,11 @@ class Controller:
             await self.send(p, Pair(peer_id=d.id, peer_role="decode", peer_spec=d.reg.spec,
                                     peer_num_blocks=d.reg.num_blocks, data_addr=d.reg.data_addr,
                                     shm_name=d.reg.shm_name, peer_pid=d.reg.pid,
-                                    peer_host_id=d.reg.host_id))
+                                    peer_host_id=d.reg.host_id, peer_fingerprint=d.reg.fingerprint))
             await self.send(d, Pair(peer_id=p.id, peer_role="prefill", peer_spec=p.reg.spec,
                                     peer_num_blocks=p.reg.num_blocks, shm_name=p.reg.shm_name,
-                                    peer_pid=p.reg.pid, peer_host_id=p.reg.host_id))
+                                    peer_pid=p.reg.pid, peer_host_id=p.reg.host_id,
+                                    peer_fingerprint=p.reg.fingerprint))
 
     # ---- liveness -------------------------------------------------------------------
     async def _monitor(self) -> None:
@@ -270,6 +291,8 @@ class Controller:
         self.errors.append(f"{info.role} instance {info.id} (pid {info.reg.pid}) {why}")
         log.error("%s", self.errors[-1])
         for other in self.instances.values():
+            if info.id in other.pair_ok and other.role == "prefill":  # P drops only this D's link
+                asyncio.ensure_future(self.send(other, Unpair(peer_id=info.id, reason=why)))
             other.pair_ok.discard(info.id)
         if self.metrics is not None:
             self.metrics.forget(info.id, info.role)

@@ -46,7 +46,7 @@ from kvflow.sched import (AdmissionError, DecodeState, NoFreeBlocksError,
                           PrefixCache, Request, admission_check)
 
 from . import faults
-from .instance import Instance, check_pairing, sample_token, stop_reason, uses_push
+from .instance import Instance, check_peer, sample_token, stop_reason, uses_push
 
 log = logging.getLogger("kvflow.serve.decode")
 
@@ -160,7 +160,7 @@ class DecodeInstance(Instance):
 
     # ---- control handlers -----------------------------------------------------------
     def on_pair(self, msg: Pair, frames, ident) -> None:
-        error = check_pairing(self.spec, self.instance_id, msg.peer_spec, msg.peer_id)
+        error = check_peer(self, msg)
         if not error:
             try:
                 self.receiver.attach(msg.peer_id, self.spec, msg.peer_num_blocks, msg.shm_name)
@@ -177,9 +177,12 @@ class DecodeInstance(Instance):
 
     def on_allocate(self, msg: Allocate, frames, ident) -> None:
         n = len(msg.token_ids)
+        if msg.req_id in self.seqs or msg.req_id in self.lent:  # live, or its blocks still lent
+            self.send_ctrl(Rejected(req_id=msg.req_id, kind="error", error=(
+                f"request id {msg.req_id} is already live on decode instance {self.instance_id}; "
+                f"a second Allocate with it is refused")))
+            return
         try:
-            if msg.req_id in self.seqs:
-                raise AdmissionError(f"request id {msg.req_id} is already live")
             need = admission_check(max(n, 1), msg.max_tokens, max_model_len=self.max_model_len,
                                    num_blocks=self.num_blocks, block_size=self.spec.block_size)
             blocks = self._allocate(msg.token_ids, need)

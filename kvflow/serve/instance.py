@@ -40,6 +40,7 @@ from kvflow.context import sends_allowed
 from kvflow.layout import KVCacheSpec
 from kvflow.protocol import Heartbeat, Register, Registered, decode_or_log, encode
 
+from .fingerprint import check_fingerprint, model_fingerprint
 from .liveness import host_id
 from .startup import StartupError
 
@@ -140,6 +141,15 @@ def check_pairing(mine: KVCacheSpec, my_id: str, peer: dict[str, Any], peer_id: 
     return "KV cache spec mismatch, pairing refused: " + "; ".join(diffs) if diffs else ""
 
 
+def check_peer(inst: "Instance", msg: Any) -> str:
+    """'' when the peer of ``msg`` (:class:`~kvflow.protocol.Pair`) may pair with ``inst``: equal
+    KV cache spec (:func:`check_pairing`), then equal model fingerprint
+    (:func:`~kvflow.serve.fingerprint.check_fingerprint`); else the refusal."""
+    return (check_pairing(inst.spec, inst.instance_id, msg.peer_spec, msg.peer_id)
+            or check_fingerprint(inst.fingerprint, inst.instance_id, msg.peer_fingerprint,
+                                 msg.peer_id))
+
+
 class Instance:
     """Base of P, D and colocated instances (subclasses add handlers and :meth:`work`)."""
 
@@ -180,6 +190,10 @@ class Instance:
         self.spec = self.model.kv_spec(cfg.block_size)
         limit = self.model.config.max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or min(limit, 2048), limit)
+        t0 = time.perf_counter()
+        self.fingerprint = model_fingerprint(self.model, self.max_model_len)
+        log.info("%s model fingerprint: weights %s (%.0f ms)", self.instance_id,
+                 self.fingerprint["weights"], (time.perf_counter() - t0) * 1e3)
         self.num_blocks = cfg.num_blocks or self.profile(budget)
         self.cache = self.make_cache(self.num_blocks)
         self.engine = Engine(self.model, self.cache)
@@ -198,7 +212,8 @@ class Instance:
                                 spec=self.spec.to_dict(), num_blocks=self.num_blocks,
                                 free_blocks=self.free_blocks(),
                                 max_model_len=self.max_model_len, transfer=self.transfer_name(),
-                                pid=os.getpid(), host_id=host_id(), **self.register_extra()))
+                                pid=os.getpid(), host_id=host_id(), fingerprint=self.fingerprint,
+                                **self.register_extra()))
 
     def wait_registered(self, timeout_s: float, note_every_s: float = 3.0) -> None:
         """Wait until the router answers :class:`Register` (after :meth:`startup`), handling

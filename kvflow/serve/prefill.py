@@ -1,5 +1,13 @@
 """The prefill instance (P): runs each request's prefill in its own blocks, samples the first
-token, and hands the KV to the decode instance (D) that the router paired it with.
+token, and hands the KV to the decode instance (D) that the router chose for it.
+
+P may be paired with several D's: it keeps one link per paired D (a DEALER to D's data
+socket; with ipc push also D's mapped cache, with layerwise also a part socket), keyed by D's
+instance id, and sends each request's KV to exactly the D its :class:`~kvflow.protocol.Prefill`
+names (``decode_id``). A Prefill naming a D that is not paired, or a request id already queued
+or pending here, is refused (:class:`~kvflow.protocol.Rejected`; nothing is allocated or
+sent). :class:`~kvflow.protocol.Unpair` (the router saw that D die) and a new pairing with
+the same D drop only that D's link.
 
 Per request: WAITING (queued) -> PREFILLING (engine.prefill, chunked by
 ``max_num_batched_tokens``) -> SENDING -> DONE on D's :class:`~kvflow.protocol.KVAck`. An
@@ -33,11 +41,11 @@ import zmq
 
 from kvflow.cache import PagedKVCache
 from kvflow.context import forward_context, sends_allowed
-from kvflow.protocol import Abort, KVAck, LeaseRenew, Pair, PairResult, Prefill, Rejected
+from kvflow.protocol import Abort, KVAck, LeaseRenew, Pair, PairResult, Prefill, Rejected, Unpair
 from kvflow.sched import NoFreeBlocksError
 
 from . import faults
-from .instance import Instance, check_pairing, layerwise_min_tokens, sample_token, uses_push
+from .instance import Instance, check_peer, layerwise_min_tokens, sample_token, uses_push
 
 log = logging.getLogger("kvflow.serve.prefill")
 
@@ -52,8 +60,7 @@ class PrefillInstance(Instance):
         self.ack_timeout_s = float(getattr(cfg, "kv_lease_s", 5.0))
         self.queue: collections.deque[Prefill] = collections.deque()
         self.pending: dict[str, tuple[list[int], Any, float]] = {}  # req -> (blocks, keep, t)
-        self.link: zmq.Socket | None = None
-        self.peer_id = ""
+        self.links: dict[str, zmq.Socket] = {}  # paired D's instance id -> link to its data socket
         self.sender = None
         self.shared = None
         self.layerwise = None  # LayerwiseSender when --transfer-mode layerwise (pull)
@@ -130,54 +137,87 @@ class PrefillInstance(Instance):
 
     # ---- handlers -------------------------------------------------------------------
     def on_pair(self, msg: Pair, frames, ident) -> None:
-        error = check_pairing(self.spec, self.instance_id, msg.peer_spec, msg.peer_id)
+        error = check_peer(self, msg)
         if not error:
-            if self.link is not None:
-                self.sockets.pop(self.link, None)
-                self.link.close(0)
-            self.link = self.ctx.socket(zmq.DEALER)
-            self.link.setsockopt(zmq.IDENTITY, self.instance_id.encode())
-            self.link.connect(msg.data_addr)
-            self.sockets[self.link] = f"decode {msg.peer_id}"
-            self.peer_id = msg.peer_id
+            self._unpair(msg.peer_id)  # the same D paired anew (it registered again)
+            link = self.ctx.socket(zmq.DEALER)
+            link.setsockopt(zmq.IDENTITY, self.instance_id.encode())
+            link.connect(msg.data_addr)
+            self.links[msg.peer_id] = link
+            self.sockets[link] = f"decode {msg.peer_id}"
             if self.layerwise is not None:
-                self.layerwise.open(self.ctx, msg.data_addr)
+                self.layerwise.open(self.ctx, msg.data_addr, msg.peer_id)
             if self.writer is not None:
                 try:
                     self.writer.attach(msg.peer_id, msg.shm_name, self.spec, msg.peer_num_blocks)
                 except Exception as exc:
                     error = f"cannot map {msg.peer_id}'s cache to push into: {exc}"
+                    self._unpair(msg.peer_id)
         if error:
             log.error("%s: %s", self.instance_id, error)
         self.send_ctrl(PairResult(instance_id=self.instance_id, peer_id=msg.peer_id,
                                   ok=not error, error=error))
 
+    def on_unpair(self, msg: Unpair, frames, ident) -> None:
+        log.warning("%s: unpaired from %s (%s)", self.instance_id, msg.peer_id,
+                    msg.reason or "no reason given")
+        self._unpair(msg.peer_id)
+
+    def _unpair(self, peer_id: str) -> None:
+        """Drop D ``peer_id``'s link, layerwise socket and push mapping; other D's keep theirs."""
+        link = self.links.pop(peer_id, None)
+        if link is not None:
+            self.sockets.pop(link, None)
+            link.close(0)
+        if self.layerwise is not None:
+            self.layerwise.close_peer(peer_id)
+        if self.writer is not None:
+            self.writer.detach(peer_id)
+
+    def _refusal(self, msg: Prefill) -> str:
+        """Why ``msg`` cannot be taken ('' if it can): its id is live here, or its D is not
+        paired with this P."""
+        if msg.req_id in self.pending or any(m.req_id == msg.req_id for m in self.queue):
+            return (f"request id {msg.req_id} is already live on prefill instance "
+                    f"{self.instance_id}; a second Prefill with it is refused")
+        return "" if msg.decode_id in self.links else self._not_paired(msg.decode_id)
+
+    def _not_paired(self, decode_id: str) -> str:
+        return (f"prefill instance {self.instance_id} is not paired with decode instance "
+                f"{decode_id!r} (paired: {sorted(self.links)})")
+
     def on_prefill(self, msg: Prefill, frames, ident) -> None:
+        error = self._refusal(msg)
+        if error:  # nothing of the live request (or of an unpaired D) is touched
+            log.error("%s: %s", self.instance_id, error)
+            self.send_ctrl(Rejected(req_id=msg.req_id, kind="error", error=error))
+            return
         need = self.spec.num_blocks_for(len(msg.token_ids))
         if need > self.num_blocks or len(msg.token_ids) > self.max_model_len:
             error = (f"prompt of {len(msg.token_ids)} tokens needs {need} blocks; prefill "
                      f"instance {self.instance_id} has {self.num_blocks} (max_model_len "
                      f"{self.max_model_len})")
-            self._push_failed(msg.req_id, error)
+            self._push_failed(msg, error)
             self.send_ctrl(Rejected(req_id=msg.req_id, kind="capacity", error=error, param="prompt"))
             return
         self.queue.append(msg)
 
-    def _push_failed(self, req_id: str, error: str) -> None:
-        """Push: tell D nothing (more) will be written into its blocks for ``req_id``."""
-        if self.writer is None or self.link is None:
+    def _push_failed(self, msg: Prefill, error: str) -> None:
+        """Push: tell the request's D nothing (more) will be written into its blocks."""
+        link = self.links.get(msg.decode_id)
+        if self.writer is None or link is None:
             return
         try:
-            self.writer.send_done(self.link, req_id, ok=False, error=error)
+            self.writer.send_done(link, msg.req_id, ok=False, error=error)
         except Exception:  # D is gone: nobody holds blocks for this request any more
             log.exception("%s: could not tell %s that %s failed", self.instance_id,
-                          self.peer_id, req_id)
+                          msg.decode_id, msg.req_id)
 
     def on_abort(self, msg: Abort, frames, ident) -> None:
-        queued = any(m.req_id == msg.req_id for m in self.queue)
+        queued = [m for m in self.queue if m.req_id == msg.req_id]
         self.queue = collections.deque(m for m in self.queue if m.req_id != msg.req_id)
-        if queued:
-            self._push_failed(msg.req_id, msg.reason or "aborted")
+        for m in queued:
+            self._push_failed(m, msg.reason or "aborted")
         if self.layerwise is not None:
             self.layerwise.abort(msg.req_id)  # drop its pending signals: no further part goes
         entry = self.pending.get(msg.req_id)
@@ -217,16 +257,17 @@ class PrefillInstance(Instance):
     def work(self) -> None:
         self._expire()
         msg = self.queue[0]
+        link = self.links.get(msg.decode_id)
+        if link is None:  # its D was unpaired while the request waited here
+            self.queue.popleft()
+            self.send_ctrl(Rejected(req_id=msg.req_id, kind="error",
+                                    error=self._not_paired(msg.decode_id)))
+            return
         try:
             blocks = self.allocator.allocate(self.spec.num_blocks_for(len(msg.token_ids)))
         except NoFreeBlocksError:
             return  # wait for acks to free blocks
         self.queue.popleft()
-        if self.link is None:
-            self.allocator.free(blocks)
-            self.send_ctrl(Rejected(req_id=msg.req_id, kind="error",
-                                    error=f"prefill instance {self.instance_id} is not paired"))
-            return
         try:
             delay = faults.delay_s("prefill", msg.token_ids)
             end = time.monotonic() + delay
@@ -234,7 +275,7 @@ class PrefillInstance(Instance):
                 time.sleep(0.05)           # between the chunks of a long one)
                 self.heartbeat()
             if self.writer is not None:
-                self._prefill_push(msg, blocks)
+                self._prefill_push(msg, blocks, link)
                 return
             if self.layerwise is not None and len(msg.token_ids) >= layerwise_min_tokens(self.cfg):
                 self._prefill_layerwise(msg, blocks)
@@ -243,7 +284,7 @@ class PrefillInstance(Instance):
                                          chunk_size=self.cfg.max_num_batched_tokens)
             first = sample_token(logits, msg.temperature, msg.seed, 0)
             # D holds logical blocks 0..skip_blocks-1 (prefix hit): send only the rest
-            keep = self.sender.send(self.link, msg.req_id, self.cache,
+            keep = self.sender.send(link, msg.req_id, self.cache,
                                     blocks[min(msg.skip_blocks, len(blocks)):], first_token=first,
                                     num_prompt_tokens=len(msg.token_ids))
         except Exception as exc:
@@ -258,7 +299,7 @@ class PrefillInstance(Instance):
             blocks = []
         self.pending[msg.req_id] = (blocks, keep, time.monotonic())
 
-    def _prefill_push(self, msg: Prefill, blocks: list[int]) -> None:
+    def _prefill_push(self, msg: Prefill, blocks: list[int], link: zmq.Socket) -> None:
         """Prefill writing the KV into D's blocks (layer by layer from
         ``--layerwise-min-tokens``), then one KVPushed; P's blocks are free once the copies are
         done. A failure still waits for the copies already issued before D hears of it."""
@@ -268,17 +309,18 @@ class PrefillInstance(Instance):
             t0 = time.perf_counter()
             logits, stats = self.writer.prefill(
                 self.engine, msg.token_ids, blocks, msg.decode_block_ids,
-                self.cfg.max_num_batched_tokens, skip_blocks=msg.skip_blocks, layerwise=layerwise)
+                self.cfg.max_num_batched_tokens, peer_id=msg.decode_id,
+                skip_blocks=msg.skip_blocks, layerwise=layerwise)
             first = sample_token(logits, msg.temperature, msg.seed, 0)
             stats.prefill_ms = (time.perf_counter() - t0) * 1e3
             self.writer.finish(stats)
-            self.writer.send_done(self.link, msg.req_id, ok=True, first_token=first,
+            self.writer.send_done(link, msg.req_id, ok=True, first_token=first,
                                   num_prompt_tokens=n, stats=stats)
         except Exception as exc:
             log.exception("%s: prefill or push of %s failed", self.instance_id, msg.req_id)
             self.writer.finish()
             self.allocator.free(blocks)
-            self._push_failed(msg.req_id, f"prefill failed on {self.instance_id}: {exc}")
+            self._push_failed(msg, f"prefill failed on {self.instance_id}: {exc}")
             self.send_ctrl(Rejected(req_id=msg.req_id, kind="error",
                                     error=f"prefill failed on {self.instance_id}: {exc}"))
             return
@@ -289,7 +331,8 @@ class PrefillInstance(Instance):
         """Prefill with every layer signalled and sent as it completes; blocks held to the ack
         (a transfer failure arrives later through :meth:`_fail_transfers`)."""
         logits = self.layerwise.prefill(self.engine, msg.req_id, msg.token_ids, blocks,
-                                        self.cfg.max_num_batched_tokens, skip_blocks=msg.skip_blocks)
+                                        self.cfg.max_num_batched_tokens, peer_id=msg.decode_id,
+                                        skip_blocks=msg.skip_blocks)
         self.layerwise.finish(msg.req_id, sample_token(logits, msg.temperature, msg.seed, 0))
         self.pending[msg.req_id] = (blocks, None, time.monotonic())
 

@@ -12,7 +12,8 @@ Pieces (DESIGN.md "Signals", issue 5):
 - each due part goes out as a :class:`~kvflow.protocol.KVLayer` through the connector's
   :meth:`~kvflow.transfer.base.KVSender.send_part` (ipc: D is told the layers and P's block ids
   and pulls them with ``copy_blocks(layers=...)``; tcp: one frame per layer gathered with
-  ``gather_blocks(layers=...)``), on a send-only ZMQ socket that only the worker thread and
+  ``gather_blocks(layers=...)``), on the send-only ZMQ socket of the request's D (one per
+  paired D, keyed by D's instance id) that only the worker thread and
   :meth:`LayerwiseSender.finish` use, under one lock;
 - after the last part *and* the first token (sampled by the main thread), one last
   ``KVLayer(last=True)`` carries the first token; D acks to P's control link (``reply_to``).
@@ -49,6 +50,7 @@ from .base import KVSender, check_send_allowed
 @dataclasses.dataclass
 class _Live:
     num_prompt_tokens: int
+    peer_id: str = ""               # the D this request's parts go to
     skip_blocks: int = 0
     t_start: float = 0.0
     gather_ms: float = 0.0
@@ -60,7 +62,8 @@ class _Live:
 
 
 class LayerwiseSender:
-    """Signal channel + scheduler + worker thread + send-only socket of one prefill instance.
+    """Signal channel + scheduler + worker thread of one prefill instance, and one send-only
+    socket per paired D.
 
     Parameters
     ----------
@@ -90,7 +93,7 @@ class LayerwiseSender:
                                             mode="layerwise", layerwise_min_tokens=0,
                                             on_done=self._all_sent, on_error=self._failed)
         self.worker: LayerwiseWorker | None = None
-        self.sock: zmq.Socket | None = None
+        self.socks: dict[str, zmq.Socket] = {}  # paired D -> part socket connected to it
         self.step = 0
         self.messages_sent = 0
         self._lock = threading.Lock()  # the socket and self._live
@@ -98,33 +101,49 @@ class LayerwiseSender:
         self._errors: queue.SimpleQueue[tuple[str, BaseException]] = queue.SimpleQueue()
 
     # ---- set-up (after the profile run, at pairing) ------------------------------------
-    def open(self, ctx: zmq.Context, data_addr: str) -> bool:
-        """Create the signal channel, the part socket (connected to D's ``data_addr``) and
-        start the worker; False (nothing created) inside a profile/dummy run. Re-opening
-        (a new pairing) only reconnects the socket."""
+    def open(self, ctx: zmq.Context, data_addr: str, peer_id: str) -> bool:
+        """Create the signal channel and start the worker (first call), and the part socket
+        of D ``peer_id`` (connected to its ``data_addr``; replaces an earlier socket of that D
+        only); False (nothing created) inside a profile/dummy run."""
         if not sends_allowed():
             self.signaller.init()  # counted as a refused set-up
             return False
         channel = self.signaller.init()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"{self.instance_id}/layerwise".encode())
+        sock.setsockopt(zmq.SNDTIMEO, self.send_timeout_ms)
+        sock.setsockopt(zmq.LINGER, 500)
+        sock.connect(data_addr)
         with self._lock:
-            if self.sock is not None:
-                self.sock.close(0)
-            self.sock = ctx.socket(zmq.DEALER)
-            self.sock.setsockopt(zmq.IDENTITY, f"{self.instance_id}/layerwise".encode())
-            self.sock.setsockopt(zmq.SNDTIMEO, self.send_timeout_ms)
-            self.sock.setsockopt(zmq.LINGER, 500)
-            self.sock.connect(data_addr)
+            old = self.socks.pop(peer_id, None)
+            if old is not None:
+                old.close(0)
+            self.socks[peer_id] = sock
         if self.worker is None:
             self.worker = LayerwiseWorker(self.scheduler, channel, poll_s=self.poll_s,
                                           signal_timeout_s=self.signal_timeout_s,
                                           on_error=self._failed).start()
         return True
 
+    def close_peer(self, peer_id: str) -> None:
+        """Close D ``peer_id``'s socket (it was unpaired); its requests still sending fail
+        (:meth:`pop_errors`), those of other D's go on."""
+        with self._lock:
+            sock = self.socks.pop(peer_id, None)
+            if sock is not None:
+                sock.close(0)
+            gone = [r for r, live in self._live.items() if live.peer_id == peer_id]
+        for req_id in gone:
+            self.scheduler.abort(req_id)
+            self._failed(req_id, ConnectionError(f"decode instance {peer_id} was unpaired"))
+
     # ---- the prefill (main thread) -----------------------------------------------------
     def prefill(self, engine: Any, req_id: str, token_ids: list[int], blocks: list[int],
-                chunk_size: int | None, *, skip_blocks: int = 0) -> Any:
+                chunk_size: int | None, *, peer_id: str = "", skip_blocks: int = 0) -> Any:
         """Run ``engine``'s prefill chunk by chunk, signalling every layer of every chunk; return
         the last token's logits. Inside a dummy run nothing is registered, signalled or sent.
+
+        ``peer_id``: the D every part goes to (opened with :meth:`open`).
 
         ``skip_blocks``: D already holds the prompt's logical blocks ``0..skip_blocks-1``
         (prefix hit); only the rest is sent, with ``block_offset`` counted from there.
@@ -132,7 +151,7 @@ class LayerwiseSender:
         Raises
         ------
         RuntimeError
-            Outside a dummy run before :meth:`open`.
+            Outside a dummy run before :meth:`open`, or for a ``peer_id`` not opened.
         ValueError
             As :meth:`LayerwiseScheduler.add_request` / :meth:`Engine.prefill`.
         """
@@ -142,7 +161,10 @@ class LayerwiseSender:
             if self.worker is None:
                 raise RuntimeError("layerwise prefill before LayerwiseSender.open (no channel)")
             with self._lock:
-                self._live[req_id] = _Live(n, skip_blocks)
+                if peer_id not in self.socks:
+                    raise RuntimeError(f"layerwise prefill for decode instance {peer_id!r}, which "
+                                       f"is not paired (paired: {sorted(self.socks)})")
+                self._live[req_id] = _Live(n, peer_id, skip_blocks)
             self.scheduler.add_request(req_id, n, blocks[:-(-n // self.cache.spec.block_size)])
             self.scheduler.set_dst_blocks(req_id, range(-(-n // self.cache.spec.block_size)))
             self.worker.wake()
@@ -204,7 +226,7 @@ class LayerwiseSender:
             if not live.t_start:
                 live.t_start = time.time()
             keep, gather_ms = self.sender.send_part(
-                self.sock, self.cache, src, layers, req_id=req_id, reply_to=self.instance_id,
+                self._sock(live), self.cache, src, layers, req_id=req_id, reply_to=self.instance_id,
                 block_offset=dst[0] - live.skip_blocks, num_prompt_tokens=live.num_prompt_tokens, t_start=live.t_start)
             live.gather_ms += gather_ms
             live.parts += 1
@@ -226,11 +248,17 @@ class LayerwiseSender:
             return
         live.finished = True
         check_send_allowed("LayerwiseSender last part")
-        self.sock.send(encode(KVLayer(req_id=req_id, reply_to=self.instance_id, last=True,
+        self._sock(live).send(encode(KVLayer(req_id=req_id, reply_to=self.instance_id, last=True,
                                       first_token=live.first_token,
                                       num_prompt_tokens=live.num_prompt_tokens,
                                       t_start=live.t_start, gather_ms=live.gather_ms)))
         self.messages_sent += 1
+
+    def _sock(self, live: _Live) -> zmq.Socket:  # lock held
+        sock = self.socks.get(live.peer_id)
+        if sock is None:
+            raise ConnectionError(f"decode instance {live.peer_id} was unpaired")
+        return sock
 
     def _failed(self, req_id: str, exc: BaseException) -> None:
         if req_id == "?":
@@ -245,7 +273,7 @@ class LayerwiseSender:
             self.worker.stop(max(1.0, 4 * self.poll_s))
             self.worker = None
         with self._lock:
-            if self.sock is not None:
-                self.sock.close(0)
-                self.sock = None
+            for sock in self.socks.values():
+                sock.close(0)
+            self.socks.clear()
         self.signaller.close()

@@ -1,8 +1,9 @@
 """``ipc`` push: P writes each request's KV straight into the blocks D allocated.
 
 D exports its cache once (CPU: a 0600 shared-memory segment; CUDA: one allocation's IPC handle,
-:mod:`kvflow.transfer.cuda_ipc`) and P maps it at pairing. The router gives P D's block table
-with the request (``Prefill.decode_block_ids``), so P copies its blocks into D's with
+:mod:`kvflow.transfer.cuda_ipc`) and P maps it at pairing (one mapping per paired D). The
+router gives P D's id and block table with the request (``Prefill.decode_id``,
+``decode_block_ids``), so P copies its blocks into that D's with
 :func:`~kvflow.kernels.copy_blocks` -- on CUDA inside P's own process and CUDA context, where
 the copies can run *beside* P's compute kernels (a kernel launched on P's GPU from D's process
 is in another context and time-slices with them instead).
@@ -81,6 +82,7 @@ class PushStats:
     prefill_ms: float = 0.0
     layerwise: bool = False
     pending: Any = dataclasses.field(default=None, repr=False)  # request mode: ids to copy
+    dst: Any = dataclasses.field(default=None, repr=False)      # the D cache written into
 
 
 def map_decode_cache(shm_name: str, spec, num_blocks: int, device: torch.device) -> PagedKVCache:
@@ -103,7 +105,8 @@ def map_decode_cache(shm_name: str, spec, num_blocks: int, device: torch.device)
 
 
 class PushWriter:
-    """P's half: maps D's cache at pairing and writes requests into it.
+    """P's half: maps each paired D's cache at pairing and writes every request into the cache
+    of the D that allocated its blocks (``peer_id``), never another one's.
 
     Parameters
     ----------
@@ -136,8 +139,7 @@ class PushWriter:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         self.cache, self.backend, self.max_ctas = cache, backend, max_ctas
         self.layers_per_copy = layers_per_copy
-        self.peer: PagedKVCache | None = None
-        self.peer_id = ""
+        self.peers: dict[str, PagedKVCache] = {}  # paired D -> its mapped cache
         self.cuda = cache.device.type == "cuda"
         self._stream = torch.cuda.Stream(cache.device) if self.cuda else None
         self._events = [torch.cuda.Event() for _ in range(cache.spec.num_layers)] if self.cuda else []
@@ -145,13 +147,18 @@ class PushWriter:
         self.messages_sent = 0
 
     def attach(self, peer_id: str, shm_name: str, peer_spec, peer_num_blocks: int) -> None:
-        """Map D's cache (at pairing; replaces an earlier mapping)."""
+        """Map D ``peer_id``'s cache (at pairing; replaces an earlier mapping of that D only)."""
         if not shm_name:
             raise TransferError(f"decode instance {peer_id} exported no cache to push into "
                                 f"(is it running with --ipc-direction push?)")
-        self.peer = None
-        self.peer = map_decode_cache(shm_name, peer_spec, peer_num_blocks, self.cache.device)
-        self.peer_id = peer_id
+        self.peers.pop(peer_id, None)
+        self.peers[peer_id] = map_decode_cache(shm_name, peer_spec, peer_num_blocks,
+                                               self.cache.device)
+
+    def detach(self, peer_id: str) -> None:
+        """Drop D ``peer_id``'s mapping (it was unpaired); other D's stay mapped."""
+        if self.peers.pop(peer_id, None) is not None and self.cuda and torch.cuda.is_initialized():
+            torch.cuda.ipc_collect()
 
     def export(self) -> dict[str, str]:
         """Fields for P's Register message: none (P maps D's cache, not the other way)."""
@@ -160,12 +167,13 @@ class PushWriter:
     def close(self) -> None:
         if self._stream is not None:
             self._stream.synchronize()
-        self.peer = None
+        self.peers.clear()
         if self.cuda and torch.cuda.is_initialized():
             torch.cuda.ipc_collect()
 
     # ---- the prefill -------------------------------------------------------------------
-    def _pairs(self, blocks: list[int], dst_ids: list[int], first: int, stop: int, skip: int):
+    def _pairs(self, blocks: list[int], dst_ids: list[int], first: int, stop: int, skip: int,
+               peer: PagedKVCache):
         """P's and D's ids of logical blocks ``[max(first, skip), stop)``, checked once here
         (the per-layer copies skip validation) and, on CUDA, put on the device once through
         the copy stream (no host sync per layer)."""
@@ -174,7 +182,7 @@ class PushWriter:
             return None
         src, dst = blocks[lo:stop], dst_ids[lo:stop]
         for name, ids, limit in (("P's block table", src, self.cache.num_blocks),
-                                 ("decode_block_ids", dst, self.peer.num_blocks)):
+                                 ("decode_block_ids", dst, peer.num_blocks)):
             bad = [b for b in ids if not 0 <= b < limit]
             if bad:
                 raise TransferError(f"{name} holds block {bad[0]}, not in [0, {limit})")
@@ -189,9 +197,10 @@ class PushWriter:
         return dev
 
     def prefill(self, engine: Any, token_ids: list[int], blocks: list[int], dst_ids: list[int],
-                chunk_size: int | None, *, skip_blocks: int = 0,
+                chunk_size: int | None, *, peer_id: str = "", skip_blocks: int = 0,
                 layerwise: bool = True) -> tuple[torch.Tensor, PushStats]:
-        """Run ``engine``'s prefill and write the prompt's KV into D's blocks ``dst_ids``.
+        """Run ``engine``'s prefill and write the prompt's KV into D ``peer_id``'s blocks
+        ``dst_ids``.
 
         Parameters
         ----------
@@ -204,6 +213,8 @@ class PushWriter:
             ``dst_ids[i]`` in D); both must cover the prompt.
         chunk_size : int or None
             Prefill chunk (tokens).
+        peer_id : str
+            The D that allocated ``dst_ids`` (attached with :meth:`attach`).
         skip_blocks : int
             D already holds logical blocks ``0..skip_blocks-1`` (prefix hit): not written.
         layerwise : bool
@@ -218,17 +229,19 @@ class PushWriter:
         Raises
         ------
         TransferError
-            Before pairing, or when ``dst_ids`` is shorter than the prompt's blocks.
+            ``peer_id`` is not attached, or ``dst_ids`` is shorter than the prompt's blocks.
         """
         n, bs = len(token_ids), self.cache.spec.block_size
         nb = -(-n // bs)
         real = sends_allowed()
-        if real and self.peer is None:
-            raise TransferError("push before pairing: no decode cache is mapped")
+        dst = self.peers.get(peer_id)
+        if real and dst is None:
+            raise TransferError(f"push to decode instance {peer_id!r}, which is not paired with "
+                                f"this prefill instance (paired: {sorted(self.peers)})")
         if len(dst_ids) < nb or len(blocks) < nb:
             raise TransferError(f"decode_block_ids has {len(dst_ids)} blocks and P's table "
                                 f"{len(blocks)}; the {n}-token prompt needs {nb}")
-        stats = PushStats()
+        stats = PushStats(dst=dst)
         chunk = chunk_size or n
         if not real:  # dummy / profile run: compute only
             logits = None
@@ -241,13 +254,13 @@ class PushWriter:
         logits = None
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
-            pairs = self._pairs(blocks, dst_ids, start // bs, -(-end // bs), skip_blocks) \
+            pairs = self._pairs(blocks, dst_ids, start // bs, -(-end // bs), skip_blocks, dst) \
                 if layerwise else None
             hook = None if pairs is None else self._layer_hook(pairs, stats, end == n)
             logits = engine.prefill(token_ids[:end], blocks, num_computed_tokens=start,
                                     on_layer_done=hook)
         if not layerwise:  # copied by finish(), after the first token
-            stats.pending = self._pairs(blocks, dst_ids, 0, nb, skip_blocks)
+            stats.pending = self._pairs(blocks, dst_ids, 0, nb, skip_blocks, dst)
         m = max(0, nb - skip_blocks)
         stats.blocks, stats.payload_bytes = m, payload_bytes(self.cache.spec, m)
         stats.layerwise = layerwise
@@ -274,7 +287,7 @@ class PushWriter:
             stats.t_start = time.time()
         src, dst = pairs
         with torch.cuda.stream(self._stream) if self.cuda else contextlib.nullcontext():
-            copy_blocks(self.cache, self.peer, src, dst, layers, backend=self.backend,
+            copy_blocks(self.cache, stats.dst, src, dst, layers, backend=self.backend,
                         max_ctas=max_ctas, validate=False)
         stats.copy_ms += (time.perf_counter() - t0) * 1e3
 
