@@ -94,16 +94,16 @@ def test_push_writes_nothing_and_d_accepts_zero_blocks():
     spec = model.kv_spec(16)
     eng = Engine(model, PagedKVCache(spec, 4))
     w = PushWriter(eng.cache, layers_per_copy=2)
-    w.peer = PagedKVCache(spec, 4)
-    w.peer.buffer.fill_(0x5A)
+    peer = w.peers["d-1"] = PagedKVCache(spec, 4)
+    peer.buffer.fill_(0x5A)
     for layerwise in (True, False):
-        _, stats = w.prefill(eng, list(range(1, 33)), [0, 1], [2, 3], 16, skip_blocks=2,
-                             layerwise=layerwise)
+        _, stats = w.prefill(eng, list(range(1, 33)), [0, 1], [2, 3], 16, peer_id="d-1",
+                             skip_blocks=2, layerwise=layerwise)
         w.finish(stats)
         assert (stats.blocks, stats.payload_bytes, stats.t_start) == (0, 0, 0.0)
-        assert bool((w.peer.buffer == 0x5A).all())
+        assert bool((peer.buffer == 0x5A).all())
     stats = PushReceiver().receive(KVPushed(req_id="r", ok=True, first_token=3, num_blocks=0),
-                                   [], w.peer, [])
+                                   [], peer, [])
     assert (stats.blocks, stats.payload_bytes) == (0, 0)
 
 
