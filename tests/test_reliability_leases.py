@@ -36,7 +36,8 @@ def dead_pid() -> int:
 def pair_d_with(pd: PD, peer_id: str, pid: int, peer_host_id: str) -> None:
     """The router's Pair to D, naming P's process (pid and host id)."""
     pd.d.on_pair(Pair(peer_id=peer_id, peer_role="prefill", peer_spec=pd.p.spec.to_dict(),
-                      peer_num_blocks=pd.p.num_blocks, peer_pid=pid, peer_host_id=peer_host_id),
+                      peer_num_blocks=pd.p.num_blocks, peer_pid=pid, peer_host_id=peer_host_id,
+                      peer_fingerprint=pd.p.fingerprint),
                  [], None)
     assert pd.d.out.pop().ok
 
@@ -46,7 +47,7 @@ def push():
     """P, a second P (both pushing into D) and a D of 3 blocks: one request fills it."""
     pd = PD(ipc_direction="push", d_blocks=3, prefix=False)
     p2 = make_instance(PrefillInstance, "prefill", ipc_direction="push")
-    p2.link, p2.peer_id = FakeLink(), pd.d.instance_id
+    p2.links[pd.d.instance_id] = FakeLink()
     p2.writer.attach(pd.d.instance_id, pd.d.export_name, pd.d.spec, pd.d.num_blocks)
     for p in (pd.p, p2):
         pair_d_with(pd, p.instance_id, os.getpid(), host_id())  # in this process: alive
@@ -60,9 +61,10 @@ def push():
 def run_on(pd: PD, p, req: str, prompt: list[int], alloc) -> KVPushed:
     """P ``p`` prefills ``req`` (the Prefill it got earlier or now) and pushes into D."""
     if not any(m.req_id == req for m in p.queue):
-        p.on_prefill(Prefill(req_id=req, token_ids=prompt, decode_block_ids=alloc.block_ids), [], None)
+        p.on_prefill(Prefill(req_id=req, token_ids=prompt, decode_id=pd.d.instance_id,
+                                     decode_block_ids=alloc.block_ids), [], None)
     p.work()
-    done = decode(p.link.frames.pop()[0])
+    done = decode(p.links[pd.d.instance_id].frames.pop()[0])
     assert isinstance(done, KVPushed) and done.req_id == req and done.ok
     return done
 
@@ -70,7 +72,8 @@ def run_on(pd: PD, p, req: str, prompt: list[int], alloc) -> KVPushed:
 def test_p_declared_dead_but_alive_keeps_its_lent_blocks_until_it_pushed(push):
     pd = push
     req_a, alloc_a = pd.allocate(A, req_id="a")
-    pd.p.on_prefill(Prefill(req_id=req_a, token_ids=A, decode_block_ids=alloc_a.block_ids), [], None)
+    pd.p.on_prefill(Prefill(req_id=req_a, token_ids=A, decode_id=pd.d.instance_id,
+                                    decode_block_ids=alloc_a.block_ids), [], None)
     # P's prefill of A outlasts --dead-after-s: the router declares P dead and aborts A on D
     pd.d.on_abort(Abort(req_id=req_a, peer_dead=pd.p.instance_id, prefill_id=pd.p.instance_id), [], None)
     assert (end := pd.take(pd.d, Tokens)) == [] and req_a in pd.d.lent, end
