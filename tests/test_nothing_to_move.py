@@ -9,35 +9,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-import zmq
 
 from kvflow import KVCacheSpec, PagedKVCache
-from kvflow.protocol import KVData, KVLayer, KVPushed, KVReady, decode
+from kvflow.protocol import KVData, KVLayer, KVPushed, KVReady
 from kvflow.transfer import make_receiver
 from kvflow.transfer.ipc import IpcSender, SharedCache
 from kvflow.transfer.push import PushReceiver, PushWriter
 from kvflow.transfer.tcp import TcpSender
 
+from .zmq_link import recv, zmq_link  # noqa: F401 (zmq_link: a fixture)
+
 SPEC = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
-
-
-@pytest.fixture
-def link():
-    ctx = zmq.Context()
-    d_sock = ctx.socket(zmq.ROUTER)
-    port = d_sock.bind_to_random_port("tcp://127.0.0.1")
-    p_sock = ctx.socket(zmq.DEALER)
-    p_sock.connect(f"tcp://127.0.0.1:{port}")
-    yield p_sock, d_sock
-    p_sock.close(0)
-    d_sock.close(0)
-    ctx.term()
-
-
-def _recv(d_sock):
-    assert d_sock.poll(5000), "no frames arrived within 5 s"
-    _, head, *payload = d_sock.recv_multipart(copy=False)
-    return decode(head), payload
 
 
 def _d_cache() -> PagedKVCache:
@@ -50,24 +32,24 @@ def _untouched(cache: PagedKVCache) -> bool:
     return bool((cache.buffer == 0x5A).all())
 
 
-def test_tcp_sends_and_receives_zero_blocks(link):
-    p_sock, d_sock = link
+def test_tcp_sends_and_receives_zero_blocks(zmq_link):
+    p_sock, d_sock = zmq_link
     TcpSender().send(p_sock, "r", PagedKVCache(SPEC, 8), [], first_token=3, num_prompt_tokens=8)
-    head, payload = _recv(d_sock)
+    head, payload = recv(d_sock)
     assert isinstance(head, KVData) and head.num_blocks == 0
     d = _d_cache()
     stats = make_receiver("tcp").receive(head, payload, d, [])
     assert (stats.blocks, stats.payload_bytes) == (0, 0) and _untouched(d)
 
 
-def test_ipc_pull_sends_and_receives_zero_blocks(link):
-    p_sock, d_sock = link
+def test_ipc_pull_sends_and_receives_zero_blocks(zmq_link):
+    p_sock, d_sock = zmq_link
     shared = SharedCache(SPEC, 8)
     try:
         rx = make_receiver("ipc")
         rx.attach("p0", SPEC, 8, shm_name=shared.name)
         IpcSender(shared).send(p_sock, "r", shared.cache, [], first_token=3, num_prompt_tokens=8)
-        head, payload = _recv(d_sock)
+        head, payload = recv(d_sock)
         assert isinstance(head, KVReady) and head.src_block_ids == []
         d = _d_cache()
         stats = rx.receive(head, payload, d, [], "p0")

@@ -11,15 +11,16 @@ import sys
 
 import pytest
 import torch
-import zmq
 
 from kvflow import KVCacheSpec, PagedKVCache
 from kvflow.context import forward_context
-from kvflow.protocol import KVData, KVReady, decode
+from kvflow.protocol import KVData, KVReady
 from kvflow.segments import Owner
 from kvflow.transfer import TransferError, make_receiver
 from kvflow.transfer.ipc import SHM_DIR, IpcSender, SharedCache, clean_stale_segments, map_peer_cache
 from kvflow.transfer.tcp import TcpSender
+
+from .zmq_link import recv, zmq_link  # noqa: F401 (zmq_link: a fixture)
 
 SPECS = [
     KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32, layout="NHD"),
@@ -47,25 +48,6 @@ def _assert_bytes_equal(got: PagedKVCache, want: list[torch.Tensor]) -> None:
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"tensor {i} differs"
 
 
-@pytest.fixture
-def zmq_link():
-    ctx = zmq.Context()
-    d_sock = ctx.socket(zmq.ROUTER)
-    port = d_sock.bind_to_random_port("tcp://127.0.0.1")
-    p_sock = ctx.socket(zmq.DEALER)
-    p_sock.connect(f"tcp://127.0.0.1:{port}")
-    yield p_sock, d_sock
-    p_sock.close(0)
-    d_sock.close(0)
-    ctx.term()
-
-
-def _recv(d_sock):
-    assert d_sock.poll(5000), "no frames arrived within 5 s"
-    ident, head, *payload = d_sock.recv_multipart(copy=False)
-    return decode(head), payload
-
-
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.layout}-{s.dtype}")
 def test_ipc_pulls_request_blocks_into_d_ids(spec, zmq_link):
     p_sock, d_sock = zmq_link
@@ -78,7 +60,7 @@ def test_ipc_pulls_request_blocks_into_d_ids(spec, zmq_link):
         receiver = make_receiver("ipc", backend="numba")
         receiver.attach("p0", spec, 12, shm_name=shared.name)
         IpcSender(shared).send(p_sock, "r1", shared.cache, SRC, first_token=42, num_prompt_tokens=15)
-        head, payload = _recv(d_sock)
+        head, payload = recv(d_sock)
         assert isinstance(head, KVReady) and head.src_block_ids == SRC and head.first_token == 42
         stats = receiver.receive(head, payload, d_cache, DST)
         _assert_bytes_equal(d_cache, want)
@@ -97,7 +79,7 @@ def test_tcp_gathers_sends_and_scatters_into_d_ids(spec, zmq_link):
     want = _expected(p_cache, d_cache.tensors())
     keep = TcpSender(backend="numba").send(p_sock, "r2", p_cache, SRC, first_token=7,
                                            num_prompt_tokens=13)
-    head, payload = _recv(d_sock)
+    head, payload = recv(d_sock)
     assert isinstance(head, KVData) and (head.num_blocks, head.num_frames) == (4, spec.num_layers)
     assert len(payload) == spec.num_layers
     stats = make_receiver("tcp", backend="numba").receive(head, payload, d_cache, DST)

@@ -301,6 +301,9 @@ class Instance:
     def open_channels(self) -> None:
         """Create the ZMQ sockets (after the profile run)."""
         self.ctx = zmq.Context()
+        # every socket of this context waits at most 1 s for unsent messages when it closes, so
+        # ending the context (close, or its garbage collection after a failed start) never hangs
+        self.ctx.setsockopt(zmq.LINGER, 1000)
         self.ctrl = self.ctx.socket(zmq.DEALER)
         self.ctrl.setsockopt(zmq.IDENTITY, self.instance_id.encode())
         self.ctrl.setsockopt(zmq.LINGER, 500)
