@@ -12,15 +12,16 @@ import itertools
 import time
 
 import pytest
-import zmq
 
 from kvflow import PagedKVCache
 from kvflow.engine import Engine
-from kvflow.protocol import (Allocate, Allocated, Heartbeat, Pair, PairResult, Prefill, Register,
-                             Rejected, Tokens, Unpair, decode, encode)
+from kvflow.protocol import (Allocate, Allocated, PairResult, Prefill, Register, Rejected, Tokens,
+                             Unpair)
 from kvflow.serve.decode import DecodeInstance
 from kvflow.serve.instance import InstanceConfig, sample_token
 from kvflow.serve.prefill import PrefillInstance
+
+from .fake_router import FakeRouter
 
 BLOCK, MAX_TOKENS = 16, 6
 
@@ -30,16 +31,14 @@ def prompt(i: int) -> list[int]:
     return [(31 * i + 7 * k + 3) % 256 for k in range(20 + 17 * (i % 5))]
 
 
-class Mesh:
+class Mesh(FakeRouter):
     """``n_p`` P's and ``n_d`` D's of kvflow-tiny, all paired as the router pairs them."""
 
     def __init__(self, n_p: int, n_d: int, transfer: str, direction: str, mode: str) -> None:
-        self.ctx = zmq.Context()
-        self.router = self.ctx.socket(zmq.ROUTER)
-        port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        super().__init__()
 
         def cfg(role):
-            return InstanceConfig(role=role, router_addr=f"tcp://127.0.0.1:{port}",
+            return InstanceConfig(role=role, router_addr=self.addr,
                                   transfer=transfer,
                                   ipc_direction=direction, transfer_mode=mode, block_size=BLOCK,
                                   max_model_len=256, num_blocks=40, max_num_batched_tokens=32,
@@ -47,7 +46,6 @@ class Mesh:
 
         self.ps = [PrefillInstance(cfg("prefill")) for _ in range(n_p)]
         self.ds = [DecodeInstance(cfg("decode")) for _ in range(n_d)]
-        self.inbox: list = []
         for inst in self.ps + self.ds:
             inst.startup()
         self.regs = {m.instance_id: m for m in self.wait_for(Register, n_p + n_d)}
@@ -57,51 +55,8 @@ class Mesh:
         assert all(r.ok for r in got), [r.error for r in got if not r.ok]
         self.free0 = self.free()
 
-    def pair(self, p, d) -> None:
-        """The router's two Pair messages (kvflow.serve.control.Controller._pair)."""
-        rp, rd = self.regs[p.instance_id], self.regs[d.instance_id]
-        self.to(p, Pair(peer_id=rd.instance_id, peer_role="decode", peer_spec=rd.spec,
-                        peer_num_blocks=rd.num_blocks, data_addr=rd.data_addr, shm_name=rd.shm_name,
-                        peer_pid=rd.pid, peer_fingerprint=rd.fingerprint))
-        self.to(d, Pair(peer_id=rp.instance_id, peer_role="prefill", peer_spec=rp.spec,
-                        peer_num_blocks=rp.num_blocks, shm_name=rp.shm_name, peer_pid=rp.pid,
-                        peer_fingerprint=rp.fingerprint))
-
-    def to(self, inst, msg) -> None:
-        self.router.send_multipart([inst.instance_id.encode(), encode(msg)])
-
-    def pump(self) -> None:
-        poller = zmq.Poller()
-        insts = self.ps + self.ds
-        for s in [self.router, *(s for i in insts for s in i.sockets)]:
-            poller.register(s, zmq.POLLIN)
-        ready = dict(poller.poll(2))
-        for inst in insts:
-            for sock in list(inst.sockets):
-                if sock in ready:
-                    inst.drain(sock)
-            if inst.has_work():
-                inst.work()
-            inst.heartbeat()
-        while True:
-            try:
-                msg = decode(self.router.recv_multipart(zmq.NOBLOCK)[1])
-            except zmq.Again:
-                return
-            if not isinstance(msg, Heartbeat):
-                self.inbox.append(msg)
-
-    def wait_for(self, kind, count: int = 1, req_id: str | None = None, timeout: float = 30.0):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            got = [m for m in self.inbox
-                   if isinstance(m, kind) and getattr(m, "req_id", req_id) == req_id]
-            if len(got) >= count:
-                for m in got[:count]:
-                    self.inbox.remove(m)
-                return got[:count]
-            self.pump()
-        raise TimeoutError(f"no {kind} x{count} within {timeout} s; inbox {self.inbox}")
+    def instances(self) -> list:
+        return self.ps + self.ds
 
     def submit(self, rid: str, tokens: list[int], p, d) -> None:
         """Allocate on ``d``, then the Prefill to ``p`` naming ``d`` (as the router does)."""
@@ -131,11 +86,7 @@ class Mesh:
             self.pump()
         return self.free()
 
-    def close(self) -> None:
-        for inst in self.ps + self.ds:
-            inst.close()
-        self.router.close(0)
-        self.ctx.term()
+
 
 
 def colocated(model, tokens: list[int]) -> list[int]:

@@ -16,18 +16,19 @@ import time
 
 import pytest
 import torch
-import zmq
 
 import kvflow.engine
 from kvflow.context import forward_context
 from kvflow.engine import Engine
 from kvflow.model import load_model
-from kvflow.protocol import (Abort, Allocate, Allocated, Heartbeat, Pair, PairResult, Prefill, Register,
-                             Rejected, Tokens, decode, encode)
+from kvflow.protocol import (Abort, Allocate, Allocated, PairResult, Prefill, Register, Rejected,
+                             Tokens)
 from kvflow.serve.decode import DecodeInstance
 from kvflow.serve.instance import InstanceConfig, layerwise_min_tokens, sample_token
 from kvflow.serve.prefill import PrefillInstance
 from kvflow.signal import STATS
+
+from .fake_router import FakeRouter
 
 LENGTHS = [1, 15, 16, 17, 65, 150, 300]
 CHUNK, BLOCK, MAX_TOKENS = 64, 16, 5
@@ -38,70 +39,30 @@ def prompt(n: int) -> list[int]:
     return [(37 * i + 11) % 256 for i in range(n)]
 
 
-class Harness:
+class Harness(FakeRouter):
     """P + D + a router socket; :meth:`pump` runs one iteration of both instances' loops."""
 
     def __init__(self, transfer: str, profile_hook=None, **extra) -> None:
-        self.ctx = zmq.Context()
-        self.router = self.ctx.socket(zmq.ROUTER)
-        port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        super().__init__()
 
         def cfg(role, **kw):
-            return InstanceConfig(role=role, router_addr=f"tcp://127.0.0.1:{port}", transfer=transfer,
+            return InstanceConfig(role=role, router_addr=self.addr, transfer=transfer,
                                   block_size=BLOCK, max_model_len=512, memory_budget_mb=24,
                                   max_num_batched_tokens=CHUNK, layerwise_min_tokens=ALWAYS,
                                   **extra, **kw)
 
         self.p, self.d = PrefillInstance(cfg("prefill")), DecodeInstance(cfg("decode", num_blocks=96))
-        self.inbox: list = []
         self.p.startup()
         if profile_hook:
             profile_hook(self)
         self.d.startup()
-        regs = {m.role: m for m in self.wait_for(Register, 2)}
-        self.to(self.p, Pair(peer_id=self.d.instance_id, peer_role="decode", peer_spec=regs["decode"].spec,
-                             peer_num_blocks=regs["decode"].num_blocks, data_addr=regs["decode"].data_addr,
-                             shm_name=regs["decode"].shm_name,
-                             peer_fingerprint=regs["decode"].fingerprint))
-        self.to(self.d, Pair(peer_id=self.p.instance_id, peer_role="prefill", peer_spec=regs["prefill"].spec,
-                             peer_num_blocks=regs["prefill"].num_blocks, shm_name=regs["prefill"].shm_name,
-                             peer_fingerprint=regs["prefill"].fingerprint))
+        self.regs = {m.instance_id: m for m in self.wait_for(Register, 2)}
+        self.pair(self.p, self.d)
         assert all(r.ok for r in self.wait_for(PairResult, 2))
         self.free0 = (self.p.allocator.num_free, self.d.allocator.num_free)
 
-    def to(self, inst, msg) -> None:
-        self.router.send_multipart([inst.instance_id.encode(), encode(msg)])
-
-    def pump(self, timeout_ms: int = 2) -> None:
-        poller = zmq.Poller()
-        for s in [self.router, *self.p.sockets, *self.d.sockets]:
-            poller.register(s, zmq.POLLIN)
-        ready = dict(poller.poll(timeout_ms))
-        for inst in (self.p, self.d):
-            for sock in list(inst.sockets):
-                if sock in ready:
-                    inst.drain(sock)
-            if inst.has_work():
-                inst.work()
-            inst.heartbeat()
-        while True:
-            try:
-                msg = decode(self.router.recv_multipart(zmq.NOBLOCK)[1])
-            except zmq.Again:
-                return
-            if not isinstance(msg, Heartbeat):
-                self.inbox.append(msg)
-
-    def wait_for(self, kind, count: int = 1, req_id: str | None = None, timeout: float = 20.0) -> list:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            got = [m for m in self.inbox if isinstance(m, kind) and getattr(m, "req_id", req_id) == req_id]
-            if len(got) >= count:
-                for m in got[:count]:
-                    self.inbox.remove(m)
-                return got[:count]
-            self.pump()
-        raise TimeoutError(f"no {kind.__name__} x{count} within {timeout} s; inbox {self.inbox}")
+    def instances(self) -> list:
+        return [self.p, self.d]
 
     def request(self, rid: str, tokens: list[int], min_tokens: int = ALWAYS):
         """(generated token ids, kvflow dict of the first Tokens, D's prompt KV bytes)."""
@@ -129,11 +90,7 @@ class Harness:
             self.pump()
         return self.p.allocator.num_free, self.d.allocator.num_free
 
-    def close(self) -> None:
-        self.p.close()
-        self.d.close()
-        self.router.close(0)
-        self.ctx.term()
+
 
 
 def prompt_kv(cache, table: list[int], n: int) -> list[torch.Tensor]:
