@@ -2,6 +2,7 @@
 forward written here from the raw safetensors weights (float64, complex-number RoPE)."""
 
 import json
+import re
 import math
 
 import pytest
@@ -172,3 +173,12 @@ def test_checkpoint_errors(tmp_path):
         load_model(str(tmp_path))
     with pytest.raises(FileNotFoundError, match=r"has no tokenizer.json$"):
         HFTokenizer(str(tmp_path / "nowhere"))
+    (tmp_path / "tokenizer.json").write_text('{"version": ')
+    with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path / 'tokenizer.json'))} cannot "
+                                         f"be read by tokenizers: "):
+        HFTokenizer(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path / 'model.safetensors'))} is "
+                                         f"not a readable safetensors file: "):
+        load_model(str(tmp_path))

@@ -205,3 +205,53 @@ def test_checkpoint_whose_tensors_do_not_match_is_one_line(tmp_path):
     assert re.fullmatch(rf"kvflow.serve: error: --model '{tmp_path}': checkpoint '{tmp_path}' does "
                         rf"not match a 1-layer model: missing \['lm_head.weight', .*\], "
                         rf"unexpected \['foo'\]", one_line(out)), out.stderr
+
+
+def test_instance_with_another_tokenizer_than_the_router_is_refused(tmp_path):
+    """The router encodes prompts and decodes tokens with its own --model's tokenizer: an
+    instance serving a checkpoint with another vocabulary would answer 200 with garbage text
+    (found by a new-user test), so its registration is refused, naming both."""
+    from kvflow.model.tokenizer import HFTokenizer
+
+    from .hf_models import build
+    build(tmp_path, "llama-theta1e5")
+    digest = HFTokenizer(str(tmp_path)).digest
+    port, control = free_port(), free_port()
+    router = subprocess.Popen([sys.executable, "-m", "kvflow.serve", "--role", "router",
+                               "--port", str(port), "--control-port", str(control)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "router listening" in router.stdout.readline()
+        out = serve("--role", "prefill", "--router-url", f"tcp://127.0.0.1:{control}",
+                    "--model", str(tmp_path), "--max-model-len", "128", "--num-blocks", "16",
+                    "--max-num-batched-tokens", "64")
+    finally:
+        router.send_signal(signal.SIGINT)
+        router.wait(20)
+    assert digest.startswith("tokenizer.json:") and len(digest) == len("tokenizer.json:") + 16
+    assert one_line(out) == (
+        f"kvflow.serve: error: the router at tcp://127.0.0.1:{control} refused this prefill "
+        f"instance: its --model {tmp_path} has another tokenizer ({digest}) than the router's "
+        f"--model kvflow-tiny (kvflow-byte-258): prompts and tokens would be read with the wrong "
+        f"vocabulary; start the router with --model {tmp_path}")
+
+
+@pytest.mark.parametrize("after_s", [0.3, 1.0])
+def test_ctrl_c_while_starting_is_one_line_and_leaves_nothing(after_s):
+    """SIGINT to the process group while the server still imports torch or starts its
+    children (a terminal's Ctrl-C): one line per process, no traceback, no child left."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvflow.serve", "--port", str(free_port()),
+                             *SMALL], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    time.sleep(after_s)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert "Traceback" not in err, err
+    assert proc.returncode in (0, 130), (proc.returncode, err)
+    if proc.returncode == 130:
+        assert "kvflow.serve: stopped (interrupted while starting)" in err.splitlines()
+    pids = [int(p) for p in re.findall(r"pid (\d+)", out)]
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(pid_alive(p) for p in pids)

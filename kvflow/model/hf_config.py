@@ -37,8 +37,10 @@ def model_config_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
         a missing size; ``hidden_act`` other than silu; an active sliding window (Qwen2
         ``use_sliding_window`` with a sliding layer, or ``layer_types`` other than
         full_attention); a RoPE kvflow does not implement (:func:`kvflow.model.rope.rope_from_hf`);
-        an odd head_dim; any of :data:`_FOREIGN` set.
+        an odd head_dim; any of :data:`_FOREIGN` set; a config.json that is not a JSON object.
     """
+    if not isinstance(cfg, dict):
+        raise ValueError(f"config.json must hold a JSON object, got a {type(cfg).__name__}")
     mt = cfg.get("model_type")
     if mt not in HF_MODEL_TYPES:
         raise ValueError(f"config.json model_type={mt!r} is not supported; use one of {HF_MODEL_TYPES}")

@@ -66,7 +66,10 @@ def _load_hf(path: str, dtype: Any, device: Any):
         raise ValueError(f"name_or_path={path!r} has no *.safetensors file")
     state: dict[str, torch.Tensor] = {}
     for file in files:
-        state.update(load_file(file))
+        try:
+            state.update(load_file(file))
+        except Exception as exc:  # safetensors raises its own SafetensorError
+            raise ValueError(f"{file} is not a readable safetensors file: {exc}") from None
     # Old checkpoints store the RoPE table; tied models may still store lm_head.
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings:

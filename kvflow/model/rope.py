@@ -80,7 +80,8 @@ def rope_from_hf(cfg: dict[str, Any]) -> tuple[float, dict | None]:
     rope_type = _one("rope_type", p.pop("rope_type", None), p.pop("type", None)) or "default"
     theta = _one("rope_theta", p.pop("rope_theta", None), cfg.get("rope_theta"))
     theta = 10000.0 if theta is None else theta
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 1:
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) \
+            or theta <= 1:
         raise ValueError(f"config.json rope_theta={theta!r} must be a number > 1")
     prf = _one("partial_rotary_factor", p.pop("partial_rotary_factor", None),
                cfg.get("partial_rotary_factor"))
@@ -150,8 +151,9 @@ def check_rope_scaling(rs: dict | None) -> None:
             raise ValueError(f"rope_scaling {k}=None: rope_type {t!r} needs a number")
     for k in _NUMBERS:
         v = rs.get(k)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
-            raise ValueError(f"rope_scaling {k}={v!r} must be a positive number")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                              or not math.isfinite(v) or v <= 0):
+            raise ValueError(f"rope_scaling {k}={v!r} must be a positive finite number")
     if rs.get("factor", 1) < 1:
         raise ValueError(f"rope_scaling factor={rs['factor']!r} must be >= 1")
     if t == "llama3" and not rs["high_freq_factor"] > rs["low_freq_factor"]:

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Iterable
@@ -23,6 +24,8 @@ class ByteTokenizer:
     bos_token_id = 256
     eos_token_id = 257
     vocab_size = 258
+    #: names the vocabulary: equal digests encode and decode text alike (see HFTokenizer.digest)
+    digest = "kvflow-byte-258"
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
@@ -47,6 +50,8 @@ class HFTokenizer:
     ------
     FileNotFoundError
         If ``path/tokenizer.json`` is missing.
+    ValueError
+        If ``tokenizers`` cannot read it (naming the file).
     """
 
     def __init__(self, path: str) -> None:
@@ -55,7 +60,13 @@ class HFTokenizer:
         file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(file):
             raise FileNotFoundError(f"path={path!r} has no tokenizer.json")
-        self._tok = Tokenizer.from_file(file)
+        try:
+            self._tok = Tokenizer.from_file(file)
+        except Exception as exc:  # tokenizers raises a plain Exception for a broken file
+            raise ValueError(f"{file} cannot be read by tokenizers: {exc}") from None
+        with open(file, "rb") as f:
+            #: blake2b (16 hex digits) of tokenizer.json: equal digests encode and decode alike
+            self.digest = "tokenizer.json:" + hashlib.blake2b(f.read(), digest_size=8).hexdigest()
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.bos_token_id = self._special(path, "bos")
         self.eos_token_id = self._special(path, "eos")

@@ -275,8 +275,9 @@ def run_instance(args: argparse.Namespace) -> int:
     return 0
 
 
-def _controller(args: argparse.Namespace, metrics, children):
-    """The control plane, bound to ``--host``:``--control-port``."""
+def _controller(args: argparse.Namespace, metrics, children, tokenizer):
+    """The control plane, bound to ``--host``:``--control-port``; it refuses instances whose
+    tokenizer is not ``tokenizer`` (the router's)."""
     import zmq
 
     from .control import Controller
@@ -284,7 +285,8 @@ def _controller(args: argparse.Namespace, metrics, children):
     try:
         return Controller(args.host, args.control_port, mode=args.mode, metrics=metrics,
                           proc_alive=children.alive if children else None,
-                          dead_after_s=args.dead_after_s)
+                          dead_after_s=args.dead_after_s, model=args.model,
+                          tokenizer=tokenizer.digest)
     except zmq.ZMQError as exc:
         raise bind_error("--control-port", args.control_port, args.host, args.control_port,
                          exc.errno, zmq.strerror(exc.errno)) from None
@@ -304,12 +306,12 @@ async def _serve(args: argparse.Namespace, http_sock, children) -> int:
     ctl = None
     try:
         with one_line_errors("the router could not start"):
-            ctl = _controller(args, metrics, children)
-            ctl.start()
             try:
                 tokenizer = load_tokenizer(args.model)
             except (OSError, ValueError) as exc:
                 raise StartupError(f"--model {args.model}: cannot load its tokenizer: {exc}") from None
+            ctl = _controller(args, metrics, children, tokenizer)
+            ctl.start()
             if children is not None:
                 iargs = _instance_args(args, ctl.addr)
                 roles = ("colocated",) if args.mode == "colocated" else ("prefill", "decode")
@@ -359,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     except StartupError as exc:
         say(str(exc), sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C (or SIGTERM) before serving began: no traceback
+        say("kvflow.serve: stopped (interrupted while starting)", sys.stderr)
+        return 130
 
 
 def _main(argv: list[str] | None) -> int:

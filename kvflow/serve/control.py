@@ -84,8 +84,10 @@ class Controller:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, mode: str = "disagg",
                  metrics: Any = None, proc_alive: Callable[[int], bool | None] | None = None,
-                 dead_after_s: float = 2.0) -> None:
+                 dead_after_s: float = 2.0, model: str = "", tokenizer: str = "") -> None:
         self.mode, self.metrics, self.proc_alive = mode, metrics, proc_alive
+        # the router encodes prompts and decodes tokens: an instance must share its vocabulary
+        self.model, self.tokenizer = model, tokenizer
         self.dead_after_s = dead_after_s
         self.hung_after_s = max(dead_after_s, 60.0)
         self.registered_pids: set[int] = set()  # every pid that ever registered (kept after death)
@@ -219,13 +221,17 @@ class Controller:
             log.error("unexpected %s from %s; dropped", type(msg).__name__, info.id)
 
     def _refusal(self, ident: bytes, msg: Register) -> str:
-        """Why ``msg`` cannot register here ('' when it can): protocol version, role, or a role
-        that does not fit this router's mode."""
+        """Why ``msg`` cannot register here ('' when it can): protocol version, role, a
+        tokenizer other than the router's, or a role that does not fit this router's mode."""
         if msg.version != PROTOCOL_VERSION:
             return (f"it speaks protocol version {msg.version}, the router {PROTOCOL_VERSION}; "
                     f"run the same kvflow version on both")
         if msg.role not in ("prefill", "decode", "colocated") or msg.instance_id != ident.decode():
             return f"malformed Register (instance_id {msg.instance_id!r}, role {msg.role!r})"
+        if self.tokenizer and msg.tokenizer and msg.tokenizer != self.tokenizer:
+            return (f"its --model {msg.model} has another tokenizer ({msg.tokenizer}) than the "
+                    f"router's --model {self.model} ({self.tokenizer}): prompts and tokens would be "
+                    f"read with the wrong vocabulary; start the router with --model {msg.model}")
         fits = ("colocated",) if self.mode == "colocated" else ("prefill", "decode")
         if msg.role not in fits:
             return (f"--role {msg.role} does not fit a router in --mode {self.mode}; start the "

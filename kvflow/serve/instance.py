@@ -213,6 +213,7 @@ class Instance:
                                 free_blocks=self.free_blocks(),
                                 max_model_len=self.max_model_len, transfer=self.transfer_name(),
                                 pid=os.getpid(), host_id=host_id(), fingerprint=self.fingerprint,
+                                model=self.cfg.model, tokenizer=self.tokenizer.digest,
                                 **self.register_extra()))
 
     def wait_registered(self, timeout_s: float, note_every_s: float = 3.0) -> None:
