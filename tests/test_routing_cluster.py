@@ -2,7 +2,8 @@
 ipc, tests/test_reliability_peers.py's Cluster): one P with two D's, then two P's with the two
 D's. Requests are spread over every D (and, with two, every P) and all are token-identical to
 a colocated engine. A third D serving another checkpoint of the same shapes (other weights)
-is refused at pairing, visibly in /health, and never gets a request."""
+is refused at pairing, visibly in /health, and never gets a request. Every process serves
+checkpoints of kvflow-tiny's shapes with one tokenizer (the router refuses another)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import concurrent.futures
 import pytest
 
 from kvflow.model import load_model
+from kvflow.model.loader import SEED
 from kvflow.serve.fingerprint import model_fingerprint
 
 from .test_pairing_fingerprint import save_checkpoint
@@ -19,19 +21,29 @@ from .test_routing_mesh import MAX_TOKENS, colocated, prompt
 
 
 class SlowCluster(Cluster):
-    """The router declares an instance dead after 10 s without a heartbeat, not 1 s: a P sends
-    none while it prefills (issue 14 kind 4), and 2 shared CI cores can make that long."""
+    """Every instance (and the router, which tokenizes) serves ``model`` unless told another
+    ``--model``; the router declares an instance dead after 10 s without a heartbeat, not 1 s:
+    2 shared CI cores can make a prefill that long."""
+
+    def __init__(self, model: str) -> None:
+        self.model_dir = model
+        super().__init__()
 
     def spawn(self, role, *args, env=None):
         if role == "router":
             args = (*args, "--dead-after-s", "10")  # argparse: the last one counts
+        if "--model" not in args:
+            args = (*args, "--model", self.model_dir)
         return super().spawn(role, *args, env=env)
 
 
 @pytest.fixture(scope="module")
 def cl(tmp_path_factory):
-    other = save_checkpoint(tmp_path_factory.mktemp("ckpt") / "other", seed=1)
-    c = SlowCluster()
+    # kvflow-tiny's weights and another draw of the same shapes, with one tokenizer: the router
+    # (on the first) admits both D's, and P refuses the other at pairing
+    root = tmp_path_factory.mktemp("ckpt")
+    same, other = save_checkpoint(root / "same", seed=SEED), save_checkpoint(root / "other", seed=1)
+    c = SlowCluster(same)
     try:
         c.p = [c.spawn("prefill")]
         c.d = [c.spawn("decode", "--receive-timeout-s", "10") for _ in range(2)]
@@ -64,7 +76,7 @@ def test_one_p_two_d_every_d_serves_and_other_weights_are_refused(cl):
     h = cl.health()
     assert cl.inst(cl.d_other.pid, h)["paired_with"] == [] and other["id"] not in \
         cl.inst(cl.p[0].pid, h)["paired_with"]
-    wp, wo = (model_fingerprint(load_model(m)[0], 256)["weights"][:12] for m in ("kvflow-tiny",
+    wp, wo = (model_fingerprint(load_model(m)[0], 256)["weights"][:12] for m in (cl.model_dir,
                                                                                cl.other))
     for a, wa, b, wb in ((p["id"], wp, other["id"], wo), (other["id"], wo, p["id"], wp)):
         assert (f"model fingerprint mismatch, pairing refused: weights: {wa}… ({a}) vs {wb}… "
