@@ -62,8 +62,7 @@ def _build_module():
 def test_build_config_without_sdk_is_host_only():
     sources, kwargs, variant = _build_module().extension_kwargs(env={}, root=ROOT)
     assert variant == "host backend (no KVFLOW_XPU_SDK)"
-    assert sources == ["xpu/src/copy_runs_host.cc", "xpu/src/module.cc", "xpu/src/signal_segment.cc",
-                       "xpu/src/signal_sender.cc"]
+    assert sources == ["xpu/src/copy_runs_host.cc", "xpu/src/module.cc"]
     assert "define_macros" not in kwargs and "libraries" not in kwargs and kwargs["cxx_std"] == 17
 
 

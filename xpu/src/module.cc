@@ -1,7 +1,6 @@
-// kvflow._native: pybind11 bindings of the host (and, with the SDK, XPU) ops and signals.
-// Python-facing documentation lives in kernels/native.py, kvflow/native_signal.py and
-// docs/xpu.md; these bindings check array shapes and release the GIL around every wait or copy.
-#include <pybind11/functional.h>
+// kvflow._native: pybind11 bindings of the host (and, with the SDK, XPU) block copies.
+// Python-facing documentation lives in kernels/native.py and docs/xpu.md; these bindings
+// check array shapes and release the GIL around every copy.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -10,7 +9,6 @@
 #include <vector>
 
 #include "kvflow_native/copy_runs.h"
-#include "kvflow_native/signal.h"
 #include "kvflow_native/xpu_runtime.h"
 
 namespace py = pybind11;
@@ -73,50 +71,10 @@ std::vector<int64_t> staging_ptrs(int64_t base, int64_t n_tensors, int64_t n, in
   return p;
 }
 
-// Keeps a Python object alive in a C++ closure; drops it under the GIL from any thread.
-struct PyRef {
-  py::object obj;
-  explicit PyRef(py::object o) : obj(std::move(o)) {}
-  ~PyRef() {
-    py::gil_scoped_acquire gil;
-    obj = py::object();
-  }
-};
-
-std::function<bool(double)> completion_of(const py::object& handle) {
-  if (handle.is_none()) return nullptr;
-  if (py::isinstance<kvflow::CompletionFlag>(handle)) {
-    auto flag = handle.cast<std::shared_ptr<kvflow::CompletionFlag>>();
-    return [flag](double timeout_s) { return flag->wait_for(timeout_s); };
-  }
-#ifdef KVFLOW_WITH_XPU
-  if (py::isinstance<py::int_>(handle)) {  // an XPUEvent from xpu_event_record(stream)
-    const uint64_t ev = handle.cast<uint64_t>();
-    return [ev](double) { return kvflow::xpu::event_wait_and_destroy(ev); };
-  }
-#endif
-  if (PyCallable_Check(handle.ptr())) {  // e.g. torch.cuda.Event.synchronize; must itself be bounded
-    auto ref = std::make_shared<PyRef>(handle);
-    return [ref](double) {
-      py::gil_scoped_acquire gil;
-      py::object r = ref->obj();
-      return r.is_none() || r.cast<bool>();
-    };
-  }
-  throw py::type_error("completion must be None, a CompletionFlag, a callable" +
-#ifdef KVFLOW_WITH_XPU
-                       std::string(" or an XPU event (int)") +
-#else
-                       std::string() +
-#endif
-                       ", got " + std::string(py::str(py::type::of(handle).attr("__name__"))));
-}
-
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
-  m.doc() = "kvflow native extension: host (and XPU) block copies, signal segment, kv signal sender";
-  py::register_exception<kvflow::TimeoutError>(m, "SignalTimeout", PyExc_TimeoutError);
+  m.doc() = "kvflow native extension: host (and XPU) block copies";
 
   m.def("available_backends", &compiled_backends, "Backends compiled into this build: ['host'] or ['host', 'xpu'].");
   m.def("build_info", [] {
@@ -203,91 +161,4 @@ PYBIND11_MODULE(_native, m) {
         throw std::invalid_argument("device='" + device + "' was not compiled into kvflow._native");
       },
       py::arg("tensor_ptr"), py::arg("nbytes") = 0, py::arg("device") = "host");
-
-  // ---- signals ------------------------------------------------------------------------------
-  using kvflow::SignalSegment;
-  py::class_<SignalSegment, std::shared_ptr<SignalSegment>>(m, "SignalSegment")
-      .def_property_readonly("name", &SignalSegment::name)
-      .def_property_readonly("num_layers", &SignalSegment::num_layers)
-      .def_property_readonly("owner", &SignalSegment::owner)
-      .def_property_readonly("owner_pid", &SignalSegment::owner_pid)
-      .def_property_readonly("owner_start_time", &SignalSegment::owner_start_time)
-      .def_property_readonly("created_ns", &SignalSegment::created_ns)
-      .def_property_readonly("closed", &SignalSegment::closed)
-      .def("write", &SignalSegment::write, py::arg("layer"), py::arg("step"))
-      .def("step", &SignalSegment::step, py::arg("layer"))
-      .def("count", &SignalSegment::count, py::arg("layer"))
-      .def("wait", &SignalSegment::wait, py::arg("layer"), py::arg("step"), py::arg("timeout_s"),
-           py::arg("spin_us") = 50.0, py::call_guard<py::gil_scoped_release>())
-      .def("close", &SignalSegment::close)
-      .def("unlink", &SignalSegment::unlink);
-  m.def(
-      "open_shm_and_get_meta_signal",
-      [](const std::string& name, int64_t num_layers, bool create) {
-        return std::make_shared<SignalSegment>(name, num_layers, create);
-      },
-      py::arg("name"), py::arg("num_layers"), py::arg("create"));
-  m.def("init_signal_layerwise", &kvflow::init_signal_layerwise, py::arg("segment"), py::arg("sends_allowed") = true);
-  m.def("reset_signal_layerwise", &kvflow::reset_signal_layerwise);
-  m.def("current_channel", &kvflow::current_channel);
-  m.def("send_signal", &kvflow::send_signal, py::arg("layer"), py::arg("step"), py::arg("sends_allowed") = true);
-  m.def("set_profile_run", &kvflow::set_profile_run, py::arg("on"));
-  m.def("is_profile_run", &kvflow::profile_run);
-  m.def("signal_stats", [] {
-    const auto s = kvflow::signal_stats();
-    py::dict d;
-    d["written"] = s.written;
-    d["suppressed_uninit"] = s.suppressed_uninit;
-    d["suppressed_profile"] = s.suppressed_profile;
-    return d;
-  });
-  m.def("reset_signal_stats", &kvflow::reset_signal_stats);
-  m.def("segment_bytes", &kvflow::segment_bytes, py::arg("num_layers"));
-  m.def("process_start_time", &kvflow::process_start_time, py::arg("pid"));
-
-  py::class_<kvflow::CompletionFlag, std::shared_ptr<kvflow::CompletionFlag>>(m, "CompletionFlag")
-      .def(py::init<>())
-      .def("set", &kvflow::CompletionFlag::set)
-      .def("is_set", &kvflow::CompletionFlag::is_set)
-      .def("wait", &kvflow::CompletionFlag::wait_for, py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>());
-
-  using kvflow::KVSignalSender;
-  py::class_<KVSignalSender, std::shared_ptr<KVSignalSender>>(m, "KVSignalSender")
-      .def(
-          "enqueue",
-          [](KVSignalSender& s, int64_t layer, int64_t step, const py::object& completion) {
-            s.enqueue(kvflow::SignalItem{layer, step, completion_of(completion)});
-          },
-          py::arg("layer"), py::arg("step"), py::arg("completion") = py::none())
-      .def("stop", &KVSignalSender::stop, py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("written", &KVSignalSender::written)
-      .def_property_readonly("failed", &KVSignalSender::failed)
-      .def_property_readonly("pending", &KVSignalSender::pending)
-      .def_property_readonly("last_error", &KVSignalSender::last_error)
-      .def_property_readonly("running", &KVSignalSender::running)
-      .def_property_readonly("segment", &KVSignalSender::segment);
-  m.def(
-      "create_kv_signal_sender",
-      [](std::shared_ptr<SignalSegment> segment, double completion_timeout_s) {
-        // The deleter drains and joins without the GIL: pending items may need it.
-        return std::shared_ptr<KVSignalSender>(new KVSignalSender(std::move(segment), completion_timeout_s),
-                                               [](KVSignalSender* p) {
-                                                 if (PyGILState_Check()) {
-                                                   py::gil_scoped_release nogil;
-                                                   delete p;
-                                                 } else {
-                                                   delete p;
-                                                 }
-                                               });
-      },
-      py::arg("segment"), py::arg("completion_timeout_s") = 60.0);
-  m.def(
-      "destroy_kv_signal_sender", [](KVSignalSender& s) { return s.stop(); }, py::arg("sender"),
-      py::call_guard<py::gil_scoped_release>(), "Drain every pending item, join the worker; returns signals written.");
-
-#ifdef KVFLOW_WITH_XPU
-  m.def(
-      "xpu_event_record", [](uint64_t stream) { return kvflow::xpu::event_record(stream); }, py::arg("stream") = 0,
-      "Record an XPU event on `stream` (an XPUStream address, 0: default); pass it to KVSignalSender.enqueue.");
-#endif
 }

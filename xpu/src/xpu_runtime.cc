@@ -1,8 +1,7 @@
-// XPU (Kunlun XRE) variant: block copies on device memory, event waits and peer addresses.
+// XPU (Kunlun XRE) variant: block copies on device memory and peer addresses.
 // Compiled only when setup.py finds KVFLOW_XPU_SDK (then -DKVFLOW_WITH_XPU, -lxpurt).
 // API from the public XPU runtime header xpu/runtime.h (XRE): xpu_memcpy_async(dst, src, size,
-// XPUMemcpyKind, XPUStream), xpu_wait(stream), xpu_event_create / xpu_event_record(event,
-// stream) / xpu_event_wait(event) / xpu_event_destroy, xpu_mmap(&cpu_ptr, dev_ptr, size),
+// XPUMemcpyKind, XPUStream), xpu_wait(stream), xpu_mmap(&cpu_ptr, dev_ptr, size),
 // xpu_strerror(code); every call returns 0 (XPU_SUCCESS) or an error code.
 #ifdef KVFLOW_WITH_XPU
 #include "kvflow_native/xpu_runtime.h"
@@ -47,25 +46,6 @@ uint64_t peer_mem_addr(uint64_t ptr, uint64_t nbytes) {
   void* cpu = nullptr;
   check(xpu_mmap(&cpu, reinterpret_cast<void*>(ptr), static_cast<size_t>(nbytes)), "xpu_mmap");
   return reinterpret_cast<uint64_t>(cpu);
-}
-
-uint64_t event_record(uint64_t stream) {
-  XPUEvent ev = nullptr;
-  check(xpu_event_create(&ev), "xpu_event_create");
-  const int rc = xpu_event_record(ev, reinterpret_cast<XPUStream>(stream));
-  if (rc != 0) {
-    xpu_event_destroy(ev);
-    check(rc, "xpu_event_record");
-  }
-  return reinterpret_cast<uint64_t>(ev);
-}
-
-bool event_wait_and_destroy(uint64_t event) {
-  auto ev = reinterpret_cast<XPUEvent>(event);
-  const int rc = xpu_event_wait(ev);  // blocks this (the sender's) thread until triggered
-  xpu_event_destroy(ev);
-  check(rc, "xpu_event_wait");
-  return true;
 }
 
 }  // namespace xpu

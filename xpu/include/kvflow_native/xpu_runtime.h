@@ -1,7 +1,7 @@
 // The XPU (Kunlun XRE) variant of the ops: compiled only with -DKVFLOW_WITH_XPU and the SDK's
 // include/lib directories (setup.py, KVFLOW_XPU_SDK). Written from the public XPU runtime API
-// (xpu/runtime.h: xpu_memcpy_async, xpu_wait, xpu_event_record, xpu_event_wait, xpu_mmap,
-// xpu_strerror); not compiled on machines without the SDK.
+// (xpu/runtime.h: xpu_memcpy_async, xpu_wait, xpu_mmap, xpu_strerror); not compiled on
+// machines without the SDK.
 #pragma once
 
 #ifdef KVFLOW_WITH_XPU
@@ -19,11 +19,6 @@ int64_t copy_runs_device(const CopyRuns& job, uint64_t stream);
 // Host-visible address of device memory [ptr, ptr + nbytes) for registering with a transport
 // (xpu_mmap). Throws std::runtime_error with xpu_strerror's text on failure.
 uint64_t peer_mem_addr(uint64_t ptr, uint64_t nbytes);
-
-// Record an event on `stream` (0: default) and return it; `event_wait` blocks the calling host
-// thread until it has triggered, then destroys it. Used by the kv signal sender.
-uint64_t event_record(uint64_t stream);
-bool event_wait_and_destroy(uint64_t event);
 
 }  // namespace xpu
 }  // namespace kvflow
