@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from kvflow.sched import (AdmissionError, BlockAllocator, ColocatedState, DecodeState,
-                          IllegalTransitionError, NoFreeBlocksError, PrefillState, Request,
+                          IllegalTransitionError, NoFreeBlocksError, Request,
                           admission_check)
 
 
@@ -85,18 +85,23 @@ def test_thread_safety():
     assert all(a.ref_count(i) == 0 for i in range(64))
 
 
-def test_prefill_lifecycle_and_illegal_moves():
-    r = Request(request_id="r1", prompt_token_ids=[1, 2, 3], max_tokens=4, role="prefill")
-    assert r.state is PrefillState.WAITING
+def test_colocated_lifecycle_and_illegal_moves():
+    r = Request(request_id="r1", prompt_token_ids=[1, 2, 3], max_tokens=4, role="colocated")
+    assert r.state is ColocatedState.WAITING
     with pytest.raises(IllegalTransitionError,
-                       match=r"^request r1: illegal prefill transition WAITING -> SENDING; "
-                             r"allowed: \['ABORTED', 'FAILED', 'PREFILLING'\]$"):
-        r.transition(PrefillState.SENDING)
-    for s in (PrefillState.PREFILLING, PrefillState.SENDING, PrefillState.DONE):
+                       match=r"^request r1: illegal colocated transition WAITING -> DECODING; "
+                             r"allowed: \['ABORTED', 'FAILED', 'PREFILLING', 'TIMED_OUT'\]$"):
+        r.transition(ColocatedState.DECODING)
+    for s in (ColocatedState.PREFILLING, ColocatedState.DECODING, ColocatedState.DONE):
         r.transition(s)
     assert r.finished and r.finish_time is not None
     with pytest.raises(IllegalTransitionError, match=r"allowed: none \(terminal\)$"):
-        r.transition(PrefillState.FAILED)
+        r.transition(ColocatedState.FAILED)
+
+
+def test_prefill_role_has_no_request():
+    with pytest.raises(ValueError, match=r"role must be one of \['colocated', 'decode'\], got 'prefill'"):
+        Request(request_id="p", prompt_token_ids=[1], max_tokens=1, role="prefill")
 
 
 def test_decode_lifecycle_timeout_and_foreign_state():
@@ -109,7 +114,7 @@ def test_decode_lifecycle_timeout_and_foreign_state():
     assert r.finished and r.error == "P did not send within 5 s"
     r2 = Request(request_id="x", prompt_token_ids=[1], max_tokens=1, role="decode")
     with pytest.raises(IllegalTransitionError):
-        r2.transition(PrefillState.PREFILLING)
+        r2.transition(ColocatedState.PREFILLING)
     c = Request(request_id="c", prompt_token_ids=[1], max_tokens=1)
     for s in (ColocatedState.PREFILLING, ColocatedState.DECODING, ColocatedState.DONE):
         c.transition(s)
@@ -138,7 +143,7 @@ def test_ttft_tpot():
 
 
 def test_request_bad_input():
-    with pytest.raises(ValueError, match=r"^role must be one of \['colocated', 'decode', 'prefill'\], got 'x'$"):
+    with pytest.raises(ValueError, match=r"^role must be one of \['colocated', 'decode'\], got 'x'$"):
         Request(request_id="a", prompt_token_ids=[1], max_tokens=1, role="x")
     with pytest.raises(ValueError, match=r"^max_tokens must be a positive int, got 0$"):
         Request(request_id="a", prompt_token_ids=[1], max_tokens=0)

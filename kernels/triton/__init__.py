@@ -30,10 +30,6 @@ except ImportError as exc:  # triton missing or broken
 DIRECTIONS = ("pull", "push")
 
 
-def _stage_align(buf: torch.Tensor) -> int:
-    return _cr.alignment(buf.data_ptr())
-
-
 class TritonBackend:
     """Backend object for :mod:`kvflow.kernels.registry` (see its contract)."""
 

@@ -2,9 +2,9 @@
 
 from .allocator import BlockAllocator, NoFreeBlocksError
 from .request import (AdmissionError, ColocatedState, DecodeState, IllegalTransitionError,
-                      PrefillState, Request, admission_check, blocks_needed, is_terminal)
+                      Request, admission_check, blocks_needed, is_terminal)
 
-__all__ = ["BlockAllocator", "NoFreeBlocksError", "Request", "PrefillState", "DecodeState",
+__all__ = ["BlockAllocator", "NoFreeBlocksError", "Request", "DecodeState",
            "ColocatedState", "AdmissionError", "IllegalTransitionError", "admission_check",
            "blocks_needed", "is_terminal"]
 from .prefix import PrefixCache, block_keys  # noqa: E402

@@ -1,9 +1,11 @@
 """Requests, their lifecycle per role, and admission.
 
+A :class:`Request` lives on the instance that owns its blocks for the whole request: D, or a
+colocated instance. P keeps no ``Request``; it holds a prefill's blocks only until D acks or
+the lease ends (``kvflow/serve/prefill.py``).
+
 Lifecycles (terminal states end a request; every path into one must free its blocks):
 
-- prefill instance (P): ``WAITING -> PREFILLING -> SENDING -> DONE``; any live state may go to
-  ``ABORTED`` or ``FAILED``.
 - decode instance (D): ``ALLOCATED -> RECEIVING -> DECODING -> DONE``; any live state may go to
   ``ABORTED``, ``FAILED`` or ``TIMED_OUT``.
 - colocated (one instance does both): ``WAITING -> PREFILLING -> DECODING -> DONE`` (+ the same
@@ -18,15 +20,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
-
-
-class PrefillState(enum.Enum):
-    WAITING = "waiting"
-    PREFILLING = "prefilling"
-    SENDING = "sending"
-    DONE = "done"
-    ABORTED = "aborted"
-    FAILED = "failed"
 
 
 class DecodeState(enum.Enum):
@@ -49,7 +42,7 @@ class ColocatedState(enum.Enum):
     TIMED_OUT = "timed_out"
 
 
-_P, _D, _C = PrefillState, DecodeState, ColocatedState
+_D, _C = DecodeState, ColocatedState
 _ENDS = {"ABORTED", "FAILED", "TIMED_OUT"}
 
 
@@ -64,11 +57,10 @@ def _table(enum_cls, chain):
 
 # Legal moves: state -> set of next states. Terminal states have no entry.
 TRANSITIONS = {
-    PrefillState: _table(_P, ["WAITING", "PREFILLING", "SENDING", "DONE"]),
     DecodeState: _table(_D, ["ALLOCATED", "RECEIVING", "DECODING", "DONE"]),
     ColocatedState: _table(_C, ["WAITING", "PREFILLING", "DECODING", "DONE"]),
 }
-INITIAL = {"prefill": _P.WAITING, "decode": _D.ALLOCATED, "colocated": _C.WAITING}
+INITIAL = {"decode": _D.ALLOCATED, "colocated": _C.WAITING}
 
 
 class IllegalTransitionError(ValueError):
@@ -102,11 +94,11 @@ class Request:
         New tokens to generate (>= 1).
     temperature : float
         0 = greedy.
-    role : {"prefill", "decode", "colocated"}
+    role : {"decode", "colocated"}
     block_table : list[int]
         Physical block ids in *this* instance's cache, logical block order.
     output_token_ids : list[int]
-    state : PrefillState, DecodeState or ColocatedState
+    state : DecodeState or ColocatedState
         Starts at the role's first state (:data:`INITIAL`).
     arrival_time, first_token_time, last_token_time, finish_time : float or None
         ``time.monotonic()`` seconds; TTFT and TPOT derive from them.
