@@ -36,12 +36,6 @@ except ImportError as exc:  # not built (no compiler at install) or built for an
                      f"`pip install -e .` on a machine with a C++17 compiler")
 
 
-def compiled_backends() -> list[str]:
-    """Backends compiled into ``kvflow._native``: ``["host"]`` or ``["host", "xpu"]``
-    (empty when the extension is missing)."""
-    return list(_native.available_backends()) if _native is not None else []
-
-
 def _num_threads() -> int:
     raw = os.environ.get("KVFLOW_NATIVE_THREADS", "0").strip() or "0"
     try:

@@ -69,7 +69,6 @@ class PrefixCache:
         self.allocator, self.block_size = allocator, block_size
         self._blocks: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # LRU order
         self._ids: set[int] = set()
-        self.hits = self.queries = 0
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -90,8 +89,6 @@ class PrefixCache:
                 break
             self._blocks.move_to_end(key)
             out.append(b)
-        self.queries += 1
-        self.hits += bool(out)
         if out:
             self.allocator.incref(out)
         return out
