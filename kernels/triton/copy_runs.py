@@ -87,17 +87,17 @@ def _copy_runs(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
 
 @dataclasses.dataclass
 class LaunchConfig:
-    """Launch settings of the copy kernel (tuned on an H200).
+    """Launch settings of the copy kernel, tuned on one H200 for the Llama-3-8B geometry.
 
-    Measured with ``tools/launch_sweep.py`` (four rounds, 2026-11-30, raw JSON and logs in
-    ``bench/results/raw/launch_sweep-*``): 5 interleaved repeats at 1K tokens, 2 at 4K and 16K,
-    Llama-3-8B geometry, ratio to the same-run ``copy_``. Chosen after round 3 (gather /
-    scatter / copy_blocks): 1K 0.94 / 0.93 / 0.91, 4K 0.96 / 0.94 / 0.93, 16K 0.95 / 0.94 /
-    0.93; the previous defaults (persistent grid, 4 warps; round 1) gave 0.91 / 0.91 / 0.88,
-    0.91 / 0.90 / 0.92, 0.89 / 0.89 / 0.91. Round 4 (copy_blocks items and steps of
-    16-64 KiB, also for the shorter runs of MLA and fp8 blocks) found nothing better for
-    Llama-3-8B bf16: 32 KiB items gained 0.02 for MLA bf16 at 1K and 0.005 for fp8 but lost
-    0.01 for bf16 NHD/HND at 4K and 16K, so the defaults stay tuned to the Llama-3-8B geometry.
+    Source: the launch sweep (``python -m kvflow.bench sweep``; 5 interleaved repeats at 1K
+    tokens, 2 at 4K and 16K, ratio to the same-run ``copy_``) of 2026-11-30,
+    ``bench/results/raw/launch_sweep-round3-nvidia-h200-20261130.json``. With these defaults
+    gather / scatter / copy_blocks reach 0.94 / 0.93 / 0.91 of the ceiling at 1K tokens,
+    0.96 / 0.94 / 0.93 at 4K and 0.95 / 0.94 / 0.93 at 16K; a persistent grid at 4 warps gives
+    0.91 / 0.91 / 0.88, 0.91 / 0.90 / 0.92 and 0.89 / 0.89 / 0.91. copy_blocks items and steps
+    of 16-64 KiB (``bench/results/raw/launch_sweep-round4-nvidia-h200x2-20261130.json``) gain
+    0.02 for MLA bf16 at 1K and 0.005 for fp8 but lose 0.01 for bf16 NHD/HND at 4K and 16K, so
+    the defaults stay those of the Llama-3-8B geometry.
 
     Attributes
     ----------
