@@ -2,9 +2,9 @@
 
 A cache's table is the int64 tensor of its per-tensor base addresses (``PagedKVCache.ptr_table``
 order) on the device that runs the kernel: built once per (cache, device) and kept in
-``cache.backend_state["device_tables"]``, so a call never builds or copies it again (DESIGN.md,
-Kernel rules). On a peer GPU it is a copy of the cache's own table; the addresses stay valid
-there under unified addressing.
+``cache.backend_state["device_tables"]``, so a call never builds or copies it again
+(docs/design.md, "Kernel rules"). On a peer GPU it is a copy of the cache's own table; the
+addresses stay valid there under unified addressing.
 """
 
 from __future__ import annotations

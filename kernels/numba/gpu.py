@@ -1,7 +1,7 @@
 """The ``numba_cuda`` backend: the triton backend's "copy runs" kernel written with numba-cuda.
 
-A second GPU backend for comparison (DESIGN.md, Measuring: "Numba" baseline). Same work
-decomposition as :mod:`kvflow.kernels.triton.copy_runs`: a grid-stride loop of thread blocks
+A second GPU backend for comparison (docs/design.md, "Measuring": the Numba baselines). Same
+work decomposition as :mod:`kvflow.kernels.triton.copy_runs`: a grid-stride loop of thread blocks
 over (tensor ``j``) x (pair ``i``) x (chunk ``c``), one launch for all layers, cache sides read
 as int64 base-address tables (built once per cache and device in ``cache.backend_state``),
 staging sides as one base address plus ``(j * n + i) * block_bytes``. Inside a chunk the threads
