@@ -46,8 +46,8 @@ def _link():
 
 
 def loopback_ceiling(nbytes: int, *, warmup: int, reps: int) -> list[float]:
-    import torch
     """Seconds per plain ZMQ send+receive of ``nbytes`` (one frame, zero-copy) over loopback TCP."""
+    import torch
     p, d = _link()
     payload = torch.ones(nbytes, dtype=torch.uint8).numpy()
 
@@ -65,8 +65,7 @@ def loopback_ceiling(nbytes: int, *, warmup: int, reps: int) -> list[float]:
 def make_halves(connector: str, spec, num_blocks: int, device: str):
     """P's cache and half, D's cache and half of ``connector`` (``D.attach`` done).
 
-    Returns ``(p_cache, sender, d_cache, receiver, closers)``; ``closers`` are extra objects
-    with ``close()`` (e.g. P's shared segment).
+    Returns ``(p_cache, sender, d_cache, receiver)``; closing the halves frees the rest.
 
     Raises
     ------
@@ -78,14 +77,12 @@ def make_halves(connector: str, spec, num_blocks: int, device: str):
 
     from kvflow.cache import PagedKVCache
     from kvflow.transfer import make_receiver
-    closers = []
     if connector == "ipc-pull":
         if torch.device(device).type != "cpu":
             raise RuntimeError("this build's ipc-pull bench moves CPU shared-memory caches; the "
                                "CUDA IPC path comes with the connector factory")
         from kvflow.transfer.ipc import IpcSender, SharedCache
         shared = SharedCache(spec, num_blocks, role="bench")
-        closers.append(shared)
         p_cache, sender = shared.cache, IpcSender(shared)
         receiver = make_receiver("ipc")
     elif connector == "tcp":
@@ -98,7 +95,7 @@ def make_halves(connector: str, spec, num_blocks: int, device: str):
         raise ValueError(f"connector={connector!r}: expected one of {', '.join(CONNECTORS)}")
     d_cache = PagedKVCache(spec, num_blocks, device)
     receiver.attach("bench-p", spec, num_blocks, **sender.export())
-    return p_cache, sender, d_cache, receiver, closers
+    return p_cache, sender, d_cache, receiver
 
 
 class _Pair:
@@ -106,7 +103,7 @@ class _Pair:
 
     def __init__(self, connector: str, spec, num_blocks: int, device: str) -> None:
         self.name = connector
-        self.p_cache, self.sender, self.d_cache, self.receiver, self.closers = make_halves(
+        self.p_cache, self.sender, self.d_cache, self.receiver = make_halves(
             connector, spec, num_blocks, device)
         self.p_sock, self.d_sock = _link()
         scramble(self.p_cache.buffer)
@@ -129,8 +126,6 @@ class _Pair:
         self.d_sock.close()
         self.receiver.close()
         self.sender.close()
-        for c in self.closers:
-            c.close()
 
 
 def run_transfer(opts: dict[str, Any], env: dict[str, Any], progress: bool = True) -> tuple[list, list]:
