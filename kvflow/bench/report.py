@@ -1,4 +1,4 @@
-"""``python -m kvflow.bench report``: result files -> ``docs/benchmarks.md`` + ``docs/img/*.png``.
+"""Result files -> ``docs/benchmarks.md`` + ``docs/img/*.png``.
 
 The page is generated, never hand-edited: one section per device (its driver and library
 versions, commit, date), then per result file the command that produced it and its tables
@@ -14,6 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from . import cli
 from .schema import read_results
 
 KERNEL_OPS = ("gather", "scatter", "copy")
@@ -186,3 +187,22 @@ def write_report(files: list[Path], out: Path, img_dir: Path) -> Path:
             lines += file_section(path, data, out.parent, img_dir)
     out.write_text("\n".join(lines).rstrip() + "\n")
     return out
+
+
+def add_arguments(p) -> None:
+    p.add_argument("files", nargs="*", help="result JSON files (default: <results>/*.json)")
+    p.add_argument("--results", default="bench/results", help="folder read when no files given")
+    p.add_argument("--out", default="docs/benchmarks.md", help="markdown file to write")
+    p.add_argument("--img-dir", default="docs/img", help="folder of the PNG plots")
+
+
+def run(args) -> int:
+    import sys
+    cli.require("matplotlib", "report")
+    files = [Path(f) for f in args.files] or sorted(Path(args.results).glob("*.json"))
+    if not files:
+        print(f"report: no result files in {args.results}", file=sys.stderr)
+        return 1
+    out = write_report(files, Path(args.out), Path(args.img_dir))
+    print(f"wrote {out}")
+    return 0

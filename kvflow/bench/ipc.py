@@ -1,28 +1,30 @@
-"""Intra-host P->D KV transfer over CUDA IPC / NVLink on two GPUs (issue 6).
+"""P->D KV copies between two GPUs over CUDA IPC / NVLink, and the served modes on two GPUs.
 
 Geometry: Llama-3-8B KV (32 layers, 8 KV heads, head_dim 128, block 64, bf16, NHD: 8 MiB per
 block over all layers); P's cache on GPU 0, D's on GPU 1, ``--num-blocks`` (4096) each, random
-distinct block ids, requests of 1K / 4K / 16K tokens. Methods, each timed on both GPUs' streams
-(events; cold L2: 4 rotating id sets, ceiling buffers rotated past 2 x L2):
+distinct block ids, requests of 1K / 4K / 16K tokens. Methods, each timed across both GPUs'
+streams (:func:`kvflow.bench.timing.time_calls` with two devices; cold L2: 4 rotating id sets,
+ceiling buffers rotated past 2 x L2):
 
 - ``ceiling``: one contiguous ``dst.copy_(src)`` GPU0 -> GPU1 of the same payload (same run);
 - ``kvflow_pull`` / ``kvflow_push``: ``copy_blocks(..., backend="triton", direction=...)``, one
   launch for all layers (pull: kernel on D's GPU reading P; push: kernel on P's GPU writing D);
 - ``per_layer_torch``: per layer and K/V: ``index_select`` on P, one peer ``copy_``,
   ``index_copy_`` on D (192 ops);
-- ``per_block_memcpy``: the seed's method (FastDeploy's IPC path): one ``cudaMemcpyPeerAsync``
-  per block per layer tensor from a host loop (ctypes on torch's libcudart), and
-  ``per_block_torch``: the same loop with torch ``copy_`` of each block slice;
+- ``per_block_memcpy``: one ``cudaMemcpyPeerAsync`` per block per layer tensor from a host loop
+  (ctypes on torch's libcudart; the per-block IPC copy of FastDeploy), and ``per_block_torch``:
+  the same loop with torch ``copy_`` of each block slice;
 - ``xproc_pull`` / ``xproc_push``: P in a second process (``CUDA_VISIBLE_DEVICES`` = P's GPU
-  only) exports its cache with :mod:`kvflow.transfer.cuda_ipc`; this process (D) opens it by UUID.
+  only) exports its cache over CUDA IPC; this process (D) opens it by UUID.
 
 Every method's result is checked byte for byte against P once per size. Then end to end
-(``--serve``): ``python -m kvflow.serve --device cuda --model kvflow-llama-32l`` disaggregated on
-two GPUs and colocated on one; prompts of ``--serve-tokens`` with ``--max-tokens`` outputs; TTFT,
-TPOT, ``kvflow.transfer_ms`` and its share of TTFT; token identity of the two modes.
+(:data:`SERVE_MODES`): ``python -m kvflow.serve --device cuda --model kvflow-llama-32l``
+disaggregated on two GPUs (``--kv-connector ipc-push`` / ``ipc-pull``, layerwise or not) and
+colocated on one; prompts of ``--serve-tokens`` with ``--max-tokens`` outputs; TTFT, TPOT,
+transfer ms and its share of TTFT; token identity with colocated.
 
-    python bench/ipc_gpu.py                  # 2 GPUs: kernels + cross-process + serve (~4 min)
-    python bench/ipc_gpu.py --smoke          # CPU, tiny shapes, seconds (GPU-only parts skipped)
+``--quick``: CPU, tiny shapes, seconds (the GPU-only parts are skipped). ``--full``: 2 GPUs,
+kernels + cross-process + served (about 4 minutes).
 """
 
 from __future__ import annotations
@@ -30,74 +32,30 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
-import datetime
 import os
+import shlex
 import subprocess
 import sys
 import time
 
 import torch
 
-from kvflow import KVCacheSpec, PagedKVCache
-from kvflow.bench.schema import env_info, make_row, write_results
-from kvflow.bench.timing import median
-from kvflow.devices import worker_env
-from kvflow.kernels import copy_blocks
+from . import cli
+from .cases import fill_pattern, make_spec, pattern, tiny_spec
 
 ROT = 4  # id sets rotated per method (cold L2)
+PRESETS = {"quick": dict(smoke=True, tokens=[64, 256], num_blocks=64, reps=2),
+           "full": dict(smoke=False, tokens=[1024, 4096, 16384], num_blocks=4096, reps=20)}
+#: ``--layerwise-min-tokens`` above every prompt: the whole request moves after the prefill.
+NO_LAYERWISE = ["--layerwise-min-tokens", str(1 << 30)]
 
 
-def llama_spec(smoke: bool) -> KVCacheSpec:
-    if smoke:
-        return KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16,
-                           dtype=torch.float32, layout="NHD")
-    return KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, block_size=64,
-                       dtype=torch.bfloat16, layout="NHD")
-
-
-class Clock:
-    """Times ``fn()`` across the current streams of ``devs``: a start event on the last device,
-    every other stream waits for it; at the end the last stream waits for every other, then the
-    end event (so work enqueued on any of the GPUs, and host launch gaps, are inside)."""
-
-    def __init__(self, devs: list[torch.device]) -> None:
-        self.devs, self.cuda = devs, devs[0].type == "cuda"
-
-    def _join(self, src: torch.device, dst: torch.device) -> None:
-        e = torch.cuda.Event()
-        e.record(torch.cuda.current_stream(src))
-        torch.cuda.current_stream(dst).wait_event(e)
-
-    def time(self, fn, reps: int, warmup: int = 2) -> list[float]:
-        for i in range(warmup):
-            fn(i)
-        if not self.cuda:
-            out = []
-            for i in range(reps):
-                t0 = time.perf_counter()
-                fn(i)
-                out.append(time.perf_counter() - t0)
-            return out
-        main, marks = self.devs[-1], []
-        for d in self.devs:
-            torch.cuda.synchronize(d)
-        for i in range(reps):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record(torch.cuda.current_stream(main))
-            for d in self.devs[:-1]:
-                self._join(main, d)
-            fn(i)
-            for d in self.devs[:-1]:
-                self._join(d, main)
-            e.record(torch.cuda.current_stream(main))
-            marks.append((s, e))
-        for d in self.devs:
-            torch.cuda.synchronize(d)
-        return [s.elapsed_time(e) / 1e3 for s, e in marks]
+def spec_of(smoke: bool):
+    return tiny_spec() if smoke else make_spec(None, "NHD", "bfloat16")
 
 
 def libcudart():
-    """torch's loaded libcudart (for raw ``cudaMemcpyPeerAsync``), or None."""
+    """torch's loaded libcudart's ``cudaMemcpyPeerAsync`` (ctypes), or None."""
     try:
         with open("/proc/self/maps") as f:
             paths = {ln.split()[-1] for ln in f if "libcudart.so" in ln}
@@ -116,26 +74,12 @@ def libcudart():
     return None
 
 
-def pattern(j: int, blocks: torch.Tensor, spec: KVCacheSpec, num_blocks: int) -> torch.Tensor:
-    """int32 words of blocks ``blocks`` of tensor ``j`` of a pattern-filled cache."""
-    wpb = spec.block_bytes // 4
-    w = (j * num_blocks + blocks.to(torch.int64))[:, None] * wpb + torch.arange(wpb, device=blocks.device)
-    return ((w * 2654435761 + 12345) & 0xFFFFFFFF).to(torch.int32)
-
-
-def fill_pattern(cache: PagedKVCache) -> None:
-    for j, t in enumerate(cache.tensors()):
-        words = t.view(cache.num_blocks, -1).view(torch.int32)
-        for lo in range(0, cache.num_blocks, 256):
-            ids = torch.arange(lo, min(lo + 256, cache.num_blocks), device=t.device)
-            words[lo:lo + ids.numel()] = pattern(j, ids, cache.spec, cache.num_blocks)
-
-
 def p_child(args) -> int:
     """The cross-process P: allocate, fill the pattern, export; exit on a stdin line."""
-    from kvflow.transfer.cuda_ipc import export_cache, publish_export
+    from kvflow.cache import PagedKVCache
+    from kvflow.transfer.cuda_ipc import export_cache, publish_export  # MERGE: kvflow.connector
     from kvflow.transfer.shm import unlink_segment
-    cache = PagedKVCache(llama_spec(False), args.num_blocks, device="cuda:0")
+    cache = PagedKVCache(spec_of(False), args.num_blocks, device="cuda:0")
     fill_pattern(cache)
     torch.cuda.synchronize()
     name = publish_export(export_cache(cache), role="benchp")
@@ -149,18 +93,18 @@ def p_child(args) -> int:
 
 class KernelBench:
     def __init__(self, a) -> None:
-        self.a, self.spec = a, llama_spec(a.smoke)
+        from kvflow.cache import PagedKVCache
+        self.a, self.spec = a, spec_of(a.smoke)
         self.pd = torch.device("cpu" if a.smoke else "cuda:0")
         self.dd = torch.device("cpu" if a.smoke else "cuda:1")
         self.cuda = self.pd.type == "cuda"
-        self.clock = Clock([self.pd, self.dd])
         self.P = PagedKVCache(self.spec, a.num_blocks, self.pd)
         self.D = PagedKVCache(self.spec, a.num_blocks, self.dd)
         fill_pattern(self.P)
         self.memcpy = libcudart() if self.cuda else None
         self.backend = "triton" if self.cuda or os.environ.get("TRITON_INTERPRET") == "1" else "auto"
         if self.cuda:
-            from kvflow.transfer.cuda_ipc import enable_peer_access
+            from kvflow.transfer.cuda_ipc import enable_peer_access  # MERGE: kvflow.connector
             enable_peer_access(self.pd, self.dd)
 
     def ids(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -168,7 +112,13 @@ class KernelBench:
         return [(torch.randperm(self.a.num_blocks, generator=g)[:n],
                  torch.randperm(self.a.num_blocks, generator=g)[:n]) for _ in range(ROT)]
 
+    def time(self, fns, reps: int, warmup: int = 2) -> list[float]:
+        from .timing import time_calls
+        return time_calls(fns, devices=[self.pd, self.dd], warmup=warmup, reps=reps)
+
     def methods(self, sets, P=None, pull=None):
+        """``{name: [ROT closures]}`` of every method for the id sets ``sets``."""
+        from kvflow.kernels import copy_blocks
         P, D, T = P or self.P, self.D, self.spec.num_tensors
         pull = (P is self.P) if pull is None else pull
         pt, dt = P.tensors(), D.tensors()
@@ -178,16 +128,16 @@ class KernelBench:
         bb = self.spec.block_bytes
 
         def kv(direction):
-            return lambda i: copy_blocks(P, D, *dv[i % ROT], backend=self.backend,
+            return lambda i: copy_blocks(P, D, *dv[i], backend=self.backend,
                                          direction=direction, validate=False)
 
         def per_layer(i):
-            s, d = pv[i % ROT]
+            s, d = pv[i]
             for j in range(T):
                 dt[j].index_copy_(0, d, pt[j].index_select(0, s).to(self.dd))
 
         def per_block_torch(i):
-            s, d = hl[i % ROT]
+            s, d = hl[i]
             for j in range(T):
                 for a, b in zip(s, d):
                     dt[j][b].copy_(pt[j][a])
@@ -203,7 +153,7 @@ class KernelBench:
             fn, sd, dd = self.memcpy, P.device.index, self.dd.index
 
             def per_block_memcpy(i):
-                s, d = hl[i % ROT]
+                s, d = hl[i]
                 stream = torch.cuda.current_stream(P.device).cuda_stream
                 for j in range(T):
                     for a, b in zip(s, d):
@@ -212,13 +162,13 @@ class KernelBench:
                             raise RuntimeError(f"cudaMemcpyPeerAsync returned {rc}")
             out["per_block_memcpy"] = per_block_memcpy
         out["per_block_torch"] = per_block_torch
-        return out
+        return {k: [lambda f=f, i=i: f(i) for i in range(len(sets))] for k, f in out.items()}
 
     def check(self, name, fn, sets, P) -> None:
         s, d = sets[0]
         for t in self.D.tensors():
             t[d.to(self.dd)] = 0
-        fn(0)
+        fn[0]()
         if self.cuda:
             torch.cuda.synchronize(self.pd)
             torch.cuda.synchronize(self.dd)
@@ -228,14 +178,17 @@ class KernelBench:
                 raise AssertionError(f"{name}: D's blocks differ from P's (tensor {j})")
 
     def ceiling(self, nbytes: int) -> list[float]:
-        rot = max(1, min(4, -(-(2 * 60 << 20) // nbytes)))
-        pairs = [(torch.empty(nbytes, dtype=torch.uint8, device=self.pd).fill_(1),
-                  torch.empty(nbytes, dtype=torch.uint8, device=self.dd)) for _ in range(rot)]
-        return self.clock.time(lambda i: pairs[i % rot][1].copy_(pairs[i % rot][0]), self.a.reps)
+        """The same-run peer ceiling: ``copy_`` of ``nbytes`` P's GPU -> D's GPU, buffers
+        rotated past twice a 60 MB L2 (at most 4)."""
+        from .timing import copy_ceiling, rotations_for
+        return copy_ceiling(nbytes, device=self.pd, dst_device=self.dd, warmup=2, reps=self.a.reps,
+                            rotations=rotations_for(nbytes, 60 << 20, max_rotations=4))
 
 
 def run_kernels(a, kb: KernelBench, env, rows, xproc_peer=None, variant=None) -> dict:
     """One row per (method, tokens); returns {tokens: ceiling seconds}."""
+    from .schema import make_row
+    from .timing import median
     variant = variant or ("cross_process" if xproc_peer is not None else "in_process")
     P = xproc_peer or kb.P
     ceilings = a._ceilings if xproc_peer is not None else {}
@@ -252,7 +205,7 @@ def run_kernels(a, kb: KernelBench, env, rows, xproc_peer=None, variant=None) ->
             kb.check(name, fn, sets, P)
             loop = name.startswith("per_block")
             reps = max(2, a.reps // 4) if loop else a.reps
-            res[name] = kb.clock.time(fn, reps, warmup=1 if loop else 2)
+            res[name] = kb.time(fn, reps, warmup=1 if loop else 2)
         if "per_block_memcpy" in res or "per_block_torch" in res:
             base_name = "per_block_memcpy" if "per_block_memcpy" in res else "per_block_torch"
             a._loop[T] = (median(res[base_name]), base_name)
@@ -272,13 +225,14 @@ def run_kernels(a, kb: KernelBench, env, rows, xproc_peer=None, variant=None) ->
 
 
 def run_xproc(a, kb: KernelBench, env, rows) -> None:
-    from kvflow.transfer.cuda_ipc import import_cache, read_export
+    from kvflow.devices import worker_env
+    from kvflow.transfer.cuda_ipc import import_cache, read_export  # MERGE: kvflow.connector
     p_index = int(os.environ.get("KVFLOW_BENCH_P_GPU", "0"))
     kb.P = None  # free GPU0 for the child's cache
     torch.cuda.empty_cache()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     phys = visible.split(",")[p_index] if visible else str(p_index)
-    child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--p-child",
+    child = subprocess.Popen([sys.executable, "-m", "kvflow.bench", "ipc", "--p-child",
                               "--num-blocks", str(a.num_blocks)],
                              env=worker_env("cuda", int(phys)) if phys.isdigit() else
                              dict(os.environ, CUDA_VISIBLE_DEVICES=phys),
@@ -331,21 +285,21 @@ async def _complete(client, url, prompt, max_tokens):
     return {"ttft": ttft, "tpot": (e2e - ttft) / max(1, len(toks) - 1), "text": toks, "kvflow": kv}
 
 
-SERVE_MODES = {  # name: (server mode, extra flags)
-    "push-layerwise": ("disagg", "--ipc-direction push --transfer-mode layerwise"),
-    "push-request": ("disagg", "--ipc-direction push --transfer-mode request"),
-    "pull-request": ("disagg", "--ipc-direction pull --transfer-mode request"),
-    "pull-layerwise": ("disagg", "--ipc-direction pull --transfer-mode layerwise "
-                                 "--layerwise-min-tokens 0"),
-    "colocated": ("colocated", ""),
-    "colocated-again": ("colocated", ""),  # is the reference itself repeatable?
+#: name -> (server mode, extra ``python -m kvflow.serve`` flags)
+SERVE_MODES = {
+    "push-layerwise": ("disagg", ["--kv-connector", "ipc-push"]),
+    "push-request": ("disagg", ["--kv-connector", "ipc-push", *NO_LAYERWISE]),
+    "pull-request": ("disagg", ["--kv-connector", "ipc-pull", *NO_LAYERWISE]),
+    "pull-layerwise": ("disagg", ["--kv-connector", "ipc-pull", "--layerwise-min-tokens", "0"]),
+    "colocated": ("colocated", []),
+    "colocated-again": ("colocated", []),  # is the reference itself repeatable?
 }
 for _c in (4, 8, 32):  # the grid cap of the copies beside P's compute
-    SERVE_MODES[f"push-layerwise-c{_c}"] = ("disagg", "--ipc-direction push --transfer-mode "
-                                                      f"layerwise --layerwise-max-ctas {_c}")
+    SERVE_MODES[f"push-layerwise-c{_c}"] = ("disagg", [
+        "--kv-connector", "ipc-push", "--kv-connector-config", f'{{"max_ctas": {_c}}}'])
 for _g in (1, 2, 8):  # layers per copy launch
-    SERVE_MODES[f"push-layerwise-g{_g}"] = ("disagg", "--ipc-direction push --transfer-mode "
-                                                      f"layerwise --layers-per-copy {_g}")
+    SERVE_MODES[f"push-layerwise-g{_g}"] = ("disagg", [
+        "--kv-connector", "ipc-push", "--kv-connector-config", f'{{"layers_per_copy": {_g}}}'])
 for _m in ("push-layerwise", "push-request", "pull-request", "colocated"):
     # KVFLOW_DEBUG_KV_DIGEST: D's prompt KV digest in the kvflow object (timings are off)
     SERVE_MODES[f"{_m}-digest"] = SERVE_MODES[_m]
@@ -359,11 +313,14 @@ def run_serve(a, env, rows) -> None:
 
     import httpx
 
-    from kvflow.bench.serving import started_server
+    from .schema import make_row
+    from .server import started_server
+    from .timing import median
     maxlen = max(a.serve_tokens) + a.max_tokens + 64
     nb = 2 * (-(-maxlen // 64)) + 8
-    common = (f"--device {a.serve_device} --model {a.model} --dtype {a.serve_dtype} --block-size 64 --num-blocks {nb} "
-              f"--max-model-len {maxlen} --max-num-batched-tokens {a.chunk} {a.server_args}").strip()
+    common = ["--device", a.serve_device, "--model", a.model, "--dtype", a.serve_dtype,
+              "--block-size", "64", "--num-blocks", str(nb), "--max-model-len", str(maxlen),
+              "--max-num-batched-tokens", str(a.chunk), *shlex.split(a.server_args)]
     rng = random.Random(0)
     prompts = {T: [[rng.randint(32, 126) for _ in range(T)] for _ in range(a.serve_reps)]
                for T in a.serve_tokens}
@@ -382,7 +339,7 @@ def run_serve(a, env, rows) -> None:
         if digest:
             os.environ["KVFLOW_DEBUG_KV_DIGEST"] = "1"
         try:
-            with started_server(mode, f"{common} {extra}".strip(), timeout=240) as url:
+            with started_server(mode, common + extra, timeout=240) as url:
                 async def go():
                     async with httpx.AsyncClient() as c:
                         for w in (256, a.serve_tokens[0]):  # warm-up (kernels, allocator)
@@ -425,7 +382,8 @@ def run_serve(a, env, rows) -> None:
                                  payload_bytes=int(rs[0]["kvflow"].get("payload_bytes") or 0),
                                  times_s=[float(r["kvflow"]["ttft_ms"]) / 1e3 for r in rs],
                                  ceiling_s=None, client_ttft_ms=client * 1e3,
-                                 config={"model": a.model, "server_args": f"{common} {SERVE_MODES[name][1]}"},
+                                 config={"model": a.model,
+                                         "server_args": shlex.join(common + SERVE_MODES[name][1])},
                                  ttft_ms=ttft * 1e3, tpot_ms=tpot * 1e3, transfer_ms=xfer,
                                  exposed_ms=exposed, prefill_ms=med("prefill_ms"),
                                  copy_ms=med("copy_ms"), transfer_share=share, identical=same,
@@ -434,41 +392,41 @@ def run_serve(a, env, rows) -> None:
                                  kvflow=[r["kvflow"] for r in rs]))
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (GPU-only parts skipped)")
-    ap.add_argument("--tokens", default=None, help="comma-separated request lengths (1024,4096,16384)")
-    ap.add_argument("--num-blocks", type=int, default=None, help="blocks per cache (4096)")
-    ap.add_argument("--reps", type=int, default=None, help="timed repetitions (20)")
-    ap.add_argument("--no-xproc", action="store_true", help="skip the cross-process variant")
-    ap.add_argument("--no-serve", action="store_true", help="skip the end-to-end serve runs")
-    ap.add_argument("--serve-only", action="store_true", help="only the end-to-end serve runs")
-    ap.add_argument("--serve-tokens", default="1024,4096,8192", help="prompt lengths served")
-    ap.add_argument("--serve-device", default="cuda", help=argparse.SUPPRESS)  # cpu: a test
-    ap.add_argument("--serve-dtype", default="bfloat16", help=argparse.SUPPRESS)
-    ap.add_argument("--serve-modes", default="push-layerwise,push-request,pull-request,colocated",
-                    help=f"comma-separated, of {', '.join(SERVE_MODES)}")
-    ap.add_argument("--serve-reps", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--chunk", type=int, default=8192, help="--max-num-batched-tokens of the server")
-    ap.add_argument("--model", default="kvflow-llama-32l")
-    ap.add_argument("--server-args", default="", help="extra flags for both servers, e.g. "
-                    "'--transfer-mode request'")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--p-child", action="store_true", help=argparse.SUPPRESS)
-    a = ap.parse_args(argv)
-    a.num_blocks = a.num_blocks or (64 if a.smoke else 4096)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    cli.add_common(p, device=False)
+    p.add_argument("--tokens", type=cli.tokens, help="request lengths (quick 64,256; full 1K,4K,16K)")
+    p.add_argument("--num-blocks", type=int, help="blocks per cache (quick 64, full 4096)")
+    p.add_argument("--reps", type=int, help="timed repetitions (quick 2, full 20)")
+    p.add_argument("--no-xproc", action="store_true", help="skip the cross-process variant")
+    p.add_argument("--no-serve", action="store_true", help="skip the end-to-end serve runs")
+    p.add_argument("--serve-only", action="store_true", help="only the end-to-end serve runs")
+    p.add_argument("--serve-tokens", type=cli.tokens, default=[1024, 4096, 8192],
+                   help="prompt lengths served (default 1K,4K,8K)")
+    p.add_argument("--serve-device", default="cuda", help=argparse.SUPPRESS)  # cpu: a test
+    p.add_argument("--serve-dtype", default="bfloat16", help=argparse.SUPPRESS)
+    p.add_argument("--serve-modes", default="push-layerwise,push-request,pull-request,colocated",
+                   help=f"comma list of {', '.join(SERVE_MODES)}")
+    p.add_argument("--serve-reps", type=int, default=3, help="prompts per length and mode")
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per prompt")
+    p.add_argument("--chunk", type=int, default=8192, help="--max-num-batched-tokens of the server")
+    p.add_argument("--model", default="kvflow-llama-32l", help="served model")
+    p.add_argument("--server-args", default="", help="extra flags for every server, e.g. "
+                   "'--kv-connector-config {\"max_ctas\": 8}'")
+    p.add_argument("--p-child", action="store_true", help=argparse.SUPPRESS)
+
+
+def run(args) -> int:
+    from .schema import env_info
+    a = argparse.Namespace(**{**PRESETS[args.preset or "quick"],
+                              **{k: v for k, v in vars(args).items() if v is not None}})
     if a.p_child:
         return p_child(a)
     if not a.smoke and a.serve_device == "cuda" and torch.cuda.device_count() < 2:
-        ap.error(f"needs 2 CUDA GPUs, found {torch.cuda.device_count()}; use --smoke on a CPU")
-    a.tokens = [int(t) for t in (a.tokens or ("64,256" if a.smoke else "1024,4096,16384")).split(",")]
-    a.serve_tokens = [int(t) for t in a.serve_tokens.split(",")]
-    a.reps = a.reps or (2 if a.smoke else 20)
+        raise SystemExit(f"ipc --full: needs 2 CUDA GPUs, found {torch.cuda.device_count()}; "
+                         f"use --quick on a CPU")
     a._loop, a._ceilings = {}, {}
     env, rows = env_info("cpu" if a.smoke or a.serve_device != "cuda" else "cuda:0"), []
-    env["command"] = " ".join(["python bench/ipc_gpu.py", *(argv if argv is not None else sys.argv[1:])])
-    t0 = time.time()
+    t0 = time.perf_counter()
     if not a.serve_only:
         kb = KernelBench(a)
         a._ceilings = run_kernels(a, kb, env, rows)
@@ -477,7 +435,7 @@ def main(argv=None) -> int:
         else:
             try:
                 run_xproc(a, kb, env, rows)
-            except Exception as exc:  # report it and go on to the serve runs
+            except Exception as exc:  # noqa: BLE001 - report it and go on to the serve runs
                 print(f"cross-process variant FAILED: {type(exc).__name__}: {exc}")
         del kb
         if torch.cuda.is_available():
@@ -487,14 +445,8 @@ def main(argv=None) -> int:
     else:
         try:
             run_serve(a, env, rows)
-        except Exception as exc:  # keep the kernel rows
+        except Exception as exc:  # noqa: BLE001 - keep the kernel rows
             print(f"end-to-end serve FAILED: {type(exc).__name__}: {exc}")
-    stamp = datetime.date.today().isoformat()
-    out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                f"ipc_gpu-{'smoke-' if a.smoke else ''}{stamp}.json")
-    print(f"wrote {write_results(out, env, rows)} ({time.time() - t0:.0f} s)")
+    opts = {k: v for k, v in vars(a).items() if not k.startswith("_")}
+    cli.finish(args, opts, env, rows, t0=t0)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
