@@ -128,14 +128,43 @@ def generic_table(rows: list[dict]) -> list[str]:
     return _md_table(head, body)
 
 
+#: Scripts that became studies: recorded command prefix -> study.
+MOVED = {"python bench/ipc_gpu.py": "ipc", "python bench/layerwise_gpu.py": "layerwise",
+         "python bench/soak.py": "soak"}
+
+
+def current_command(cmd: str) -> str:
+    """The ``python -m kvflow.bench`` command of today that reruns a recorded ``cmd`` (``cmd``
+    itself when it is already one): ``--smoke`` becomes ``--quick``, no flag ``--full``, and
+    ``--out PATH`` is dropped (results go to ``--out-dir``)."""
+    import shlex
+    for old, study in MOVED.items():
+        if cmd.startswith(old):
+            argv = shlex.split(cmd[len(old):])
+            keep, skip = [], False
+            for a in argv:
+                if skip:
+                    skip = False
+                elif a == "--out":
+                    skip = True
+                elif a != "--smoke":
+                    keep.append(a)
+            preset = "--quick" if "--smoke" in argv else "--full"
+            return shlex.join(["python", "-m", "kvflow.bench", study, preset, *keep])
+    return cmd
+
+
 def file_section(path: Path, data: dict, md_dir: Path, img_dir: Path) -> list[str]:
     """Markdown of one result file: its command, tables and plots."""
     from . import plots
     rows, env = data["rows"], data["env"]
     check_one_device(rows, str(path))
-    out = [f"### `{path.name}`", "", f"Command: `{env.get('command', '(not recorded)')}`"
+    cmd = env.get("command", "(not recorded)")
+    now = current_command(cmd)
+    out = [f"### `{path.name}`", "", f"Command: `{cmd}`"
            + (f" — {env['wall_s']:.0f} s wall" if env.get("wall_s") else "")
-           + f" — commit {env.get('commit')}, {env.get('date')}", ""]
+           + f" — commit {env.get('commit')}, {env.get('date')}"
+           + (f" (today: `{now}`)" if now != cmd else ""), ""]
     kinds = defaultdict(list)
     for r in rows:
         kinds[r["op"] if r["op"] in ("contention", "serve", "transfer", "ceiling") else
@@ -150,7 +179,7 @@ def file_section(path: Path, data: dict, md_dir: Path, img_dir: Path) -> list[st
         out += serve_table(kinds["serve"])
     if kinds["other"]:
         out += generic_table(kinds["other"])
-    for png in plots.plot_file(path.stem, kinds, img_dir):
+    for png in plots.plot_file(path.stem, kinds, img_dir, env):
         rel = os.path.relpath(png, md_dir)
         out += [f"![{png.stem}]({rel})", ""]
     for s in env.get("skipped") or []:
@@ -205,4 +234,8 @@ def run(args) -> int:
         return 1
     out = write_report(files, Path(args.out), Path(args.img_dir))
     print(f"wrote {out}")
+    page = out.read_text()
+    for png in sorted(Path(args.img_dir).glob("*.png")):
+        if f"{png.name})" not in page:
+            print(f"report: {png} is not from these result files", file=sys.stderr)
     return 0
