@@ -17,8 +17,9 @@ signal latency p50/p99 (host flag -> GPU gate kernel -> release store -> host sp
 launch -> seen).
 
 ``--quick`` runs tiny shapes on the CPU in seconds: there the copies run on the same cores as
-the prefill, nothing overlaps, and the raw hidden fraction is negative (exposed time exceeds the
-copies alone by the worker thread's overhead); it checks the machinery, not a speed.
+the prefill and take microseconds next to the worker thread's wake-up, so the raw hidden
+fraction swings between negative values and about 1 from run to run; it checks the machinery,
+not the overlap.
 ``--full`` is the H200 run (about 2 minutes).
 """
 

@@ -184,9 +184,11 @@ def bars_png(stem: str, rows: list[dict], img_dir: Path, tag: str, env: dict) ->
     key, ylabel, clip = key
     plt = _plt()
     rows = [r for r in rows if isinstance(r.get(key), (int, float))]
+    if key == "hidden_frac":  # defined only where copies run beside the prefill
+        rows = [r for r in rows if r["op"] in ("layerwise_event", "layerwise_signal")]
     labels = list(dict.fromkeys(_bar_label(r) for r in rows))
     toks = sorted({r["tokens"] for r in rows})
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(labels) * len(toks)), 4.0))
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.45 * len(labels) * len(toks)), 4.2))
     width = 0.8 / max(1, len(labels))
     clipped = 0
     for i, lab in enumerate(labels):
@@ -205,9 +207,9 @@ def bars_png(stem: str, rows: list[dict], img_dir: Path, tag: str, env: dict) ->
     ax.legend(fontsize=7)
     title = f"{tag}: {ylabel}"
     if clipped:
-        title += f"\n{clipped} values outside [0, 1] drawn at the bound"
+        title += f"\n{clipped} value{'s' if clipped > 1 else ''} outside [0, 1] drawn at the bound"
         if env.get("device_type") == "cpu":
-            title += " (CPU: the copies run on the prefill's own cores, nothing hides)"
+            title += " (CPU: the copies share the prefill's cores; not a measure of overlap)"
     return [_save(fig, img_dir / f"{stem}-{tag}.png", title, env)]
 
 
@@ -224,7 +226,7 @@ def plot_file(stem: str, kinds: dict[str, list[dict]], img_dir: Path, env: dict)
         out += bars_png(stem, kinds["contention"], img_dir, "contention", env)
     other = kinds.get("other") or []
     copies = [r for r in other if r.get("ratio") is not None and r.get("gbps")
-              and not r["op"].startswith(("layerwise", "signal", "serve"))]
+              and not r["op"].startswith(("layerwise", "signal", "serve", "copy_", "ceiling"))]
     if copies:
         out += bandwidth_png(stem, copies, img_dir, env)
     if other:
