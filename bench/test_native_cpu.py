@@ -22,12 +22,11 @@ import os
 import secrets
 import subprocess
 import sys
-import time
 
 import pytest
 
 from kvflow.bench.schema import env_info, make_row
-from kvflow.bench.timing import median
+from kvflow.bench.timing import median, time_calls
 from kvflow.kernels import available_backends, gather_blocks, scatter_blocks
 
 from conftest import QUICK, ROUNDS, WARMUP, write_rows_if_asked
@@ -70,14 +69,7 @@ def _measure(benchmark, fn, rounds: int, warmup: int) -> list[float]:
     if not getattr(benchmark, "disabled", False):
         benchmark.pedantic(fn, rounds=rounds, warmup_rounds=warmup)
         return list(benchmark.stats.stats.data)
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return times
+    return time_calls([fn], warmup=warmup, reps=rounds)
 
 
 @pytest.mark.parametrize("backend", ["numba", "native"])
