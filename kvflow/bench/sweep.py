@@ -68,7 +68,7 @@ ROUNDS = {
                                chunk_bytes=8192, copy_block_bytes=65536)),
     ],
     # round 4: copy_blocks items and steps for short runs (MLA 72 KiB, fp8 64 KiB blocks), at
-    # 16 warps, one program per item (the defaults chosen after round 3)
+    # 16 warps, one program per item (the defaults since round 3)
     "4": lambda C: [
         ("np 16w cs64K", C(persistent=False, num_warps=16, copy_block_bytes=65536)),
         ("np 16w cs64K c64K", C(persistent=False, num_warps=16, copy_block_bytes=65536,
