@@ -135,23 +135,30 @@ MOVED = {"python bench/ipc_gpu.py": "ipc", "python bench/layerwise_gpu.py": "lay
 
 def current_command(cmd: str) -> str:
     """The ``python -m kvflow.bench`` command of today that reruns a recorded ``cmd`` (``cmd``
-    itself when it is already one): ``--smoke`` becomes ``--quick``, no flag ``--full``, and
-    ``--out PATH`` is dropped (results go to ``--out-dir``)."""
+    itself when it still parses): a moved script becomes its study (``--smoke`` -> ``--quick``,
+    no flag -> ``--full``), and ``--out PATH`` is dropped (studies write to ``--out-dir``)."""
     import shlex
+    prefix = "python -m kvflow.bench "
     for old, study in MOVED.items():
         if cmd.startswith(old):
             argv = shlex.split(cmd[len(old):])
-            keep, skip = [], False
-            for a in argv:
-                if skip:
-                    skip = False
-                elif a == "--out":
-                    skip = True
-                elif a != "--smoke":
-                    keep.append(a)
-            preset = "--quick" if "--smoke" in argv else "--full"
-            return shlex.join(["python", "-m", "kvflow.bench", study, preset, *keep])
-    return cmd
+            head = [study, "--quick" if "--smoke" in argv else "--full"]
+            break
+    else:
+        if not cmd.startswith(prefix) or cmd.startswith(prefix + "report"):
+            return cmd
+        argv = shlex.split(cmd[len(prefix):])
+        head = argv[:1]
+        argv = argv[1:]
+    keep, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--out":
+            skip = True
+        elif a != "--smoke":
+            keep.append(a)
+    return shlex.join(["python", "-m", "kvflow.bench", *head, *keep])
 
 
 def file_section(path: Path, data: dict, md_dir: Path, img_dir: Path) -> list[str]:
@@ -161,10 +168,11 @@ def file_section(path: Path, data: dict, md_dir: Path, img_dir: Path) -> list[st
     check_one_device(rows, str(path))
     cmd = env.get("command", "(not recorded)")
     now = current_command(cmd)
-    out = [f"### `{path.name}`", "", f"Command: `{cmd}`"
+    out = [f"### `{path.name}`", "", f"Command: `{now}`"
+           + (" (the result file records it in an earlier spelling)"
+              if now != cmd else "")
            + (f" — {env['wall_s']:.0f} s wall" if env.get("wall_s") else "")
-           + f" — commit {env.get('commit')}, {env.get('date')}"
-           + (f" (today: `{now}`)" if now != cmd else ""), ""]
+           + f" — commit {env.get('commit')}, {env.get('date')}", ""]
     kinds = defaultdict(list)
     for r in rows:
         kinds[r["op"] if r["op"] in ("contention", "serve", "transfer", "ceiling") else
