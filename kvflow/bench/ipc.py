@@ -313,6 +313,7 @@ def run(args) -> int:
     if a.smoke or a.no_serve:
         print("end-to-end serve on 2 GPUs skipped" + (" (needs 2 GPUs)" if a.smoke else ""))
     else:
+        cli.require("httpx", "ipc")
         try:
             run_serve(a, env, rows)
         except Exception as exc:  # noqa: BLE001 - keep the kernel rows
