@@ -27,7 +27,7 @@ def add_arguments(p) -> None:
     p.add_argument("--mode", choices=("disagg", "colocated"), default="disagg",
                    help="server mode to start (ignored with --url)")
     p.add_argument("--compare", action="store_true", help="run disagg and colocated side by side")
-    p.add_argument("--server-args", default="", help="extra flags for python -m kvflow.serve")
+    p.add_argument("--server-args", default="", help="extra flags for python -m kvflow.serve, e.g. '--kv-connector tcp'")
     p.add_argument("--server-timeout", type=float, default=120.0, help="seconds to wait for /health")
     p.add_argument("--num-requests", type=int)
     p.add_argument("--rate", type=lambda s: [float(x) for x in s.split(",")],
