@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 
 import pytest
 import torch
 
 from kvflow import KVCacheSpec, PagedKVCache, staging_buffer
+from kvflow.bench.cases import LLAMA3_8B, make_spec
 from kvflow.bench.schema import env_info, write_results
+from kvflow.bench.timing import time_calls
 from kvflow.kernels import payload_bytes
 
 QUICK = os.environ.get("KVFLOW_BENCH_QUICK", "") not in ("", "0")
@@ -43,16 +44,13 @@ class OpsBench:
 
     def time_copy(self) -> float:
         """Seconds of one ``dst.copy_(src)`` of ``payload`` contiguous bytes (the ceiling)."""
-        t0 = time.perf_counter()
-        self.copy_dst_buf.copy_(self.copy_src_buf)
-        return time.perf_counter() - t0
+        return time_calls([lambda: self.copy_dst_buf.copy_(self.copy_src_buf)], warmup=0, reps=1)[0]
 
 
 @pytest.fixture(scope="session")
 def ops_bench() -> OpsBench:
     layers, num_blocks, n = (4, 32, 8) if QUICK else (32, 256, 64)
-    spec = KVCacheSpec(num_layers=layers, num_kv_heads=8, head_dim=128, block_size=64,
-                       dtype=torch.bfloat16, layout="NHD")
+    spec = make_spec(dict(LLAMA3_8B, num_layers=layers), "NHD", torch.bfloat16)
     cache = PagedKVCache(spec, num_blocks)
     torch.arange(cache.buffer.numel() // 8, out=cache.buffer.view(torch.int64))  # distinct bytes
     perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0))

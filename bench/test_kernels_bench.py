@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from kvflow.bench import presets
-from kvflow.bench.kernels import OPS, _Case, _scramble, make_spec, pick_backends
+from kvflow.bench.cases import LLAMA3_8B, MLA_DIM, make_spec, scramble
+from kvflow.bench.kernels import OPS, _Case, pick_backends
 from kvflow.bench.schema import env_info, make_row
 from kvflow.bench.timing import (copy_ceiling, last_level_cache_bytes, median, rotations_for,
                                  time_calls)
@@ -48,9 +49,9 @@ def _case(layout: str, dtype: str, tokens: int) -> dict:
             for k in [k for k in _STATE if isinstance(k, tuple)]:
                 del _STATE[k]
             _STATE.pop("cache", None)
-            spec = make_spec(presets.LLAMA3_8B, layout, dtype, 576)
+            spec = make_spec(LLAMA3_8B, layout, dtype, MLA_DIM)
             cache = PagedKVCache(spec, OPTS["num_blocks"], DEVICE)
-            _scramble(cache.buffer)
+            scramble(cache.buffer)
             _STATE.update(cache=cache, cache_key=(layout, dtype))
         cache = _STATE["cache"]
         n = cache.spec.num_blocks_for(tokens)

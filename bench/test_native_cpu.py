@@ -1,5 +1,7 @@
-"""CPU benchmarks of the native extension (``kvflow._native``) beside their baseline in the
-same run: gather / scatter, ``native`` (C++ thread pool of memcpy) vs ``numba`` (prange), at the
+"""CPU benchmarks of the native extension (``kvflow._native``), each beside its baseline in the
+same run:
+
+gather / scatter, ``native`` (C++ thread pool of memcpy) vs ``numba`` (prange), at the
 geometry of bench/conftest.py (Llama-3-8B, 64 of 256 blocks, 512 MiB payload;
 ``KVFLOW_BENCH_QUICK=1``: 8 MiB).
 
@@ -10,17 +12,15 @@ Run: ``python -m pytest bench/test_native_cpu.py --benchmark-only -q`` (bench/RE
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
 from kvflow.bench.schema import make_row
-from kvflow.bench.timing import median
+from kvflow.bench.timing import median, time_calls
 from kvflow.kernels import available_backends, gather_blocks, scatter_blocks
 
 from conftest import QUICK, ROUNDS, WARMUP, write_rows_if_asked
 
-RTT_ROUNDS, RTT_WARMUP = (200, 20) if QUICK else (2000, 100)
 _ROWS: list[dict] = []
 
 pytestmark = pytest.mark.skipif(available_backends().get("native") != "available",
@@ -42,9 +42,13 @@ def _print_rows(tr) -> None:
     tr.write_line("")
     tr.section("kvflow native vs baselines (same run)")
     for r in _ROWS:
-        tr.write_line(f"{r['op']:<8} {r['backend']:<7} {r['payload_bytes'] / 2**20:6.0f} MiB "
-                      f"{r['time_s'] * 1e3:8.2f} ms {r['gbps']:7.2f} GB/s  ratio {r['ratio']:.2f}"
-                      f"  x numba {r['baseline_ratio'] or 0:.2f}")
+        if r["op"] == "signal_rtt":
+            tr.write_line(f"signal round trip  {r['backend']:<14} p50 {r['p50_us']:8.1f} us   "
+                          f"p99 {r['p99_us']:8.1f} us   ({r['rounds']} rounds)")
+        else:
+            tr.write_line(f"{r['op']:<8} {r['backend']:<7} {r['payload_bytes'] / 2**20:6.0f} MiB "
+                          f"{r['time_s'] * 1e3:8.2f} ms {r['gbps']:7.2f} GB/s  ratio {r['ratio']:.2f}"
+                          f"  x numba {r['baseline_ratio'] or 0:.2f}")
     write_rows_if_asked(tr, "native_cpu.json", _ROWS)
 
 
@@ -54,14 +58,7 @@ def _measure(benchmark, fn, rounds: int, warmup: int) -> list[float]:
     if not getattr(benchmark, "disabled", False):
         benchmark.pedantic(fn, rounds=rounds, warmup_rounds=warmup)
         return list(benchmark.stats.stats.data)
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return times
+    return time_calls([fn], warmup=warmup, reps=rounds)
 
 
 @pytest.mark.parametrize("backend", ["numba", "native"])

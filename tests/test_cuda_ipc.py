@@ -1,4 +1,5 @@
-"""CUDA IPC transfer (kvflow.transfer.cuda_ipc), per-role GPU environments, bench/ipc_gpu.py.
+"""CUDA IPC transfer (kvflow.transfer.cuda_ipc), per-role GPU environments, the ipc study
+(``python -m kvflow.bench ipc``).
 
 CPU here: export messages, publishing, UUID refusal, bad input, device env, the bench's smoke
 mode. On a host with 2 GPUs (the lead's nvidia-h200-x2 run) also: export/import across two
@@ -8,12 +9,10 @@ process that cannot see P's GPU, and served disagg on cuda token-identical to co
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import stat
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +27,6 @@ from kvflow.transfer.cuda_ipc import (CudaIpcExport, CudaIpcReceiver, decode_exp
 from kvflow.segments import Owner
 from kvflow.transfer.shm import shm_path, unlink_segment
 
-ROOT = Path(__file__).resolve().parents[1]
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float16)
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2,
                               reason="needs 2 CUDA GPUs (run on nvidia-h200-x2)")
@@ -121,16 +119,10 @@ def test_serve_flags():
         parse_args(["--prefill-device", "-1"])
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location("ipc_gpu", ROOT / "bench" / "ipc_gpu.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_bench_smoke(tmp_path, capsys):
-    out = tmp_path / "ipc.json"
-    assert _bench().main(["--smoke", "--tokens", "32", "--reps", "1", "--out", str(out)]) == 0
+    from kvflow.bench.__main__ import main
+    assert main(["ipc", "--quick", "--tokens", "32", "--reps", "1", "--out-dir", str(tmp_path)]) == 0
+    (out,) = tmp_path.glob("ipc-cpu-*.json")
     rows = read_results(out)["rows"]
     names = [r["backend"] for r in rows]
     assert names[0] == "kvflow_pull" and "per_layer_torch" in names and names[-1] == "per_block_torch"
@@ -145,8 +137,7 @@ def test_bench_smoke(tmp_path, capsys):
 # ---- 2 GPUs -------------------------------------------------------------------------------
 _P_CHILD = """
 import sys, torch
-sys.path.insert(0, {bench!r})
-from ipc_gpu import fill_pattern
+from kvflow.bench.cases import fill_pattern
 from kvflow import KVCacheSpec, PagedKVCache
 from kvflow.transfer.cuda_ipc import export_cache, publish_export
 from kvflow.transfer.shm import unlink_segment
@@ -160,8 +151,7 @@ sys.stdin.readline(); unlink_segment(name)
 
 _D_CHILD = """
 import sys, torch
-sys.path.insert(0, {bench!r})
-from ipc_gpu import pattern
+from kvflow.bench.cases import pattern
 from kvflow import KVCacheSpec, PagedKVCache
 from kvflow.kernels import copy_blocks
 from kvflow.transfer.cuda_ipc import enable_peer_access, import_cache, read_export
@@ -182,7 +172,7 @@ print("OK" if ok else "MISMATCH", peer.device.index, flush=True)
 
 
 def _spawn(code: str, visible: str, **fmt) -> subprocess.Popen:
-    src = code.format(bench=str(ROOT / "bench"), spec=SPEC.to_dict(), **fmt)
+    src = code.format(spec=SPEC.to_dict(), **fmt)
     return subprocess.Popen([sys.executable, "-c", src], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True, env=dict(os.environ, CUDA_VISIBLE_DEVICES=visible))
 
@@ -198,15 +188,15 @@ def test_two_processes_uuid_remapping_and_refusal():
     try:
         name, uuid = p.stdout.readline().split()
         ok = subprocess.run([sys.executable, "-c", _D_CHILD.format(
-            bench=str(ROOT / "bench"), spec=SPEC.to_dict(), name=name)], capture_output=True,
+            spec=SPEC.to_dict(), name=name)], capture_output=True,
             text=True, env=dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(cards)), timeout=120)
         assert ok.stdout.split() == ["OK", "1"], ok.stdout + ok.stderr
         swapped = subprocess.run([sys.executable, "-c", _D_CHILD.format(
-            bench=str(ROOT / "bench"), spec=SPEC.to_dict(), name=name)], capture_output=True,
+            spec=SPEC.to_dict(), name=name)], capture_output=True,
             text=True, env=dict(os.environ, CUDA_VISIBLE_DEVICES=f"{cards[1]},{cards[0]}"), timeout=120)
         assert swapped.stdout.split() == ["OK", "0"], swapped.stdout + swapped.stderr
         blind = subprocess.run([sys.executable, "-c", _D_CHILD.format(
-            bench=str(ROOT / "bench"), spec=SPEC.to_dict(), name=name)], capture_output=True,
+            spec=SPEC.to_dict(), name=name)], capture_output=True,
             text=True, env=dict(os.environ, CUDA_VISIBLE_DEVICES=cards[0]), timeout=120)
         assert "which this process cannot see" in blind.stdout, blind.stdout + blind.stderr
         assert uuid.lower().removeprefix("gpu-") in blind.stdout
@@ -217,8 +207,7 @@ def test_two_processes_uuid_remapping_and_refusal():
 
 _D_EXPORTER = """
 import sys, torch
-sys.path.insert(0, {bench!r})
-from ipc_gpu import pattern
+from kvflow.bench.cases import pattern
 from kvflow import KVCacheSpec, PagedKVCache
 from kvflow.transfer.cuda_ipc import export_cache, publish_export
 from kvflow.transfer.shm import unlink_segment
@@ -238,8 +227,7 @@ print("OK" if ok and rest else "MISMATCH", flush=True); unlink_segment(name)
 
 _P_PUSHER = """
 import sys, torch
-sys.path.insert(0, {bench!r})
-from ipc_gpu import fill_pattern
+from kvflow.bench.cases import fill_pattern
 from kvflow import KVCacheSpec, PagedKVCache
 from kvflow.kernels import copy_blocks
 from kvflow.transfer.push import map_decode_cache
@@ -269,7 +257,7 @@ def test_prefill_pushes_into_decode_export_on_its_own_gpu(order):
         name = d.stdout.readline().strip()
         p_vis, mine = (",".join(cards), 0) if order == "same" else (f"{cards[1]},{cards[0]}", 1)
         r = subprocess.run([sys.executable, "-c", _P_PUSHER.format(
-            bench=str(ROOT / "bench"), spec=SPEC.to_dict(), name=name, mine=mine)],
+            spec=SPEC.to_dict(), name=name, mine=mine)],
             capture_output=True, text=True, env=dict(os.environ, CUDA_VISIBLE_DEVICES=p_vis),
             timeout=120)
         assert r.stdout.split() == ["PUSHED"], r.stdout + r.stderr
@@ -288,7 +276,7 @@ def test_served_disagg_cuda_token_identical_to_colocated():
 
     import httpx
 
-    from kvflow.bench.serving import started_server
+    from kvflow.bench.server import started_server
     prompts = [[(7 * i + 3 * k) % 200 + 32 for k in range(n)] for i, n in enumerate((5, 70, 300))]
 
     async def run(url):

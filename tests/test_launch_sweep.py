@@ -1,23 +1,17 @@
-"""The launch-sweep rounds (tools/launch_sweep.py) and the defaults they chose."""
+"""The launch-sweep rounds (``python -m kvflow.bench sweep``) and the defaults they chose."""
 
 import dataclasses
-import importlib.util
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
 
+from kvflow.bench import sweep as _sweep_module  # noqa: E402
 from kvflow.kernels.triton import copy_runs as cr  # noqa: E402
-
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 
 def _sweep():
-    spec = importlib.util.spec_from_file_location("launch_sweep", TOOLS / "launch_sweep.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _sweep_module
 
 
 def test_every_round_builds_distinct_named_configs():

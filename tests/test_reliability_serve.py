@@ -139,12 +139,12 @@ def test_quick_soak_passes(server, tmp_path):
     import json
     import subprocess
     import sys
-    out = tmp_path / "soak.json"
-    run = subprocess.run([sys.executable, "bench/soak.py", "--url", server.url, "--quick",
-                          "--out", str(out)], capture_output=True, text=True, timeout=120,
-                         cwd=os.path.dirname(os.path.dirname(__file__)))
-    res = json.loads(out.read_text())
+    run = subprocess.run([sys.executable, "-m", "kvflow.bench", "soak", "--url", server.url,
+                          "--quick", "--out-dir", str(tmp_path)], capture_output=True, text=True,
+                         timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert run.returncode == 0, run.stdout + run.stderr
+    (out,) = tmp_path.glob("soak-*.json")
+    res = json.loads(out.read_text())["rows"][0]
     assert res["requests"] > 0 and res["pass"] is True
     assert (res["leaked_blocks"], res["hung"], res["server_restarts"]) == (0, 0, 0)
     assert res["ok"] + res["errors"] + res["aborted"] == res["requests"]

@@ -5,7 +5,7 @@ kernel competes with the prefill for SMs and memory bandwidth. ``max_ctas`` caps
 This study times a prefill-shaped matmul (``[prefill_tokens, 4096] @ [4096, 14336]`` in bf16,
 Llama-3-8B's MLP up-projection) alone, then while ``gather_blocks`` of ``tokens`` tokens runs in a
 loop on a second stream, for each ``max_ctas``; it reports the slowdown ``beside / alone - 1`` and
-the copy's own GB/s at that cap (see ../../shared/DESIGN.md "Kernel rules").
+the copy's own GB/s at that cap (docs/design.md, "Kernel rules").
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import torch
 from kvflow.cache import PagedKVCache, staging_buffer
 from kvflow.kernels import gather_blocks, payload_bytes
 
-from .kernels import make_spec, pick_backends
+from .cases import make_spec
+from .kernels import pick_backends
 from .schema import make_row
-from .timing import median, time_calls
+from .timing import median, time_calls, time_on_stream
 
 HIDDEN, INTERMEDIATE = 4096, 14336  # Llama-3-8B config.json: hidden_size, intermediate_size
 
@@ -31,20 +32,6 @@ def skip_reason(device: Any) -> str | None:
     if dev.type != "cuda" or not torch.cuda.is_available():
         return f"the SM-contention study needs a CUDA GPU; device is {dev}"
     return None
-
-
-def _time_on_current_stream(fn, reps: int) -> list[float]:
-    """Seconds of each of ``reps`` calls, from events on the current stream only: unlike
-    :func:`timing.time_calls` nothing synchronises the device, so the side stream's background
-    copies keep running during the timed window."""
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for s, e in zip(starts, ends):
-        s.record()
-        fn()
-        e.record()
-    ends[-1].synchronize()
-    return [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)]
 
 
 def run_contention(opts: dict[str, Any], env: dict[str, Any]) -> list[dict]:
@@ -94,7 +81,7 @@ def run_contention(opts: dict[str, Any], env: dict[str, Any]) -> list[dict]:
                 with torch.cuda.stream(side):
                     for _ in range(k):  # keep the copy busy for the whole timed window
                         copy()
-                beside = _time_on_current_stream(mm, reps)
+                beside = time_on_stream(mm, reps)
                 torch.cuda.synchronize(dev)
                 t_b = median(beside)
                 rows.append(make_row(

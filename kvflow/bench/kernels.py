@@ -5,7 +5,7 @@ reference once, (2) times it over rotating id sets and staging buffers whose tot
 twice the last-level cache (cold L2/LLC), and (3) reports GB/s of payload, the ratio to the
 same-run ceiling (``dst.copy_(src)`` of the same payload bytes, :func:`timing.copy_ceiling`) and
 the speed-up over the torch backend (per-layer ``index_select`` / ``index_copy_``, the baseline a
-user would write). See ../../shared/DESIGN.md "Measuring".
+user would write). See docs/design.md, "Measuring".
 
 Block ids are random (seeded): gather reads any ``n`` blocks, scatter writes ``n`` distinct ones,
 copy moves ``n`` blocks to ``n`` other blocks of the same cache (disjoint sets).
@@ -13,24 +13,22 @@ copy moves ``n`` blocks to ``n`` other blocks of the same cache (disjoint sets).
 
 from __future__ import annotations
 
+import argparse
+import importlib
+import importlib.util
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
-import torch
-
-from kvflow.cache import PagedKVCache, staging_buffer
-from kvflow.kernels import copy_blocks, gather_blocks, payload_bytes, scatter_blocks
-from kvflow.kernels.registry import available_backends, get_backend
-from kvflow.layout import KVCacheSpec
-
+from . import cli
+from .cases import LLAMA3_8B, MLA_DIM, as_bytes, make_spec, scramble
 from .presets import reps_for
-from .schema import make_row
-from .timing import copy_ceiling, last_level_cache_bytes, median, rotations_for, time_calls
 
 OPS = ("gather", "scatter", "copy")
 
 
-def pick_backends(requested: list[str] | None, device: torch.device) -> tuple[list[str], dict[str, str]]:
+def pick_backends(requested: list[str] | None, device) -> tuple[list[str], dict[str, str]]:
     """Backends to sweep on ``device`` (torch first, as the baseline) and why others are left out.
 
     ``requested=None`` means every backend available here that runs on ``device`` (except Triton
@@ -42,6 +40,7 @@ def pick_backends(requested: list[str] | None, device: torch.device) -> tuple[li
     ValueError, RuntimeError
         From :func:`kvflow.kernels.registry.get_backend`, naming the backend.
     """
+    from kvflow.kernels.registry import available_backends, get_backend
     left_out: dict[str, str] = {}
     names = []
     if requested is None:
@@ -67,32 +66,13 @@ def pick_backends(requested: list[str] | None, device: torch.device) -> tuple[li
     return names, left_out
 
 
-def make_spec(geometry: dict[str, int], layout: str, dtype: str, mla_dim: int) -> KVCacheSpec:
-    """The cache spec of a case; MLA keeps the layer count and block size and stores one latent
-    of ``mla_dim`` per token (576 = DeepSeek-V3's kv_lora_rank 512 + rope dim 64)."""
-    if layout == "MLA":
-        return KVCacheSpec(num_layers=geometry["num_layers"], num_kv_heads=1, head_dim=mla_dim,
-                           block_size=geometry["block_size"], dtype=dtype, layout="MLA")
-    return KVCacheSpec(**geometry, dtype=dtype, layout=layout)
-
-
-def _u8(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
-
-
-def _scramble(t: torch.Tensor) -> None:
-    """Fill ``t`` with random bytes (8 at a time when possible: 7x faster than uint8 on CPU)."""
-    b = _u8(t)
-    if b.numel() % 8 == 0:
-        b.view(torch.int64).random_()
-    else:
-        b.random_(0, 256)
-
-
 class _Case:
     """Buffers of one (spec, tokens) case: ``rot`` id sets and staging buffers."""
 
-    def __init__(self, cache: PagedKVCache, n: int, rot: int, gen: torch.Generator) -> None:
+    def __init__(self, cache, n: int, rot: int, gen) -> None:
+        import torch
+
+        from kvflow.cache import staging_buffer
         self.cache, self.n, self.rot = cache, n, rot
         dev = cache.device
         perms = [torch.randperm(cache.num_blocks, generator=gen) for _ in range(rot)]
@@ -101,10 +81,11 @@ class _Case:
         self.bufs = []
         for _ in range(rot):
             b = staging_buffer(cache.spec, n, device=dev)
-            _scramble(b)
+            scramble(b)
             self.bufs.append(b)
 
     def fns(self, op: str, backend: str, max_ctas: int | None) -> list:
+        from kvflow.kernels import copy_blocks, gather_blocks, scatter_blocks
         c, kw = self.cache, {"backend": backend, "max_ctas": max_ctas, "validate": False}
         if op == "gather":
             return [lambda i=i: gather_blocks(c, self.ids[i], self.bufs[i], **kw) for i in range(self.rot)]
@@ -117,23 +98,27 @@ class _Case:
 
         The destination is overwritten with fresh random bytes first, so a backend that writes
         nothing cannot pass on what an earlier backend left there."""
+        import torch
+
+        from kvflow.cache import staging_buffer
+        from kvflow.kernels import copy_blocks, gather_blocks, scatter_blocks
         c, ids, buf = self.cache, self.ids[0], self.bufs[0]
         ref = staging_buffer(c.spec, self.n, device=c.device)
-        _scramble(buf)
+        scramble(buf)
         if op == "gather":
             gather_blocks(c, ids, buf, backend=backend, max_ctas=max_ctas)
             gather_blocks(c, ids, ref, backend="torch")
-            return torch.equal(_u8(buf), _u8(ref))
+            return torch.equal(as_bytes(buf), as_bytes(ref))
         if op == "scatter":
             scatter_blocks(buf, c, ids, backend=backend, max_ctas=max_ctas)
             gather_blocks(c, ids, ref, backend="torch")
-            return torch.equal(_u8(buf), _u8(ref))
+            return torch.equal(as_bytes(buf), as_bytes(ref))
         dst = self.dst_ids[0]
         scatter_blocks(buf, c, dst, backend="torch")  # dst blocks now differ from src blocks
         copy_blocks(c, c, ids, dst, backend=backend, max_ctas=max_ctas)
         gather_blocks(c, ids, ref, backend="torch")
         gather_blocks(c, dst, buf, backend="torch")
-        return torch.equal(_u8(buf), _u8(ref))
+        return torch.equal(as_bytes(buf), as_bytes(ref))
 
 
 def run_kernels(opts: dict[str, Any], env: dict[str, Any], progress: bool = True) -> tuple[list, list]:
@@ -147,8 +132,13 @@ def run_kernels(opts: dict[str, Any], env: dict[str, Any], progress: bool = True
     skipped : list of dict
         Cases that did not run, with the reason (e.g. a request larger than the cache).
     """
-    from tqdm import tqdm
+    import torch
 
+    from kvflow.cache import PagedKVCache
+    from kvflow.kernels import payload_bytes
+
+    from .schema import make_row
+    from .timing import copy_ceiling, last_level_cache_bytes, median, rotations_for, time_calls
     device = torch.device(opts["device"])
     backends, left_out = pick_backends(opts.get("backends"), device)
     llc = last_level_cache_bytes(device)
@@ -159,11 +149,11 @@ def run_kernels(opts: dict[str, Any], env: dict[str, Any], progress: bool = True
     combos = [(lay, dt) for lay in opts["layouts"] for dt in opts["dtypes"]]
     total = len(combos) * len(opts["tokens"]) * len(opts["ops"])
     rows: list[dict] = []
-    bar = tqdm(total=total, desc="kernels", disable=not progress, file=sys.stderr)
+    bar = cli.progress(total, "kernels", progress)
     for layout, dtype in combos:
         spec = make_spec(geometry, layout, dtype, opts["mla_dim"])
         cache = PagedKVCache(spec, opts["num_blocks"], device)
-        _scramble(cache.buffer)
+        scramble(cache.buffer)
         for tokens in opts["tokens"]:
             n = spec.num_blocks_for(tokens)
             need = 2 * n if "copy" in opts["ops"] else n
@@ -228,3 +218,67 @@ def format_table(rows: list[dict]) -> str:
                      f"{fmt(r['ratio'], '.2f'):>6} {fmt(r['baseline_ratio'], '.2f'):>7}"
                      + ("" if r.get("verified", True) else "  MISMATCH"))
     return "\n".join(lines)
+
+
+def load_plugin(ref: str) -> None:
+    """Import ``ref`` (a .py file or a module name) so it can register backends."""
+    if ref.endswith(".py"):
+        path = Path(ref)
+        if not path.is_file():
+            raise SystemExit(f"--plugin {ref!r}: no such file")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[path.stem] = mod
+        spec.loader.exec_module(mod)
+    else:
+        importlib.import_module(ref)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    cli.add_common(p)
+    p.add_argument("--ops", type=cli.csv(), help="comma list of gather,scatter,copy")
+    p.add_argument("--backends", type=cli.csv(), help="comma list (default: every available one)")
+    p.add_argument("--layouts", type=cli.csv(), help="comma list of NHD,HND,MLA")
+    p.add_argument("--dtypes", type=cli.csv(), help="comma list, e.g. bfloat16,float8_e4m3fn")
+    p.add_argument("--tokens", type=cli.tokens, help="request sizes in tokens, e.g. 16,1K,64K")
+    for name, val in LLAMA3_8B.items():
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=val,
+                       help=f"cache geometry (default {val}, Llama-3-8B)")
+    p.add_argument("--mla-dim", type=int, default=MLA_DIM, help=f"MLA latent width (default {MLA_DIM})")
+    p.add_argument("--num-blocks", type=int, help="blocks in the cache (quick 24, full 4096)")
+    p.add_argument("--warmup", type=int, help="untimed calls per case")
+    p.add_argument("--reps", type=int, help="timed calls per case (fewer above 1 GiB)")
+    p.add_argument("--max-ctas", type=cli.csv(int), help="GPU grid caps, e.g. none,32")
+    p.add_argument("--plugin", action="append", default=[],
+                   help="a .py file or module to import first (e.g. one that registers a backend)")
+    p.add_argument("--contention", action=argparse.BooleanOptionalAction, default=None,
+                   help="also run the SM-contention study (GPU only; on in --full)")
+
+
+def run(args) -> int:
+    from . import contention
+    from .presets import preset
+    from .schema import env_info
+    for ref in args.plugin:
+        load_plugin(ref)
+    opts = cli.resolve(args, "kernels")
+    env = env_info(opts["device"])
+    t0 = time.perf_counter()
+    rows, skipped = run_kernels(opts, env, progress=not args.no_progress)
+    print(format_table(rows))
+    for s in skipped:
+        print("skipped:", ", ".join(f"{k}={v}" for k, v in s.items()), file=sys.stderr)
+    if opts["contention"]:
+        reason = contention.skip_reason(opts["device"])
+        if reason:
+            print(f"contention: skipped: {reason}", file=sys.stderr)
+        else:
+            copts = dict(preset("contention", opts["preset"]), **{
+                k: opts[k] for k in ("device", "seed", "backends", "mla_dim", "num_layers",
+                                     "num_kv_heads", "head_dim", "block_size")})
+            crows = contention.run_contention(copts, env)
+            print(contention.format_table(crows))
+            rows += crows
+    print(f"kernels: {len(rows)} rows in {time.perf_counter() - t0:.1f} s")
+    cli.finish(args, opts, env, rows, {"skipped": skipped}, t0=t0)
+    return 0

@@ -1,17 +1,13 @@
-"""Presets of every ``python -m kvflow.bench`` subcommand: ``--quick`` (CI, a 2-core CPU, < 60 s)
-and ``--full`` (one H200, minutes).
+"""Presets of the sweeping studies: ``--quick`` (CI, a 2-core CPU, < 60 s) and ``--full``
+(one H200, minutes).
 
 A preset is a plain dict of argparse defaults; flags given on the command line win over it. The
-default geometry is Llama-3-8B's KV cache (32 layers, 8 KV heads, head_dim 128; Meta's
-``config.json``: ``num_hidden_layers=32, num_key_value_heads=8, hidden_size/num_attention_heads
-= 4096/32``), block_size 64, bf16.
+default geometry is :data:`kvflow.bench.cases.LLAMA3_8B`, bf16.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-LLAMA3_8B = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "block_size": 64}
 
 # 16 tokens to 64K tokens in powers of two (the issue's sweep).
 FULL_TOKENS = [16 << i for i in range(13)]
@@ -36,9 +32,9 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
                  "prefill_tokens": 4096},
     },
     "transfer": {
-        "quick": {"tokens": [64, 256], "connectors": ["ipc", "tcp"], "warmup": 1, "reps": 5,
+        "quick": {"tokens": [64, 256], "connectors": ["ipc-pull", "tcp"], "warmup": 1, "reps": 5,
                   "num_blocks": 16},
-        "full": {"tokens": [256, 1024, 4096, 16384, 65536], "connectors": ["ipc", "tcp"],
+        "full": {"tokens": [256, 1024, 4096, 16384, 65536], "connectors": ["ipc-pull", "tcp"],
                  "warmup": 3, "reps": 30, "num_blocks": 2048},
     },
     "serve": {

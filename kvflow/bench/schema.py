@@ -3,7 +3,7 @@
 A result file is JSON: ``{"schema": SCHEMA_VERSION, "env": env_info(), "rows": [row, ...]}``.
 A row (see :func:`make_row`) always carries the fields of ``ROW_FIELDS``; extra keys are allowed
 (e.g. ``prefill_ms`` for overlap studies). Ratios are to a ceiling measured in the same run on the
-same device (``dst.copy_(src)`` of the same payload bytes), per ../DESIGN.md "Measuring".
+same device (``dst.copy_(src)`` of the same payload bytes); docs/design.md, "Measuring".
 """
 
 from __future__ import annotations

@@ -1,76 +1,120 @@
-"""Timers for memory-bound ops: warm-up, many repetitions, cold caches.
+"""The one timer of every study: warm-up, many repetitions, cold caches, same-run ceilings.
 
-CPU: ``time.perf_counter`` around each call. CUDA: events around each call on the current
-stream. Cold L2/LLC: callers rotate among ``rotations`` input sets whose total size exceeds the
-last-level cache (60 MB L2 on an H200), so each timed call reads memory, not cache
-(see ../DESIGN.md "Measuring").
+CPU: ``time.perf_counter`` around each call. One CUDA device: events around each call on the
+current stream, enqueued behind a short spin kernel so each event pair brackets device work,
+not the host's launch gaps. Several CUDA devices (a P->D copy between two GPUs): the start event
+is on the last device's stream, every other stream waits for it, and the last stream waits for
+every other before the end event, so work on any of the GPUs is inside the interval.
+
+Cold L2/LLC: callers rotate among input sets whose total size exceeds twice the last-level cache
+(:func:`rotations_for`; 60 MB L2 on an H200), so each timed call reads memory, not cache
+(docs/design.md, "Measuring").
 """
 
 from __future__ import annotations
 
+import math
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 
-def time_calls(fns: list[Callable[[], object]], *, device: str | torch.device = "cpu",
-               warmup: int = 3, reps: int = 20) -> list[float]:
-    """Run ``fns[i % len(fns)]`` for ``warmup`` then ``reps`` calls; return each timed call's
-    seconds. Pass several closures over different buffers to rotate them (cold cache).
+def time_calls(fns: Sequence[Callable[[], object]], *, device: str | torch.device = "cpu",
+               warmup: int = 3, reps: int = 20,
+               devices: Sequence[str | torch.device] | None = None) -> list[float]:
+    """Seconds of each of ``reps`` timed calls of ``fns[i % len(fns)]`` after ``warmup`` calls.
 
-    On CUDA the timed calls are enqueued behind a ~20 ms ``torch.cuda._sleep`` so the device
-    queue is full while the host issues them: each start..end event pair then brackets the
-    device work of one call, not the host's launch overhead between calls (METHOD.md: time
-    device work with events, many small launches back to back). Host launch overhead is real
-    but in serving it overlaps the prefill; it is not the kernel's bandwidth.
+    Pass several closures over different buffers to rotate them (cold cache). ``devices`` (two
+    or more CUDA devices) times work spread over their current streams; otherwise ``device``.
+    Host launch overhead is real but in serving it overlaps the prefill; it is not the copy's
+    bandwidth, so on one CUDA device the calls are queued behind ~20 ms of spin first.
     """
-    dev = torch.device(device)
+    devs = [torch.device(d) for d in (devices or [device])]
     for i in range(warmup):
         fns[i % len(fns)]()
-    times = []
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-        queue_ahead(dev)
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        for i in range(reps):
-            starts[i].record()
-            fns[i % len(fns)]()
-            ends[i].record()
-        torch.cuda.synchronize(dev)
-        times = [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)]
-    else:
+    if devs[0].type != "cuda":
+        out = []
         for i in range(reps):
             t0 = time.perf_counter()
             fns[i % len(fns)]()
-            times.append(time.perf_counter() - t0)
-    return times
+            out.append(time.perf_counter() - t0)
+        return out
+    main = devs[-1]
+    for d in devs:
+        torch.cuda.synchronize(d)
+    if len(devs) == 1:
+        queue_ahead(main)
+    marks = []
+    for i in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record(torch.cuda.current_stream(main))
+        for d in devs[:-1]:
+            _join(main, d)
+        fns[i % len(fns)]()
+        for d in devs[:-1]:
+            _join(d, main)
+        e.record(torch.cuda.current_stream(main))
+        marks.append((s, e))
+    for d in devs:
+        torch.cuda.synchronize(d)
+    return [s.elapsed_time(e) / 1e3 for s, e in marks]
+
+
+def time_on_stream(fn: Callable[[], object], reps: int) -> list[float]:
+    """Seconds of each of ``reps`` calls from events on the current CUDA stream only: unlike
+    :func:`time_calls` nothing synchronises the device first, so work running on other streams
+    (the contention study's background copies) keeps running during the timed window."""
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    ends[-1].synchronize()
+    return [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)]
+
+
+def _join(src: torch.device, dst: torch.device) -> None:
+    """Make ``dst``'s current stream wait for the work enqueued so far on ``src``'s."""
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(src))
+    torch.cuda.current_stream(dst).wait_event(ev)
 
 
 def queue_ahead(device: torch.device, ms: float = 20.0) -> None:
     """Keep ``device`` busy for about ``ms`` milliseconds (a spin kernel) so that work the host
     enqueues next starts back to back on the device."""
     with torch.cuda.device(device):
-        rate = torch.cuda.get_device_properties(device).clock_rate if hasattr(
-            torch.cuda.get_device_properties(device), "clock_rate") else 2_000_000  # kHz
+        props = torch.cuda.get_device_properties(device)
+        rate = getattr(props, "clock_rate", 2_000_000)  # kHz
         torch.cuda._sleep(int(ms * rate))
 
 
-def median(xs: list[float]) -> float:
+def median(xs: Sequence[float]) -> float:
+    """Upper median of ``xs`` (the value a timing table reports)."""
     s = sorted(xs)
     return s[len(s) // 2]
 
 
-def copy_ceiling(nbytes: int, *, device: str | torch.device = "cpu", rotations: int = 1,
+def percentile(xs: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile ``q`` (0..1) of ``xs``."""
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def copy_ceiling(nbytes: int, *, device: str | torch.device = "cpu",
+                 dst_device: str | torch.device | None = None, rotations: int = 1,
                  warmup: int = 3, reps: int = 20) -> list[float]:
-    """Times of ``dst.copy_(src)`` of ``nbytes`` contiguous bytes on ``device`` (the same-run
-    ceiling every ratio is taken against), rotating ``rotations`` buffer pairs."""
+    """Seconds of ``dst.copy_(src)`` of ``nbytes`` contiguous bytes: the same-run ceiling every
+    ratio is taken against. ``dst_device`` (another GPU) gives the peer-copy ceiling."""
+    dst_device = dst_device or device
     pairs = [(torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1),
-              torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(2))
+              torch.empty(nbytes, dtype=torch.uint8, device=dst_device).fill_(2))
              for _ in range(rotations)]
     fns = [lambda s=s, d=d: d.copy_(s) for s, d in pairs]
-    return time_calls(fns, device=device, warmup=warmup, reps=reps)
+    devices = None if torch.device(dst_device) == torch.device(device) else [device, dst_device]
+    return time_calls(fns, device=device, devices=devices, warmup=warmup, reps=reps)
 
 
 def last_level_cache_bytes(device: str | torch.device = "cpu") -> int:

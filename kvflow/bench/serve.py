@@ -1,4 +1,4 @@
-"""``python -m kvflow.bench serve``: drive a running server (``--url``) or one it starts
+"""Load generator: drive a running server (``--url``) or one it starts
 (``python -m kvflow.serve --mode M`` as a subprocess), for one mode or disagg vs colocated
 (``--compare``), at one or several request rates; one row per (mode, rate).
 
@@ -12,26 +12,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import os
-import shlex
-import signal
-import socket
-import subprocess
-import sys
 import time
-from typing import Any, Iterator
+from typing import Any
 
-from . import loadgen
+from . import cli, loadgen
 from .schema import make_row
+from .server import started_server
 
 
 def add_arguments(p) -> None:
-    """The ``serve`` subcommand's flags."""
+    """The ``serve`` study's flags."""
+    cli.add_common(p, device=False)
     p.add_argument("--url", help="a running server (default: start python -m kvflow.serve)")
     p.add_argument("--mode", choices=("disagg", "colocated"), default="disagg",
                    help="server mode to start (ignored with --url)")
     p.add_argument("--compare", action="store_true", help="run disagg and colocated side by side")
-    p.add_argument("--server-args", default="", help="extra flags for python -m kvflow.serve")
+    p.add_argument("--server-args", default="", help="extra flags for python -m kvflow.serve, e.g. '--kv-connector tcp'")
     p.add_argument("--server-timeout", type=float, default=120.0, help="seconds to wait for /health")
     p.add_argument("--num-requests", type=int)
     p.add_argument("--rate", type=lambda s: [float(x) for x in s.split(",")],
@@ -48,63 +44,12 @@ def add_arguments(p) -> None:
     p.add_argument("--device-name", help="device label of the rows (default: this host's CPU)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
-    """Poll ``url``/health until HTTP 200.
-
-    Raises
-    ------
-    RuntimeError
-        If the server process exits first, or after ``timeout`` seconds (naming the url).
-    """
-    import httpx
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the server exited with code {proc.returncode} before {url}/health was 200")
-        try:
-            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise RuntimeError(f"{url}/health was not 200 within {timeout} s")
-
-
-@contextlib.contextmanager
-def started_server(mode: str, extra_args: str = "", timeout: float = 120.0) -> Iterator[str]:
-    """Start ``python -m kvflow.serve --mode mode`` on a free port; yield its URL; stop it with
-    SIGINT (then SIGKILL after 15 s) on exit."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "kvflow.serve", "--host", "127.0.0.1", "--port", str(port),
-           "--mode", mode, *shlex.split(extra_args)]
-    proc = subprocess.Popen(cmd, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, timeout, proc)
-        yield url
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-
 def measure(url: str, opts: dict[str, Any], rate: float, progress: bool = True) -> dict[str, Any]:
     """Run one load at ``rate`` against ``url``; returns summary, per-request lists, results."""
-    from tqdm import tqdm
     work = loadgen.build_workload(opts["num_requests"], opts["prompt_len"], opts["output_len"],
                                   seed=opts["seed"], dataset=opts.get("dataset"))
     offsets = loadgen.arrival_offsets(len(work), rate, opts["arrival"], opts["seed"])
-    bar = tqdm(total=len(work), desc=f"serve {rate} req/s", disable=not progress, file=sys.stderr)
+    bar = cli.progress(len(work), f"serve {rate} req/s", progress)
     results, dur = asyncio.run(loadgen.run_load(
         url, work, offsets, model=opts["model"], concurrency=opts["concurrency"],
         timeout=opts["request_timeout"], on_done=lambda r: bar.update(1)))
@@ -160,3 +105,16 @@ def format_table(rows: list[dict]) -> str:
         for e in r.get("errors") or []:
             lines.append(f"  {r['backend']} error: {e}")
     return "\n".join(lines)
+
+
+def run(args) -> int:
+    from .schema import env_info
+    cli.require("httpx", "serve")
+    opts = cli.resolve(args, "serve")
+    env = env_info("cpu")
+    env["device"] = opts.get("device_name") or env["device"]
+    t0 = time.perf_counter()
+    rows = run_serve(opts, env, progress=not args.no_progress)
+    print(format_table(rows))
+    cli.finish(args, opts, env, rows, t0=t0)
+    return 0

@@ -1,11 +1,10 @@
-"""Soak test of the served PD path: a bounded load generator over loopback (httpx async).
+"""Soak of the served PD path: minutes of concurrent streaming clients, some closing early.
 
-``python bench/soak.py --minutes 10`` starts ``python -m kvflow.serve`` (disagg, ipc, prefix
-caching, max_model_len 2304) unless ``--url`` names a running server, then keeps ``--clients``
-concurrent clients busy for ``--minutes``: prompts of 1..2048 tokens (byte tokenizer: one
-character = one token), streaming, and about ``--abort-frac`` of requests closed by the client
-after a random delay. After the load it drains, then reports and writes JSON to
-``bench/results/raw/soak-<date>.json`` (its own format, not the row schema):
+Starts ``python -m kvflow.serve`` (disagg, default connector, prefix caching, max_model_len
+2304) unless ``--url`` names a running server, then keeps ``--clients`` concurrent clients busy
+for ``--minutes``: prompts of 1..2048 tokens (byte tokenizer: one character = one token),
+streaming, and about ``--abort-frac`` of requests closed by the client after a random delay.
+After the load it drains, then writes one row (:mod:`kvflow.bench.schema`, ``op="soak"``) with:
 
 - requests, ok, errors (HTTP status != 200 or an error event), aborted (closed on purpose);
 - hung requests: no answer within ``--client-timeout-s``;
@@ -13,24 +12,22 @@ after a random delay. After the load it drains, then reports and writes JSON to
 - server restarts: instance pids before vs after (a changed or missing pid counts one);
 - p50/p99 TTFT and TPOT in ms of the completed requests (client side).
 
-Pass = 0 leaked, 0 hung, 0 restarts, every request completed or got an error. ``--quick``: 8
-clients, 12 s, prompts <= 256 tokens, for CI (``tests/test_reliability_soak.py``).
+Pass = 0 leaked, 0 hung, 0 restarts, every request completed or got an error; the exit status
+is 1 otherwise. ``--quick``: 8 clients, 12 s, prompts <= 256 tokens, for CI.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import os
 import random
-import subprocess
-import sys
 import tempfile
 import time
 
-import httpx
+from . import cli
+from .timing import percentile
 
 WORDS = ("prefill decode block cache layer token transfer lease abort paged attention "
          "head kernel copy gather scatter").split()
@@ -45,10 +42,10 @@ def make_prompt(rng: random.Random, n_tokens: int) -> str:
 
 
 def pct(xs: list[float], q: float) -> float | None:
+    """Percentile ``q`` of ``xs`` seconds, in ms (None when empty)."""
     if not xs:
         return None
-    xs = sorted(xs)
-    return round(xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3, 2)
+    return round(percentile(xs, q) * 1e3, 2)
 
 
 def note(stats: dict, status, text: str) -> None:
@@ -58,6 +55,7 @@ def note(stats: dict, status, text: str) -> None:
 
 
 async def one(client, rng, stats, args) -> None:
+    import httpx
     n = rng.randint(1, args.max_prompt)
     body = {"prompt": make_prompt(rng, n), "max_tokens": rng.randint(1, args.max_tokens),
             "stream": True, "ignore_eos": True}
@@ -102,6 +100,7 @@ async def one(client, rng, stats, args) -> None:
 
 
 async def drive(url: str, args) -> dict:
+    import httpx
     stats = {"requests": 0, "ok": 0, "errors": 0, "aborted": 0, "hung": 0, "statuses": {},
              "messages": {},
              "ttft": [], "tpot": []}
@@ -134,69 +133,48 @@ async def drive(url: str, args) -> dict:
             "instances": before["instances"]}
 
 
-def start_server(port: int, log_path: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "kvflow.serve", "--port", str(port), "--max-model-len", "2304",
-           "--memory-budget-mb", "256", "--enable-prefix-caching"]
-    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}; see {log_path}")
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"server not healthy in 300 s; see {log_path}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    cli.add_common(p, device=False, presets=False)
+    p.add_argument("--quick", action="store_true",
+                   help="8 clients, 12 s, prompts <= 256 tokens, <= 8 new tokens (CI)")
     p.add_argument("--url", default=None, help="a running server (default: start one)")
-    p.add_argument("--port", type=int, default=8011)
-    p.add_argument("--minutes", type=float, default=10.0)
-    p.add_argument("--clients", type=int, default=64)
+    p.add_argument("--minutes", type=float, default=10.0, help="length of the load (default 10)")
+    p.add_argument("--clients", type=int, default=64, help="concurrent clients (default 64)")
     p.add_argument("--max-prompt", type=int, default=2048, help="longest prompt (tokens)")
     p.add_argument("--max-tokens", type=int, default=32, help="most new tokens per request")
-    p.add_argument("--abort-frac", type=float, default=0.1)
-    p.add_argument("--client-timeout-s", type=float, default=300.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="8 clients, 12 s, prompts <= 256 tokens, <= 8 new tokens")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/raw/soak-<date>.json)")
-    args = p.parse_args(argv)
+    p.add_argument("--abort-frac", type=float, default=0.1, help="share of requests closed early")
+    p.add_argument("--client-timeout-s", type=float, default=300.0,
+                   help="a request with no answer after this long counts as hung")
+    p.add_argument("--server-args", default="", help="extra flags for the server it starts")
+
+
+def run(args) -> int:
+    from .schema import env_info, make_row
+    from .server import started_server
+    cli.require("httpx", "soak")
     if args.quick:
         args.clients, args.minutes, args.max_prompt = 8, 12 / 60, min(args.max_prompt, 256)
         args.max_tokens = min(args.max_tokens, 8)
     for name in ("minutes", "clients", "max_prompt", "max_tokens", "client_timeout_s"):
         if getattr(args, name) <= 0:
-            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    proc = None
-    url = args.url
-    if url is None:
-        os.makedirs("bench/results/raw", exist_ok=True)
-        proc = start_server(args.port, os.path.join(tempfile.gettempdir(), "kvflow-soak-server.log"))
-        url = f"http://127.0.0.1:{args.port}"
-    try:
-        t0 = time.monotonic()
-        res = asyncio.run(drive(url, args))
-        res.update(minutes=args.minutes, clients=args.clients, max_prompt=args.max_prompt,
-                   abort_frac=args.abort_frac, wall_s=round(time.monotonic() - t0, 1),
-                   date=datetime.datetime.now().isoformat(timespec="seconds"))
-        res["pass"] = (res["leaked_blocks"] == 0 and res["hung"] == 0 and res["server_restarts"] == 0
-                       and res["ok"] + res["errors"] + res["aborted"] == res["requests"])
-    finally:
-        if proc is not None:
-            proc.send_signal(2)
-            proc.wait(30)
-    out = args.out or f"bench/results/raw/soak-{datetime.date.today().isoformat()}.json"
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(res, f, indent=1)
+            raise SystemExit(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    server = ["--max-model-len", "2304", "--memory-budget-mb", "256", "--enable-prefix-caching",
+              *args.server_args.split()]
+    log = os.path.join(tempfile.gettempdir(), f"kvflow-soak-server-{os.getpid()}.log")
+    t0 = time.perf_counter()
+    if args.url:
+        res = asyncio.run(drive(args.url, args))
+    else:
+        with started_server("disagg", server, timeout=300, log_path=log) as url:
+            res = asyncio.run(drive(url, args))
+    res["pass"] = (res["leaked_blocks"] == 0 and res["hung"] == 0 and res["server_restarts"] == 0
+                   and res["ok"] + res["errors"] + res["aborted"] == res["requests"])
+    opts = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    env = env_info("cpu")
+    row = make_row(env, op="soak", backend=args.url or "disagg", spec=None, tokens=args.max_prompt,
+                   blocks=0, payload_bytes=0, times_s=[time.perf_counter() - t0], ceiling_s=None,
+                   seed=args.seed, config={k: opts[k] for k in ("minutes", "clients", "max_prompt",
+                                                                 "max_tokens", "abort_frac")}, **res)
     print(json.dumps({k: v for k, v in res.items() if k != "instances"}, indent=1))
+    cli.finish(args, opts, env, [row], t0=t0)
     return 0 if res["pass"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,146 @@
+"""What every study's command line shares: list parsers, the preset / device / output flags,
+option resolution, the result file, the progress bar, and the one-line message for a missing
+extra. Nothing here imports a GPU package (``--help`` of every study works without them)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+#: Which ``pip install 'kvflow[...]'`` extra provides an optional module.
+EXTRAS = {"matplotlib": "bench", "tqdm": "bench", "pytest_benchmark": "bench",
+          "zmq": "serve", "httpx": "serve", "msgspec": "serve", "triton": "gpu"}
+
+
+def require(module: str, study: str):
+    """Import ``module`` or exit with one line naming the extra that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        extra = EXTRAS.get(module.split(".")[0], "dev")
+        raise SystemExit(f"kvflow.bench {study}: needs {module.split('.')[0]}: "
+                         f"pip install 'kvflow[{extra}]'") from None
+
+
+def csv(kind=str):
+    """Parser of a comma list of ``kind``; for ints, 'none' (and 0) mean None (no cap)."""
+    def parse(text: str) -> list:
+        out = []
+        for item in text.split(","):
+            item = item.strip()
+            if not item:
+                continue
+            if kind is int and item.lower() in ("none", "0"):
+                out.append(None)
+                continue
+            try:
+                out.append(kind(item))
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{item!r} in {text!r} is not a {kind.__name__}")
+        return out
+    return parse
+
+
+def tokens(text: str) -> list[int]:
+    """Parser of request sizes in tokens: ``16,1K,64K``."""
+    out = []
+    for item in text.split(","):
+        item = item.strip().upper()
+        mult = 1024 if item.endswith("K") else 1
+        try:
+            out.append(int(item.rstrip("K")) * mult)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--tokens: {item!r} is not a token count (e.g. 16,1K,64K)")
+    return out
+
+
+def add_common(p: argparse.ArgumentParser, *, device: bool = True, presets: bool = True) -> None:
+    """``--quick``/``--full``, ``--device``, ``--threads``, ``--seed``, ``--out-dir``,
+    ``--name``, ``--no-progress``."""
+    if presets:
+        g = p.add_mutually_exclusive_group()
+        g.add_argument("--quick", dest="preset", action="store_const", const="quick",
+                       help="small CPU preset (< 60 s on 2 cores; what CI runs); the default")
+        g.add_argument("--full", dest="preset", action="store_const", const="full",
+                       help="the H200 preset (minutes)")
+    if device:
+        p.add_argument("--device", default=None,
+                       help="'cuda' or 'cpu' (default: cuda if available, else cpu)")
+        p.add_argument("--threads", type=int,
+                       help="CPU threads for torch and numba alike (default: torch's default)")
+    p.add_argument("--seed", type=int, default=0, help="seed of block ids and data (default 0)")
+    p.add_argument("--out-dir", default="bench/results", help="folder of result files")
+    p.add_argument("--name", default=None, help="result file prefix (default: the study)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def resolve(args: argparse.Namespace, study: str) -> dict[str, Any]:
+    """The study's preset (``--quick`` unless ``--full``) overlaid with the flags given."""
+    import torch
+
+    from .presets import preset
+    opts = preset(study, getattr(args, "preset", None))
+    for key, val in vars(args).items():
+        if key.startswith("_"):
+            continue
+        if val is not None or key not in opts:
+            opts[key] = val
+    opts["preset"] = getattr(args, "preset", None) or "quick"
+    if "device" in opts and opts["device"] is None:
+        opts["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    if opts.get("threads"):
+        set_threads(opts["threads"])
+    return opts
+
+
+def set_threads(n: int) -> None:
+    """Same CPU thread count for torch and numba (a fair CPU comparison; also avoids OpenMP
+    spin-waiting when other processes share the cores)."""
+    import torch
+    torch.set_num_threads(n)
+    try:
+        import numba
+        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    except ImportError:
+        pass
+
+
+def finish(args, opts: dict, env: dict, rows: list, extra_env: dict | None = None,
+           t0: float | None = None) -> Path:
+    """Write the study's result file (``<out-dir>/<name>-<device>-<date>.json``) holding the
+    command line that made it; print and return its path."""
+    from .schema import command_line, result_path, write_results
+    extra = dict(extra_env or {})
+    if t0 is not None:
+        extra["wall_s"] = time.perf_counter() - t0
+    env = dict(env, command=command_line(getattr(args, "_argv", None)), kind=args.study,
+               options=opts, **extra)
+    path = write_results(result_path(args.out_dir, args.name or args.study, env), env, rows)
+    print(f"wrote {path} ({len(rows)} rows)")
+    return path
+
+
+class _NoBar:
+    def __init__(self, *a, **k) -> None:
+        pass
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress(total: int, desc: str, enabled: bool = True):
+    """A tqdm bar on stderr, or a silent stand-in when disabled or tqdm is absent."""
+    if enabled:
+        try:
+            from tqdm import tqdm
+            return tqdm(total=total, desc=desc, file=sys.stderr)
+        except ImportError:
+            pass
+    return _NoBar()

@@ -1,0 +1,146 @@
+"""The served half of the ``ipc`` study: the same prompts served in every mode of
+:data:`SERVE_MODES` (``python -m kvflow.serve`` on two GPUs, P on GPU 0 and D on GPU 1, and
+colocated on GPU 0): the router's TTFT, TPOT, P's prefill time, transfer and exposed transfer
+(push: P's wait for its copies after the first token + the ``KVPushed`` message; pull: D's whole
+transfer), the exposed share of TTFT, and token identity with colocated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shlex
+import time
+
+#: ``--layerwise-min-tokens`` above every prompt: the whole request moves after the prefill.
+NO_LAYERWISE = ["--layerwise-min-tokens", str(1 << 30)]
+
+
+async def _complete(client, url, prompt, max_tokens):
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True}  # model left out: the served one
+    import json
+    t0, ttft, toks, kv = time.perf_counter(), None, [], {}
+    async with client.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            kv = chunk.get("kvflow") or kv
+            for c in chunk.get("choices") or []:
+                if c.get("token_ids"):
+                    ttft = ttft if ttft is not None else time.perf_counter() - t0
+                    toks += c["token_ids"]
+    e2e = time.perf_counter() - t0
+    return {"ttft": ttft, "tpot": (e2e - ttft) / max(1, len(toks) - 1), "text": toks, "kvflow": kv}
+
+
+#: name -> (server mode, extra ``python -m kvflow.serve`` flags)
+SERVE_MODES = {
+    "push-layerwise": ("disagg", ["--kv-connector", "ipc-push"]),
+    "push-request": ("disagg", ["--kv-connector", "ipc-push", *NO_LAYERWISE]),
+    "pull-request": ("disagg", ["--kv-connector", "ipc-pull", *NO_LAYERWISE]),
+    "pull-layerwise": ("disagg", ["--kv-connector", "ipc-pull", "--layerwise-min-tokens", "0"]),
+    "colocated": ("colocated", []),
+    "colocated-again": ("colocated", []),  # is the reference itself repeatable?
+}
+for _c in (4, 8, 32):  # the grid cap of the copies beside P's compute
+    SERVE_MODES[f"push-layerwise-c{_c}"] = ("disagg", [
+        "--kv-connector", "ipc-push", "--kv-connector-config", f'{{"max_ctas": {_c}}}'])
+for _g in (1, 2, 8):  # layers per copy launch
+    SERVE_MODES[f"push-layerwise-g{_g}"] = ("disagg", [
+        "--kv-connector", "ipc-push", "--kv-connector-config", f'{{"layers_per_copy": {_g}}}'])
+for _m in ("push-layerwise", "push-request", "pull-request", "colocated"):
+    # KVFLOW_DEBUG_KV_DIGEST: D's prompt KV digest in the kvflow object (timings are off)
+    SERVE_MODES[f"{_m}-digest"] = SERVE_MODES[_m]
+
+
+def run_serve(a, env, rows) -> None:
+    """Serve the same prompts in every ``--serve-modes`` configuration; TTFT, TPOT, transfer
+    and exposed transfer (push: P's wait for its copies after the first token + the KVPushed
+    message; pull: D's whole transfer), token identity with colocated."""
+    import random
+
+    import httpx
+
+    from .schema import make_row
+    from .server import started_server
+    from .timing import median
+    maxlen = max(a.serve_tokens) + a.max_tokens + 64
+    nb = 2 * (-(-maxlen // 64)) + 8
+    common = ["--device", a.serve_device, "--model", a.model, "--dtype", a.serve_dtype,
+              "--block-size", "64", "--num-blocks", str(nb), "--max-model-len", str(maxlen),
+              "--max-num-batched-tokens", str(a.chunk), *shlex.split(a.server_args)]
+    rng = random.Random(0)
+    prompts = {T: [[rng.randint(32, 126) for _ in range(T)] for _ in range(a.serve_reps)]
+               for T in a.serve_tokens}
+    modes = a.serve_modes.split(",")
+    if "colocated" not in modes:
+        modes.append("colocated")
+    if any(m.endswith("-digest") for m in modes) and "colocated-digest" not in modes:
+        modes.append("colocated-digest")
+    outs = {}
+    for name in modes:
+        if name not in SERVE_MODES:
+            raise SystemExit(f"--serve-modes: unknown mode {name!r}; known: {', '.join(SERVE_MODES)}")
+        mode, extra = SERVE_MODES[name]
+        digest = name.endswith("-digest")
+        os.environ.pop("KVFLOW_DEBUG_KV_DIGEST", None)
+        if digest:
+            os.environ["KVFLOW_DEBUG_KV_DIGEST"] = "1"
+        try:
+            with started_server(mode, common + extra, timeout=240) as url:
+                async def go():
+                    async with httpx.AsyncClient() as c:
+                        for w in (256, a.serve_tokens[0]):  # warm-up (kernels, allocator)
+                            await _complete(c, url, prompts[a.serve_tokens[0]][0][:w], 2)
+                        return {T: [await _complete(c, url, p, a.max_tokens) for p in ps]
+                                for T, ps in prompts.items()}
+                outs[name] = asyncio.run(go())
+        except Exception as exc:  # report and go on with the other modes
+            print(f"serve mode {name} FAILED: {type(exc).__name__}: {exc}")
+        finally:
+            os.environ.pop("KVFLOW_DEBUG_KV_DIGEST", None)
+    print(f"\nserved {a.model} ({a.serve_dtype}, block 64, chunk {a.chunk}): disagg P=GPU0 D=GPU1 vs colocated GPU0")
+    print("  TTFT: the router's (request in -> first token out, kvflow.ttft_ms); client: as httpx saw "
+          "it\n  (its streaming POST adds ~45 ms on loopback that curl does not see, so the share "
+          "uses the router's)")
+    print(f"  {'tokens':>6} {'mode':19} {'TTFT ms':>9} {'client':>8} {'TPOT ms':>8} {'prefill':>8} "
+          f"{'xfer ms':>8} {'exposed':>8} {'exp/TTFT':>8} {'identical':>9}")
+    for T in a.serve_tokens:
+        for name in [m for m in modes if m in outs]:
+            rs = outs[name][T]
+            ref = outs.get("colocated-digest" if name.endswith("-digest") else "colocated")
+            same = ref is not None and all(x["text"] == y["text"] for x, y in zip(rs, ref[T]))
+            first_diff = [next((i for i, (u, v) in enumerate(zip(x["text"], y["text"])) if u != v),
+                               None) for x, y in zip(rs, ref[T])] if ref is not None else []
+
+            def med(key):
+                return median([float(r["kvflow"].get(key) or 0) for r in rs])
+            client, tpot = median([r["ttft"] for r in rs]), median([r["tpot"] for r in rs])
+            ttft = med("ttft_ms") / 1e3
+            xfer = med("transfer_ms")
+            exposed = med("exposed_ms") if name.startswith("push") else xfer
+            share = exposed / (ttft * 1e3)
+            print(f"  {T:>6} {name:19} {ttft * 1e3:9.2f} {client * 1e3:8.2f} {tpot * 1e3:8.3f} "
+                  f"{med('prefill_ms'):8.2f} "
+                  f"{xfer:8.3f} {exposed:8.3f} {share:8.2%} {str(same):>9}"
+                  + ("" if same else f"  first differing token per prompt: {first_diff}")
+                  + (f"  kv digest equal: {[r['kvflow'].get('kv_digest') == q['kvflow'].get('kv_digest') for r, q in zip(rs, ref[T])]}"
+                     if name.endswith("-digest") and ref is not None else ""))
+            rows.append(make_row(env, op="serve_ipc_gpu", backend=name, spec=None, tokens=T, blocks=0,
+                                 payload_bytes=int(rs[0]["kvflow"].get("payload_bytes") or 0),
+                                 times_s=[float(r["kvflow"]["ttft_ms"]) / 1e3 for r in rs],
+                                 ceiling_s=None, client_ttft_ms=client * 1e3,
+                                 config={"model": a.model,
+                                         "server_args": shlex.join(common + SERVE_MODES[name][1])},
+                                 ttft_ms=ttft * 1e3, tpot_ms=tpot * 1e3, transfer_ms=xfer,
+                                 exposed_ms=exposed, prefill_ms=med("prefill_ms"),
+                                 copy_ms=med("copy_ms"), transfer_share=share, identical=same,
+                                 client_ttfts_ms=[r["ttft"] * 1e3 for r in rs],
+                                 token_ids=[r["text"] for r in rs], first_diff=first_diff,
+                                 kvflow=[r["kvflow"] for r in rs]))
+
+

@@ -1,0 +1,133 @@
+"""The study commands and the report's figures.
+
+- ``python -m kvflow.bench <study> --help`` works for every study with Triton absent (its import
+  poisoned), and a missing extra is one line naming it;
+- ``report`` on a tiny result file writes PNGs titled with the file's device, commit and date
+  (also in the PNG's ``Title`` text chunk), and every series has its own style.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvflow.bench import plots
+from kvflow.bench.__main__ import STUDIES
+from kvflow.bench.cases import tiny_spec
+from kvflow.bench.report import current_command, write_report
+from kvflow.bench.schema import make_row, write_results
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# One interpreter for every study: --help exits, so each call is caught and marked.
+_HELP_ALL = """
+import sys
+sys.modules["triton"] = None  # import triton -> ImportError
+from kvflow.bench.__main__ import STUDIES, main
+for study in STUDIES:
+    print("=== " + study, flush=True)
+    try:
+        main([study, "--help"])
+    except SystemExit as exc:
+        print("=== exit", exc.code, flush=True)
+print("=== triton imported:", "triton" in sys.modules and sys.modules["triton"] is not None)
+"""
+
+
+def test_every_study_help_works_without_triton():
+    run = subprocess.run([sys.executable, "-c", _HELP_ALL], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    parts = run.stdout.split("=== ")[1:]
+    for study in STUDIES:
+        i = next(k for k, p in enumerate(parts) if p.startswith(study + "\n"))
+        assert f"usage: python -m kvflow.bench {study}" in parts[i], parts[i][:300]
+        assert parts[i + 1].strip() == "exit 0", (study, parts[i + 1])
+    assert parts[-1].strip() == "triton imported: False"
+
+
+def _tiny_result(tmp_path: Path) -> Path:
+    spec = tiny_spec()
+    env = {"device": "Tiny GPU 9000", "device_type": "cuda", "torch": "x", "triton": None,
+           "numba": None, "commit": "abc123def456", "date": "2026-12-01T08:00:00+00:00",
+           "command": "python -m kvflow.bench kernels --quick"}
+    rows = []
+    for op in ("gather", "copy"):
+        for k, backend in enumerate(("torch", "triton")):
+            for tokens in (16, 64):
+                payload = spec.num_blocks_for(tokens) * spec.bytes_per_block
+                rows.append(make_row(env, op=op, backend=backend, spec=spec, tokens=tokens,
+                                     blocks=spec.num_blocks_for(tokens), payload_bytes=payload,
+                                     times_s=[1e-5 * (k + 1)], ceiling_s=1e-5, baseline_s=2e-5))
+    for mode, hidden in (("event", 1.03), ("signal", -0.2)):  # outside [0, 1]: clipped
+        rows.append(make_row(env, op=f"layerwise_{mode}", backend="triton", spec=spec, tokens=64,
+                             blocks=4, payload_bytes=4 * spec.bytes_per_block, times_s=[1e-3],
+                             ceiling_s=1e-5, hidden_frac=hidden))
+    return write_results(tmp_path / "tiny-gpu.json", env, rows)
+
+
+def test_report_png_carries_device_commit_date(tmp_path):
+    from PIL import Image
+    path = _tiny_result(tmp_path)
+    page = write_report([path], tmp_path / "b.md", tmp_path / "img").read_text()
+    pngs = sorted((tmp_path / "img").glob("*.png"))
+    assert [p.name for p in pngs] == ["tiny-gpu-NHD-float32.png", "tiny-gpu-overlap.png"]
+    for png in pngs:
+        assert f"](img/{png.name})" in page
+        title = Image.open(png).text["Title"]
+        assert title == "Tiny GPU 9000 · commit abc123def456 · 2026-12-01T08:00:00+00:00"
+    assert "drawn at the bound" in Image.open(pngs[1]).text["Description"]
+
+
+def test_series_styles_are_distinct():
+    styles = [plots.series_style(i) for i in range(len(plots.COLORS) * len(plots.MARKERS) * 2)]
+    keys = {(s["color"], s["marker"], s["linestyle"]) for s in styles}
+    assert len(keys) == len(styles)
+    ceilings = {(c["color"], str(c["linestyle"])) for c in map(plots.ceiling_style, range(4))}
+    assert len(ceilings) == 4 and all(c == "black" for c, _ in ceilings)
+
+
+def test_recorded_script_commands_map_to_studies():
+    assert current_command("python bench/ipc_gpu.py --no-serve --out /x/y.json") == \
+        "python -m kvflow.bench ipc --full --no-serve"
+    assert current_command("python bench/layerwise_gpu.py --smoke") == \
+        "python -m kvflow.bench layerwise --quick"
+    assert current_command("python -m kvflow.bench kernels --quick") == \
+        "python -m kvflow.bench kernels --quick"
+
+
+def test_missing_extra_is_one_line(tmp_path):
+    path = _tiny_result(tmp_path)
+    code = ("import sys; sys.modules['matplotlib'] = None\n"
+            "from kvflow.bench.__main__ import main\n"
+            f"main(['report', {str(path)!r}, '--out', {str(tmp_path / 'b.md')!r}])")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert run.returncode == 1
+    assert run.stderr.strip() == "kvflow.bench report: needs matplotlib: pip install 'kvflow[bench]'"
+
+
+def test_committed_results_are_cited_and_pngs_regenerated():
+    """Every result file has a line in bench/results/README.md, and every PNG of docs/img is
+    one the report draws from them."""
+    readme = (ROOT / "bench" / "results" / "README.md").read_text()
+    files = sorted(p.relative_to(ROOT / "bench" / "results").as_posix()
+                   for p in (ROOT / "bench" / "results").rglob("*.json"))
+    assert files and all(f"`{f}`" in readme for f in files)
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    for png in (ROOT / "docs" / "img").glob("*.png"):
+        stem = png.name.split("-")[0]
+        if any(stem in f for f in files):
+            assert f"](img/{png.name})" in page, png.name
+
+
+@pytest.mark.parametrize("study", ["transfer"])
+def test_unknown_connector_is_refused(study, tmp_path):
+    from kvflow.bench.__main__ import main
+    with pytest.raises(SystemExit, match="--connectors: unknown nixl; known: ipc-pull, ipc-push, tcp"):
+        main([study, "--quick", "--connectors", "nixl", "--out-dir", str(tmp_path), "--no-progress"])
+    assert json.dumps(sorted(p.name for p in tmp_path.iterdir())) == "[]"
