@@ -42,13 +42,9 @@ def _print_rows(tr) -> None:
     tr.write_line("")
     tr.section("kvflow native vs baselines (same run)")
     for r in _ROWS:
-        if r["op"] == "signal_rtt":
-            tr.write_line(f"signal round trip  {r['backend']:<14} p50 {r['p50_us']:8.1f} us   "
-                          f"p99 {r['p99_us']:8.1f} us   ({r['rounds']} rounds)")
-        else:
-            tr.write_line(f"{r['op']:<8} {r['backend']:<7} {r['payload_bytes'] / 2**20:6.0f} MiB "
-                          f"{r['time_s'] * 1e3:8.2f} ms {r['gbps']:7.2f} GB/s  ratio {r['ratio']:.2f}"
-                          f"  x numba {r['baseline_ratio'] or 0:.2f}")
+        tr.write_line(f"{r['op']:<8} {r['backend']:<7} {r['payload_bytes'] / 2**20:6.0f} MiB "
+                      f"{r['time_s'] * 1e3:8.2f} ms {r['gbps']:7.2f} GB/s  ratio {r['ratio']:.2f}"
+                      f"  x numba {r['baseline_ratio'] or 0:.2f}")
     write_rows_if_asked(tr, "native_cpu.json", _ROWS)
 
 
