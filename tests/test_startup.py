@@ -79,8 +79,9 @@ def test_device_cuda_without_cuda_fails_before_any_child_starts():
 
 
 @pytest.mark.parametrize("argv, line", [
-    (["--transfer", "rdma"], "argument --transfer: invalid choice: 'rdma' (choose from 'ipc', "
-                             "'tcp'); python -m kvflow.serve --help lists the flags"),
+    (["--kv-connector", "rdma"], "argument --kv-connector: invalid choice: 'rdma' (choose from "
+                                 "'auto', 'ipc-pull', 'ipc-push', 'tcp'); python -m kvflow.serve "
+                                 "--help lists the flags"),
     (["--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization 0.5 needs --device cuda; "
                                           "on cpu the budget is --memory-budget-mb"),
     (["--backend", "nonsense"], "--backend nonsense is unknown; use auto or one of native, numba, "
