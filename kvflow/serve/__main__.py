@@ -71,16 +71,17 @@ def run_instance(cfg: ServeConfig) -> int:
 
     cls = {"prefill": PrefillInstance, "decode": DecodeInstance, "colocated": ColocatedInstance}[cfg.role]
     inst = cls(cfg)
-    try:
+    try:  # an interrupt while starting reaches main(): exit 130/143, not 0
         with one_line_errors(f"the {cfg.role} instance could not start"):
             try:
                 inst.startup()
             except SegmentSpaceError as exc:  # /dev/shm too small: the sizes and the flags
                 raise StartupError(exc.strerror) from None
             inst.wait_registered(cfg.register_timeout_s)
-        inst.serve_forever()
-    except KeyboardInterrupt:
-        pass
+        try:
+            inst.serve_forever()
+        except KeyboardInterrupt:
+            pass
     finally:
         inst.close()
     if inst.fatal:
@@ -94,14 +95,19 @@ def main(argv: list[str] | None = None) -> int:
     def _term(signum, frame):
         raise Terminated
 
-    signal.signal(signal.SIGTERM, _term)
+    # a child instance (--config-json) is stopped by its parent's SIGTERM: it ends at once,
+    # silently; the parent reports what its children did
+    child = "--config-json" in (sys.argv[1:] if argv is None else argv)
+    if not child:
+        signal.signal(signal.SIGTERM, _term)
     try:
         return _main(argv)
     except StartupError as exc:
         say(str(exc), sys.stderr)
         return 1
     except KeyboardInterrupt as exc:  # before serving began: one line, no traceback
-        say("kvflow.serve: stopped (interrupted while starting)", sys.stderr)
+        if not child:
+            say("kvflow.serve: stopped (interrupted while starting)", sys.stderr)
         return 143 if isinstance(exc, Terminated) else 130
 
 

@@ -160,16 +160,16 @@ def _check_roles(cfg: ServeConfig) -> None:
                            f"control address)")
     if cfg.router_url is None:
         return
-    if cfg.role not in _INSTANCE_ROLES:
-        raise StartupError(f"--router-url {cfg.router_url} is for an instance that joins a router "
-                           f"(--role prefill, decode or colocated); --role {cfg.role} starts its "
-                           f"own router: leave --router-url out")
     m = re.fullmatch(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(\d+)", cfg.router_url)
     if not m:
         raise StartupError(f"--router-url must look like tcp://HOST:PORT, got {cfg.router_url!r}")
     if not 0 < int(m.group(2)) < 65536:
         raise StartupError(f"--router-url {cfg.router_url}: port {m.group(2)} is not in "
                            f"1..65535; use the control address the router printed")
+    if cfg.role not in _INSTANCE_ROLES:
+        raise StartupError(f"--router-url {cfg.router_url} is for an instance that joins a router "
+                           f"(--role prefill, decode or colocated); --role {cfg.role} starts its "
+                           f"own router: leave --router-url out")
 
 
 def _check_cache_fits(cfg: ServeConfig) -> None:

@@ -130,7 +130,7 @@ class ServeConfig:
         "router: require 'Authorization: Bearer KEY' on /v1/* (HTTP 401 otherwise); also read "
         "from the KVFLOW_API_KEY environment variable", default_text="no key"))
     log_level: str = field(default="warning", metadata=_flag(
-        "logging level", choices=("debug", "info", "warning", "error")))
+        "how much the processes log to stderr", choices=("debug", "info", "warning", "error")))
     heartbeat_s: float = field(default=0.2, metadata=_internal(
         "an instance reports its free blocks to the router this often (seconds)"))
     parent_pid: int | None = field(default=None, metadata=_internal(
