@@ -21,7 +21,8 @@ import sys
 from .checks import parse_config
 from .config import ServeConfig
 from .config import build_parser as _build_parser
-from .startup import StartupError, check_backend, check_device, check_host, one_line_errors, say
+from .output import say
+from .startup import StartupError, check_backend, check_device, check_host, one_line_errors
 
 log = logging.getLogger("kvflow.serve")
 

@@ -23,8 +23,6 @@ heartbeats again (it was only late, e.g. under load) is asked to register again
 from __future__ import annotations
 
 import asyncio
-import collections
-import dataclasses
 import logging
 import time
 from typing import Any, Callable
@@ -36,45 +34,9 @@ from kvflow.protocol import (PROTOCOL_VERSION, Heartbeat, Pair, PairResult, Regi
                              Reregister, Tokens, Unpair, decode_or_log, encode)
 
 from .liveness import DEAD, process_state
+from .placement import InstanceInfo, ReqState, pick_pair
 
 log = logging.getLogger("kvflow.serve.router")
-
-
-@dataclasses.dataclass
-class InstanceInfo:
-    """What the router knows of one registered instance."""
-    reg: Register
-    ident: bytes
-    last_seen: float
-    free_blocks: int
-    num_running: int = 0
-    heartbeat_at: float = 0.0  # router's monotonic clock; free_blocks/num_running date from it
-    pair_ok: set = dataclasses.field(default_factory=set)
-
-    @property
-    def id(self) -> str:
-        return self.reg.instance_id
-
-    @property
-    def role(self) -> str:
-        return self.reg.role
-
-
-def _least(infos, key: Callable[[InstanceInfo], Any], turn: int) -> InstanceInfo:
-    """The instance of least ``key``; among equals (ordered by id), number ``turn`` modulo."""
-    infos = sorted(infos, key=lambda i: i.id)
-    best = min(key(i) for i in infos)
-    tied = [i for i in infos if key(i) == best]
-    return tied[turn % len(tied)]
-
-
-@dataclasses.dataclass
-class ReqState:
-    """A request in flight at the router."""
-    queue: asyncio.Queue
-    prefill_id: str = ""
-    decode_id: str = ""
-    stage: str = "allocating"   # allocating -> prefilling -> decoding
 
 
 class Controller:
@@ -130,26 +92,12 @@ class Controller:
                    for p in self.by_role("prefill") for d in self.by_role("decode"))
 
     def pick(self) -> tuple[InstanceInfo, InstanceInfo] | None:
-        """(prefill, decode) for the next request, among pairs both sides accepted: the D with
-        most free blocks, then fewest requests in flight here; then, of the P's paired with
-        that D, the one with fewest prefills in flight here. Ties rotate (round robin)."""
-        if self.mode == "colocated":
-            cs = sorted(self.by_role("colocated"), key=lambda i: -i.free_blocks)
-            return (cs[0], cs[0]) if cs else None
-        pairs = [(p, d) for p in self.by_role("prefill") for d in self.by_role("decode")
-                 if d.id in p.pair_ok and p.id in d.pair_ok]
-        if not pairs:
-            return None
-        self._rr += 1
-        busy_d, busy_p = collections.Counter(), collections.Counter()
-        for st in self.requests.values():
-            busy_d[st.decode_id] += 1
-            busy_p[st.prefill_id] += st.stage == "prefilling"
-        ds = {d.id: d for _, d in pairs}
-        d = _least(ds.values(), lambda d: (-d.free_blocks, busy_d[d.id]), self._rr)
-        # P's turn advances once per round over the D's: every (P, D) combination comes up
-        p = _least([p for p, dd in pairs if dd is d], lambda p: busy_p[p.id], self._rr // len(ds))
-        return p, d
+        """(prefill, decode) for the next request (:func:`~kvflow.serve.placement.pick_pair`),
+        or None while no pair is ready."""
+        got = pick_pair(self.instances.values(), self.requests.values(), self.mode, self._rr + 1)
+        if got is not None and self.mode != "colocated":  # the turn counts disagg picks only
+            self._rr += 1
+        return got
 
     async def send(self, inst: InstanceInfo, msg: Any) -> None:
         try:

@@ -25,7 +25,8 @@ import time
 from collections import deque
 
 from .config import ServeConfig
-from .startup import PREFIX, bind_error, say
+from .output import say
+from .startup import PREFIX, bind_error
 
 log = logging.getLogger("kvflow.serve.procs")
 

@@ -32,7 +32,8 @@ from typing import Any, AsyncIterator
 from kvflow.protocol import Abort, Allocate, Allocated, Prefill, Rejected, Tokens
 
 from .api import CompletionRequest, shown
-from .control import Controller, ReqState
+from .control import Controller
+from .placement import ReqState
 from .errors import RequestError
 from .metrics import Metrics
 

@@ -12,7 +12,8 @@ import os
 import sys
 
 from .config import ServeConfig
-from .startup import StartupError, one_line_errors, say
+from .output import say
+from .startup import StartupError, one_line_errors
 
 
 def instance_config(cfg: ServeConfig, role: str, router_url: str) -> ServeConfig:
@@ -71,7 +72,7 @@ async def serve_router(cfg: ServeConfig, http_sock, children, serving: list[bool
     from .metrics import Metrics
     from .procs import instance_env, watch_children
     from .router import Router, load_tokenizer
-    from .startup import watch_output
+    from .output import watch_output
 
     metrics = Metrics()
     ctl = None
