@@ -33,6 +33,7 @@ import zmq.asyncio
 from kvflow.protocol import (PROTOCOL_VERSION, Heartbeat, Pair, PairResult, Register, Registered,
                              Reregister, Tokens, Unpair, decode_or_log, encode)
 
+from .config import ServeConfig
 from .liveness import DEAD, process_state
 from .placement import InstanceInfo, ReqState, pick_pair
 
@@ -44,9 +45,10 @@ class Controller:
     "colocated"; ``metrics`` (:class:`~kvflow.serve.metrics.Metrics`); ``proc_alive(pid)``
     for processes this server spawned (None: heartbeats only)."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, mode: str = "disagg",
+    def __init__(self, host: str = ServeConfig.host, port: int = 0, *, mode: str = "disagg",
                  metrics: Any = None, proc_alive: Callable[[int], bool | None] | None = None,
-                 dead_after_s: float = 2.0, model: str = "", tokenizer: str = "") -> None:
+                 dead_after_s: float = ServeConfig.dead_after_s, model: str = "",
+                 tokenizer: str = "") -> None:
         self.mode, self.metrics, self.proc_alive = mode, metrics, proc_alive
         # the router encodes prompts and decodes tokens: an instance must share its vocabulary
         self.model, self.tokenizer = model, tokenizer

@@ -32,6 +32,7 @@ from typing import Any, AsyncIterator
 from kvflow.protocol import Abort, Allocate, Allocated, Prefill, Rejected, Tokens
 
 from .api import CompletionRequest, shown
+from .config import ServeConfig
 from .control import Controller
 from .placement import ReqState
 from .errors import RequestError
@@ -49,17 +50,16 @@ def load_tokenizer(model: str) -> Any:
 class Router:
     """Runs requests over a :class:`Controller`."""
 
-    admit_timeout_s = 30.0      # retry "busy" (no free blocks now) this long
     reply_timeout_s = 5.0       # an instance answers a control message within this
     first_token_timeout_s = 120.0
     token_timeout_s = 60.0
 
     def __init__(self, controller: Controller, tokenizer: Any, model_name: str, metrics: Metrics,
-                 *, admit_timeout_s: float | None = None, api_key: str | None = None) -> None:
+                 *, admit_timeout_s: float = ServeConfig.admit_timeout_s,
+                 api_key: str | None = None) -> None:
         self.ctl, self.tokenizer, self.model_name, self.metrics = controller, tokenizer, model_name, metrics
         self.created = int(time.time())  # /v1/models "created": when this router started
-        if admit_timeout_s is not None:
-            self.admit_timeout_s = admit_timeout_s
+        self.admit_timeout_s = admit_timeout_s  # retry "busy" (no free blocks now) this long
         self.api_key = api_key.encode() if api_key else None
 
     def authorized(self, header: str | None) -> bool:
