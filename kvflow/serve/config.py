@@ -21,8 +21,9 @@ KV_CONNECTORS = ("auto", "ipc-pull", "ipc-push", "tcp")
 #: the options ``--kv-connector-config`` takes per connector kind, and what each means
 CONNECTOR_OPTIONS: dict[str, dict[str, str]] = {
     "ipc-pull": {},
-    "ipc-push": {"layers_per_copy": "layers per layerwise copy launch (default 4)",
-                 "max_ctas": "programs (CTAs) of each layerwise copy on CUDA (default 16)"},
+    "ipc-push": {"layers_per_copy": "layers per layerwise copy launch, default 4",
+                 "max_ctas": "programs (CTAs) of each layerwise copy on CUDA, default 16: fewer "
+                             "leave the prefill more SMs, more copy each group faster"},
     "tcp": {},
 }
 
@@ -66,12 +67,12 @@ class ServeConfig:
         "zero-copy ZMQ frames, D scatters them; P and D may be on different hosts); auto: "
         "ipc-push with --device cuda, ipc-pull on CPU", choices=KV_CONNECTORS))
     kv_connector_config: dict = field(default_factory=dict, metadata=_flag(
-        "JSON object of options of the connector, e.g. '{\"layers_per_copy\": 4, "
-        "\"max_ctas\": 16}' for ipc-push (more CTAs copy each group faster, fewer leave the "
-        "prefill more SMs); ipc-pull and tcp take none", default_text="{}", metavar="JSON"))
+        "JSON object of options of the connector, e.g. '{\"max_ctas\": 8}'; " + "; ".join(
+            f"{kind}: " + (", ".join(f"{k} ({v})" for k, v in opts.items()) or "none")
+            for kind, opts in CONNECTOR_OPTIONS.items()), default_text="{}", metavar="JSON"))
     layerwise_min_tokens: int | None = field(default=None, metadata=_flag(
         "prompts of at least this many tokens move layer by layer while P still prefills; "
-        "shorter ones move after the prefill",
+        "shorter ones move after the prefill (above --max-model-len: every one)",
         default_text="the connector's: 0 for ipc-push; 16384 otherwise, as on one H200 the "
                      "host-signalled path beat moving after the prefill only from 16K tokens"))
     device: str = field(default="cpu", metadata=_flag(
