@@ -1,7 +1,7 @@
 """What every serving instance (prefill P, decode D, colocated) shares: start-up, the ZMQ
 event loop, registration and heartbeats.
 
-Start-up order (:meth:`Instance.startup`) is the profile-run rule of docs/design.md made concrete:
+Start-up order (:meth:`Instance.startup`) is the profile-run rule of DESIGN.md made concrete:
 
 1. take the memory budget (:mod:`kvflow.serve.budget`: on CUDA a fraction of the GPU's free
    memory, measured before the weights load); load the model; build its
