@@ -30,10 +30,11 @@ from typing import Any, Callable
 import zmq
 import zmq.asyncio
 
-from kvflow.protocol import (PROTOCOL_VERSION, Heartbeat, Pair, PairResult, Register, Registered,
+from kvflow.protocol import (Heartbeat, Pair, PairResult, Register, Registered,
                              Reregister, Tokens, Unpair, decode_or_log, encode)
 
 from .config import ServeConfig
+from .errors import registration_refusal
 from .liveness import DEAD, process_state
 from .placement import InstanceInfo, ReqState, pick_pair
 
@@ -125,7 +126,8 @@ class Controller:
     async def _handle(self, ident: bytes, msg: Any) -> None:
         now = time.monotonic()
         if isinstance(msg, Register):
-            refused = self._refusal(ident, msg)
+            refused = registration_refusal(msg, ident, mode=self.mode, model=self.model,
+                                           tokenizer=self.tokenizer)
             if refused:
                 self.errors.append(f"registration of {msg.instance_id} refused: {refused}")
                 log.error("%s", self.errors[-1])
@@ -169,25 +171,6 @@ class Controller:
                 st.queue.put_nowait(msg)
         else:
             log.error("unexpected %s from %s; dropped", type(msg).__name__, info.id)
-
-    def _refusal(self, ident: bytes, msg: Register) -> str:
-        """Why ``msg`` cannot register here ('' when it can): protocol version, role, a
-        tokenizer other than the router's, or a role that does not fit this router's mode."""
-        if msg.version != PROTOCOL_VERSION:
-            return (f"it speaks protocol version {msg.version}, the router {PROTOCOL_VERSION}; "
-                    f"run the same kvflow version on both")
-        if msg.role not in ("prefill", "decode", "colocated") or msg.instance_id != ident.decode():
-            return f"malformed Register (instance_id {msg.instance_id!r}, role {msg.role!r})"
-        if self.tokenizer and msg.tokenizer and msg.tokenizer != self.tokenizer:
-            return (f"its --model {msg.model} has another tokenizer ({msg.tokenizer}) than the "
-                    f"router's --model {self.model} ({self.tokenizer}): prompts and tokens would be "
-                    f"read with the wrong vocabulary; start the router with --model {msg.model}")
-        fits = ("colocated",) if self.mode == "colocated" else ("prefill", "decode")
-        if msg.role not in fits:
-            return (f"--role {msg.role} does not fit a router in --mode {self.mode}; start the "
-                    f"instance with --role {' or --role '.join(fits)}, or the router with "
-                    f"--mode {'disagg' if self.mode == 'colocated' else 'colocated'}")
-        return ""
 
     async def _answer(self, ident: bytes, msg: Any) -> None:
         try:

@@ -1,9 +1,12 @@
-"""How a request ends in error: :class:`RequestError` (an HTTP status, an OpenAI-style message
-and the parameter at fault), and :func:`validation_message`, the one-line wording of a request
-body that pydantic refused (the field, what is wrong, the value sent).
+"""The router's refusals, worded: :class:`RequestError` (an HTTP status, an OpenAI-style message
+and the parameter at fault), :func:`validation_message` (a request body that pydantic refused:
+the field, what is wrong, the value sent), and :func:`registration_refusal` (an instance that
+cannot register: the reason it prints before it exits 1).
 """
 
 from __future__ import annotations
+
+from kvflow.protocol import PROTOCOL_VERSION, Register
 
 from .api import clipped, shown
 
@@ -41,3 +44,26 @@ def validation_message(errs: list[dict], content_type: str | None) -> tuple[str,
     if "input" in err and kind != "missing":
         detail += f", got {shown(err['input'])}"
     return f"{where}: {detail}", param
+
+
+def registration_refusal(msg: Register, ident: bytes, *, mode: str, model: str,
+                         tokenizer: str) -> str:
+    """Why the instance of ``msg`` (sent from ZMQ identity ``ident``) cannot register with a
+    router in ``mode`` serving ``model`` with tokenizer digest ``tokenizer`` ('' when it can):
+    another protocol version, a malformed Register, another tokenizer, or a role that does not
+    fit the mode."""
+    if msg.version != PROTOCOL_VERSION:
+        return (f"it speaks protocol version {msg.version}, the router {PROTOCOL_VERSION}; "
+                f"run the same kvflow version on both")
+    if msg.role not in ("prefill", "decode", "colocated") or msg.instance_id != ident.decode():
+        return f"malformed Register (instance_id {msg.instance_id!r}, role {msg.role!r})"
+    if tokenizer and msg.tokenizer and msg.tokenizer != tokenizer:
+        return (f"its --model {msg.model} has another tokenizer ({msg.tokenizer}) than the "
+                f"router's --model {model} ({tokenizer}): prompts and tokens would be "
+                f"read with the wrong vocabulary; start the router with --model {msg.model}")
+    fits = ("colocated",) if mode == "colocated" else ("prefill", "decode")
+    if msg.role not in fits:
+        return (f"--role {msg.role} does not fit a router in --mode {mode}; start the "
+                f"instance with --role {' or --role '.join(fits)}, or the router with "
+                f"--mode {'disagg' if mode == 'colocated' else 'colocated'}")
+    return ""
