@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kvflow.protocol import (Abort, Allocate, KVAck, LeaseRenew, Pair, Prefill, decode, encode)
 from kvflow.serve.decode import DecodeInstance
-from kvflow.serve.instance import InstanceConfig
+from kvflow.serve.config import ServeConfig
 from kvflow.serve.prefill import PrefillInstance
 
 ROUTER = "tcp://127.0.0.1:9"  # never reached: every send is captured
@@ -32,12 +32,19 @@ def capture(inst, out: list) -> None:
     inst.send = send
 
 
-def make_instance(cls, role: str, **kw):
-    cfg = InstanceConfig(role=role, router_addr=ROUTER, transfer=kw.pop("transfer", "ipc"),
-                         transfer_mode="request",
-                         num_blocks=kw.pop("num_blocks", 48),
-                         max_model_len=kw.pop("max_model_len", 256),
-                         max_num_batched_tokens=256, **kw)
+#: ``--layerwise-min-tokens`` past every prompt: each request moves after its prefill
+AFTER_PREFILL = 100_000
+
+
+def make_instance(cls, role: str, *, transfer: str = "ipc", ipc_direction: str = "auto", **kw):
+    """An instance with captured sends; ``transfer`` ipc or tcp, ``ipc_direction`` auto, pull or
+    push name its ``--kv-connector``."""
+    kind = "tcp" if transfer == "tcp" else "auto" if ipc_direction == "auto" else f"ipc-{ipc_direction}"
+    kw.setdefault("layerwise_min_tokens", AFTER_PREFILL)
+    cfg = ServeConfig(role=role, router_url=ROUTER, kv_connector=kind,
+                      num_blocks=kw.pop("num_blocks", 48),
+                      max_model_len=kw.pop("max_model_len", 256),
+                      max_num_batched_tokens=256, **kw)
     inst = cls(cfg)
     out: list = []
     capture(inst, out)

@@ -41,7 +41,8 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvflow-serve-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "kvflow.serve", "--port", str(self.port), *SMALL, *args]
+        small = SMALL if "--num-blocks" not in args else SMALL[:2] + SMALL[4:]  # no budget then
+        cmd = [sys.executable, "-m", "kvflow.serve", "--port", str(self.port), *small, *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env=dict(os.environ, **(env or {})))
         self.client = httpx.Client(base_url=self.url, timeout=60)

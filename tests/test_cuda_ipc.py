@@ -110,11 +110,11 @@ def test_parent_cards_and_role_env(monkeypatch):
 
 
 def test_serve_flags():
-    from kvflow.serve.__main__ import _instance_args, parse_args
+    from kvflow.serve.__main__ import parse_args
+    from kvflow.serve.server import instance_config
     a = parse_args(["--device", "cuda", "--dtype", "bfloat16", "--decode-device", "3"])
     assert (a.prefill_device, a.decode_device) == (0, 3)
-    argv = _instance_args(a, "tcp://127.0.0.1:1")
-    assert argv[argv.index("--dtype") + 1] == "bfloat16"
+    assert instance_config(a, "decode", "tcp://127.0.0.1:1").dtype == "bfloat16"
     with pytest.raises(SystemExit):
         parse_args(["--prefill-device", "-1"])
 
@@ -291,8 +291,8 @@ def test_served_disagg_cuda_token_identical_to_colocated():
 
     got = {}
     configs = {"colocated": ("colocated", ""), "push": ("disagg", ""),  # auto: push on cuda
-               "push-request": ("disagg", "--transfer-mode request"),
-               "pull-request": ("disagg", "--ipc-direction pull --transfer-mode request")}
+               "push-request": ("disagg", "--layerwise-min-tokens 100000"),
+               "pull-request": ("disagg", "--kv-connector ipc-pull --layerwise-min-tokens 100000")}
     for name, (mode, extra) in configs.items():
         with started_server(mode, f"--device cuda --num-blocks 256 {extra}", timeout=240) as url:
             got[name] = asyncio.run(run(url))

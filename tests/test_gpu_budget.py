@@ -11,7 +11,7 @@ import torch
 from kvflow.engine import MemoryBudgetError, determine_num_blocks
 from kvflow.engine.profile import weight_bytes
 from kvflow.model import PRESETS, LlamaForCausalLM, load_model
-from kvflow.serve.__main__ import _instance_args, check_args, parse_args
+from kvflow.serve.__main__ import check_args, parse_args
 from kvflow.serve.budget import MIB, memory_budget, too_small_message
 from kvflow.serve.startup import StartupError, check_device
 
@@ -21,8 +21,10 @@ README_GPU = ["--device", "cuda", "--model", "kvflow-llama-32l", "--dtype", "bfl
 
 
 def child_args(argv: list[str], role: str = "prefill"):
-    """The flags `--role all` hands its ``role`` child, parsed as that child parses them."""
-    return parse_args(["--role", role, *_instance_args(parse_args(argv), "tcp://127.0.0.1:1")])
+    """The config `--role all` hands its ``role`` child, read as that child reads it."""
+    from kvflow.serve.server import instance_config
+    child = instance_config(parse_args(argv), role, "tcp://127.0.0.1:1")
+    return parse_args(["--config-json", child.to_json()])
 
 
 def test_readme_gpu_command_budget_covers_the_weights_on_an_h200():

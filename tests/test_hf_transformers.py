@@ -20,8 +20,8 @@ from .serve_server import Server
 pytest.importorskip("transformers", reason="transformers is in the dev extra")
 
 NEW_TOKENS = 32
-# One server per transfer kind, each serving a different checkpoint.
-SERVED = {"ipc": "llama-yarn-mscale-hd32", "tcp": "qwen2-v4-yarn"}
+# One server per KV connector, each serving a different checkpoint.
+SERVED = {"ipc-pull": "llama-yarn-mscale-hd32", "tcp": "qwen2-v4-yarn"}
 
 
 def kvflow_greedy(path, ids: list[int], n: int) -> tuple[torch.Tensor, list[int]]:
@@ -90,7 +90,7 @@ def served(tmp_path_factory):
         for transfer, case in SERVED.items():
             path = tmp_path_factory.mktemp(case)
             build(path, case)
-            out[transfer] = (Server("--model", str(path), "--transfer", transfer,
+            out[transfer] = (Server("--model", str(path), "--kv-connector", transfer,
                                     "--block-size", "4", "--max-model-len", "128"), path)
         for srv, _ in out.values():
             srv.wait_healthy()

@@ -134,10 +134,10 @@ def test_repeat_of_a_fully_cached_prompt_moves_nothing_and_decodes_the_same(tran
 
 
 def test_served_tcp_repeat_of_a_two_block_prompt_is_200_and_moves_nothing():
-    """The issue's report, end to end: ``--transfer tcp --enable-prefix-caching``, a prompt of
+    """The issue's report, end to end: ``--kv-connector tcp --enable-prefix-caching``, a prompt of
     exactly 2 blocks sent twice; the repeat was HTTP 502."""
     from .serve_server import Server
-    srv = Server("--transfer", "tcp", "--enable-prefix-caching", "--num-blocks", "16")
+    srv = Server("--kv-connector", "tcp", "--enable-prefix-caching", "--num-blocks", "16")
     try:
         srv.wait_healthy()
         body = dict(prompt="A" * 31, max_tokens=6, ignore_eos=True)   # <bos> + 31 bytes = 2 blocks

@@ -103,7 +103,7 @@ def test_kvflow_greedy_equals_transformers(transformers_out, kvflow_out):
 
 @needs_smollm2
 def test_disaggregated_equals_colocated(checkpoint, kvflow_out, transformers_out):
-    srv = Server("--model", checkpoint, "--transfer", "ipc", "--max-model-len", "256",
+    srv = Server("--model", checkpoint, "--kv-connector", "ipc-pull", "--max-model-len", "256",
                  "--memory-budget-mb", "640")
     try:
         srv.wait_healthy()

@@ -23,7 +23,7 @@ from .serve_server import free_port, heartbeats_after, pid_alive
 MARK = "\x07\x07\x07"
 FAULTS = {"KVFLOW_FAULT_PREFILL_DELAY_S": "3", "KVFLOW_FAULT_RECEIVE_DELAY_S": "3",
           "KVFLOW_FAULT_MATCH": "7,7,7"}
-COMMON = ["--max-model-len", "256", "--num-blocks", "40", "--transfer-mode", "request",
+COMMON = ["--max-model-len", "256", "--num-blocks", "40", "--layerwise-min-tokens", "100000",
           "--kv-lease-s", "3"]
 
 

@@ -14,10 +14,11 @@ import torch
 from kvflow.context import forward_context
 from kvflow.protocol import Abort, KVPushed, Prefill, Rejected, Tokens, decode
 from kvflow.segments import host_id
-from kvflow.serve.instance import InstanceConfig, layerwise_min_tokens, uses_push
+from kvflow.serve.config import ServeConfig
+from kvflow.serve.instance import layerwise_min_tokens, uses_push
 from kvflow.transfer import TransferError
 
-from .reliability_harness import PD, every_block_back, time_out_on_d
+from .reliability_harness import AFTER_PREFILL, PD, every_block_back, time_out_on_d
 from .test_reliability_pd import TEXT, colocated, tokens_of
 
 
@@ -39,12 +40,12 @@ def d_blocks(pd, ids):
 
 @pytest.mark.parametrize("mode", ["layerwise", "request"])
 def test_push_is_token_identical_and_p_frees_its_blocks_at_send(pd, mode):
-    pd.p.cfg.transfer_mode = mode
+    pd.p.cfg.layerwise_min_tokens = 0 if mode == "layerwise" else AFTER_PREFILL
     try:
         req, alloc = pd.allocate(TEXT[:150])
         p_table, hdr, frames = pd.prefill(req, TEXT[:150], alloc)
     finally:
-        pd.p.cfg.transfer_mode = "request"
+        pd.p.cfg.layerwise_min_tokens = AFTER_PREFILL
     assert isinstance(hdr, KVPushed) and hdr.ok and frames == []
     assert (hdr.num_blocks, hdr.layerwise) == (10, mode == "layerwise")
     assert hdr.payload_bytes == 10 * pd.d.spec.bytes_per_block
@@ -193,20 +194,19 @@ def test_attach_without_an_export_names_the_flag(pd):
 
 def test_direction_resolution_and_pairing_names():
     def cfg(**kw):
-        return InstanceConfig(role=kw.pop("role", "prefill"), router_addr="tcp://127.0.0.1:1", **kw)
+        return ServeConfig(role=kw.pop("role", "prefill"), router_url="tcp://127.0.0.1:1", **kw)
     assert uses_push(cfg(device="cuda")) and not uses_push(cfg())            # auto
-    assert uses_push(cfg(ipc_direction="push")) and not uses_push(cfg(transfer="tcp", ipc_direction="push"))
+    assert uses_push(cfg(kv_connector="ipc-push")) and not uses_push(cfg(kv_connector="tcp"))
     assert not uses_push(cfg(role="colocated", device="cuda"))
-    assert layerwise_min_tokens(cfg(ipc_direction="push")) == 0
+    assert layerwise_min_tokens(cfg(kv_connector="ipc-push")) == 0
     assert layerwise_min_tokens(cfg()) == 16384
-    assert layerwise_min_tokens(cfg(ipc_direction="push", layerwise_min_tokens=7)) == 7
-    with pytest.raises(ValueError, match="ipc_direction must be 'auto', 'push' or 'pull', got 'up'"):
-        uses_push(cfg(ipc_direction="up"))
-    from kvflow.serve.__main__ import _instance_args, parse_args
-    argv = _instance_args(parse_args(["--ipc-direction", "push"]), "tcp://127.0.0.1:1")
-    assert argv[argv.index("--ipc-direction") + 1] == "push"
+    assert layerwise_min_tokens(cfg(kv_connector="ipc-push", layerwise_min_tokens=7)) == 7
+    from kvflow.serve.__main__ import parse_args
+    from kvflow.serve.server import instance_config
+    parent = parse_args(["--kv-connector", "ipc-push"])
+    assert instance_config(parent, "prefill", "tcp://127.0.0.1:1").kv_connector == "ipc-push"
     with pytest.raises(SystemExit):
-        parse_args(["--ipc-direction", "sideways"])
+        parse_args(["--kv-connector", "sideways"])
 
 
 # ---- PushWriter on its own: exact bytes, one launch per group of layers --------------------
@@ -278,9 +278,11 @@ def test_kv_digest_diagnostic_matches_the_pushed_bytes(pd, monkeypatch):
     assert all(0 <= v < 2**61 for v in got)
 
 
-def test_ipc_direction_needs_ipc(capsys):
+def test_push_options_need_ipc_push(capsys):
     from kvflow.serve.__main__ import parse_args
     with pytest.raises(SystemExit):
-        parse_args(["--transfer", "tcp", "--ipc-direction", "push"])
-    assert "--ipc-direction push needs --transfer ipc (got --transfer tcp)" in capsys.readouterr().err
-    assert parse_args(["--transfer", "tcp"]).ipc_direction == "auto"
+        parse_args(["--kv-connector", "tcp", "--kv-connector-config", '{"max_ctas": 8}'])
+    assert capsys.readouterr().err == ("kvflow.serve: error: --kv-connector-config: 'max_ctas' is "
+                                       "not an option of the tcp connector; it takes no options\n")
+    cfg = parse_args(["--kv-connector", "ipc-push", "--kv-connector-config", '{"max_ctas": 8}'])
+    assert cfg.kv_connector_config == {"max_ctas": 8}

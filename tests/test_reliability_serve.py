@@ -25,7 +25,7 @@ FAULTS = {"KVFLOW_FAULT_PREFILL_DELAY_S": "2", "KVFLOW_FAULT_RECEIVE_DELAY_S": "
 
 @pytest.fixture(scope="module")
 def server():
-    srv = Server("--transfer", "ipc", "--transfer-mode", "request", "--enable-prefix-caching",
+    srv = Server("--kv-connector", "ipc-pull", "--layerwise-min-tokens", "100000", "--enable-prefix-caching",
                  "--num-blocks", "40", "--admit-timeout-s", "1.5", "--kv-lease-s", "3",
                  env=FAULTS)
     try:

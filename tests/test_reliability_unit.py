@@ -93,7 +93,8 @@ def _app(api_key):
     from kvflow.model import ByteTokenizer
     from kvflow.serve.control import Controller
     from kvflow.serve.metrics import Metrics
-    from kvflow.serve.router import Router, create_app
+    from kvflow.serve.app import create_app
+    from kvflow.serve.router import Router
     ctl = Controller()
     app = create_app(Router(ctl, ByteTokenizer(), "kvflow-tiny", Metrics(), api_key=api_key))
     return ctl, app

@@ -14,7 +14,8 @@ from kvflow.model import ByteTokenizer
 from kvflow.protocol import Allocate, Rejected
 from kvflow.sched.request import AdmissionError, admission_check
 from kvflow.serve.metrics import Metrics
-from kvflow.serve.router import Router, create_app
+from kvflow.serve.app import create_app
+from kvflow.serve.router import Router
 
 
 class ScriptedController:

@@ -18,7 +18,8 @@ from kvflow.engine import Engine
 from kvflow.protocol import (Allocate, Allocated, PairResult, Prefill, Register, Rejected, Tokens,
                              Unpair)
 from kvflow.serve.decode import DecodeInstance
-from kvflow.serve.instance import InstanceConfig, sample_token
+from kvflow.serve.config import ServeConfig
+from kvflow.serve.instance import sample_token
 from kvflow.serve.prefill import PrefillInstance
 
 from .fake_router import FakeRouter
@@ -38,11 +39,11 @@ class Mesh(FakeRouter):
         super().__init__()
 
         def cfg(role):
-            return InstanceConfig(role=role, router_addr=self.addr,
-                                  transfer=transfer,
-                                  ipc_direction=direction, transfer_mode=mode, block_size=BLOCK,
-                                  max_model_len=256, num_blocks=40, max_num_batched_tokens=32,
-                                  layerwise_min_tokens=0, kv_lease_s=30.0)
+            return ServeConfig(role=role, router_url=self.addr,
+                               kv_connector="tcp" if transfer == "tcp" else f"ipc-{direction}",
+                               block_size=BLOCK, max_model_len=256, num_blocks=40,
+                               max_num_batched_tokens=32, kv_lease_s=30.0,
+                               layerwise_min_tokens=0 if mode == "layerwise" else 100_000)
 
         self.ps = [PrefillInstance(cfg("prefill")) for _ in range(n_p)]
         self.ds = [DecodeInstance(cfg("decode")) for _ in range(n_d)]

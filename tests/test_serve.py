@@ -36,9 +36,9 @@ def prompt_of(n: int):
 @pytest.fixture(scope="module")
 def servers():
     s = {"colocated": Server("--mode", "colocated"),
-         "ipc": Server("--transfer", "ipc"),
-         "ipc-push": Server("--transfer", "ipc", "--ipc-direction", "push"),
-         "tcp": Server("--transfer", "tcp", "--block-size", "8")}
+         "ipc": Server("--kv-connector", "ipc-pull"),
+         "ipc-push": Server("--kv-connector", "ipc-push"),
+         "tcp": Server("--kv-connector", "tcp", "--block-size", "8")}
     try:
         for srv in s.values():
             srv.wait_healthy()

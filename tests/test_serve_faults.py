@@ -20,7 +20,7 @@ from .serve_server import Server, pid_alive
 @pytest.fixture(scope="module")
 def server():
     # P sleeps 3 s before each prefill (test-only fault injection), so the kill lands mid-request.
-    srv = Server("--transfer", "ipc", env={"KVFLOW_FAULT_PREFILL_DELAY_S": "3"})
+    srv = Server("--kv-connector", "ipc-pull", env={"KVFLOW_FAULT_PREFILL_DELAY_S": "3"})
     try:
         srv.wait_healthy()
         yield srv

@@ -24,7 +24,8 @@ from kvflow.model import load_model
 from kvflow.protocol import (Abort, Allocate, Allocated, PairResult, Prefill, Register, Rejected,
                              Tokens)
 from kvflow.serve.decode import DecodeInstance
-from kvflow.serve.instance import InstanceConfig, layerwise_min_tokens, sample_token
+from kvflow.serve.config import ServeConfig
+from kvflow.serve.instance import layerwise_min_tokens, sample_token
 from kvflow.serve.prefill import PrefillInstance
 from kvflow.signal import STATS
 
@@ -42,14 +43,17 @@ def prompt(n: int) -> list[int]:
 class Harness(FakeRouter):
     """P + D + a router socket; :meth:`pump` runs one iteration of both instances' loops."""
 
-    def __init__(self, transfer: str, profile_hook=None, **extra) -> None:
+    def __init__(self, transfer: str, profile_hook=None, ipc_direction: str = "auto",
+                 **extra) -> None:
         super().__init__()
+        kind = ("tcp" if transfer == "tcp" else "auto" if ipc_direction == "auto"
+                else f"ipc-{ipc_direction}")
 
         def cfg(role, **kw):
-            return InstanceConfig(role=role, router_addr=self.addr, transfer=transfer,
-                                  block_size=BLOCK, max_model_len=512, memory_budget_mb=24,
-                                  max_num_batched_tokens=CHUNK, layerwise_min_tokens=ALWAYS,
-                                  **extra, **kw)
+            return ServeConfig(role=role, router_url=self.addr, kv_connector=kind,
+                               block_size=BLOCK, max_model_len=512, memory_budget_mb=24,
+                               max_num_batched_tokens=CHUNK, layerwise_min_tokens=ALWAYS,
+                               **extra, **kw)
 
         self.p, self.d = PrefillInstance(cfg("prefill")), DecodeInstance(cfg("decode", num_blocks=96))
         self.p.startup()
@@ -262,14 +266,12 @@ def test_profile_warmup_and_dummy_runs_signal_and_send_nothing(monkeypatch):
     assert lw.signaller.channel is None  # segment removed at close
 
 
-def test_request_transfer_mode_has_no_layerwise_path():
-    from kvflow.serve.__main__ import _instance_args, parse_args
-    args = parse_args(["--transfer-mode", "request", "--layerwise-min-tokens", "0"])
-    assert (args.transfer_mode, args.layerwise_min_tokens) == ("request", 0)
-    iargs = _instance_args(args, "tcp://127.0.0.1:1")  # what the child instances get
-    assert iargs[iargs.index("--transfer-mode") + 1] == "request"
-    assert iargs[iargs.index("--layerwise-min-tokens") + 1] == "0"
-    assert parse_args([]).transfer_mode == "layerwise"
-    cfg = InstanceConfig(role="prefill", router_addr="tcp://127.0.0.1:1", transfer_mode="request")
+def test_a_threshold_past_every_prompt_has_no_layerwise_path():
+    from kvflow.serve.__main__ import parse_args
+    from kvflow.serve.server import instance_config
+    args = parse_args(["--layerwise-min-tokens", str(NEVER)])
+    assert instance_config(args, "prefill", "tcp://127.0.0.1:1").layerwise_min_tokens == NEVER
+    assert parse_args([]).layerwise_min_tokens is None
+    cfg = ServeConfig(role="prefill", router_url="tcp://127.0.0.1:1", layerwise_min_tokens=NEVER)
     p = PrefillInstance(cfg)
-    assert p.layerwise is None and layerwise_min_tokens(cfg) == 16384
+    assert p.layerwise is None and layerwise_min_tokens(cfg) == NEVER

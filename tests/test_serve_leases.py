@@ -21,7 +21,7 @@ import pytest
 
 from .test_reliability_peers import Cluster
 
-PUSH = ["--ipc-direction", "push", "--transfer-mode", "layerwise", "--max-num-batched-tokens", "16"]
+PUSH = ["--kv-connector", "ipc-push", "--layerwise-min-tokens", "0", "--max-num-batched-tokens", "16"]
 P_ENV = {"KVFLOW_FAULT_CHUNK_DELAY_S": "0.4", "KVFLOW_FAULT_MATCH": "7,7,7"}
 D_ENV = {"KVFLOW_FAULT_RECEIVE_DELAY_S": "3", "KVFLOW_FAULT_MATCH": "8,8,8"}
 MAX_TOKENS = 8

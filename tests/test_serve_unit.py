@@ -14,7 +14,8 @@ import kvflow.engine
 from kvflow import KVCacheSpec
 from kvflow.protocol import Register, decode
 from kvflow.serve.__main__ import build_parser, parse_args
-from kvflow.serve.instance import InstanceConfig, check_pairing, sample_token, stop_reason
+from kvflow.serve.config import ServeConfig
+from kvflow.serve.instance import check_pairing, sample_token, stop_reason
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
@@ -54,8 +55,8 @@ def test_profile_run_opens_no_channel_and_sends_nothing(monkeypatch, role):
     monkeypatch.setattr(zmq.Socket, "send_multipart", send_multipart)
     monkeypatch.setattr(zmq.Socket, "send", send)
     monkeypatch.setattr(kvflow.engine, "determine_num_blocks", profiled)
-    cfg = InstanceConfig(role=role, router_addr=f"tcp://127.0.0.1:{port}", transfer="tcp",
-                         max_model_len=128, memory_budget_mb=16, max_num_batched_tokens=128)
+    cfg = ServeConfig(role=role, router_url=f"tcp://127.0.0.1:{port}", kv_connector="tcp",
+                      max_model_len=128, memory_budget_mb=16, max_num_batched_tokens=128)
     inst = (PrefillInstance if role == "prefill" else DecodeInstance)(cfg)
     try:
         inst.startup()
@@ -100,19 +101,19 @@ def test_stop_rules_and_seeded_sampling():
 
 def test_cli_help_names_every_flag():
     text = build_parser().format_help()
-    for flag in ("--host", "--port", "--mode", "--model", "--transfer", "--device", "--block-size",
+    for flag in ("--host", "--port", "--mode", "--model", "--kv-connector", "--device", "--block-size",
                  "--max-model-len", "--num-blocks", "--role", "--router-url"):
         assert flag in text
     out = subprocess.run([sys.executable, "-m", "kvflow.serve", "--help"], capture_output=True,
                          text=True, timeout=60)
-    assert out.returncode == 0 and "--transfer {ipc,tcp}" in out.stdout
+    assert out.returncode == 0 and "--kv-connector {auto,ipc-pull,ipc-push,tcp}" in out.stdout
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--role", "decode"], "--role decode needs --router-url tcp://HOST:PORT"),
     (["--block-size", "0"], "--block-size must be positive"),
     (["--router-url", "http://x"], "--router-url must look like tcp://HOST:PORT, got 'http://x'"),
-    (["--transfer", "rdma"], "invalid choice: 'rdma'"),
+    (["--kv-connector", "rdma"], "invalid choice: 'rdma'"),
 ])
 def test_cli_rejects_bad_flags(argv, message, capsys):
     """One line on stderr and exit status 1 (issue 14), not argparse's usage and status 2."""

@@ -79,8 +79,9 @@ def test_device_cuda_without_cuda_fails_before_any_child_starts():
 
 
 @pytest.mark.parametrize("argv, line", [
-    (["--transfer", "rdma"], "argument --transfer: invalid choice: 'rdma' (choose from 'ipc', "
-                             "'tcp'); python -m kvflow.serve --help lists the flags"),
+    (["--kv-connector", "rdma"], "argument --kv-connector: invalid choice: 'rdma' (choose from "
+                                 "'auto', 'ipc-pull', 'ipc-push', 'tcp'); python -m kvflow.serve "
+                                 "--help lists the flags"),
     (["--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization 0.5 needs --device cuda; "
                                           "on cpu the budget is --memory-budget-mb"),
     (["--backend", "nonsense"], "--backend nonsense is unknown; use auto or one of native, numba, "
@@ -109,8 +110,8 @@ def test_busy_control_port_is_named(busy_port):
 def test_host_that_is_not_this_machine_is_named(role):
     """The router's HTTP socket and D's data socket (a free port the OS picks) bind --host."""
     port = free_port()
-    out = serve("--role", role, "--host", "192.0.2.1", "--port", str(port),
-                "--router-url", "tcp://127.0.0.1:9")
+    joins = ["--router-url", "tcp://127.0.0.1:9"] if role == "decode" else []
+    out = serve("--role", role, "--host", "192.0.2.1", "--port", str(port), *joins)
     where = f"192.0.2.1:{port}" if role == "router" else "192.0.2.1"
     assert one_line(out) == (
         f"kvflow.serve: error: --host 192.0.2.1 is not an address of this machine ({where}: "
@@ -255,3 +256,15 @@ def test_ctrl_c_while_starting_is_one_line_and_leaves_nothing(after_s):
     while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(pid_alive(p) for p in pids)
+
+
+def test_sigterm_while_starting_exits_143_in_one_line():
+    """SIGTERM before the router listens (here: while the flags are checked, which imports
+    torch) is a failed start, like Ctrl-C's 130: status 143 and one line, not 0."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvflow.serve", "--port", str(free_port()),
+                             *SMALL], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert "router listening" not in out, out
+    assert (proc.returncode, err) == (143, "kvflow.serve: stopped (interrupted while starting)\n")

@@ -23,8 +23,6 @@ heartbeats again (it was only late, e.g. under load) is asked to register again
 from __future__ import annotations
 
 import asyncio
-import collections
-import dataclasses
 import logging
 import time
 from typing import Any, Callable
@@ -32,49 +30,15 @@ from typing import Any, Callable
 import zmq
 import zmq.asyncio
 
-from kvflow.protocol import (PROTOCOL_VERSION, Heartbeat, Pair, PairResult, Register, Registered,
+from kvflow.protocol import (Heartbeat, Pair, PairResult, Register, Registered,
                              Reregister, Tokens, Unpair, decode_or_log, encode)
 
+from .config import ServeConfig
+from .errors import registration_refusal
 from .liveness import DEAD, process_state
+from .placement import InstanceInfo, ReqState, pick_pair
 
 log = logging.getLogger("kvflow.serve.router")
-
-
-@dataclasses.dataclass
-class InstanceInfo:
-    """What the router knows of one registered instance."""
-    reg: Register
-    ident: bytes
-    last_seen: float
-    free_blocks: int
-    num_running: int = 0
-    heartbeat_at: float = 0.0  # router's monotonic clock; free_blocks/num_running date from it
-    pair_ok: set = dataclasses.field(default_factory=set)
-
-    @property
-    def id(self) -> str:
-        return self.reg.instance_id
-
-    @property
-    def role(self) -> str:
-        return self.reg.role
-
-
-def _least(infos, key: Callable[[InstanceInfo], Any], turn: int) -> InstanceInfo:
-    """The instance of least ``key``; among equals (ordered by id), number ``turn`` modulo."""
-    infos = sorted(infos, key=lambda i: i.id)
-    best = min(key(i) for i in infos)
-    tied = [i for i in infos if key(i) == best]
-    return tied[turn % len(tied)]
-
-
-@dataclasses.dataclass
-class ReqState:
-    """A request in flight at the router."""
-    queue: asyncio.Queue
-    prefill_id: str = ""
-    decode_id: str = ""
-    stage: str = "allocating"   # allocating -> prefilling -> decoding
 
 
 class Controller:
@@ -82,9 +46,10 @@ class Controller:
     "colocated"; ``metrics`` (:class:`~kvflow.serve.metrics.Metrics`); ``proc_alive(pid)``
     for processes this server spawned (None: heartbeats only)."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, mode: str = "disagg",
+    def __init__(self, host: str = ServeConfig.host, port: int = 0, *, mode: str = "disagg",
                  metrics: Any = None, proc_alive: Callable[[int], bool | None] | None = None,
-                 dead_after_s: float = 2.0, model: str = "", tokenizer: str = "") -> None:
+                 dead_after_s: float = ServeConfig.dead_after_s, model: str = "",
+                 tokenizer: str = "") -> None:
         self.mode, self.metrics, self.proc_alive = mode, metrics, proc_alive
         # the router encodes prompts and decodes tokens: an instance must share its vocabulary
         self.model, self.tokenizer = model, tokenizer
@@ -130,26 +95,12 @@ class Controller:
                    for p in self.by_role("prefill") for d in self.by_role("decode"))
 
     def pick(self) -> tuple[InstanceInfo, InstanceInfo] | None:
-        """(prefill, decode) for the next request, among pairs both sides accepted: the D with
-        most free blocks, then fewest requests in flight here; then, of the P's paired with
-        that D, the one with fewest prefills in flight here. Ties rotate (round robin)."""
-        if self.mode == "colocated":
-            cs = sorted(self.by_role("colocated"), key=lambda i: -i.free_blocks)
-            return (cs[0], cs[0]) if cs else None
-        pairs = [(p, d) for p in self.by_role("prefill") for d in self.by_role("decode")
-                 if d.id in p.pair_ok and p.id in d.pair_ok]
-        if not pairs:
-            return None
-        self._rr += 1
-        busy_d, busy_p = collections.Counter(), collections.Counter()
-        for st in self.requests.values():
-            busy_d[st.decode_id] += 1
-            busy_p[st.prefill_id] += st.stage == "prefilling"
-        ds = {d.id: d for _, d in pairs}
-        d = _least(ds.values(), lambda d: (-d.free_blocks, busy_d[d.id]), self._rr)
-        # P's turn advances once per round over the D's: every (P, D) combination comes up
-        p = _least([p for p, dd in pairs if dd is d], lambda p: busy_p[p.id], self._rr // len(ds))
-        return p, d
+        """(prefill, decode) for the next request (:func:`~kvflow.serve.placement.pick_pair`),
+        or None while no pair is ready."""
+        got = pick_pair(self.instances.values(), self.requests.values(), self.mode, self._rr + 1)
+        if got is not None and self.mode != "colocated":  # the turn counts disagg picks only
+            self._rr += 1
+        return got
 
     async def send(self, inst: InstanceInfo, msg: Any) -> None:
         try:
@@ -175,7 +126,8 @@ class Controller:
     async def _handle(self, ident: bytes, msg: Any) -> None:
         now = time.monotonic()
         if isinstance(msg, Register):
-            refused = self._refusal(ident, msg)
+            refused = registration_refusal(msg, ident, mode=self.mode, model=self.model,
+                                           tokenizer=self.tokenizer)
             if refused:
                 self.errors.append(f"registration of {msg.instance_id} refused: {refused}")
                 log.error("%s", self.errors[-1])
@@ -219,25 +171,6 @@ class Controller:
                 st.queue.put_nowait(msg)
         else:
             log.error("unexpected %s from %s; dropped", type(msg).__name__, info.id)
-
-    def _refusal(self, ident: bytes, msg: Register) -> str:
-        """Why ``msg`` cannot register here ('' when it can): protocol version, role, a
-        tokenizer other than the router's, or a role that does not fit this router's mode."""
-        if msg.version != PROTOCOL_VERSION:
-            return (f"it speaks protocol version {msg.version}, the router {PROTOCOL_VERSION}; "
-                    f"run the same kvflow version on both")
-        if msg.role not in ("prefill", "decode", "colocated") or msg.instance_id != ident.decode():
-            return f"malformed Register (instance_id {msg.instance_id!r}, role {msg.role!r})"
-        if self.tokenizer and msg.tokenizer and msg.tokenizer != self.tokenizer:
-            return (f"its --model {msg.model} has another tokenizer ({msg.tokenizer}) than the "
-                    f"router's --model {self.model} ({self.tokenizer}): prompts and tokens would be "
-                    f"read with the wrong vocabulary; start the router with --model {msg.model}")
-        fits = ("colocated",) if self.mode == "colocated" else ("prefill", "decode")
-        if msg.role not in fits:
-            return (f"--role {msg.role} does not fit a router in --mode {self.mode}; start the "
-                    f"instance with --role {' or --role '.join(fits)}, or the router with "
-                    f"--mode {'disagg' if self.mode == 'colocated' else 'colocated'}")
-        return ""
 
     async def _answer(self, ident: bytes, msg: Any) -> None:
         try:

@@ -40,6 +40,7 @@ from kvflow.context import sends_allowed
 from kvflow.layout import KVCacheSpec
 from kvflow.protocol import Heartbeat, Register, Registered, decode_or_log, encode
 
+from .config import ServeConfig
 from .fingerprint import check_fingerprint, model_fingerprint
 from .liveness import host_id
 from .startup import StartupError
@@ -47,43 +48,12 @@ from .startup import StartupError
 log = logging.getLogger("kvflow.serve")
 
 
-@dataclasses.dataclass
-class InstanceConfig:
-    """Settings of one instance (the CLI flags of ``--role prefill|decode``)."""
-
-    role: str                          # "prefill" | "decode" | "colocated"
-    router_addr: str                   # the router's ZMQ control address, tcp://host:port
-    model: str = "kvflow-tiny"
-    device: str = "cpu"
-    dtype: str = "float32"             # model weights and KV cache (kvflow.layout dtype names)
-    block_size: int = 16
-    max_model_len: int | None = None   # default: min(model limit, 2048)
-    max_num_batched_tokens: int = 512  # prefill chunk and profile-run batch (tokens)
-    num_blocks: int | None = None      # None: profile run sizes it
-    memory_budget_mb: int | None = None          # None: 512 on CPU, else the fraction below
-    gpu_memory_utilization: float | None = None  # CUDA: budget = this x free memory (None: 0.9)
-    transfer: str = "ipc"
-    transfer_mode: str = "layerwise"   # "layerwise" | "request" (P: kvflow.transfer.layerwise)
-    layerwise_min_tokens: int | None = None  # shorter prompts: request mode (None: per direction)
-    ipc_direction: str = "auto"        # ipc: "pull" (D reads P's cache), "push" (P writes D's);
-                                       # auto: push on CUDA, pull on CPU (kvflow.transfer.push)
-    layerwise_max_ctas: int | None = None  # push: grid cap of copies beside compute (None: default)
-    layers_per_copy: int | None = None     # push: layers per layerwise copy launch (None: default)
-    backend: str = "auto"
-    host: str = "127.0.0.1"            # D binds its data socket here
-    heartbeat_s: float = 0.2
-    enable_prefix_caching: bool = False  # D: prefix cache of full prompt blocks (kvflow.sched.prefix)
-    kv_lease_s: float = 5.0            # P holds sent blocks this long without D's renewal or ack
-    receive_timeout_s: float = 120.0   # D frees a request whose KV has not arrived by then
-    parent_pid: int | None = None      # exit when this parent is gone
-
-
 #: ``--layerwise-min-tokens`` default with ipc push: P's per-layer copies are GPU-ordered
 #: (an event and a launch per layer, no host round trip), so every prompt goes layer by layer.
 PUSH_LAYERWISE_MIN_TOKENS = 0
 
 
-def uses_push(cfg: "InstanceConfig") -> bool:
+def uses_push(cfg: ServeConfig) -> bool:
     """True when P writes into D's cache (ipc, ``ipc_direction`` push, or auto on CUDA).
 
     Raises
@@ -99,7 +69,7 @@ def uses_push(cfg: "InstanceConfig") -> bool:
                                           and str(cfg.device).startswith("cuda"))
 
 
-def layerwise_min_tokens(cfg: "InstanceConfig") -> int:
+def layerwise_min_tokens(cfg: ServeConfig) -> int:
     """The prompt length from which P goes layer by layer: the flag if given, else
     :data:`PUSH_LAYERWISE_MIN_TOKENS` with push and ``DEFAULT_LAYERWISE_MIN_TOKENS`` otherwise."""
     if cfg.layerwise_min_tokens is not None:
@@ -155,7 +125,7 @@ class Instance:
 
     role = ""
 
-    def __init__(self, cfg: InstanceConfig) -> None:
+    def __init__(self, cfg: ServeConfig) -> None:
         self.cfg = cfg
         self.instance_id = f"{self.role[0]}-{os.getpid()}-{secrets.token_hex(3)}"
         self.stopping = False

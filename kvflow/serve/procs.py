@@ -1,9 +1,10 @@
 """Child processes of ``python -m kvflow.serve`` (role ``all``): spawning the P/D (or colocated)
 instances, watching them, and stopping every one of them on exit.
 
-Children are ``python -m kvflow.serve --role prefill|decode|colocated ...`` (the same CLI a
-user runs on another host), started with ``KVFLOW_PARENT_PID`` so that they exit by themselves
-if the server dies without cleaning up. :meth:`Children.stop_all` sends SIGTERM, waits, then
+Children are ``python -m kvflow.serve --config-json JSON``: the same program a user runs with
+``--role prefill|decode|colocated`` on another host, given the parent's whole
+:class:`~kvflow.serve.config.ServeConfig` as JSON (its role, the router's address and
+``parent_pid``, so that they exit by themselves if the server dies without cleaning up). :meth:`Children.stop_all` sends SIGTERM, waits, then
 SIGKILLs stragglers; the caller then unlinks the shared-memory segments the children made.
 A child's stderr is copied to ours, except its one-line start-up error, which
 :func:`watch_children` prints once, naming the child, when it exits before registering (and
@@ -23,7 +24,9 @@ import threading
 import time
 from collections import deque
 
-from .startup import PREFIX, bind_error, say
+from .config import ServeConfig
+from .output import say
+from .startup import PREFIX, bind_error
 
 log = logging.getLogger("kvflow.serve.procs")
 
@@ -60,11 +63,12 @@ class Children:
         self.fatal: dict[int, str] = {}  # a child's one-line start-up error, held back
         self._readers: list[threading.Thread] = []
 
-    def spawn(self, role: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        """Start one instance; ``env`` (default ``os.environ``) is the child's environment."""
-        env = dict(os.environ if env is None else env, KVFLOW_PARENT_PID=str(os.getpid()))
-        cmd = [sys.executable, "-m", "kvflow.serve", "--role", role, *args]
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    def spawn(self, role: str, cfg: ServeConfig, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start instance ``role`` with config ``cfg`` (its ``role`` field); ``env`` (default
+        ``os.environ``) is the child's environment."""
+        cmd = [sys.executable, "-m", "kvflow.serve", "--config-json", cfg.to_json()]
+        proc = subprocess.Popen(cmd, env=os.environ if env is None else env,
+                                stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self.procs[proc.pid] = proc
         self.roles[proc.pid] = role
         tail = self.stderr_tail[proc.pid] = deque(maxlen=20)

@@ -14,22 +14,18 @@ spawned and before any model loads:
   data socket, which binds a free port the OS picks);
 - :func:`one_line_errors`: any other exception during start-up becomes one line too.
 
-:func:`watch_output` (with :func:`output_closed`) stops the server when the reader of its stdout
-or stderr goes away (``python -m kvflow.serve | head -3``) instead of running on unseen.
+The flags themselves are checked before any of these (:mod:`kvflow.serve.checks`); printing
+and the reader of stdout going away are :mod:`kvflow.serve.output`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
 import glob
 import json
 import logging
 import os
-import select
-import stat
-import sys
 from typing import Iterator
 
 PREFIX = "kvflow.serve: error: "
@@ -49,51 +45,6 @@ class StartupError(SystemExit):
 
     def __str__(self) -> str:
         return PREFIX + self.message
-
-
-def say(line: str, stream=None) -> bool:
-    """Print ``line`` to ``stream`` (default stdout) and flush; False when the stream's reader
-    has gone (a closed pipe), which the caller treats as a request to stop."""
-    stream = sys.stdout if stream is None else stream
-    try:
-        print(line, file=stream, flush=True)
-        return True
-    except (BrokenPipeError, ValueError, OSError):
-        silence(stream)
-        return False
-
-
-def silence(stream) -> None:
-    """Point ``stream``'s file descriptor at /dev/null, so that later writes (and the flush at
-    interpreter exit) neither fail nor print "Exception ignored ... BrokenPipeError"."""
-    try:
-        fd = stream.fileno()
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, fd)
-        os.close(null)
-    except (OSError, ValueError, AttributeError):
-        pass
-
-
-def output_closed(fds: tuple[int, ...] = (1, 2)) -> int | None:
-    """The first of ``fds`` that is a pipe or socket whose reader has gone (``poll`` reports
-    POLLERR or POLLHUP on it), else None. A terminal or file never counts as closed."""
-    poller = select.poll()
-    watched = []
-    for fd in fds:
-        try:
-            mode = os.fstat(fd).st_mode
-        except OSError:
-            continue
-        if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
-            poller.register(fd, 0)  # errors and hang-ups are always reported
-            watched.append(fd)
-    if not watched:
-        return None
-    for fd, events in poller.poll(0):
-        if events & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
-            return fd
-    return None
 
 
 def check_model(model: str) -> int:
@@ -244,29 +195,3 @@ def one_line_errors(what: str) -> Iterator[None]:
         log.debug("%s", what, exc_info=True)
         raise StartupError(f"{what}: {type(exc).__name__}: {exc} "
                            f"(--log-level debug shows where)") from None
-
-
-def _stream_fds() -> tuple[int, ...]:
-    """Of fds 1 and 2, those that are this process's sys.stdout / sys.stderr (a process
-    started with a closed fd 1 may later reuse the number for a socket: never watch that)."""
-    out = []
-    for fd, stream in ((1, sys.stdout), (2, sys.stderr)):
-        try:
-            if stream is not None and stream.fileno() == fd:
-                out.append(fd)
-        except (OSError, ValueError, AttributeError):
-            pass
-    return tuple(out)
-
-
-async def watch_output(server, closed: list[str]) -> None:
-    """Stop the server when the reader of its stdout or stderr has gone (``... | head -3``):
-    checked every 0.2 s; ``closed`` gets "stdout" or "stderr"."""
-    fds = _stream_fds()
-    while fds and not server.should_exit:
-        await asyncio.sleep(0.2)
-        fd = output_closed(fds)
-        if fd is not None:
-            closed.append("stdout" if fd == 1 else "stderr")
-            silence(sys.stdout if fd == 1 else sys.stderr)
-            server.should_exit = True

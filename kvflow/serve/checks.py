@@ -1,0 +1,195 @@
+"""The flags of ``python -m kvflow.serve`` read into a :class:`~kvflow.serve.config.ServeConfig`
+and checked together, before anything starts.
+
+Every refusal is one line (:class:`~kvflow.serve.startup.StartupError`) naming the flag, its
+value and a fix: a value out of range, a flag that would be silently ignored with the others
+given (``--kv-connector`` with ``--mode colocated``, ``--router-url`` with ``--role all``,
+``--prefill-device`` on CPU, ``--num-blocks`` with a memory budget), an option
+``--kv-connector-config`` does not know, a KV cache larger than this machine's memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from .config import CONNECTOR_OPTIONS, ServeConfig, build_parser, flag_name
+from .startup import StartupError
+
+_INSTANCE_ROLES = ("prefill", "decode", "colocated")
+_CONNECTOR_FLAGS = ("kv_connector", "kv_connector_config", "layerwise_min_tokens")
+_SECONDS = ("kv_lease_s", "receive_timeout_s", "admit_timeout_s", "dead_after_s",
+            "register_timeout_s")
+_POSITIVE = ("block_size", "max_model_len", "num_blocks", "memory_budget_mb",
+             "max_num_batched_tokens")
+
+
+def parse_config(argv: list[str] | None = None, description: str = "") -> ServeConfig:
+    """The checked config of the flags ``argv`` (default ``sys.argv[1:]``); ``--config-json``
+    (a parent's config for its child instance) stands alone.
+
+    Raises
+    ------
+    StartupError
+        One line naming the flag, its value and a fix.
+    """
+    given = vars(build_parser(description).parse_args(argv))
+    if "config_json" in given:
+        if len(given) > 1:
+            raise StartupError(f"--config-json (a parent's config for its child instance) takes "
+                               f"no other flag, got {', '.join(map(flag_name, sorted(given)[1:]))}")
+        try:
+            cfg = ServeConfig.from_json(given["config_json"])
+        except (ValueError, TypeError) as exc:
+            raise StartupError(f"--config-json: {exc}") from None
+        check_config(cfg, set())
+        return cfg
+    if "kv_connector_config" in given:
+        given["kv_connector_config"] = _json_object(given["kv_connector_config"])
+    cfg = ServeConfig(**given)
+    if cfg.api_key is None:
+        cfg.api_key = os.environ.get("KVFLOW_API_KEY") or None
+    check_config(cfg, set(given))
+    return cfg
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise StartupError(f"--kv-connector-config is not valid JSON ({exc}), got {text!r}; pass "
+                           f"an object such as '{{\"max_ctas\": 16}}'") from None
+    if not isinstance(value, dict):
+        raise StartupError(f"--kv-connector-config must be a JSON object such as "
+                           f"'{{\"max_ctas\": 16}}', got {text!r}")
+    return value
+
+
+def check_config(cfg: ServeConfig, given: set[str]) -> None:
+    """Check ``cfg``; ``given`` names the fields set by flags (combinations that would silently
+    ignore one of them are refused only when given).
+
+    Raises
+    ------
+    StartupError
+        One line naming the flag, its value and a fix.
+    """
+    from .budget import check_budget_flags
+    from .startup import check_model
+
+    _check_ranges(cfg)
+    _check_connector(cfg, given)
+    check_budget_flags(cfg.device, cfg.memory_budget_mb, cfg.gpu_memory_utilization)
+    for name in ("memory_budget_mb", "gpu_memory_utilization"):
+        if cfg.num_blocks is not None and getattr(cfg, name) is not None and name in given:
+            raise StartupError(f"give --num-blocks ({cfg.num_blocks}) or {flag_name(name)} "
+                               f"({getattr(cfg, name):g}), not both: --num-blocks sets the KV "
+                               f"cache size, {flag_name(name)} sizes it by a profile run")
+    if cfg.device == "cpu":
+        for name in ("prefill_device", "decode_device"):
+            if name in given:
+                raise StartupError(f"{flag_name(name)} {getattr(cfg, name)} needs --device cuda "
+                                   f"(on cpu there is one device); leave it out or add "
+                                   f"--device cuda")
+    limit = check_model(cfg.model)
+    if cfg.max_model_len is not None and cfg.max_model_len > limit:
+        raise StartupError(f"--max-model-len {cfg.max_model_len} exceeds the model's "
+                           f"max_position_embeddings={limit} ({cfg.model}); use at most {limit}")
+    _check_roles(cfg)
+    if cfg.backend != "auto":
+        from kvflow.kernels.registry import backend_names
+        if cfg.backend not in backend_names():
+            raise StartupError(f"--backend {cfg.backend} is unknown; use auto or one of "
+                               f"{', '.join(backend_names())}")
+    if cfg.num_blocks is not None and cfg.device == "cpu":
+        _check_cache_fits(cfg)
+
+
+def _check_ranges(cfg: ServeConfig) -> None:
+    if cfg.layerwise_min_tokens is not None and cfg.layerwise_min_tokens < 0:
+        raise StartupError(f"--layerwise-min-tokens must be >= 0, got {cfg.layerwise_min_tokens}")
+    for name in _SECONDS:
+        v = getattr(cfg, name)
+        if not 0 < v < 1e6:
+            raise StartupError(f"{flag_name(name)} must be a positive number of seconds, got {v}")
+    for name in ("prefill_device", "decode_device"):
+        if getattr(cfg, name) < 0:
+            raise StartupError(f"{flag_name(name)} must be a GPU ordinal >= 0, got "
+                               f"{getattr(cfg, name)}")
+    if not 0 < cfg.port < 65536:
+        raise StartupError(f"--port must be a port in 1..65535, got {cfg.port}")
+    for name in _POSITIVE:
+        v = getattr(cfg, name)
+        if v is not None and v <= 0:
+            raise StartupError(f"{flag_name(name)} must be positive, got {v}")
+    if not 0 <= cfg.control_port < 65536:
+        raise StartupError(f"--control-port must be a port in 0..65535 (0: a free one), got "
+                           f"{cfg.control_port}")
+    if ":" in cfg.host:
+        raise StartupError(f"--host {cfg.host} is an IPv6 address; kvflow's ZMQ sockets listen "
+                           f"on IPv4 only: use 127.0.0.1, 0.0.0.0 or an IPv4 address of this host")
+
+
+def _check_connector(cfg: ServeConfig, given: set[str]) -> None:
+    if "colocated" in (cfg.mode, cfg.role):
+        for name in _CONNECTOR_FLAGS:
+            if name in given:
+                value = getattr(cfg, name)
+                shown = json.dumps(value) if isinstance(value, dict) else value
+                where = "--mode colocated" if cfg.mode == "colocated" else "--role colocated"
+                raise StartupError(f"{flag_name(name)} {shown} has no effect with {where} (one "
+                                   f"instance prefills and decodes: no KV moves); leave it out")
+    kind = cfg.kv_connector
+    if kind == "auto":
+        kind = "ipc-push" if cfg.device == "cuda" else "ipc-pull"
+    options = CONNECTOR_OPTIONS[kind]
+    for key, value in cfg.kv_connector_config.items():
+        if key not in options:
+            takes = (f"it takes {', '.join(options)}" if options else "it takes no options")
+            raise StartupError(f"--kv-connector-config: {key!r} is not an option of the {kind} "
+                               f"connector; {takes}")
+        if type(value) is not int or value < 1:
+            raise StartupError(f"--kv-connector-config: {key} must be an integer >= 1, got "
+                               f"{json.dumps(value)}")
+
+
+def _check_roles(cfg: ServeConfig) -> None:
+    if cfg.role in _INSTANCE_ROLES and not cfg.router_url:
+        raise StartupError(f"--role {cfg.role} needs --router-url tcp://HOST:PORT (the router's "
+                           f"control address)")
+    if cfg.router_url is None:
+        return
+    m = re.fullmatch(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(\d+)", cfg.router_url)
+    if not m:
+        raise StartupError(f"--router-url must look like tcp://HOST:PORT, got {cfg.router_url!r}")
+    if not 0 < int(m.group(2)) < 65536:
+        raise StartupError(f"--router-url {cfg.router_url}: port {m.group(2)} is not in "
+                           f"1..65535; use the control address the router printed")
+    if cfg.role not in _INSTANCE_ROLES:
+        raise StartupError(f"--router-url {cfg.router_url} is for an instance that joins a router "
+                           f"(--role prefill, decode or colocated); --role {cfg.role} starts its "
+                           f"own router: leave --router-url out")
+
+
+def _check_cache_fits(cfg: ServeConfig) -> None:
+    """``--num-blocks`` on CPU: one instance's KV cache must fit in this machine's memory."""
+    from kvflow.layout import KVCacheSpec, as_torch_dtype
+    from kvflow.model.config import PRESETS, ModelConfig
+
+    if cfg.model in PRESETS:
+        mc = PRESETS[cfg.model]
+    else:
+        with open(os.path.join(cfg.model, "config.json"), encoding="utf-8") as f:
+            mc = ModelConfig.from_hf(json.load(f), name=cfg.model)
+    spec = KVCacheSpec(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
+                       head_dim=mc.head_dim, block_size=cfg.block_size,
+                       dtype=as_torch_dtype(cfg.dtype))
+    need = cfg.num_blocks * spec.bytes_per_block
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise StartupError(f"--num-blocks {cfg.num_blocks} needs {need / 2**30:.1f} GiB of KV "
+                           f"cache per instance ({spec.bytes_per_block} bytes per block of "
+                           f"{cfg.model}) but this machine has {have / 2**30:.1f} GiB of memory; "
+                           f"lower --num-blocks, or leave it out to size the cache by a profile "
+                           f"run from --memory-budget-mb")

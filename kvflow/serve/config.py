@@ -1,0 +1,235 @@
+"""Every setting of ``python -m kvflow.serve`` in one place: :class:`ServeConfig`.
+
+Each CLI flag is a field of :class:`ServeConfig`; its metadata holds the help text (and the
+choices), and :func:`build_parser` generates the argparse parser from the fields, so a flag is
+written once: name, type, default, help. The parent process hands its child instances the
+config as JSON (:meth:`ServeConfig.to_json` / :meth:`ServeConfig.from_json`), never a rebuilt
+argv; the checks of the values together are in :mod:`kvflow.serve.checks`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+#: the KV connector kinds of ``--kv-connector`` (``auto``: ipc-push on CUDA, ipc-pull on CPU)
+KV_CONNECTORS = ("auto", "ipc-pull", "ipc-push", "tcp")
+#: the options ``--kv-connector-config`` takes per connector kind, and what each means
+CONNECTOR_OPTIONS: dict[str, dict[str, str]] = {
+    "ipc-pull": {},
+    "ipc-push": {"layers_per_copy": "layers per layerwise copy launch, default 4",
+                 "max_ctas": "programs (CTAs) of each layerwise copy on CUDA, default 16: fewer "
+                             "leave the prefill more SMs, more copy each group faster"},
+    "tcp": {},
+}
+
+
+def _flag(help: str, *, choices: tuple[str, ...] | None = None, default_text: str | None = None,
+          metavar: str | None = None) -> dict[str, Any]:
+    """Field metadata of one CLI flag: its help text without the default (the parser appends
+    ``default_text``, else the field's default), and its choices."""
+    return {"help": help, "choices": choices, "default_text": default_text, "metavar": metavar}
+
+
+def _internal(help: str) -> dict[str, Any]:
+    """Field metadata of a setting that is not a flag (set by the parent process or tests)."""
+    return {"help": help, "internal": True}
+
+
+@dataclass
+class ServeConfig:
+    """The settings of a router, a prefill (P), decode (D) or colocated instance.
+
+    Field names are the flags' (``--kv-lease-s`` is ``kv_lease_s``); times are seconds, memory
+    MiB, lengths tokens. Build it with :func:`kvflow.serve.checks.parse_config` (flags, checked)
+    or :meth:`from_json` (a parent's config); tests may construct it directly.
+    """
+
+    host: str = field(default="127.0.0.1", metadata=_flag(
+        "address the router (HTTP and control socket) and D's data socket bind to "
+        "(127.0.0.1: this machine only)"))
+    port: int = field(default=8000, metadata=_flag("HTTP port of the router"))
+    mode: str = field(default="disagg", metadata=_flag(
+        "disagg: separate P and D instances that move the KV cache over --kv-connector; "
+        "colocated: one instance prefills and decodes in one cache (the reference for token "
+        "identity)", choices=("disagg", "colocated")))
+    model: str = field(default="kvflow-tiny", metadata=_flag(
+        "built-in model name (kvflow-tiny: seeded weights, byte tokenizer, no download) or a "
+        "local Hugging Face Llama/Qwen2 checkpoint directory"))
+    kv_connector: str = field(default="auto", metadata=_flag(
+        "how a request's KV moves from P to D: ipc-pull (D copies from P's exported cache: "
+        "shared memory on CPU, CUDA IPC on GPU), ipc-push (D exports its cache and P writes "
+        "each group of layers into D's blocks while it prefills), tcp (P gathers blocks into "
+        "zero-copy ZMQ frames, D scatters them; P and D may be on different hosts); auto: "
+        "ipc-push with --device cuda, ipc-pull on CPU", choices=KV_CONNECTORS))
+    kv_connector_config: dict = field(default_factory=dict, metadata=_flag(
+        "JSON object of options of the connector, e.g. '{\"max_ctas\": 8}'; " + "; ".join(
+            f"{kind}: " + (", ".join(f"{k} ({v})" for k, v in opts.items()) or "none")
+            for kind, opts in CONNECTOR_OPTIONS.items()), default_text="{}", metavar="JSON"))
+    layerwise_min_tokens: int | None = field(default=None, metadata=_flag(
+        "prompts of at least this many tokens move layer by layer while P still prefills; "
+        "shorter ones move after the prefill (above --max-model-len: every one)",
+        default_text="the connector's: 0 for ipc-push; 16384 otherwise, as on one H200 the "
+                     "host-signalled path beat moving after the prefill only from 16K tokens"))
+    device: str = field(default="cpu", metadata=_flag(
+        "torch device of the model and caches; with cuda and --role all each instance gets its "
+        "own GPU (see --prefill-device)", choices=("cpu", "cuda")))
+    prefill_device: int = field(default=0, metadata=_flag(
+        "with --device cuda: GPU (this process's ordinal) of the prefill or colocated instance"))
+    decode_device: int = field(default=1, metadata=_flag(
+        "with --device cuda: GPU of the decode instance; P and D each also see the other's "
+        "GPU, to open its cache by CUDA IPC. Equal to --prefill-device (e.g. 0 on a one-GPU "
+        "machine): P and D share that GPU, each with half of --gpu-memory-utilization"))
+    dtype: str = field(default="float32", metadata=_flag(
+        "model weights and KV cache dtype", choices=("float32", "bfloat16", "float16")))
+    block_size: int = field(default=16, metadata=_flag("tokens per KV block"))
+    max_model_len: int | None = field(default=None, metadata=_flag(
+        "longest prompt + generated tokens of one request", default_text="min(model limit, 2048)"))
+    max_num_batched_tokens: int = field(default=512, metadata=_flag(
+        "tokens per prefill forward (chunked prefill) and the profile run's batch"))
+    num_blocks: int | None = field(default=None, metadata=_flag(
+        "KV blocks per instance", default_text="sized by a profile run from the memory budget "
+                                               "(--memory-budget-mb, or --gpu-memory-utilization "
+                                               "on CUDA)"))
+    memory_budget_mb: int | None = field(default=None, metadata=_flag(
+        "MiB per instance for weights + activations + KV cache, for the profile run",
+        default_text="512 on CPU; on CUDA the budget is --gpu-memory-utilization"))
+    gpu_memory_utilization: float | None = field(default=None, metadata=_flag(
+        "with --device cuda: fraction of the GPU's free memory (measured when the instance "
+        "starts) that one instance takes for weights + activations + KV cache, as vLLM's flag",
+        default_text="0.9; P and D on one GPU get half each"))
+    backend: str = field(default="auto", metadata=_flag(
+        "kvflow.kernels backend for block movement"))
+    role: str = field(default="all", metadata=_flag(
+        "all: router + instances as child processes; router: the router only; "
+        "prefill/decode/colocated: one instance that registers with --router-url",
+        choices=("all", "router", "prefill", "decode", "colocated")))
+    router_url: str | None = field(default=None, metadata=_flag(
+        "the router's control address tcp://HOST:PORT (printed by --role router); needed by "
+        "--role prefill/decode/colocated", default_text="none"))
+    control_port: int = field(default=0, metadata=_flag(
+        "port of the router's ZMQ control socket (0: a free port)"))
+    register_timeout_s: float = field(default=60.0, metadata=_flag(
+        "--role prefill/decode/colocated: give up (exit 1) when the router has not answered the "
+        "registration within this many seconds after start-up; a warning says every few "
+        "seconds that the instance waits"))
+    enable_prefix_caching: bool = field(default=False, metadata=_flag(
+        "D keeps a prefix cache of full prompt blocks; a hit moves only the missing blocks"))
+    kv_lease_s: float = field(default=5.0, metadata=_flag(
+        "P holds blocks it sent only while D renews this lease (or until D's ack); seconds"))
+    receive_timeout_s: float = field(default=120.0, metadata=_flag(
+        "D frees a request whose KV has not arrived within this many seconds"))
+    admit_timeout_s: float = field(default=30.0, metadata=_flag(
+        "router: while D has no free blocks for a request, retry this long, then HTTP 503"))
+    dead_after_s: float = field(default=2.0, metadata=_flag(
+        "router: an instance that sent nothing for this long is dead"))
+    api_key: str | None = field(default=None, metadata=_flag(
+        "router: require 'Authorization: Bearer KEY' on /v1/* (HTTP 401 otherwise); also read "
+        "from the KVFLOW_API_KEY environment variable", default_text="no key"))
+    log_level: str = field(default="warning", metadata=_flag(
+        "how much the processes log to stderr", choices=("debug", "info", "warning", "error")))
+    heartbeat_s: float = field(default=0.2, metadata=_internal(
+        "an instance reports its free blocks to the router this often (seconds)"))
+    parent_pid: int | None = field(default=None, metadata=_internal(
+        "an instance started by python -m kvflow.serve exits when this parent is gone"))
+
+    # MERGE: the names the instances read until the connector branch lands (lead: remove)
+    @property
+    def router_addr(self) -> str:  # MERGE:
+        return self.router_url or ""
+
+    @property
+    def transfer(self) -> str:  # MERGE:
+        return "tcp" if self.kv_connector == "tcp" else "ipc"
+
+    @property
+    def ipc_direction(self) -> str:  # MERGE:
+        return {"ipc-push": "push", "ipc-pull": "pull"}.get(self.kv_connector, "auto")
+
+    @property
+    def transfer_mode(self) -> str:  # MERGE: a threshold past every prompt is request mode
+        t = self.layerwise_min_tokens
+        return "request" if t is not None and t > (self.max_model_len or 2048) else "layerwise"
+
+    @property
+    def layerwise_max_ctas(self) -> int | None:  # MERGE:
+        return self.kv_connector_config.get("max_ctas")
+
+    @property
+    def layers_per_copy(self) -> int | None:  # MERGE:
+        return self.kv_connector_config.get("layers_per_copy")
+
+    def to_json(self) -> str:
+        """The config as one JSON object (what a child instance gets)."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ServeConfig":
+        """The config :meth:`to_json` wrote.
+
+        Raises
+        ------
+        ValueError
+            ``text`` is not a JSON object, or names a setting :class:`ServeConfig` lacks.
+        """
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"a ServeConfig is a JSON object, got {type(data).__name__}")
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"ServeConfig has no setting {', '.join(unknown)}")
+        return cls(**data)
+
+
+def cli_fields() -> list[dataclasses.Field]:
+    """The fields of :class:`ServeConfig` that are CLI flags (all but the internal ones)."""
+    return [f for f in dataclasses.fields(ServeConfig) if not f.metadata.get("internal")]
+
+
+def flag_name(name: str) -> str:
+    """The flag of field ``name``: ``kv_lease_s`` -> ``--kv-lease-s``."""
+    return "--" + name.replace("_", "-")
+
+
+def default_of(f: dataclasses.Field) -> Any:
+    """The default value of field ``f`` (also for ``default_factory`` fields)."""
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (:class:`~kvflow.serve.startup.StartupError`, exit 1)
+    instead of usage + exit 2."""
+
+    def error(self, message: str):
+        from .startup import StartupError
+        raise StartupError(f"{message}; python -m kvflow.serve --help lists the flags")
+
+
+def build_parser(description: str = "") -> argparse.ArgumentParser:
+    """The parser of ``python -m kvflow.serve``, one flag per field of :class:`ServeConfig`.
+
+    Every flag's default is ``argparse.SUPPRESS``: the namespace holds only the flags given
+    (the defaults stay in :class:`ServeConfig`); ``--help`` shows each field's default.
+    ``--config-json`` (hidden) is how a parent hands a child instance its whole config.
+    """
+    p = _Parser(prog="python -m kvflow.serve", description=description,
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+                argument_default=argparse.SUPPRESS)
+    hints = typing.get_type_hints(ServeConfig)
+    for f in cli_fields():
+        meta, default = f.metadata, default_of(f)
+        if hints[f.name] is bool:
+            p.add_argument(flag_name(f.name), action="store_true", help=meta["help"])
+            continue
+        base = [t for t in typing.get_args(hints[f.name]) if t is not type(None)] or [hints[f.name]]
+        kind = base[0] if base[0] in (int, float) else str  # dicts arrive as JSON text
+        shown = meta["default_text"] or default
+        metavar = meta["metavar"] or {int: "N", float: "S" if f.name.endswith("_s") else "X"}.get(kind)
+        p.add_argument(flag_name(f.name), type=kind, choices=meta["choices"], metavar=metavar,
+                       help=f"{meta['help']} (default: {shown})")
+    p.add_argument("--config-json", help=argparse.SUPPRESS)
+    return p

@@ -1,0 +1,129 @@
+"""The router process of ``python -m kvflow.serve`` (``--role all`` or ``router``): the control
+plane (:class:`~kvflow.serve.control.Controller`), the child instances (``--role all``: each
+gets the config as JSON, :func:`instance_config`), and the HTTP server
+(:func:`~kvflow.serve.app.create_app` under uvicorn) until it stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import sys
+
+from .config import ServeConfig
+from .output import say
+from .startup import StartupError, one_line_errors
+
+
+def instance_config(cfg: ServeConfig, role: str, router_url: str) -> ServeConfig:
+    """The config of child instance ``role`` of a ``--role all`` server: the parent's, with the
+    role, the router's control address, this process as its parent, no API key (the router's
+    alone), and half of ``--gpu-memory-utilization`` each when P and D share one GPU."""
+    from .budget import shared_gpu_utilization
+
+    child = dataclasses.replace(cfg, role=role, router_url=router_url, api_key=None,
+                                parent_pid=os.getpid())
+    if (cfg.device == "cuda" and cfg.mode == "disagg" and cfg.memory_budget_mb is None
+            and cfg.num_blocks is None and cfg.prefill_device == cfg.decode_device):
+        child.gpu_memory_utilization = shared_gpu_utilization(cfg.gpu_memory_utilization, 2)
+    return child
+
+
+def connector_name(cfg: ServeConfig) -> str:
+    """``--kv-connector`` with ``auto`` resolved: ipc-push on CUDA, ipc-pull on CPU."""
+    # MERGE: kvflow.connector.resolve_connector(cfg.kv_connector, cfg.device) replaces this
+    if cfg.kv_connector != "auto":
+        return cfg.kv_connector
+    return "ipc-push" if cfg.device == "cuda" else "ipc-pull"
+
+
+def _controller(cfg: ServeConfig, metrics, children, tokenizer):
+    """The control plane, bound to ``--host``:``--control-port``; it refuses instances whose
+    tokenizer is not ``tokenizer`` (the router's)."""
+    import zmq
+
+    from .control import Controller
+    from .startup import bind_error
+    try:
+        return Controller(cfg.host, cfg.control_port, mode=cfg.mode, metrics=metrics,
+                          proc_alive=children.alive if children else None,
+                          dead_after_s=cfg.dead_after_s, model=cfg.model,
+                          tokenizer=tokenizer.digest)
+    except zmq.ZMQError as exc:
+        raise bind_error("--control-port", cfg.control_port, cfg.host, cfg.control_port,
+                         exc.errno, zmq.strerror(exc.errno)) from None
+
+
+async def serve_router(cfg: ServeConfig, http_sock, children, serving: list[bool]) -> int:
+    """Serve HTTP on ``http_sock`` until stopped; return the exit status. ``serving`` gets True
+    once the router listens (``children``: :class:`~kvflow.serve.procs.Children` or None).
+
+    Raises
+    ------
+    StartupError
+        The tokenizer, the control socket or a child could not start.
+    """
+    import uvicorn
+
+    from kvflow.transfer.shm import clean_stale_segments
+
+    from .app import create_app
+    from .metrics import Metrics
+    from .procs import instance_env, watch_children
+    from .router import Router, load_tokenizer
+    from .output import watch_output
+
+    metrics = Metrics()
+    ctl = None
+    try:
+        with one_line_errors("the router could not start"):
+            try:
+                tokenizer = load_tokenizer(cfg.model)
+            except (OSError, ValueError) as exc:
+                raise StartupError(f"--model {cfg.model}: cannot load its tokenizer: {exc}") from None
+            ctl = _controller(cfg, metrics, children, tokenizer)
+            ctl.start()
+            if children is not None:
+                roles = ("colocated",) if cfg.mode == "colocated" else ("prefill", "decode")
+                for role in roles:
+                    children.spawn(role, instance_config(cfg, role, ctl.addr),
+                                   env=instance_env(role, cfg.device, cfg.prefill_device,
+                                                    cfg.decode_device))
+        router = Router(ctl, tokenizer, cfg.model, metrics,
+                        admit_timeout_s=cfg.admit_timeout_s, api_key=cfg.api_key)
+        server = uvicorn.Server(uvicorn.Config(create_app(router), log_level=cfg.log_level,
+                                               access_log=False, lifespan="off",
+                                               timeout_graceful_shutdown=3))
+        host, port = http_sock.getsockname()[:2]
+        pids = (", ".join(f"{children.roles[pid]} pid {pid}" for pid in children.procs)
+                if children else "none")
+        kind = "none" if cfg.mode == "colocated" else connector_name(cfg)
+        closed: list[str] = []
+        serving.append(True)
+        if not say(f"kvflow.serve: router listening on http://{host}:{port} (mode {cfg.mode}, "
+                   f"kv connector {kind}, model {cfg.model}; control {ctl.addr}; "
+                   f"instances: {pids}). Ctrl-C stops."):
+            closed.append("stdout")
+            server.should_exit = True
+        failed: list[str] = []
+        watchers = [asyncio.ensure_future(watch_output(server, closed))]
+        if children is not None:
+            watchers.append(asyncio.ensure_future(watch_children(children, ctl, server, failed)))
+        try:
+            await server.serve(sockets=[http_sock])
+        finally:
+            for w in watchers:
+                w.cancel()
+        if closed and not failed:
+            say(f"kvflow.serve: stopping: the reader of {closed[0]} has gone (a closed pipe)",
+                sys.stderr)
+        return 1 if failed or closed else 0
+    finally:
+        if children is not None:
+            children.stop_all()
+        # every kind of segment whose owner is gone (the children's, also those of one killed
+        # earlier); an instance started on its own keeps its segments while it runs
+        clean_stale_segments()
+        if ctl is not None:
+            await ctl.close()
