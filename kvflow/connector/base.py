@@ -1,33 +1,34 @@
-"""The connector interface: how a request's KV blocks get from P's paged cache into D's.
+"""The connector contract: how a request's KV blocks get from P's paged cache into D's.
 
-A transfer has two halves, both driven by the instances' event loops over one ZMQ link
-(P's DEALER connected to D's ROUTER data socket):
+A connector has two halves, both driven by the instances' event loops over one ZMQ link per
+(P, D) pair (P's DEALER connected to D's ROUTER data socket):
 
-- :class:`KVSender` (on P) turns "request ``req_id`` has its prompt KV in my blocks
-  ``src_ids``" into frames for D (:meth:`KVSender.send`), and says whether P's blocks must stay
-  allocated until D acknowledges (:attr:`KVSender.holds_blocks`).
-- :class:`KVReceiver` (on D) meets P once (:meth:`KVReceiver.attach`, at pairing) and turns
-  those frames into blocks of its own cache at the block ids D allocated
-  (:meth:`KVReceiver.receive`), returning the payload bytes actually moved.
+- :class:`KVSender` (P's half) builds P's cache (exported when D reads it), meets each paired D
+  (:meth:`~KVSender.attach` / :meth:`~KVSender.detach`), and runs a request's prefill through
+  :meth:`Engine.prefill <kvflow.engine.Engine.prefill>` with its per-chunk / per-layer hooks
+  (:meth:`~KVSender.prefill`), sending the KV (or a pointer to it) to the request's D.
+- :class:`KVReceiver` (D's half) builds D's cache (exported when P writes it), meets each
+  paired P, and turns what arrives into blocks of D's cache at the block ids D allocated
+  (:meth:`~KVReceiver.receive`).
 
-Layerwise transfer (:mod:`kvflow.transfer.layerwise` on P, :mod:`kvflow.transfer.parts` on D)
-sends a request as several :class:`~kvflow.protocol.KVLayer` parts
-(:meth:`KVSender.send_part`); :meth:`KVReceiver.receive` returns None until the last one.
-
-D always writes into the block table it allocated itself; P's ids only name where to read.
-Sends are refused while a dummy/profile run is in progress (:func:`kvflow.context.sends_allowed`).
+Layerwise is a property of the sender: prompts of at least ``layerwise_min_tokens`` tokens move
+layer by layer during the prefill, shorter ones after it; a threshold above ``max_model_len``
+creates nothing layerwise. D always writes into the block table it allocated itself; P's ids only
+name where to read. Nothing is sent inside a dummy/profile run
+(:func:`kvflow.context.sends_allowed`).
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from kvflow.cache import PagedKVCache
 from kvflow.context import sends_allowed
+from kvflow.layout import KVCacheSpec
 
 
 class TransferError(RuntimeError):
@@ -36,14 +37,99 @@ class TransferError(RuntimeError):
 
 @dataclasses.dataclass
 class TransferStats:
-    """What one request's transfer moved: blocks, payload bytes, and D-side copy time (ms)."""
+    """What one request's transfer moved, as D saw it.
+
+    Attributes
+    ----------
+    blocks : int
+        Prompt blocks written into D's cache (a prefix hit's blocks excluded).
+    payload_bytes : int
+        Bytes moved (``blocks`` x :attr:`KVCacheSpec.bytes_per_block` for whole blocks).
+    copy_ms : float
+        Copy time (ms): D's copy for ipc-pull / tcp, P's copy calls for ipc-push.
+    layerwise : bool
+        The request moved layer by layer during the prefill.
+    """
     blocks: int
     payload_bytes: int
     copy_ms: float
+    layerwise: bool = False
+
+
+@dataclasses.dataclass
+class Peer:
+    """The other instance of a pairing (from :class:`~kvflow.protocol.Pair`).
+
+    Attributes
+    ----------
+    id : str
+        Its instance id.
+    spec : KVCacheSpec
+        Its KV cache spec (equal to ours: checked before attaching).
+    num_blocks : int
+        Blocks of its cache.
+    shm_name : str
+        Its exported cache ('' if it exports none).
+    data_addr : str
+        D's data socket (P connects its link there; '' for a P).
+    """
+    id: str
+    spec: KVCacheSpec
+    num_blocks: int
+    shm_name: str = ""
+    data_addr: str = ""
+
+
+@dataclasses.dataclass
+class PrefillJob:
+    """One request as P's connector sees it.
+
+    Attributes
+    ----------
+    req_id : str
+    token_ids : list[int]
+        The prompt.
+    blocks : list[int]
+        P's block table (covers the prompt).
+    decode_id : str
+        The D that allocated ``decode_block_ids`` (attached).
+    decode_block_ids : list[int]
+        D's block table of the request (logical block ``i`` is ``decode_block_ids[i]`` there).
+    num_cached_blocks : int
+        D's prefix hit: D already holds logical blocks ``0..num_cached_blocks-1``; not sent.
+    chunk_size : int or None
+        Prefill chunk (tokens).
+    sample : callable
+        ``sample(logits) -> int``: the first token from the last prompt token's logits.
+    """
+    req_id: str
+    token_ids: list[int]
+    blocks: list[int]
+    decode_id: str
+    decode_block_ids: list[int] = dataclasses.field(default_factory=list)
+    num_cached_blocks: int = 0
+    chunk_size: int | None = None
+    sample: Callable[[torch.Tensor], int] = lambda logits: int(logits.argmax())
+
+
+@dataclasses.dataclass
+class Handoff:
+    """What P keeps for a request after :meth:`KVSender.prefill` until D's
+    :class:`~kvflow.protocol.KVAck` or the lease ends.
+
+    Attributes
+    ----------
+    holds_blocks : bool
+        D reads P's blocks after the prefill returned (or parts still go out): keep them.
+    keep : object
+        Memory ZMQ still reads (a staging buffer), or None.
+    """
+    holds_blocks: bool
+    keep: Any = None
 
 
 def check_send_allowed(what: str) -> None:
-    """Raise if called during a dummy/profile run (nothing may be sent then)."""
+    """Raise RuntimeError if called during a dummy/profile run (nothing may be sent then)."""
     if not sends_allowed():
         raise RuntimeError(f"{what} during a dummy/profile run: nothing may be sent "
                            f"while is_dummy_or_profile_run is set")
@@ -56,60 +142,185 @@ def as_ids(ids: Any) -> torch.Tensor:
 
 
 class KVSender(abc.ABC):
-    """P's half of a transfer."""
+    """P's half of a connector.
+
+    Parameters
+    ----------
+    spec : KVCacheSpec
+        P's cache spec.
+    device : str or torch.device
+    instance_id : str
+        P's id (D acks layerwise parts to it; names P's segments).
+    backend : str
+        Kernel backend of the block copies.
+    layerwise_min_tokens : int or None
+        Prompts of at least this many tokens move layer by layer; None: the connector's
+        :attr:`default_layerwise_min_tokens`.
+    max_model_len : int
+        Longest prompt + output (tokens); a threshold above it creates nothing layerwise.
+    """
 
     name: str = ""
-    #: True when P's blocks are read by D after :meth:`send` returns (free them on D's ack).
-    holds_blocks: bool = True
+    #: ``layerwise_min_tokens`` when the config leaves it None.
+    default_layerwise_min_tokens: int = 16384
 
-    @abc.abstractmethod
-    def send(self, link: Any, req_id: str, cache: PagedKVCache, src_ids: list[int], *,
-             first_token: int, num_prompt_tokens: int) -> Any:
-        """Send the request's KV (or a pointer to it) over ``link`` (a zmq socket).
+    def __init__(self, spec: KVCacheSpec, device: Any = "cpu", *, instance_id: str = "p",
+                 backend: str = "auto", layerwise_min_tokens: int | None = None,
+                 max_model_len: int = 2048) -> None:
+        self.spec, self.device = spec, torch.device(device)
+        self.instance_id, self.backend, self.max_model_len = instance_id, backend, max_model_len
+        self.layerwise_min_tokens = (self.default_layerwise_min_tokens
+                                     if layerwise_min_tokens is None else layerwise_min_tokens)
+        self.links: dict[str, Any] = {}  # paired D -> the link to its data socket
+        self.cache: PagedKVCache | None = None
+        self.messages_sent = 0
 
-        Returns an object P must keep alive until D's :class:`~kvflow.protocol.KVAck`
-        (e.g. a staging buffer whose memory ZMQ sends zero-copy), or None.
-        """
+    @property
+    def layerwise_enabled(self) -> bool:
+        """Some prompt (``<= max_model_len`` tokens) can move layer by layer."""
+        return self.layerwise_min_tokens <= self.max_model_len
 
-    def send_part(self, link: Any, cache: PagedKVCache, src_ids: list[int], layers: range,
-                  **fields: Any) -> tuple[Any, float]:
-        """Send one layerwise part: layers ``layers`` of P's blocks ``src_ids`` as a
-        :class:`~kvflow.protocol.KVLayer` (``fields`` fill the header: ``req_id``,
-        ``reply_to``, ``block_offset``...). Returns ``(keep, gather_ms)``: an object to keep
-        alive until D's ack (or None) and P's gather time in ms (0 when nothing is gathered).
+    def goes_layerwise(self, num_prompt_tokens: int) -> bool:
+        """A prompt of this length moves layer by layer."""
+        return self.layerwise_enabled and num_prompt_tokens >= self.layerwise_min_tokens
+
+    # ---- set-up ------------------------------------------------------------------------
+    def make_cache(self, num_blocks: int) -> PagedKVCache:
+        """P's cache of ``num_blocks`` blocks (exported when D reads it)."""
+        self.cache = PagedKVCache(self.spec, num_blocks, device=self.device)
+        return self.cache
+
+    def warmup(self, engine: Any, chunk_size: int) -> None:
+        """Compile the connector's kernels on scratch caches and run any prefill path it needs
+        inside a dummy run (nothing registered, signalled or sent). Called before any socket."""
+
+    def export(self) -> dict[str, str]:
+        """Fields for P's :class:`~kvflow.protocol.Register` (e.g. ``shm_name``)."""
+        return {}
+
+    def attach(self, peer: Peer, ctx: Any = None, link: Any = None) -> Any:
+        """Meet D ``peer`` (at pairing; replaces an earlier attachment of that D only): open the
+        link to its data socket (a DEALER of ``ctx``, or ``link`` as given) and anything else
+        the connector needs (a mapping of D's cache, a layerwise socket). Returns the link
+        (P polls it for D's acks and lease renewals).
 
         Raises
         ------
-        RuntimeError
-            Inside a dummy/profile run.
+        TransferError
+            D's cache cannot be mapped (nothing stays attached).
         """
-        raise NotImplementedError(f"{type(self).__name__} has no layerwise path")
+        self.detach(peer.id)
+        if link is None:
+            import zmq
+            link = ctx.socket(zmq.DEALER)
+            link.setsockopt(zmq.IDENTITY, self.instance_id.encode())
+            link.connect(peer.data_addr)
+        self.links[peer.id] = link
+        try:
+            self._attach(peer, ctx)
+        except BaseException:
+            self.detach(peer.id)
+            raise
+        return link
 
-    def export(self) -> dict[str, str]:
-        """Fields for P's Register message (e.g. ``shm_name``)."""
-        return {}
+    def _attach(self, peer: Peer, ctx: Any) -> None:
+        """What the connector adds to a pairing beyond the link."""
+
+    def detach(self, peer_id: str) -> None:
+        """Forget D ``peer_id`` (unpaired or paired anew): close its link; others stay."""
+        link = self.links.pop(peer_id, None)
+        if link is not None:
+            link.close(0)
+
+    # ---- per request -------------------------------------------------------------------
+    @abc.abstractmethod
+    def prefill(self, engine: Any, job: PrefillJob) -> Handoff | None:
+        """Run ``job``'s prefill on ``engine`` (P's engine over :attr:`cache`) and send its KV
+        (or a pointer to it) to D ``job.decode_id``.
+
+        Returns
+        -------
+        Handoff or None
+            What to keep until D's ack; None when D sends no ack (P's blocks are free now).
+
+        Raises
+        ------
+        TransferError
+            ``job.decode_id`` not attached, bad block ids, a failed send. The caller frees
+            P's blocks and calls :meth:`fail`.
+        """
+
+    def fail(self, job: PrefillJob, error: str) -> None:
+        """``job`` will not be (completely) sent: tell its D when D waits for P's word."""
+
+    def release(self, req_id: str) -> None:
+        """D acked ``req_id``, it was aborted or its lease ended: drop what is kept for it."""
+
+    def pop_errors(self) -> list[tuple[str, BaseException]]:
+        """Requests whose transfer failed after :meth:`prefill` returned: ``(req_id, error)``."""
+        return []
 
     def close(self) -> None:
-        """Release resources (shared memory, staging buffers)."""
+        """Close the links and release exports, threads and sockets."""
+        for peer_id in list(self.links):
+            KVSender.detach(self, peer_id)
 
 
 class KVReceiver(abc.ABC):
-    """D's half of a transfer."""
+    """D's half of a connector.
+
+    Parameters
+    ----------
+    spec : KVCacheSpec
+        D's cache spec.
+    device : str or torch.device
+    backend : str
+        Kernel backend of the block copies.
+    """
 
     name: str = ""
+    #: D acks each transfer (P keeps blocks or buffers until then).
+    acks: bool = True
+    #: D reads P's memory after P sent the pointer: check P's lease first.
+    reads_peer_memory: bool = False
+    #: P writes D's blocks: blocks of a request that ends early stay lent until P is done.
+    peer_writes: bool = False
+    #: P and D share one host (their processes can be judged by pid).
+    host_local: bool = True
 
-    def attach(self, peer_id: str, peer_spec: Any, peer_num_blocks: int, shm_name: str = "") -> None:
-        """Meet P (at pairing): map its cache if the transfer reads it directly."""
+    def __init__(self, spec: KVCacheSpec, device: Any = "cpu", *, backend: str = "auto") -> None:
+        self.spec, self.device, self.backend = spec, torch.device(device), backend
+        self.cache: PagedKVCache | None = None
+
+    def make_cache(self, num_blocks: int) -> PagedKVCache:
+        """D's cache of ``num_blocks`` blocks (exported when P writes into it)."""
+        self.cache = PagedKVCache(self.spec, num_blocks, device=self.device)
+        return self.cache
+
+    def warmup(self) -> None:
+        """Compile the copy kernels on scratch caches (no socket exists yet)."""
+
+    def export(self) -> dict[str, str]:
+        """Fields for D's :class:`~kvflow.protocol.Register` (``shm_name``: '' if none)."""
+        return {"shm_name": ""}
+
+    def describe(self) -> dict[str, Any]:
+        """The connector fields of a request's ``kvflow`` response block."""
+        return {"kv_connector": self.name}
+
+    def attach(self, peer: Peer) -> None:
+        """Meet P ``peer`` (at pairing): map its cache if D reads it directly."""
 
     def detach(self, peer_id: str) -> None:
-        """Forget P ``peer_id`` (it died): drop its mapping, if the transfer keeps one."""
+        """Forget P ``peer_id`` (it died): drop its mapping, if the connector keeps one."""
 
     @abc.abstractmethod
     def receive(self, header: Any, frames: list[Any], cache: PagedKVCache,
-                dst_ids: list[int], peer_id: str | None = None) -> TransferStats:
-        """Put the request's KV described by ``header`` (+ raw ``frames``) into ``cache`` at
-        ``dst_ids`` (D's own block ids, one per prompt block). ``peer_id``: the P that sent it
-        (a D paired with several P's reads the sender's cache; None: the last paired one).
+                dst_ids: list[int], peer_id: str | None = None) -> TransferStats | None:
+        """Put the KV described by ``header`` (+ raw ``frames``) into ``cache`` at ``dst_ids``
+        (D's own block ids, one per prompt block not in D's prefix hit). ``peer_id``: the P
+        that sent it (None: the last paired one). Returns None while layerwise parts are
+        missing, the request's totals when its KV is complete.
 
         Raises
         ------
@@ -119,9 +330,6 @@ class KVReceiver(abc.ABC):
 
     def forget(self, req_id: str) -> None:
         """Drop the state of a partly received layerwise transfer (D ended the request)."""
-        parts = getattr(self, "parts", None)
-        if parts is not None:
-            parts.forget(req_id)
 
     def close(self) -> None:
-        """Unmap the peer."""
+        """Unmap the peers and remove this side's export."""

@@ -1,137 +1,66 @@
-"""``ipc`` transfer (one host, CPU): P's paged cache lives in POSIX shared memory; D maps it
-read-only once, at pairing, and pulls each request's blocks with
-:func:`kvflow.kernels.copy_blocks` straight into the block ids D allocated.
+"""``ipc-pull`` (one host): P's paged cache is exported (CPU: POSIX shared memory, :mod:`.shm`;
+CUDA: one allocation's IPC handle, :mod:`.cuda_ipc`); D maps it once, at pairing, and pulls each
+request's blocks with :func:`kvflow.kernels.copy_blocks` straight into the block ids D
+allocated. P sends a :class:`~kvflow.protocol.KVReady` naming its blocks (a few bytes) and keeps
+them until D's ack or the lease ends.
 
-Segments are files under ``/dev/shm`` named, created and cleaned by :mod:`kvflow.segments`
-(``kvflow-<role>-<owner>-<random hex>``: unique per instance, ``O_EXCL``, mode 0600, every
-page reserved at creation, so a cache larger than the free shared memory is refused at start-up
-instead of dying with SIGBUS later); unlinked by the owner on exit (and by the parent server if
-the owner is killed); :func:`clean_stale_segments` removes those whose owner is judged dead.
+Layerwise (:class:`~kvflow.protocol.KVLayer`, :mod:`.framed`): D is told per part (layers + P's
+block ids) and pulls just that with ``copy_blocks(..., layers=range)``; P never writes into D's
+cache.
 
-Layerwise (:class:`~kvflow.protocol.KVLayer`): D is told per part (layers + P's block ids) and
-pulls just that with ``copy_blocks(..., layers=range)``; P never writes into D's cache.
+On CUDA the copy kernel runs where ``direction`` says (:class:`CudaIpcPullReceiver`):
+``"push"`` (default) on P's GPU from D's process, reading the mapping locally and writing D's
+cache over NVLink; ``"pull"`` on D's GPU (on 2 x H200, torch 2.11, a pull kernel reading the
+IPC-mapped memory faulted with an illegal address: docs/design.md). D waits once per request
+before acknowledging, since P reuses its blocks after the ack.
 """
 
 from __future__ import annotations
 
-import logging
-import mmap
-import os
 import time
-import warnings
 from typing import Any
 
 import torch
 
 from kvflow.cache import PagedKVCache
 from kvflow.kernels import copy_blocks, payload_bytes
-from kvflow.layout import KVCacheSpec
 from kvflow.protocol import KVLayer, KVReady, encode
 
-from kvflow import segments
-
-from .shm import SHM_DIR, clean_stale_segments, shm_path, unlink_segment  # noqa: F401
-from .base import KVReceiver, KVSender, TransferError, TransferStats, as_ids, check_send_allowed
-from .parts import LayerParts
-
-log = logging.getLogger("kvflow.transfer.ipc")
-
-class SharedCache:
-    """A :class:`PagedKVCache` laid over a shared-memory segment.
-
-    Parameters
-    ----------
-    spec : KVCacheSpec
-    num_blocks : int
-    role : str
-        Part of the segment name (``prefill``, ``decode``...).
-
-    Attributes
-    ----------
-    name : str
-        Segment name, to hand to the peer.
-    cache : PagedKVCache
-        The cache (``cache.buffer`` is the mapping).
-
-    Raises
-    ------
-    ValueError
-        ``role`` not lowercase letters.
-    kvflow.segments.SegmentSpaceError
-        The cache (``num_blocks * spec.bytes_per_block`` bytes) does not fit in the free
-        shared memory; the message gives both sizes and the flags that lower the first.
-    """
-
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, role: str = "prefill") -> None:
-        nbytes = num_blocks * spec.bytes_per_block
-        self.name, fd = segments.create(
-            role, nbytes, what=f"the {role} instance's KV cache ({num_blocks} blocks x "
-                               f"{spec.bytes_per_block} bytes)",
-            hint="lower --num-blocks or --memory-budget-mb")
-        self.path = shm_path(self.name)
-        try:
-            self._mmap = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            os.unlink(self.path)
-            raise
-        os.close(fd)
-        self.cache = PagedKVCache(spec, num_blocks, buffer=torch.frombuffer(self._mmap, dtype=torch.uint8))
-        self._owner = os.getpid()
-
-    def close(self) -> None:
-        """Unlink the segment (the mapping stays valid until this process exits)."""
-        if self._owner == os.getpid():
-            unlink_segment(self.name)
+from .base import KVReceiver, Peer, TransferError, TransferStats, as_ids, check_send_allowed
+from .framed import FramedSender
+from .layerwise.parts import LayerParts
 
 
-def map_peer_cache(name: str, spec: KVCacheSpec, num_blocks: int, *,
-                   writable: bool = False) -> PagedKVCache:
-    """Map a peer's segment as a :class:`PagedKVCache`: read-only (D pulls from P's cache), or
-    ``writable`` (P pushes into D's cache, :mod:`kvflow.transfer.push`).
+class IpcPullSender(FramedSender):
+    """P's half: the cache is exported at start-up; send D the ids to pull."""
 
-    Raises
-    ------
-    TransferError
-        If the segment is missing or smaller than ``num_blocks * spec.bytes_per_block``.
-    """
-    path = shm_path(name)
-    need = num_blocks * spec.bytes_per_block
-    try:
-        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
-    except FileNotFoundError:
-        raise TransferError(f"shared-memory segment {name!r} does not exist") from None
-    try:
-        size = os.fstat(fd).st_size
-        if size < need:
-            raise TransferError(f"segment {name!r} holds {size} bytes; the peer cache of "
-                                f"{num_blocks} blocks needs {need}")
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        mm = mmap.mmap(fd, need, mmap.MAP_SHARED, prot)
-    finally:
-        os.close(fd)
-    with warnings.catch_warnings():  # read-only mapping: we only read through it
-        warnings.simplefilter("ignore", UserWarning)
-        buf = torch.frombuffer(mm, dtype=torch.uint8)
-    cache = PagedKVCache(spec, num_blocks, buffer=buf)
-    cache.backend_state["mmap"] = mm
-    return cache
-
-
-class IpcSender(KVSender):
-    """P side: the cache is in shared memory; send D the ids to pull (a few bytes)."""
-
-    name = "ipc"
+    name = "ipc-pull"
     holds_blocks = True
 
-    def __init__(self, shared: SharedCache) -> None:
-        self.shared = shared
+    def __init__(self, spec, device: Any = "cpu", **kw: Any) -> None:
+        super().__init__(spec, device, **kw)
+        self.export_name = ""
+        self.shared = None
+
+    def make_cache(self, num_blocks: int) -> PagedKVCache:
+        """P's cache, exported: one CUDA allocation's IPC handle, or a shared-memory segment."""
+        if self.device.type == "cuda":
+            from .cuda_ipc import export_cache, publish_export
+            cache = super().make_cache(num_blocks)
+            self.export_name = publish_export(export_cache(cache))
+            return cache
+        from .shm import SharedCache, clean_stale_segments
+        clean_stale_segments()
+        self.shared = SharedCache(self.spec, num_blocks, role="prefill")
+        self.export_name = self.shared.name
+        self.cache = self.shared.cache
+        return self.cache
 
     def export(self) -> dict[str, str]:
-        return {"shm_name": self.shared.name}
+        return {"shm_name": self.export_name}
 
     def send(self, link, req_id, cache, src_ids, *, first_token, num_prompt_tokens):
-        check_send_allowed("IpcSender.send")
+        check_send_allowed("IpcPullSender.send")
         link.send(encode(KVReady(req_id=req_id, src_block_ids=list(src_ids),
                                  first_token=first_token, num_prompt_tokens=num_prompt_tokens,
                                  t_start=time.time())))
@@ -139,28 +68,34 @@ class IpcSender(KVSender):
 
     def send_part(self, link, cache, src_ids, layers, **fields):
         """A :class:`KVLayer` naming P's ``src_ids`` and ``layers``: D pulls them (no payload)."""
-        check_send_allowed("IpcSender.send_part")
+        check_send_allowed("IpcPullSender.send_part")
         link.send(encode(KVLayer(layer_start=layers.start, layer_stop=layers.stop,
                                  num_blocks=len(src_ids), src_block_ids=list(src_ids), **fields)))
         return None, 0.0
 
     def close(self) -> None:
-        self.shared.close()
+        super().close()
+        if self.shared is not None:
+            self.shared.close()
+        elif self.export_name:
+            from .shm import unlink_segment
+            unlink_segment(self.export_name)
+        self.export_name = ""
 
 
-class IpcReceiver(KVReceiver):
+class IpcPullReceiver(KVReceiver):
     """D side: map each paired P's cache at pairing, then ``copy_blocks`` P's ids -> D's ids.
 
     D may be paired with several P's: one mapping per P (``peers``), and every transfer reads
     the cache of the P that sent it (``peer_id``), never another one's.
     """
 
+    name = "ipc-pull"
+    reads_peer_memory = True
     copy_kwargs: dict = {}  # extra copy_blocks arguments (the CUDA receiver sets direction)
 
-    name = "ipc"
-
-    def __init__(self, backend: str = "auto") -> None:
-        self.backend = backend
+    def __init__(self, spec=None, device: Any = "cpu", *, backend: str = "auto") -> None:
+        super().__init__(spec, device, backend=backend)
         self.peers: dict[str, PagedKVCache] = {}
         self.peer_id = ""  # the last one paired
         self.parts = LayerParts()
@@ -170,9 +105,18 @@ class IpcReceiver(KVReceiver):
         """The last paired P's mapped cache (None before pairing)."""
         return self.peers.get(self.peer_id)
 
-    def attach(self, peer_id, peer_spec, peer_num_blocks, shm_name=""):
-        self.peers[peer_id] = map_peer_cache(shm_name, peer_spec, peer_num_blocks)
-        self.peer_id = peer_id
+    def warmup(self) -> None:
+        a = PagedKVCache(self.spec, 2, device=self.device)
+        b = PagedKVCache(self.spec, 2, device=self.device)
+        copy_blocks(a, b, [0], [1], backend=self.backend)
+
+    def describe(self) -> dict[str, Any]:
+        return {"kv_connector": self.name, "transfer": "ipc", "ipc_direction": "pull"}
+
+    def attach(self, peer: Peer) -> None:
+        from .shm import map_peer_cache
+        self.peers[peer.id] = map_peer_cache(peer.shm_name, peer.spec, peer.num_blocks)
+        self.peer_id = peer.id
 
     def detach(self, peer_id: str) -> None:
         """Drop P ``peer_id``'s mapping (it died or was replaced)."""
@@ -225,5 +169,73 @@ class IpcReceiver(KVReceiver):
                     backend=self.backend, **self.copy_kwargs)
         return payload_bytes(cache.spec, len(dst_ids), layers)
 
+    def forget(self, req_id: str) -> None:
+        self.parts.forget(req_id)
+
     def close(self) -> None:
         self.peers.clear()
+
+
+class CudaIpcPullReceiver(IpcPullReceiver):
+    """D side: open P's handle at pairing; per request one ``copy_blocks`` launch and one event
+    wait (before the ack lets P reuse its blocks).
+
+    Parameters
+    ----------
+    backend : str
+        Kernel backend (``"auto"`` picks triton on CUDA).
+    direction : {"pull", "push"}
+        Where the copy kernel runs (see the module docstring); "push" by default.
+    """
+
+    def __init__(self, spec=None, device: Any = "cuda", *, backend: str = "auto",
+                 direction: str = "push") -> None:
+        if direction not in ("pull", "push"):
+            raise ValueError(f"direction must be 'pull' or 'push', got {direction!r}")
+        super().__init__(spec, device, backend=backend)
+        self.direction = direction
+        self.copy_kwargs = {"direction": direction}
+
+    def attach(self, peer: Peer) -> None:
+        from .cuda_ipc import enable_peer_access, import_cache, read_export
+        self.detach(peer.id)
+        cache = import_cache(read_export(peer.shm_name), peer.spec, peer.num_blocks)
+        mine = torch.device("cuda", torch.cuda.current_device())
+        enable_peer_access(mine, cache.device)
+        self.peers[peer.id], self.peer_id = cache, peer.id
+
+    def detach(self, peer_id: str) -> None:
+        """Drop P ``peer_id``'s mapping (torch closes the IPC handle)."""
+        if self.peers.pop(peer_id, None) is not None and torch.cuda.is_initialized():
+            torch.cuda.ipc_collect()
+
+    def receive(self, header: Any, frames, cache, dst_ids, peer_id: str | None = None) -> TransferStats | None:
+        """``KVReady``: one ``copy_blocks`` launch in ``direction``; other headers (layerwise
+        ``KVLayer`` parts) as the CPU ``ipc`` receiver (pull). Waits for the copies once when
+        the request is complete (the ack lets P reuse its blocks)."""
+        peer = self.peer_for(peer_id)
+        if not isinstance(header, KVReady):
+            stats = super().receive(header, frames, cache, dst_ids, peer_id)
+            if stats is not None:
+                run_on = cache.device if self.direction == "pull" else peer.device
+                torch.cuda.current_stream(run_on).synchronize()
+            return stats
+        src = as_ids(header.src_block_ids)
+        if src.numel() != len(dst_ids):
+            raise TransferError(f"KVReady for {header.req_id} names {src.numel()} blocks; "
+                                f"D allocated {len(dst_ids)} for the prompt")
+        if frames:
+            raise TransferError(f"ipc KVReady carries no payload frames, got {len(frames)}")
+        t0 = time.perf_counter()
+        copy_blocks(peer, cache, src, as_ids(dst_ids), backend=self.backend,
+                    direction=self.direction)
+        run_on = cache.device if self.direction == "pull" else peer.device
+        torch.cuda.current_stream(run_on).synchronize()  # P may reuse its blocks after the ack
+        ms = (time.perf_counter() - t0) * 1e3
+        n = int((src >= 0).sum())
+        return TransferStats(blocks=n, payload_bytes=payload_bytes(cache.spec, n), copy_ms=ms)
+
+    def close(self) -> None:
+        self.peers.clear()  # drops the storages: torch closes the IPC mappings
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.ipc_collect()

@@ -1,54 +1,53 @@
-"""``ipc`` push: P writes each request's KV straight into the blocks D allocated.
+"""``ipc-push``: P writes each request's KV straight into the blocks D allocated (one host).
 
-D exports its cache once (CPU: a 0600 shared-memory segment; CUDA: one allocation's IPC handle,
-:mod:`kvflow.transfer.cuda_ipc`) and P maps it at pairing (one mapping per paired D). The
-router gives P D's id and block table with the request (``Prefill.decode_id``,
+D exports its cache once (CPU: a 0600 shared-memory segment, :mod:`.shm`; CUDA: one
+allocation's IPC handle, :mod:`.cuda_ipc`) and P maps it at pairing (one mapping per paired D).
+The router gives P D's id and block table with the request (``Prefill.decode_id``,
 ``decode_block_ids``), so P copies its blocks into that D's with
 :func:`~kvflow.kernels.copy_blocks` -- on CUDA inside P's own process and CUDA context, where
 the copies can run *beside* P's compute kernels (a kernel launched on P's GPU from D's process
 is in another context and time-slices with them instead).
 
-Layerwise (:meth:`PushWriter.prefill` with ``layerwise=True``): after every group of
-``layers_per_copy`` layers of each chunk, the engine's hook records an event on P's compute
-stream; a copy stream waits on it and copies those layers of the chunk's blocks. That is a
-GPU-side dependency: no host round trip, no signal thread, no message per layer. The copies run
-beside the next layers' compute on a capped grid (``max_ctas`` programs, so the prefill keeps
-its SMs), except the last group of the last chunk, which nothing overlaps any more: it takes the
-whole GPU. On CPU the hook copies at once.
-Request mode copies all layers after the prefill. Either way P waits for its copies, then sends
-one :class:`~kvflow.protocol.KVPushed` (``ok``, first token, timings); D starts decoding on it.
+Layerwise (prompts of at least ``layerwise_min_tokens``, default 0): after every group of
+``layers_per_copy`` layers of each chunk, the engine's per-layer hook records an event on P's
+compute stream; a copy stream waits on it and copies those layers of the chunk's blocks. That is
+a GPU-side dependency: no host round trip, no signal thread, no message per layer. The copies
+run beside the next layers' compute on a capped grid (``max_ctas`` programs, so the prefill
+keeps its SMs), except the last group of the last chunk, which nothing overlaps any more: it
+takes the whole GPU. On CPU the hook copies at once. Shorter prompts are copied after the
+prefill. Either way P waits for its copies, then sends one :class:`~kvflow.protocol.KVPushed`
+(``ok``, first token, timings); D starts decoding on it.
 
 Ownership: D's blocks of a request are written by P until P's ``KVPushed`` (ok or not) for it,
-so D keeps them allocated until then even if the request ends early
-(:class:`~kvflow.serve.decode.DecodeInstance` "lent" blocks), unless P is known dead. P frees
-its own blocks as soon as its copies are done (nothing reads them later). Inside a dummy or
-profile run nothing is copied and nothing is sent.
+so D keeps them allocated until then even if the request ends early (``lent`` blocks,
+:mod:`kvflow.serve.lent`), unless P is known dead. P frees its own blocks as soon as its copies
+are done (nothing reads them later). Inside a dummy or profile run nothing is copied or sent.
+Measurements behind the defaults: docs/design.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 from typing import Any
 
 import torch
 
 from kvflow.cache import PagedKVCache
-from kvflow.context import sends_allowed
+from kvflow.context import forward_context, sends_allowed
 from kvflow.kernels import copy_blocks, payload_bytes
 from kvflow.protocol import KVPushed, encode
 
-from .base import KVReceiver, TransferError, TransferStats, check_send_allowed
+from .base import (Handoff, KVReceiver, KVSender, Peer, PrefillJob, TransferError, TransferStats,
+                   check_send_allowed)
 
-#: Programs of a layerwise copy launched beside P's compute (DESIGN.md: background copies
-#: are capped so the prefill keeps its SMs; 16 measured 1-2.4% prefill slowdown on one H200,
-#: bench/results/layerwise_gpu-nvidia-h200-20261129-run1.json).
+log = logging.getLogger("kvflow.connector.ipc_push")
+
+#: Programs (CTAs) of a layerwise copy launched beside P's compute (``max_ctas``).
 LAYERWISE_MAX_CTAS = 16
-#: Layers per copy launch. Each launch costs P's host thread an event, a wait and a kernel
-#: launch (tens of microseconds of Python); 4 layers per launch cut that 4x while the copy
-#: left after the prefill stays small (4 of 32 layers: 0.64 ms exposed at 8K tokens against
-#: 0.55 ms with 1, same TTFT, bench/results/ipc_gpu-served-nvidia-h200x2-20261130.json).
+#: Layers per layerwise copy launch (``layers_per_copy``).
 LAYERS_PER_COPY = 4
 
 
@@ -69,9 +68,9 @@ class PushStats:
         runs them on P's copy stream).
     exposed_ms : float
         Time from the first token (sampled after the prefill) until every copy was done:
-        the request-mode copy, or the layerwise copies still running (ms).
+        the copy after the prefill, or the layerwise copies still running (ms).
     prefill_ms : float
-        P's prefill until the first token was sampled (ms; set by the caller).
+        P's prefill until the first token was sampled (ms).
     """
 
     blocks: int = 0
@@ -81,7 +80,7 @@ class PushStats:
     exposed_ms: float = 0.0
     prefill_ms: float = 0.0
     layerwise: bool = False
-    pending: Any = dataclasses.field(default=None, repr=False)  # request mode: ids to copy
+    pending: Any = dataclasses.field(default=None, repr=False)  # ids to copy after the prefill
     dst: Any = dataclasses.field(default=None, repr=False)      # the D cache written into
 
 
@@ -100,78 +99,126 @@ def map_decode_cache(shm_name: str, spec, num_blocks: int, device: torch.device)
     if device.type == "cuda":
         from .cuda_ipc import import_cache, read_export
         return import_cache(read_export(shm_name), spec, num_blocks, map_on=device)
-    from .ipc import map_peer_cache
+    from .shm import map_peer_cache
     return map_peer_cache(shm_name, spec, num_blocks, writable=True)
 
 
-class PushWriter:
+class PushSender(KVSender):
     """P's half: maps each paired D's cache at pairing and writes every request into the cache
-    of the D that allocated its blocks (``peer_id``), never another one's.
+    of the D that allocated its blocks (``job.decode_id``), never another one's.
 
     Parameters
     ----------
-    cache : PagedKVCache
-        P's cache.
-    backend : str
-        Kernel backend for copy_blocks.
-    max_ctas : int or None
-        Grid cap of the layerwise copies that overlap compute (default
-        :data:`LAYERWISE_MAX_CTAS`); the last one and request-mode copies use the whole GPU
-        (the prefill is over).
+    spec, device, instance_id, backend, layerwise_min_tokens, max_model_len
+        As :class:`~kvflow.connector.base.KVSender`.
+    max_ctas : int
+        Grid cap of the layerwise copies that overlap compute; the last one and copies after
+        the prefill use the whole GPU (the prefill is over).
     layers_per_copy : int
-        Layers per layerwise copy launch (default :data:`LAYERS_PER_COPY`).
+        Layers per layerwise copy launch.
 
     Raises
     ------
     ValueError
-        ``max_ctas`` or ``layers_per_copy`` below 1.
+        ``max_ctas`` or ``layers_per_copy`` not an int >= 1.
     """
 
-    name = "ipc"
-    holds_blocks = False
+    name = "ipc-push"
+    default_layerwise_min_tokens = 0
 
-    def __init__(self, cache: PagedKVCache, backend: str = "auto",
-                 max_ctas: int | None = LAYERWISE_MAX_CTAS,
-                 layers_per_copy: int = LAYERS_PER_COPY) -> None:
-        for name, v in (("max_ctas", max_ctas if max_ctas is not None else 1),
-                        ("layers_per_copy", layers_per_copy)):
+    def __init__(self, spec, device: Any = "cpu", *, max_ctas: int = LAYERWISE_MAX_CTAS,
+                 layers_per_copy: int = LAYERS_PER_COPY, **kw: Any) -> None:
+        for name, v in (("max_ctas", max_ctas), ("layers_per_copy", layers_per_copy)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        self.cache, self.backend, self.max_ctas = cache, backend, max_ctas
-        self.layers_per_copy = layers_per_copy
+        super().__init__(spec, device, **kw)
+        self.max_ctas, self.layers_per_copy = max_ctas, layers_per_copy
         self.peers: dict[str, PagedKVCache] = {}  # paired D -> its mapped cache
-        self.cuda = cache.device.type == "cuda"
-        self._stream = torch.cuda.Stream(cache.device) if self.cuda else None
-        self._events = [torch.cuda.Event() for _ in range(cache.spec.num_layers)] if self.cuda else []
+        self.cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._events = [torch.cuda.Event() for _ in range(spec.num_layers)] if self.cuda else []
         self._keep: list = []
-        self.messages_sent = 0
 
-    def attach(self, peer_id: str, shm_name: str, peer_spec, peer_num_blocks: int) -> None:
-        """Map D ``peer_id``'s cache (at pairing; replaces an earlier mapping of that D only)."""
-        if not shm_name:
-            raise TransferError(f"decode instance {peer_id} exported no cache to push into "
-                                f"(is it running with --ipc-direction push?)")
-        self.peers.pop(peer_id, None)
-        self.peers[peer_id] = map_decode_cache(shm_name, peer_spec, peer_num_blocks,
-                                               self.cache.device)
+    # ---- set-up ------------------------------------------------------------------------
+    def warmup(self, engine: Any, chunk_size: int) -> None:
+        """Compile both grids of the copies (full and capped), then a chunked prefill of 32
+        dummy tokens (computed only: nothing copied or sent)."""
+        a = PagedKVCache(self.spec, 2, device=self.device)
+        b = PagedKVCache(self.spec, 2, device=self.device)
+        for cap in (None, self.max_ctas):
+            copy_blocks(a, b, [1], [0], backend=self.backend, max_ctas=cap)
+        self.dummy_run(engine, chunk_size)
+
+    def dummy_run(self, engine: Any, chunk_size: int, num_tokens: int = 32) -> None:
+        """A chunked prefill of ``num_tokens`` dummy tokens through :meth:`write` inside
+        ``forward_context(is_dummy_or_profile_run=True)``: nothing is copied or sent."""
+        n = min(num_tokens, self.max_model_len, self.cache.num_blocks * self.spec.block_size)
+        blocks = list(range(self.spec.num_blocks_for(n)))
+        job = PrefillJob("dummy", [0] * n, blocks, "", blocks,
+                         chunk_size=max(1, min(chunk_size, n // 2)))
+        with forward_context(is_dummy_or_profile_run=True):
+            self.write(engine, job, layerwise=True)
+
+    def _attach(self, peer: Peer, ctx: Any) -> None:
+        """Map D ``peer``'s exported cache writable.
+
+        Raises
+        ------
+        TransferError
+            D exported no cache, or it cannot be mapped.
+        """
+        if not peer.shm_name:
+            raise TransferError(f"decode instance {peer.id} exported no cache to push into "
+                                f"(is it running with --kv-connector ipc-push?)")
+        self.peers[peer.id] = map_decode_cache(peer.shm_name, peer.spec, peer.num_blocks,
+                                               self.device)
 
     def detach(self, peer_id: str) -> None:
-        """Drop D ``peer_id``'s mapping (it was unpaired); other D's stay mapped."""
+        """Drop D ``peer_id``'s link and mapping; other D's stay mapped."""
+        super().detach(peer_id)
         if self.peers.pop(peer_id, None) is not None and self.cuda and torch.cuda.is_initialized():
             torch.cuda.ipc_collect()
-
-    def export(self) -> dict[str, str]:
-        """Fields for P's Register message: none (P maps D's cache, not the other way)."""
-        return {}
 
     def close(self) -> None:
         if self._stream is not None:
             self._stream.synchronize()
+        super().close()
         self.peers.clear()
         if self.cuda and torch.cuda.is_initialized():
             torch.cuda.ipc_collect()
 
-    # ---- the prefill -------------------------------------------------------------------
+    # ---- per request -------------------------------------------------------------------
+    def prefill(self, engine: Any, job: PrefillJob) -> None:
+        """Prefill writing the KV into D's blocks (layer by layer from
+        ``layerwise_min_tokens``), wait for the copies, then one ``KVPushed``. D sends no ack:
+        returns None (P's blocks are free once this returns). On an error the copies already
+        issued are waited for before it propagates."""
+        n = len(job.token_ids)
+        link = self.links.get(job.decode_id)
+        try:
+            t0 = time.perf_counter()
+            logits, stats = self.write(engine, job, layerwise=self.goes_layerwise(n))
+            first = job.sample(logits)
+            stats.prefill_ms = (time.perf_counter() - t0) * 1e3
+            self.finish(stats)
+        except BaseException:
+            self.finish()
+            raise
+        self.send_done(link, job.req_id, ok=True, first_token=first, num_prompt_tokens=n,
+                       stats=stats)
+        return None
+
+    def fail(self, req_id: str, decode_id: str, error: str) -> None:
+        """Tell D ``decode_id`` nothing (more) will be written into ``req_id``'s blocks."""
+        link = self.links.get(decode_id)
+        if link is None:
+            return
+        try:
+            self.send_done(link, req_id, ok=False, error=error)
+        except Exception:  # D is gone: nobody holds blocks for this request any more
+            log.exception("%s: could not tell %s that %s failed", self.instance_id, decode_id,
+                          req_id)
+
     def _pairs(self, blocks: list[int], dst_ids: list[int], first: int, stop: int, skip: int,
                peer: PagedKVCache):
         """P's and D's ids of logical blocks ``[max(first, skip), stop)``, checked once here
@@ -196,78 +243,65 @@ class PushWriter:
         self._keep.append(pairs)  # pinned sources live until finish()
         return dev
 
-    def prefill(self, engine: Any, token_ids: list[int], blocks: list[int], dst_ids: list[int],
-                chunk_size: int | None, *, peer_id: str = "", skip_blocks: int = 0,
-                layerwise: bool = True) -> tuple[torch.Tensor, PushStats]:
-        """Run ``engine``'s prefill and write the prompt's KV into D ``peer_id``'s blocks
-        ``dst_ids``.
+    def write(self, engine: Any, job: PrefillJob, *, layerwise: bool) -> tuple[torch.Tensor, PushStats]:
+        """Run ``engine``'s prefill of ``job`` and write the prompt's KV into D
+        ``job.decode_id``'s blocks ``job.decode_block_ids`` (logical blocks from
+        ``job.num_cached_blocks`` on).
 
         Parameters
         ----------
         engine : kvflow.engine.Engine
             P's engine (its cache is :attr:`cache`).
-        token_ids : list[int]
-            The prompt.
-        blocks, dst_ids : list[int]
-            P's and D's block tables (logical block ``i`` is ``blocks[i]`` here and
-            ``dst_ids[i]`` in D); both must cover the prompt.
-        chunk_size : int or None
-            Prefill chunk (tokens).
-        peer_id : str
-            The D that allocated ``dst_ids`` (attached with :meth:`attach`).
-        skip_blocks : int
-            D already holds logical blocks ``0..skip_blocks-1`` (prefix hit): not written.
+        job : PrefillJob
         layerwise : bool
-            Copy each layer of each chunk as soon as it is computed (else after the prefill).
+            Copy each layer group of each chunk as soon as it is computed (else after the
+            prefill, in :meth:`finish`).
 
         Returns
         -------
         (logits, PushStats)
-            The last token's logits; layerwise copies are issued but may still run on the
-            device, a request-mode copy is left to :meth:`finish`.
+            The last token's float32 logits [vocab_size]; layerwise copies are issued but may
+            still run on the device, a copy after the prefill is left to :meth:`finish`.
 
         Raises
         ------
         TransferError
-            ``peer_id`` is not attached, or ``dst_ids`` is shorter than the prompt's blocks.
+            ``job.decode_id`` is not attached, or a block table is shorter than the prompt.
         """
-        n, bs = len(token_ids), self.cache.spec.block_size
+        blocks, dst_ids = job.blocks, job.decode_block_ids
+        n, bs = len(job.token_ids), self.spec.block_size
         nb = -(-n // bs)
         real = sends_allowed()
-        dst = self.peers.get(peer_id)
+        dst = self.peers.get(job.decode_id)
         if real and dst is None:
-            raise TransferError(f"push to decode instance {peer_id!r}, which is not paired with "
-                                f"this prefill instance (paired: {sorted(self.peers)})")
+            raise TransferError(f"push to decode instance {job.decode_id!r}, which is not paired "
+                                f"with this prefill instance (paired: {sorted(self.peers)})")
         if len(dst_ids) < nb or len(blocks) < nb:
             raise TransferError(f"decode_block_ids has {len(dst_ids)} blocks and P's table "
                                 f"{len(blocks)}; the {n}-token prompt needs {nb}")
         stats = PushStats(dst=dst)
-        chunk = chunk_size or n
         if not real:  # dummy / profile run: compute only
-            logits = None
-            for start in range(0, n, chunk):
-                logits = engine.prefill(token_ids[:min(start + chunk, n)], blocks,
-                                        num_computed_tokens=start)
-            return logits, stats
+            return engine.prefill(job.token_ids, blocks, chunk_size=job.chunk_size), stats
         if self.cuda:  # P's earlier writes into its blocks (other streams) come first
             self._stream.wait_stream(torch.cuda.current_stream(self.cache.device))
-        logits = None
-        for start in range(0, n, chunk):
-            end = min(start + chunk, n)
-            pairs = self._pairs(blocks, dst_ids, start // bs, -(-end // bs), skip_blocks, dst) \
-                if layerwise else None
-            hook = None if pairs is None else self._layer_hook(pairs, stats, end == n)
-            logits = engine.prefill(token_ids[:end], blocks, num_computed_tokens=start,
-                                    on_layer_done=hook)
+        skip = job.num_cached_blocks
+
+        def on_chunk(start: int, end: int):
+            if not layerwise:
+                return None
+            pairs = self._pairs(blocks, dst_ids, start // bs, -(-end // bs), skip, dst)
+            return None if pairs is None else self._layer_hook(pairs, stats, end == n)
+
+        logits = engine.prefill(job.token_ids, blocks, chunk_size=job.chunk_size, on_chunk=on_chunk)
         if not layerwise:  # copied by finish(), after the first token
-            stats.pending = self._pairs(blocks, dst_ids, 0, nb, skip_blocks, dst)
-        m = max(0, nb - skip_blocks)
-        stats.blocks, stats.payload_bytes = m, payload_bytes(self.cache.spec, m)
+            stats.pending = self._pairs(blocks, dst_ids, 0, nb, skip, dst)
+        m = max(0, nb - skip)
+        stats.blocks, stats.payload_bytes = m, payload_bytes(self.spec, m)
         stats.layerwise = layerwise
         return logits, stats
 
     def _layer_hook(self, pairs, stats: PushStats, last_chunk: bool):
-        L, G = self.cache.spec.num_layers, self.layers_per_copy
+        L, G = self.spec.num_layers, self.layers_per_copy
 
         def hook(layer: int) -> None:
             if (layer + 1) % G and layer != L - 1:
@@ -292,9 +326,9 @@ class PushWriter:
         stats.copy_ms += (time.perf_counter() - t0) * 1e3
 
     def finish(self, stats: PushStats | None = None) -> None:
-        """Issue the request-mode copy (if :meth:`prefill` left one) and block until every copy
-        issued so far is done (D may read the blocks after this). The time spent here is the
-        part of the transfer not hidden behind the prefill (``stats.exposed_ms``)."""
+        """Issue the copy after the prefill (if :meth:`write` left one) and block until every
+        copy issued so far is done (D may read the blocks after this). The time spent here is
+        the part of the transfer not hidden behind the prefill (``stats.exposed_ms``)."""
         t0 = time.perf_counter()
         if stats is not None and stats.pending is not None:
             if self.cuda:
@@ -311,8 +345,14 @@ class PushWriter:
                   first_token: int = -1, num_prompt_tokens: int = 0,
                   stats: PushStats | None = None) -> None:
         """Tell D the push of ``req_id`` is over (after :meth:`finish`): ``ok`` with the first
-        token, or not (nothing more will be written; D may free the blocks)."""
-        check_send_allowed("PushWriter.send_done")
+        token, or not (nothing more will be written; D may free the blocks).
+
+        Raises
+        ------
+        RuntimeError
+            Inside a dummy/profile run.
+        """
+        check_send_allowed("PushSender.send_done")
         s = stats or PushStats()
         link.send(encode(KVPushed(req_id=req_id, ok=ok, error=error, first_token=first_token,
                                   num_prompt_tokens=num_prompt_tokens, num_blocks=s.blocks,
@@ -324,17 +364,42 @@ class PushWriter:
 
 
 class PushReceiver(KVReceiver):
-    """D's half: exports D's cache (done by the instance at start-up); a ``KVPushed`` says the
-    KV is already in D's blocks, so receiving only checks and reports it."""
+    """D's half: exports D's cache at start-up; a ``KVPushed`` says the KV is already in D's
+    blocks, so receiving only checks and reports it."""
 
-    name = "ipc"
+    name = "ipc-push"
+    acks = False
+    peer_writes = True
 
-    def __init__(self, backend: str = "auto") -> None:
-        self.backend = backend
-        self.peer_id = ""
+    def __init__(self, spec=None, device: Any = "cpu", *, backend: str = "auto") -> None:
+        super().__init__(spec, device, backend=backend)
+        self.export_name = ""  # the shm segment (CPU) or published CUDA IPC export
+        self._shared = None
 
-    def attach(self, peer_id, peer_spec, peer_num_blocks, shm_name=""):
-        self.peer_id = peer_id
+    def make_cache(self, num_blocks: int) -> PagedKVCache:
+        """D's cache, exported: one CUDA allocation's IPC handle, or a shared-memory segment."""
+        if self.device.type == "cuda":
+            from .cuda_ipc import export_cache, publish_export
+            cache = super().make_cache(num_blocks)
+            self.export_name = publish_export(export_cache(cache), role="decodecuda")
+            return cache
+        from .shm import SharedCache, clean_stale_segments
+        clean_stale_segments()
+        self._shared = SharedCache(self.spec, num_blocks, role="decode")
+        self.export_name = self._shared.name
+        self.cache = self._shared.cache
+        return self.cache
+
+    def warmup(self) -> None:
+        a = PagedKVCache(self.spec, 2, device=self.device)
+        b = PagedKVCache(self.spec, 2, device=self.device)
+        copy_blocks(a, b, [0], [1], backend=self.backend)
+
+    def export(self) -> dict[str, str]:
+        return {"shm_name": self.export_name}
+
+    def describe(self) -> dict[str, Any]:
+        return {"kv_connector": self.name, "transfer": "ipc", "ipc_direction": "push"}
 
     def receive(self, header: Any, frames, cache, dst_ids, peer_id=None) -> TransferStats:
         if not isinstance(header, KVPushed):
@@ -347,4 +412,10 @@ class PushReceiver(KVReceiver):
             raise TransferError(f"KVPushed for {header.req_id} wrote {header.num_blocks} blocks; "
                                 f"D expects {len(dst_ids)}")
         return TransferStats(blocks=header.num_blocks, payload_bytes=header.payload_bytes,
-                             copy_ms=header.copy_ms)
+                             copy_ms=header.copy_ms, layerwise=header.layerwise)
+
+    def close(self) -> None:
+        if self.export_name:  # the router also removes it if D dies
+            from .shm import unlink_segment
+            unlink_segment(self.export_name)
+            self.export_name = ""

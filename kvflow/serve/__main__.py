@@ -221,6 +221,25 @@ def _instance_args(args: argparse.Namespace, router_url: str) -> list[str]:
     return out
 
 
+def connector_fields(args: argparse.Namespace) -> dict:
+    """``kv_connector``, ``kv_connector_config`` and ``layerwise_min_tokens`` of
+    :class:`~kvflow.serve.instance.InstanceConfig` from the transport flags: ``--transfer tcp``
+    is ``tcp``; ``--transfer ipc`` is ``ipc-pull``/``ipc-push`` by ``--ipc-direction`` (auto:
+    ``auto``); ``--layerwise-max-ctas``/``--layers-per-copy`` are ipc-push's ``max_ctas`` /
+    ``layers_per_copy``; ``--transfer-mode request`` is a threshold no prompt reaches."""
+    from kvflow.connector import resolve_connector
+    name = "tcp" if args.transfer == "tcp" else {"pull": "ipc-pull", "push": "ipc-push"}.get(
+        args.ipc_direction, "auto")
+    config = {}
+    if resolve_connector(name, args.device) == "ipc-push":
+        for flag, key in (("layerwise_max_ctas", "max_ctas"), ("layers_per_copy", "layers_per_copy")):
+            if getattr(args, flag) is not None:
+                config[key] = getattr(args, flag)
+    threshold = args.layerwise_min_tokens if args.transfer_mode == "layerwise" else sys.maxsize
+    return {"kv_connector": name, "kv_connector_config": config,
+            "layerwise_min_tokens": threshold}
+
+
 def run_instance(args: argparse.Namespace) -> int:
     """Run one instance (``--role prefill|decode|colocated``) until SIGINT/SIGTERM.
 
@@ -247,11 +266,8 @@ def run_instance(args: argparse.Namespace) -> int:
                          max_model_len=args.max_model_len, num_blocks=args.num_blocks,
                          max_num_batched_tokens=args.max_num_batched_tokens,
                          memory_budget_mb=args.memory_budget_mb,
-                         gpu_memory_utilization=args.gpu_memory_utilization, transfer=args.transfer,
-                         transfer_mode=args.transfer_mode, ipc_direction=args.ipc_direction,
-                         layerwise_min_tokens=args.layerwise_min_tokens,
-                         layerwise_max_ctas=args.layerwise_max_ctas,
-                         layers_per_copy=args.layers_per_copy,
+                         gpu_memory_utilization=args.gpu_memory_utilization,
+                         **connector_fields(args),
                          backend=args.backend, host=args.host,
                          enable_prefix_caching=args.enable_prefix_caching,
                          kv_lease_s=args.kv_lease_s, receive_timeout_s=args.receive_timeout_s,
@@ -295,7 +311,7 @@ def _controller(args: argparse.Namespace, metrics, children, tokenizer):
 async def _serve(args: argparse.Namespace, http_sock, children) -> int:
     import uvicorn
 
-    from kvflow.transfer.shm import clean_stale_segments
+    from kvflow.segments import clean_stale as clean_stale_segments
 
     from .metrics import Metrics
     from .procs import instance_env, watch_children
@@ -373,7 +389,7 @@ def _main(argv: list[str] | None) -> int:
     if args.role in ("prefill", "decode", "colocated"):
         return run_instance(args)
 
-    from kvflow.transfer.shm import clean_stale_segments
+    from kvflow.segments import clean_stale as clean_stale_segments
 
     from .procs import Children, bind_http_socket
 
