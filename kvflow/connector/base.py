@@ -250,8 +250,9 @@ class KVSender(abc.ABC):
             P's blocks and calls :meth:`fail`.
         """
 
-    def fail(self, job: PrefillJob, error: str) -> None:
-        """``job`` will not be (completely) sent: tell its D when D waits for P's word."""
+    def fail(self, req_id: str, decode_id: str, error: str) -> None:
+        """Request ``req_id`` will not be (completely) sent to D ``decode_id``: tell D when it
+        waits for P's word (ipc-push: D keeps the blocks P may write until then)."""
 
     def release(self, req_id: str) -> None:
         """D acked ``req_id``, it was aborted or its lease ended: drop what is kept for it."""

@@ -84,10 +84,6 @@ class DecodeInstance(Instance):
     def kv_lease_s(self, value: float) -> None:
         self.lent.kv_lease_s = value
 
-    @property
-    def peer_pids(self) -> dict[str, int]:
-        return self.lent.peer_pids
-
     def open_channels(self) -> None:
         super().open_channels()
         self.data = self.ctx.socket(zmq.ROUTER)
@@ -291,7 +287,7 @@ class DecodeInstance(Instance):
         """LeaseRenew to every paired P (D does not know which one prefills a request before
         its KV arrives; a P ignores ids it does not hold) for requests D still means to read."""
         wall = time.time()
-        for peer in self.peer_pids or [self.peer_id]:
+        for peer in self.lent.peer_pids or [self.peer_id]:
             self.send(self.data, LeaseRenew(req_ids=req_ids), ident=peer.encode())
         for r in req_ids:
             self.seqs[r].t_renewed = wall
