@@ -237,8 +237,8 @@ def test_layerwise_transfer_with_the_native_sender():
     byte-identical to P in both layerwise and request mode."""
     from kvflow import KVCacheSpec, PagedKVCache
     from kvflow.kernels import copy_blocks
-    from kvflow.layerwise.scheduler import LayerwiseScheduler
-    from kvflow.layerwise.worker import LayerwiseWorker
+    from kvflow.connector.layerwise.scheduler import LayerwiseScheduler
+    from kvflow.connector.layerwise.worker import LayerwiseWorker
 
     spec = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float16)
     src_ids, dst_ids, tokens = [5, 1, 7], [0, 6, 2], 10

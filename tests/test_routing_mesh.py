@@ -18,7 +18,8 @@ from kvflow.engine import Engine
 from kvflow.protocol import (Allocate, Allocated, PairResult, Prefill, Register, Rejected, Tokens,
                              Unpair)
 from kvflow.serve.decode import DecodeInstance
-from kvflow.serve.instance import InstanceConfig, sample_token
+from kvflow.serve.instance import InstanceConfig
+from kvflow.serve.sampling import sample_token
 from kvflow.serve.prefill import PrefillInstance
 
 from .fake_router import FakeRouter

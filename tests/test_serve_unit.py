@@ -14,7 +14,9 @@ import kvflow.engine
 from kvflow import KVCacheSpec
 from kvflow.protocol import Register, decode
 from kvflow.serve.__main__ import build_parser, parse_args
-from kvflow.serve.instance import InstanceConfig, check_pairing, sample_token, stop_reason
+from kvflow.serve.instance import InstanceConfig
+from kvflow.serve.pairing import check_pairing
+from kvflow.serve.sampling import sample_token, stop_reason
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
@@ -54,7 +56,7 @@ def test_profile_run_opens_no_channel_and_sends_nothing(monkeypatch, role):
     monkeypatch.setattr(zmq.Socket, "send_multipart", send_multipart)
     monkeypatch.setattr(zmq.Socket, "send", send)
     monkeypatch.setattr(kvflow.engine, "determine_num_blocks", profiled)
-    cfg = InstanceConfig(role=role, router_addr=f"tcp://127.0.0.1:{port}", transfer="tcp",
+    cfg = InstanceConfig(role=role, router_addr=f"tcp://127.0.0.1:{port}", kv_connector="tcp",
                          max_model_len=128, memory_budget_mb=16, max_num_batched_tokens=128)
     inst = (PrefillInstance if role == "prefill" else DecodeInstance)(cfg)
     try:

@@ -66,12 +66,17 @@ class FramedSender(KVSender):
         or sent)."""
         if not self.layerwise_enabled:
             return
-        from kvflow.context import forward_context
-
         from .layerwise import LayerwiseSender
         self.layerwise = LayerwiseSender(self, self.cache, self.instance_id,
                                          signal_timeout_s=self.signal_timeout_s)
-        n = min(32, self.max_model_len, self.cache.num_blocks * self.spec.block_size)
+        self.dummy_run(engine, chunk_size)
+
+    def dummy_run(self, engine: Any, chunk_size: int, num_tokens: int = 32) -> None:
+        """A chunked prefill of ``num_tokens`` dummy tokens through the layerwise path inside
+        ``forward_context(is_dummy_or_profile_run=True)``: nothing is registered, signalled or
+        sent (the warm-up; also callable after real traffic)."""
+        from kvflow.context import forward_context
+        n = min(num_tokens, self.max_model_len, self.cache.num_blocks * self.spec.block_size)
         blocks = list(range(self.spec.num_blocks_for(n)))
         with forward_context(is_dummy_or_profile_run=True):
             self.layerwise.run(engine, PrefillJob("dummy", [0] * n, blocks, "",
