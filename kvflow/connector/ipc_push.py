@@ -40,7 +40,7 @@ from kvflow.context import forward_context, sends_allowed
 from kvflow.kernels import copy_blocks, payload_bytes
 from kvflow.protocol import KVPushed, encode
 
-from .base import (Handoff, KVReceiver, KVSender, Peer, PrefillJob, TransferError, TransferStats,
+from .base import (KVReceiver, KVSender, Peer, PrefillJob, TransferError, TransferStats,
                    check_send_allowed)
 
 log = logging.getLogger("kvflow.connector.ipc_push")

@@ -25,7 +25,6 @@ import logging
 import os
 import secrets
 import time
-from typing import Any
 
 from kvflow.protocol import Register, Registered
 
