@@ -1,28 +1,25 @@
 """CUDA IPC export and import of a paged cache: P's cache for ipc-pull on GPU (D copies from
 it), D's for ipc-push (P writes into it).
 
-The exporter allocates its whole cache as one CUDA allocation (``PagedKVCache.buffer``) and exports it once
-(:func:`export_cache`): the IPC handle bytes of the allocation, the cache's byte offset and size
-inside it, torch's IPC reference-counter file and event, and the **UUID** of the GPU that holds
-it, in a :class:`CudaIpcExport` (a msgspec struct, MessagePack on the wire: nothing is pickled).
-:func:`publish_export` writes it to a 0600 shared-memory file whose name travels in P's
-``Register``/``Pair`` messages (field ``shm_name``), so the router's segment clean-up also
-removes it when P exits or dies.
+The exporter allocates its whole cache as one CUDA allocation (``PagedKVCache.buffer``) and
+exports it once (:func:`export_cache`): the IPC handle bytes of the allocation, the cache's byte
+offset and size inside it, torch's IPC reference-counter file and event, and the **UUID** of the
+GPU that holds it, in a :class:`CudaIpcExport` (a msgspec struct, MessagePack on the wire:
+nothing is pickled). :func:`publish_export` writes it to a 0600 shared-memory file whose name
+travels in the exporter's ``Register``/``Pair`` messages (field ``shm_name``), so the router's
+segment clean-up also removes it when the exporter exits or dies.
 
-D opens the handle once, at pairing (:func:`import_cache`): it maps the UUID to *its own* ordinal
-(``CUDA_VISIBLE_DEVICES`` may number the GPUs differently in every process: P may see its GPU as
-0 and D see another GPU as 0), refuses a UUID it cannot see, and wraps the mapped memory as a
+The importer opens the handle once, at pairing (:func:`import_cache`): it maps the UUID to *its
+own* ordinal (``CUDA_VISIBLE_DEVICES`` may number the GPUs differently in every process: P may
+see its GPU as 0 and D see another GPU as 0), refuses a UUID it cannot see, and wraps the mapped memory as a
 :class:`~kvflow.cache.PagedKVCache` on that ordinal. Each request is then one
 :func:`~kvflow.kernels.copy_blocks` launch over all layers (``direction="pull"``: the kernel runs
-on D's GPU and reads P's memory over NVLink; ``"push"``: on P's GPU, writing D's memory), no host
-synchronisation per block. D uses ``"push"`` by default: on 2xH200 (torch 2.11, 2026-11-29) a
-pull kernel on D's GPU reading the IPC-mapped memory faulted with an illegal address, in either
-order of peer enabling and import (tools/ipc_experiment.py), while a kernel launched (from D's
-process) on P's GPU, reading the mapping locally and writing D's cache over NVLink, is correct.
-D waits once per request (an event) before acknowledging, since P
-reuses its blocks after the ack. The mapping is closed (``cudaIpcCloseMemHandle`` via torch's
-storage deleter) when D closes the receiver or exits; P's memory is freed by torch once every
-importer has dropped it (torch's IPC reference counter), or when P exits.
+on the importer's GPU and reads the exporter's memory over NVLink; ``"push"``: on the exporter's
+GPU, writing the importer's memory), no host synchronisation per block. Which direction works on
+which hardware is recorded in docs/design.md. The mapping is closed
+(``cudaIpcCloseMemHandle`` via torch's storage deleter) when the importer drops it or exits; the
+exporter's memory is freed by torch once every importer has dropped it (torch's IPC reference
+counter), or when the exporter exits.
 
 The exporter must order its writes before the import side reads (P samples the first token, a
 host sync, before it sends ``KVReady``).
