@@ -83,7 +83,7 @@ def test_push_writes_nothing_and_d_accepts_zero_blocks():
         _, stats = w.write(eng, PrefillJob("r", list(range(1, 33)), [0, 1], "d-1", [2, 3],
                                            num_cached_blocks=2, chunk_size=16),
                            layerwise=layerwise)
-        w.finish(stats)
+        w.copier.finish(stats)
         assert (stats.blocks, stats.payload_bytes, stats.t_start) == (0, 0, 0.0)
         assert bool((peer.buffer == 0x5A).all())
     stats = PushReceiver().receive(KVPushed(req_id="r", ok=True, first_token=3, num_blocks=0),

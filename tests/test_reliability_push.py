@@ -232,14 +232,14 @@ def test_writer_copies_each_group_once_per_chunk_byte_exact(group, chunk):
     dst.buffer.fill_(0xAB)
     w.peers["d-1"] = dst
     calls = []
-    real = w._copy
-    w._copy = lambda pairs, layers, cap, stats: (calls.append((layers, cap)),
+    real = w.copier._copy
+    w.copier._copy = lambda pairs, layers, cap, stats: (calls.append((layers, cap)),
                                                  real(pairs, layers, cap, stats))[1]
     toks = [(5 * i + 1) % 250 for i in range(150)]
     blocks, dst_ids = list(range(2, 12)), [20, 3, 7, 0, 11, 19, 4, 9, 15, 1]
     logits, stats = w.write(eng, PrefillJob("r", toks, blocks, "d-1", dst_ids, chunk_size=chunk),
                             layerwise=True)
-    w.finish(stats)
+    w.copier.finish(stats)
     L = spec.num_layers
     chunks = -(-150 // (chunk or 150))
     want = [(lo, min(lo + group, L)) for lo in range(0, L, group)]

@@ -27,8 +27,6 @@ Measurements behind the defaults: docs/design.md.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
 import time
 from typing import Any
@@ -42,46 +40,9 @@ from kvflow.protocol import KVPushed, encode
 
 from .base import (KVReceiver, KVSender, Peer, PrefillJob, TransferError, TransferStats,
                    check_send_allowed)
+from .layer_copy import LAYERS_PER_COPY, LAYERWISE_MAX_CTAS, LayerCopier, PushStats
 
 log = logging.getLogger("kvflow.connector.ipc_push")
-
-#: Programs (CTAs) of a layerwise copy launched beside P's compute (``max_ctas``).
-LAYERWISE_MAX_CTAS = 16
-#: Layers per layerwise copy launch (``layers_per_copy``).
-LAYERS_PER_COPY = 4
-
-
-@dataclasses.dataclass
-class PushStats:
-    """One request's push as seen by P.
-
-    Attributes
-    ----------
-    blocks, payload_bytes : int
-        Blocks (per layer) and payload bytes written into D's cache.
-    t_start : float
-        ``time.time()`` when the first copy was issued (0 if nothing moved).
-    layerwise : bool
-        Copied layer by layer during the prefill.
-    copy_ms : float
-        Wall time of the copy calls on P (CPU: the copies; CUDA: issuing them, the device
-        runs them on P's copy stream).
-    exposed_ms : float
-        Time from the first token (sampled after the prefill) until every copy was done:
-        the copy after the prefill, or the layerwise copies still running (ms).
-    prefill_ms : float
-        P's prefill until the first token was sampled (ms).
-    """
-
-    blocks: int = 0
-    payload_bytes: int = 0
-    t_start: float = 0.0
-    copy_ms: float = 0.0
-    exposed_ms: float = 0.0
-    prefill_ms: float = 0.0
-    layerwise: bool = False
-    pending: Any = dataclasses.field(default=None, repr=False)  # ids to copy after the prefill
-    dst: Any = dataclasses.field(default=None, repr=False)      # the D cache written into
 
 
 def map_decode_cache(shm_name: str, spec, num_blocks: int, device: torch.device) -> PagedKVCache:
@@ -135,9 +96,12 @@ class PushSender(KVSender):
         self.max_ctas, self.layers_per_copy = max_ctas, layers_per_copy
         self.peers: dict[str, PagedKVCache] = {}  # paired D -> its mapped cache
         self.cuda = self.device.type == "cuda"
-        self._stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self._events = [torch.cuda.Event() for _ in range(spec.num_layers)] if self.cuda else []
-        self._keep: list = []
+        self.copier: LayerCopier | None = None  # built with the cache
+
+    def make_cache(self, num_blocks: int) -> PagedKVCache:
+        cache = super().make_cache(num_blocks)
+        self.copier = LayerCopier(cache, self.backend, self.max_ctas, self.layers_per_copy)
+        return cache
 
     # ---- set-up ------------------------------------------------------------------------
     def warmup(self, engine: Any, chunk_size: int) -> None:
@@ -180,8 +144,8 @@ class PushSender(KVSender):
             torch.cuda.ipc_collect()
 
     def close(self) -> None:
-        if self._stream is not None:
-            self._stream.synchronize()
+        if self.copier is not None:
+            self.copier.close()
         super().close()
         self.peers.clear()
         if self.cuda and torch.cuda.is_initialized():
@@ -200,9 +164,9 @@ class PushSender(KVSender):
             logits, stats = self.write(engine, job, layerwise=self.goes_layerwise(n))
             first = job.sample(logits)
             stats.prefill_ms = (time.perf_counter() - t0) * 1e3
-            self.finish(stats)
+            self.copier.finish(stats)
         except BaseException:
-            self.finish()
+            self.copier.finish()
             raise
         self.send_done(link, job.req_id, ok=True, first_token=first, num_prompt_tokens=n,
                        stats=stats)
@@ -219,30 +183,6 @@ class PushSender(KVSender):
             log.exception("%s: could not tell %s that %s failed", self.instance_id, decode_id,
                           req_id)
 
-    def _pairs(self, blocks: list[int], dst_ids: list[int], first: int, stop: int, skip: int,
-               peer: PagedKVCache):
-        """P's and D's ids of logical blocks ``[max(first, skip), stop)``, checked once here
-        (the per-layer copies skip validation) and, on CUDA, put on the device once through
-        the copy stream (no host sync per layer)."""
-        lo = max(first, skip)
-        if lo >= stop:
-            return None
-        src, dst = blocks[lo:stop], dst_ids[lo:stop]
-        for name, ids, limit in (("P's block table", src, self.cache.num_blocks),
-                                 ("decode_block_ids", dst, peer.num_blocks)):
-            bad = [b for b in ids if not 0 <= b < limit]
-            if bad:
-                raise TransferError(f"{name} holds block {bad[0]}, not in [0, {limit})")
-        if len(set(dst)) != len(dst):
-            raise TransferError(f"decode_block_ids repeats a block: {dst}")
-        pairs = tuple(torch.tensor(x, dtype=torch.int64, pin_memory=self.cuda) for x in (src, dst))
-        if not self.cuda:
-            return pairs
-        with torch.cuda.stream(self._stream):
-            dev = tuple(t.to(self.cache.device, non_blocking=True) for t in pairs)
-        self._keep.append(pairs)  # pinned sources live until finish()
-        return dev
-
     def write(self, engine: Any, job: PrefillJob, *, layerwise: bool) -> tuple[torch.Tensor, PushStats]:
         """Run ``engine``'s prefill of ``job`` and write the prompt's KV into D
         ``job.decode_id``'s blocks ``job.decode_block_ids`` (logical blocks from
@@ -255,13 +195,14 @@ class PushSender(KVSender):
         job : PrefillJob
         layerwise : bool
             Copy each layer group of each chunk as soon as it is computed (else after the
-            prefill, in :meth:`finish`).
+            prefill, in :meth:`LayerCopier.finish`).
 
         Returns
         -------
         (logits, PushStats)
             The last token's float32 logits [vocab_size]; layerwise copies are issued but may
-            still run on the device, a copy after the prefill is left to :meth:`finish`.
+            still run on the device, a copy after the prefill is left to
+            :meth:`LayerCopier.finish`.
 
         Raises
         ------
@@ -282,69 +223,28 @@ class PushSender(KVSender):
         stats = PushStats(dst=dst)
         if not real:  # dummy / profile run: compute only
             return engine.prefill(job.token_ids, blocks, chunk_size=job.chunk_size), stats
-        if self.cuda:  # P's earlier writes into its blocks (other streams) come first
-            self._stream.wait_stream(torch.cuda.current_stream(self.cache.device))
+        copier = self.copier
+        copier.start()
         skip = job.num_cached_blocks
 
         def on_chunk(start: int, end: int):
             if not layerwise:
                 return None
-            pairs = self._pairs(blocks, dst_ids, start // bs, -(-end // bs), skip, dst)
-            return None if pairs is None else self._layer_hook(pairs, stats, end == n)
+            pairs = copier.pairs(blocks, dst_ids, start // bs, -(-end // bs), skip, dst)
+            return None if pairs is None else copier.layer_hook(pairs, stats, end == n)
 
         logits = engine.prefill(job.token_ids, blocks, chunk_size=job.chunk_size, on_chunk=on_chunk)
         if not layerwise:  # copied by finish(), after the first token
-            stats.pending = self._pairs(blocks, dst_ids, 0, nb, skip, dst)
+            stats.pending = copier.pairs(blocks, dst_ids, 0, nb, skip, dst)
         m = max(0, nb - skip)
         stats.blocks, stats.payload_bytes = m, payload_bytes(self.spec, m)
         stats.layerwise = layerwise
         return logits, stats
 
-    def _layer_hook(self, pairs, stats: PushStats, last_chunk: bool):
-        L, G = self.spec.num_layers, self.layers_per_copy
-
-        def hook(layer: int) -> None:
-            if (layer + 1) % G and layer != L - 1:
-                return  # the group of layers is not complete yet
-            if self.cuda:
-                ev = self._events[layer]
-                ev.record(torch.cuda.current_stream(self.cache.device))
-                self._stream.wait_event(ev)
-            final = last_chunk and layer == L - 1  # nothing left to overlap: the whole GPU
-            self._copy(pairs, (layer - layer % G, layer + 1), None if final else self.max_ctas,
-                       stats)
-        return hook
-
-    def _copy(self, pairs, layers, max_ctas, stats: PushStats) -> None:
-        t0 = time.perf_counter()
-        if not stats.t_start:
-            stats.t_start = time.time()
-        src, dst = pairs
-        with torch.cuda.stream(self._stream) if self.cuda else contextlib.nullcontext():
-            copy_blocks(self.cache, stats.dst, src, dst, layers, backend=self.backend,
-                        max_ctas=max_ctas, validate=False)
-        stats.copy_ms += (time.perf_counter() - t0) * 1e3
-
-    def finish(self, stats: PushStats | None = None) -> None:
-        """Issue the copy after the prefill (if :meth:`write` left one) and block until every
-        copy issued so far is done (D may read the blocks after this). The time spent here is
-        the part of the transfer not hidden behind the prefill (``stats.exposed_ms``)."""
-        t0 = time.perf_counter()
-        if stats is not None and stats.pending is not None:
-            if self.cuda:
-                self._stream.wait_stream(torch.cuda.current_stream(self.cache.device))
-            self._copy(stats.pending, None, None, stats)
-            stats.pending = None
-        if self._stream is not None:
-            self._stream.synchronize()
-        self._keep.clear()
-        if stats is not None:
-            stats.exposed_ms = (time.perf_counter() - t0) * 1e3
-
     def send_done(self, link: Any, req_id: str, *, ok: bool, error: str = "",
                   first_token: int = -1, num_prompt_tokens: int = 0,
                   stats: PushStats | None = None) -> None:
-        """Tell D the push of ``req_id`` is over (after :meth:`finish`): ``ok`` with the first
+        """Tell D the push of ``req_id`` is over (after the copies finished): ``ok`` with the first
         token, or not (nothing more will be written; D may free the blocks).
 
         Raises
