@@ -31,6 +31,7 @@ from .instance import Instance
 from .lent import LentBlocks
 from .pairing import check_peer, peer_of
 from .sequences import DecodeLoop
+from .startup import StartupError
 
 log = logging.getLogger("kvflow.serve.decode")
 
@@ -50,11 +51,16 @@ class DecodeInstance(Arrivals, Instance):
 
     # ---- start-up -------------------------------------------------------------------
     def setup(self) -> None:
-        from kvflow.connector import make_receiver
+        from kvflow.connector import check_connector_config, make_receiver
         from kvflow.engine import Engine
         from kvflow.sched import BlockAllocator
         cfg = self.cfg
-        self.receiver = make_receiver(cfg.kv_connector, self.spec, cfg.device, backend=cfg.backend)
+        try:
+            self.receiver = make_receiver(cfg.kv_connector, self.spec, cfg.device,
+                                          backend=cfg.backend)
+            check_connector_config(self.receiver.name, cfg.kv_connector_config)
+        except ValueError as exc:  # unknown connector or option: one line
+            raise StartupError(str(exc)) from None
         self.cache = self.receiver.make_cache(self.num_blocks)
         self.engine = Engine(self.model, self.cache)
         self.allocator = BlockAllocator(self.num_blocks)

@@ -1,22 +1,16 @@
 """The prefill instance (P): runs each request's prefill in its own blocks, samples the first
-token, and hands the KV to the decode instance (D) that the router chose for it, through its
-connector (:func:`kvflow.connector.make_sender`: the one object that owns the links to D's,
-exports, mappings and layerwise machinery).
+token, and hands the KV to the decode instance (D) the router chose (``Prefill.decode_id``)
+through its connector (:func:`kvflow.connector.make_sender`), the one object that owns the
+links to paired D's and whatever the transfer needs (exports, mappings, layerwise machinery).
 
-P may be paired with several D's: the connector keeps one link per paired D, keyed by D's
-instance id, and sends each request's KV to exactly the D its :class:`~kvflow.protocol.Prefill`
-names (``decode_id``). A Prefill naming a D that is not paired, or a request id already queued
-or pending here, is refused (:class:`~kvflow.protocol.Rejected`; nothing is allocated or
-sent). :class:`~kvflow.protocol.Unpair` (the router saw that D die) and a new pairing with
-the same D drop only that D's attachment.
+A Prefill naming a D that is not paired, or a request id already queued or held here, is
+refused (:class:`~kvflow.protocol.Rejected`; nothing is allocated or sent). ``Unpair`` and a
+new pairing with the same D detach only that D.
 
 Per request: queued -> prefill (the connector runs :meth:`Engine.prefill`, chunked by
-``max_num_batched_tokens``) -> held (:class:`Held`) until D's :class:`~kvflow.protocol.KVAck`.
-An :class:`~kvflow.protocol.Abort`, a failed prefill or transfer, or a lease that ends without
-D's renewal (``kv_lease_s``, docs/reliability.md) also frees the blocks. A layerwise transfer
-that fails after the prefill (a layer never signalled within the connector's
-``signal_timeout_s``, a failed send) fails the request (HTTP 500 naming the layer and step)
-and frees its blocks on P; the router's Abort frees D's.
+``max_num_batched_tokens``) -> :class:`Held` until D's :class:`~kvflow.protocol.KVAck`. An
+Abort, a failed prefill or transfer (also a layerwise one reported after the prefill), or a
+lease that ends without D's renewal (``kv_lease_s``, docs/reliability.md) frees the blocks.
 """
 
 from __future__ import annotations
@@ -34,6 +28,7 @@ from . import faults
 from .instance import Instance
 from .pairing import check_peer, peer_of
 from .sampling import sample_token
+from .startup import StartupError
 
 log = logging.getLogger("kvflow.serve.prefill")
 
@@ -72,11 +67,14 @@ class PrefillInstance(Instance):
         from kvflow.engine import Engine
         from kvflow.sched import BlockAllocator
         cfg = self.cfg
-        self.connector = make_sender(cfg.kv_connector, self.spec, cfg.device,
-                                     config=cfg.kv_connector_config, instance_id=self.instance_id,
-                                     backend=cfg.backend,
-                                     layerwise_min_tokens=cfg.layerwise_min_tokens,
-                                     max_model_len=self.max_model_len)
+        try:
+            self.connector = make_sender(cfg.kv_connector, self.spec, cfg.device,
+                                         config=cfg.kv_connector_config,
+                                         instance_id=self.instance_id, backend=cfg.backend,
+                                         layerwise_min_tokens=cfg.layerwise_min_tokens,
+                                         max_model_len=self.max_model_len)
+        except ValueError as exc:  # unknown connector or option: one line
+            raise StartupError(str(exc)) from None
         self.cache = self.connector.make_cache(self.num_blocks)
         self.engine = Engine(self.model, self.cache)
         self.allocator = BlockAllocator(self.num_blocks)
