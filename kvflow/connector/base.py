@@ -306,7 +306,9 @@ class KVReceiver(abc.ABC):
         return {"shm_name": ""}
 
     def describe(self) -> dict[str, Any]:
-        """The connector fields of a request's ``kvflow`` response block."""
+        """The connector fields of a request's ``kvflow`` response block: ``kv_connector``,
+        and the ``transfer`` ("ipc" or "tcp") and ``ipc_direction`` ("pull", "push" or None)
+        that the API and the metrics' ``transfer`` label read."""
         return {"kv_connector": self.name}
 
     def attach(self, peer: Peer) -> None:
