@@ -5,19 +5,20 @@ wire) and encoded as MessagePack; a frame is decoded against the union of all kn
 so an unknown tag, a missing field or a wrong type is rejected (:class:`ProtocolError`) and
 logged by the receiver, never executed. Nothing is ever unpickled from a socket.
 
-Flow of one disaggregated request (see DESIGN.md, "Data flow of one request")::
+Flow of one disaggregated request (docs/design.md, "One request's path")::
 
     router --Allocate--> D --Allocated/Rejected--> router
     router --Prefill (D's block ids)--> P
-    P --KVReady (ipc: P's block ids) or KVData + payload frames (tcp)--> D --KVAck--> P
+    P --KVReady (ipc-pull: P's block ids) or KVData + payload frames (tcp)--> D --KVAck--> P
       (layerwise: KVLayer parts as layers are signalled, then a last KVLayer --> D --KVAck--> P)
+    P --KVPushed (ipc-push: the KV is already in D's blocks)--> D
     D --Tokens--> router   (first token, then one per decode step; ``finished`` ends it)
     router --Abort--> P, D (on done-by-error, timeout, client disconnect, peer death)
     router --Unpair--> P  (a paired D died: P drops only that D's link)
     D --LeaseRenew--> P   (every heartbeat: "I still mean to read these requests' blocks")
 
 Prefix hit on D: ``Allocated.num_cached_blocks = k`` says D already holds the request's logical
-blocks ``0..k-1``; the router passes ``Prefill.skip_blocks = k`` and P sends only its logical
+blocks ``0..k-1``; the router passes ``Prefill.num_cached_blocks = k`` and P sends only its logical
 blocks ``k..`` (paired by logical position with D's table ``[k:]``).
 
 KV payload bytes (tcp) travel as extra raw frames after a :class:`KVData` header frame; they
@@ -56,7 +57,7 @@ class Register(_Msg):
     num_blocks: int
     free_blocks: int
     max_model_len: int
-    transfer: str                   # "ipc" | "tcp" | "none"
+    transfer: str                   # the connector: "ipc-pull" | "ipc-push" | "tcp" | "none"
     pid: int
     data_addr: str = ""             # D: ZMQ address P connects to; "" otherwise
     shm_name: str = ""              # ipc: the exported cache (P's for pull, D's for push)
@@ -103,7 +104,7 @@ class Pair(_Msg):
 
 class Unpair(_Msg):
     """Router -> P: forget decode instance ``peer_id`` (it died or left): drop the link to it
-    (and its push mapping / layerwise socket); links to other D's stay."""
+    (and whatever P's connector holds for it); links to other D's stay."""
     peer_id: str
     reason: str = ""
 
@@ -156,7 +157,7 @@ class Prefill(_Msg):
     seed: int = 0
     decode_id: str = ""
     decode_block_ids: list[NonNeg] = []
-    skip_blocks: NonNeg = 0         # D holds logical blocks 0..skip_blocks-1: send the rest
+    num_cached_blocks: NonNeg = 0   # D holds logical blocks 0..k-1 (prefix hit): send the rest
 
 
 class Tokens(_Msg):

@@ -5,6 +5,7 @@ instead of sent, and delivered by the test one by one — every interleaving is 
 from __future__ import annotations
 
 from kvflow.protocol import (Abort, Allocate, KVAck, LeaseRenew, Pair, Prefill, decode, encode)
+from kvflow.connector import Peer
 from kvflow.serve.decode import DecodeInstance
 from kvflow.serve.config import ServeConfig
 from kvflow.serve.prefill import PrefillInstance
@@ -24,6 +25,9 @@ class FakeLink:
     def send_multipart(self, frames, *a, **k):
         self.frames.append([bytes(f) if isinstance(f, memoryview) else f for f in frames])
 
+    def close(self, *a):
+        pass
+
 
 def capture(inst, out: list) -> None:
     def send(sock, msg, *, ident=None):
@@ -32,16 +36,10 @@ def capture(inst, out: list) -> None:
     inst.send = send
 
 
-#: ``--layerwise-min-tokens`` past every prompt: each request moves after its prefill
-AFTER_PREFILL = 100_000
-
-
-def make_instance(cls, role: str, *, transfer: str = "ipc", ipc_direction: str = "auto", **kw):
-    """An instance with captured sends; ``transfer`` ipc or tcp, ``ipc_direction`` auto, pull or
-    push name its ``--kv-connector``."""
-    kind = "tcp" if transfer == "tcp" else "auto" if ipc_direction == "auto" else f"ipc-{ipc_direction}"
-    kw.setdefault("layerwise_min_tokens", AFTER_PREFILL)
-    cfg = ServeConfig(role=role, router_url=ROUTER, kv_connector=kind,
+def make_instance(cls, role: str, **kw):
+    cfg = ServeConfig(role=role, router_url=ROUTER,
+                      kv_connector=kw.pop("kv_connector", "ipc-pull"),
+                      layerwise_min_tokens=kw.pop("layerwise_min_tokens", 1 << 30),
                       num_blocks=kw.pop("num_blocks", 48),
                       max_model_len=kw.pop("max_model_len", 256),
                       max_num_batched_tokens=256, **kw)
@@ -57,19 +55,18 @@ class PD:
     """P and D paired over ipc; ``run`` drives one request from Allocate to its last token."""
 
     def __init__(self, *, prefix: bool = True, d_blocks: int = 48, lease_s: float = 5.0,
-                 transfer: str = "ipc", ipc_direction: str = "pull") -> None:
-        self.p = make_instance(PrefillInstance, "prefill", kv_lease_s=lease_s, transfer=transfer,
-                               ipc_direction=ipc_direction)
-        self.d = make_instance(DecodeInstance, "decode", num_blocks=d_blocks, transfer=transfer,
-                               enable_prefix_caching=prefix, kv_lease_s=lease_s,
-                               ipc_direction=ipc_direction)
-        self.link = self.p.links[self.d.instance_id] = FakeLink()  # what P sends to D
-        if self.p.writer is not None:  # push: P maps D's exported cache
-            self.p.writer.attach(self.d.instance_id, self.d.export_name, self.d.spec,
-                                 self.d.num_blocks)
+                 kv_connector: str = "ipc-pull") -> None:
+        self.p = make_instance(PrefillInstance, "prefill", kv_lease_s=lease_s,
+                               kv_connector=kv_connector)
+        self.d = make_instance(DecodeInstance, "decode", num_blocks=d_blocks,
+                               kv_connector=kv_connector, enable_prefix_caching=prefix,
+                               kv_lease_s=lease_s)
+        self.link = FakeLink()  # what P sends to D (ipc-push: P also maps D's exported cache)
+        self.p.connector.attach(Peer(self.d.instance_id, self.d.spec, self.d.num_blocks,
+                                     **self.d.receiver.export()), link=self.link)
         self.d.on_pair(Pair(peer_id=self.p.instance_id, peer_role="prefill",
                             peer_spec=self.p.spec.to_dict(), peer_num_blocks=self.p.num_blocks,
-                            shm_name=self.p.shared.name if self.p.shared else "",
+                            shm_name=self.p.connector.export().get("shm_name", ""),
                             peer_fingerprint=self.p.fingerprint), [], None)
         assert self.d.out[-1].ok, self.d.out[-1]
         self.n = 0
@@ -77,7 +74,6 @@ class PD:
     def close(self) -> None:
         for inst in (self.p, self.d):
             inst.close()
-        self.p.sender.close()
 
     def free(self) -> tuple[int, int]:
         return self.p.allocator.num_free, self.d.free_blocks()
@@ -98,7 +94,7 @@ class PD:
         """P prefills and sends; returns (P's full block table, the sent frames decoded)."""
         self.p.on_prefill(Prefill(req_id=req_id, token_ids=token_ids, decode_id=self.d.instance_id,
                                   decode_block_ids=allocated.block_ids,
-                                  skip_blocks=allocated.num_cached_blocks), [], None)
+                                  num_cached_blocks=allocated.num_cached_blocks), [], None)
         table = None
         real = self.p.allocator.allocate
         def spy(n):  # P's table, also when its sender frees the blocks at once (tcp)

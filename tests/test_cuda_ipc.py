@@ -1,4 +1,4 @@
-"""CUDA IPC transfer (kvflow.transfer.cuda_ipc), per-role GPU environments, the ipc study
+"""CUDA IPC transfer (kvflow.connector.cuda_ipc), per-role GPU environments, the ipc study
 (``python -m kvflow.bench ipc``).
 
 CPU here: export messages, publishing, UUID refusal, bad input, device env, the bench's smoke
@@ -21,11 +21,12 @@ from kvflow import KVCacheSpec, PagedKVCache
 from kvflow.bench.schema import read_results
 from kvflow.devices import parent_cards, worker_env_for_cards
 from kvflow.serve.procs import instance_env
-from kvflow.transfer.base import TransferError
-from kvflow.transfer.cuda_ipc import (CudaIpcExport, CudaIpcReceiver, decode_export, encode_export,
-                                      import_cache, ordinal_of_uuid, publish_export, read_export)
+from kvflow.connector import Peer, TransferError
+from kvflow.connector.cuda_ipc import (CudaIpcExport, decode_export, encode_export, import_cache,
+                                       ordinal_of_uuid, publish_export, read_export)
+from kvflow.connector.ipc_pull import CudaIpcPullReceiver
 from kvflow.segments import Owner
-from kvflow.transfer.shm import shm_path, unlink_segment
+from kvflow.connector.shm import shm_path, unlink_segment
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float16)
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2,
@@ -81,16 +82,16 @@ def test_import_refuses_before_opening_anything():
 
 
 def test_export_needs_one_cuda_buffer():
-    from kvflow.transfer.cuda_ipc import export_cache
+    from kvflow.connector.cuda_ipc import export_cache
     with pytest.raises(TypeError, match="over one CUDA buffer, got one on cpu"):
         export_cache(PagedKVCache(SPEC, 2))
 
 
 def test_receiver_bad_input():
     with pytest.raises(ValueError, match="direction must be 'pull' or 'push', got 'sideways'"):
-        CudaIpcReceiver(direction="sideways")
+        CudaIpcPullReceiver(direction="sideways")
     with pytest.raises(TransferError, match="before pairing"):
-        CudaIpcReceiver().receive(None, [], PagedKVCache(SPEC, 2), [0])
+        CudaIpcPullReceiver().receive(None, [], PagedKVCache(SPEC, 2), [0])
 
 
 def test_parent_cards_and_role_env(monkeypatch):
@@ -139,8 +140,8 @@ _P_CHILD = """
 import sys, torch
 from kvflow.bench.cases import fill_pattern
 from kvflow import KVCacheSpec, PagedKVCache
-from kvflow.transfer.cuda_ipc import export_cache, publish_export
-from kvflow.transfer.shm import unlink_segment
+from kvflow.connector.cuda_ipc import export_cache, publish_export
+from kvflow.connector.shm import unlink_segment
 spec = KVCacheSpec(**{spec!r})
 cache = PagedKVCache(spec, 64, device="cuda:0")
 fill_pattern(cache); torch.cuda.synchronize()
@@ -154,7 +155,7 @@ import sys, torch
 from kvflow.bench.cases import pattern
 from kvflow import KVCacheSpec, PagedKVCache
 from kvflow.kernels import copy_blocks
-from kvflow.transfer.cuda_ipc import enable_peer_access, import_cache, read_export
+from kvflow.connector.cuda_ipc import enable_peer_access, import_cache, read_export
 spec = KVCacheSpec(**{spec!r})
 try:
     peer = import_cache(read_export({name!r}), spec, 64)
@@ -209,8 +210,8 @@ _D_EXPORTER = """
 import sys, torch
 from kvflow.bench.cases import pattern
 from kvflow import KVCacheSpec, PagedKVCache
-from kvflow.transfer.cuda_ipc import export_cache, publish_export
-from kvflow.transfer.shm import unlink_segment
+from kvflow.connector.cuda_ipc import export_cache, publish_export
+from kvflow.connector.shm import unlink_segment
 spec = KVCacheSpec(**{spec!r})
 cache = PagedKVCache(spec, 64, device="cuda:0")
 cache.buffer.zero_(); torch.cuda.synchronize()
@@ -230,7 +231,7 @@ import sys, torch
 from kvflow.bench.cases import fill_pattern
 from kvflow import KVCacheSpec, PagedKVCache
 from kvflow.kernels import copy_blocks
-from kvflow.transfer.push import map_decode_cache
+from kvflow.connector.ipc_push import map_decode_cache
 spec = KVCacheSpec(**{spec!r})
 mine = torch.device("cuda", {mine})
 p = PagedKVCache(spec, 64, device=mine)
@@ -311,9 +312,9 @@ def test_receiver_keeps_one_mapping_per_prefill_and_reads_the_senders(monkeypatc
     """The CUDA receiver's bookkeeping, on CPU caches (mapping and stream sync stubbed): two P's
     paired, each KVReady / KVLayer is read from the cache of the P that sent it; a detached P
     is refused by name."""
-    import kvflow.transfer.cuda_ipc as ci
+    import kvflow.connector.cuda_ipc as ci
+    from kvflow.connector.ipc_pull import CudaIpcPullReceiver
     from kvflow.protocol import KVLayer, KVReady
-    from kvflow.transfer import TransferError
 
     def filled(v):
         c = PagedKVCache(SPEC, 8)
@@ -326,9 +327,9 @@ def test_receiver_keeps_one_mapping_per_prefill_and_reads_the_senders(monkeypatc
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "current_stream",
                         lambda dev=None: type("S", (), {"synchronize": lambda self: None})())
-    rx = ci.CudaIpcReceiver(backend="torch", direction="pull")
-    rx.attach("p1", SPEC, 8, "exp-a")
-    rx.attach("p2", SPEC, 8, "exp-b")
+    rx = CudaIpcPullReceiver(backend="torch", direction="pull")
+    rx.attach(Peer("p1", SPEC, 8, shm_name="exp-a"))
+    rx.attach(Peer("p2", SPEC, 8, shm_name="exp-b"))
     d = PagedKVCache(SPEC, 8)
     ready = KVReady(req_id="r", src_block_ids=[3], first_token=0, num_prompt_tokens=4, t_start=0.0)
     assert rx.receive(ready, [], d, [5], "p1").blocks == 1

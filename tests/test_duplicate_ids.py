@@ -14,7 +14,7 @@ from kvflow.protocol import Abort, Allocate, Prefill, Rejected, Tokens
 from .reliability_harness import PD
 from .test_reliability_pd import TEXT, colocated, tokens_of
 
-SETUPS = {"ipc-pull": dict(), "tcp": dict(transfer="tcp"), "ipc-push": dict(ipc_direction="push")}
+SETUPS = {"ipc-pull": dict(), "tcp": dict(kv_connector="tcp"), "ipc-push": dict(kv_connector="ipc-push")}
 
 
 @pytest.fixture(params=list(SETUPS))
@@ -65,7 +65,7 @@ def test_second_allocate_with_a_live_id_is_refused_and_nothing_leaks(pd):
     assert rej.error == (f"request id {req} is already live on decode instance "
                          f"{pd.d.instance_id}; a second Allocate with it is refused")
     assert pd.d.free_blocks() == free
-    if pd.p.writer is None:
+    if pd.p.connector.name != "ipc-push":
         pd.abort(req)
         return
     # push: the request ends on D while its Prefill is queued on P: D's blocks are lent to P

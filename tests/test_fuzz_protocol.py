@@ -17,7 +17,7 @@ from kvflow.protocol import (MESSAGE_TYPES, Allocate, Allocated, KVReady, LeaseR
 
 VALID = [Allocate(req_id="r1", token_ids=[256, 1, 2], max_tokens=4),
          Allocated(req_id="r1", block_ids=[3, 4], num_cached_blocks=1),
-         Prefill(req_id="r1", token_ids=[256, 7], decode_id="d-1", decode_block_ids=[3], skip_blocks=0),
+         Prefill(req_id="r1", token_ids=[256, 7], decode_id="d-1", decode_block_ids=[3], num_cached_blocks=0),
          KVReady(req_id="r1", src_block_ids=[5, -1], first_token=9, num_prompt_tokens=17, t_start=1.5),
          LeaseRenew(req_ids=["r1", "r2"])]
 FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -12,7 +12,7 @@ import pytest
 
 from kvflow.context import forward_context
 from kvflow.kernels import copy_blocks
-from kvflow.layerwise import LayerwiseScheduler, LayerwiseWorker
+from kvflow.connector.layerwise import LayerwiseScheduler, LayerwiseWorker
 from kvflow.signal import STATS, LayerSignaller, SignalChannel
 
 engine_mod = pytest.importorskip("kvflow.engine")

@@ -10,7 +10,7 @@ import torch
 from kvflow import KVCacheSpec, PagedKVCache
 from kvflow.context import forward_context
 from kvflow.kernels import copy_blocks
-from kvflow.layerwise import LayerwiseScheduler
+from kvflow.connector.layerwise import LayerwiseScheduler
 
 from .conftest import assert_bytes_equal, cache_bytes, random_cache
 

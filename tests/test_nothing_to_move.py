@@ -1,6 +1,6 @@
 """A transfer of zero blocks (D's prefix cache already holds every prompt block) is a success
-for every transfer kind: tcp, ipc pull (request mode), layerwise (ipc and tcp parts) and ipc
-push. Checked at the transfer level (sender + receiver, nothing written into D's cache) and in
+for every connector: tcp, ipc-pull (after the prefill), layerwise (ipc-pull and tcp parts) and
+ipc-push. Checked at the transfer level (sender + receiver, nothing written into D's cache) and in
 the served path in process (the same two-block prompt twice: the repeat moves nothing and
 decodes the same tokens). Issue 14 kind 5: tcp answered the repeat with 502 "both buffer length
 (0) and count (-1) must not be 0"."""
@@ -12,10 +12,11 @@ import torch
 
 from kvflow import KVCacheSpec, PagedKVCache
 from kvflow.protocol import KVData, KVLayer, KVPushed, KVReady
-from kvflow.transfer import make_receiver
-from kvflow.transfer.ipc import IpcSender, SharedCache
-from kvflow.transfer.push import PushReceiver, PushWriter
-from kvflow.transfer.tcp import TcpSender
+from kvflow.connector import Peer, PrefillJob, make_receiver
+from kvflow.connector.ipc_pull import IpcPullSender
+from kvflow.connector.ipc_push import PushReceiver, PushSender
+from kvflow.connector.shm import SharedCache
+from kvflow.connector.tcp import TcpSender
 
 from .zmq_link import recv, zmq_link  # noqa: F401 (zmq_link: a fixture)
 
@@ -34,7 +35,7 @@ def _untouched(cache: PagedKVCache) -> bool:
 
 def test_tcp_sends_and_receives_zero_blocks(zmq_link):
     p_sock, d_sock = zmq_link
-    TcpSender().send(p_sock, "r", PagedKVCache(SPEC, 8), [], first_token=3, num_prompt_tokens=8)
+    TcpSender(SPEC).send(p_sock, "r", PagedKVCache(SPEC, 8), [], first_token=3, num_prompt_tokens=8)
     head, payload = recv(d_sock)
     assert isinstance(head, KVData) and head.num_blocks == 0
     d = _d_cache()
@@ -46,9 +47,9 @@ def test_ipc_pull_sends_and_receives_zero_blocks(zmq_link):
     p_sock, d_sock = zmq_link
     shared = SharedCache(SPEC, 8)
     try:
-        rx = make_receiver("ipc")
-        rx.attach("p0", SPEC, 8, shm_name=shared.name)
-        IpcSender(shared).send(p_sock, "r", shared.cache, [], first_token=3, num_prompt_tokens=8)
+        rx = make_receiver("ipc-pull")
+        rx.attach(Peer("p0", SPEC, 8, shm_name=shared.name))
+        IpcPullSender(SPEC).send(p_sock, "r", shared.cache, [], first_token=3, num_prompt_tokens=8)
         head, payload = recv(d_sock)
         assert isinstance(head, KVReady) and head.src_block_ids == []
         d = _d_cache()
@@ -58,10 +59,10 @@ def test_ipc_pull_sends_and_receives_zero_blocks(zmq_link):
         shared.close()
 
 
-@pytest.mark.parametrize("transfer", ["ipc", "tcp"])
+@pytest.mark.parametrize("transfer", ["ipc-pull", "tcp"])
 def test_layerwise_last_part_alone_completes_zero_blocks(transfer):
     rx = make_receiver(transfer)
-    if transfer == "ipc":  # stands for P's mapped cache: nothing is read from it
+    if transfer == "ipc-pull":  # stands for P's mapped cache: nothing is read from it
         rx.peers["p0"] = PagedKVCache(SPEC, 8)
     d = _d_cache()
     last = KVLayer(req_id="r", reply_to="p0", last=True, first_token=3, num_prompt_tokens=8)
@@ -74,14 +75,15 @@ def test_push_writes_nothing_and_d_accepts_zero_blocks():
     from kvflow.model import load_model
     model, _ = load_model("kvflow-tiny")
     spec = model.kv_spec(16)
-    eng = Engine(model, PagedKVCache(spec, 4))
-    w = PushWriter(eng.cache, layers_per_copy=2)
+    w = PushSender(spec, layers_per_copy=2)
+    eng = Engine(model, w.make_cache(4))
     peer = w.peers["d-1"] = PagedKVCache(spec, 4)
     peer.buffer.fill_(0x5A)
     for layerwise in (True, False):
-        _, stats = w.prefill(eng, list(range(1, 33)), [0, 1], [2, 3], 16, peer_id="d-1",
-                             skip_blocks=2, layerwise=layerwise)
-        w.finish(stats)
+        _, stats = w.write(eng, PrefillJob("r", list(range(1, 33)), [0, 1], "d-1", [2, 3],
+                                           num_cached_blocks=2, chunk_size=16),
+                           layerwise=layerwise)
+        w.copier.finish(stats)
         assert (stats.blocks, stats.payload_bytes, stats.t_start) == (0, 0, 0.0)
         assert bool((peer.buffer == 0x5A).all())
     stats = PushReceiver().receive(KVPushed(req_id="r", ok=True, first_token=3, num_blocks=0),
@@ -91,14 +93,15 @@ def test_push_writes_nothing_and_d_accepts_zero_blocks():
 
 # ---- served path, in process: the same two-block prompt twice --------------------------------
 def _request(h, rid: str, tokens: list[int], min_tokens: int):
-    """As the router does: Allocate on D, Prefill on P with D's prefix hit as ``skip_blocks``;
+    """As the router does: Allocate on D, Prefill on P with D's prefix hit as
+    ``num_cached_blocks``;
     returns (generated ids or the error message, the first Tokens' kvflow dict)."""
     from kvflow.protocol import Allocate, Allocated, Prefill, Rejected, Tokens
-    h.p.cfg.layerwise_min_tokens = min_tokens
+    h.p.connector.layerwise_min_tokens = min_tokens
     h.to(h.d, Allocate(req_id=rid, token_ids=tokens, max_tokens=5, ignore_eos=True))
     (alloc,) = h.wait_for((Allocated, Rejected), req_id=rid)
     h.to(h.p, Prefill(req_id=rid, token_ids=tokens, decode_id=h.d.instance_id,
-                      decode_block_ids=alloc.block_ids, skip_blocks=alloc.num_cached_blocks))
+                      decode_block_ids=alloc.block_ids, num_cached_blocks=alloc.num_cached_blocks))
     out, first = [], None
     while True:
         (msg,) = h.wait_for((Tokens, Rejected), req_id=rid)
@@ -111,13 +114,13 @@ def _request(h, rid: str, tokens: list[int], min_tokens: int):
 
 
 @pytest.mark.parametrize("transfer, extra", [
-    ("tcp", {}), ("tcp", {"layerwise": True}), ("ipc", {}), ("ipc", {"layerwise": True}),
-    ("ipc", {"ipc_direction": "push"})], ids=["tcp", "tcp-layerwise", "ipc", "ipc-layerwise", "push"])
+    ("tcp", {}), ("tcp", {"layerwise": True}), ("ipc-pull", {}), ("ipc-pull", {"layerwise": True}),
+    ("ipc-push", {"push": True})], ids=["tcp", "tcp-layerwise", "ipc", "ipc-layerwise", "push"])
 def test_repeat_of_a_fully_cached_prompt_moves_nothing_and_decodes_the_same(transfer, extra):
     from .test_serve_layerwise import NEVER, Harness, prompt
     extra = dict(extra)
     layerwise = extra.pop("layerwise", False)
-    h = Harness(transfer, enable_prefix_caching=True, **extra)
+    h = Harness(transfer, enable_prefix_caching=True)
     try:
         toks = prompt(32)                                  # exactly 2 blocks of 16
         min_tokens = 0 if layerwise or extra else NEVER

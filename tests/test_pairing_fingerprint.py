@@ -77,7 +77,7 @@ def test_other_weights_of_the_same_shapes_are_refused(tmp_path, instances):
     d_same = instances(DecodeInstance, "decode", model=same)       # its weights, another name
     d_other = instances(DecodeInstance, "decode", model=other)     # same shapes, other weights
     assert p.spec == d_other.spec                                  # the KV cache spec check passes
-    assert all(r.ok for r in pair(p, d_same)) and list(p.links) == [d_same.instance_id]
+    assert all(r.ok for r in pair(p, d_same)) and list(p.connector.links) == [d_same.instance_id]
     wp, wd = p.fingerprint["weights"], d_other.fingerprint["weights"]
     res_p, res_d = pair(p, d_other)
     assert not res_p.ok and res_p.error == (
@@ -86,7 +86,7 @@ def test_other_weights_of_the_same_shapes_are_refused(tmp_path, instances):
     assert not res_d.ok and res_d.error == (
         f"model fingerprint mismatch, pairing refused: weights: {wd[:12]}… "
         f"({d_other.instance_id}) vs {wp[:12]}… ({p.instance_id})")
-    assert list(p.links) == [d_same.instance_id]                   # no link to the refused D
+    assert list(p.connector.links) == [d_same.instance_id]                   # no link to the refused D
 
 
 def test_max_model_len_and_dtype_mismatches_are_refused(instances):
@@ -101,7 +101,7 @@ def test_max_model_len_and_dtype_mismatches_are_refused(instances):
     assert not res_p.ok and res_p.error == (                       # KV dtype: the spec check
         "KV cache spec mismatch, pairing refused: dtype: torch.float32 "
         f"({p.instance_id}) vs torch.bfloat16 ({d16.instance_id})")
-    assert list(p.links) == []
+    assert list(p.connector.links) == []
 
 
 def test_fingerprint_holds_the_config_dtype_length_and_a_weights_digest():

@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from kvflow.connector import Peer
 from kvflow.protocol import Abort, Heartbeat, KVPushed, Pair, Prefill, Rejected, Tokens, decode
 from kvflow.segments import host_id
 from kvflow.serve.prefill import PrefillInstance
@@ -45,10 +46,10 @@ def pair_d_with(pd: PD, peer_id: str, pid: int, peer_host_id: str) -> None:
 @pytest.fixture
 def push():
     """P, a second P (both pushing into D) and a D of 3 blocks: one request fills it."""
-    pd = PD(ipc_direction="push", d_blocks=3, prefix=False)
-    p2 = make_instance(PrefillInstance, "prefill", ipc_direction="push")
-    p2.links[pd.d.instance_id] = FakeLink()
-    p2.writer.attach(pd.d.instance_id, pd.d.export_name, pd.d.spec, pd.d.num_blocks)
+    pd = PD(kv_connector="ipc-push", d_blocks=3, prefix=False)
+    p2 = make_instance(PrefillInstance, "prefill", kv_connector="ipc-push")
+    p2.connector.attach(Peer(pd.d.instance_id, pd.d.spec, pd.d.num_blocks,
+                             **pd.d.receiver.export()), link=FakeLink())
     for p in (pd.p, p2):
         pair_d_with(pd, p.instance_id, os.getpid(), host_id())  # in this process: alive
     pd.p2 = p2
@@ -64,7 +65,7 @@ def run_on(pd: PD, p, req: str, prompt: list[int], alloc) -> KVPushed:
         p.on_prefill(Prefill(req_id=req, token_ids=prompt, decode_id=pd.d.instance_id,
                                      decode_block_ids=alloc.block_ids), [], None)
     p.work()
-    done = decode(p.links[pd.d.instance_id].frames.pop()[0])
+    done = decode(p.connector.links[pd.d.instance_id].frames.pop()[0])
     assert isinstance(done, KVPushed) and done.req_id == req and done.ok
     return done
 
@@ -149,11 +150,11 @@ def test_pull_p_keeps_blocks_a_live_d_may_still_read_until_its_ack():
         pd.close()
 
 
-@pytest.mark.parametrize("direction", ["pull", "push"])
-def test_p_heartbeats_between_prefill_chunks(direction, monkeypatch):
+@pytest.mark.parametrize("connector", ["ipc-pull", "ipc-push"])
+def test_p_heartbeats_between_prefill_chunks(connector, monkeypatch):
     """A 64-token prompt in 16-token chunks, each forward made 0.25 s slow: P heartbeats
     between the chunks (before: nothing for the whole prefill)."""
-    pd = PD(ipc_direction=direction, prefix=False)
+    pd = PD(kv_connector=connector, prefix=False)
     try:
         monkeypatch.setenv("KVFLOW_FAULT_CHUNK_DELAY_S", "0.25")
         pd.p.cfg.max_num_batched_tokens = 16

@@ -13,7 +13,7 @@ import torch
 from kvflow import PagedKVCache
 from kvflow.engine import Engine
 from kvflow.protocol import KVAck, KVReady, LeaseRenew, Rejected, Tokens
-from kvflow.serve.instance import sample_token
+from kvflow.serve.sampling import sample_token
 
 from .reliability_harness import PD, every_block_back, time_out_on_d
 
@@ -115,7 +115,7 @@ def test_abort_after_p_sent_holds_until_d_acks_then_late_transfer_is_ignored(pd)
     req, alloc = pd.allocate(TEXT[:40])
     table, hdr, frames = pd.prefill(req, TEXT[:40], alloc)
     pd.abort(req)
-    assert pd.p.pending[req][0] == table          # D may be reading: P still holds them
+    assert pd.p.pending[req].blocks == table      # D may be reading: P still holds them
     pd.deliver(hdr, frames)                        # the late KVReady reaches D
     assert not pd.take(pd.d, Tokens)               # ignored: no token for an aborted request
     assert req not in pd.p.pending                 # D's "not ok" ack freed P's blocks
@@ -150,7 +150,7 @@ def test_abort_mid_transfer_and_while_decoding(pd, monkeypatch):
 
 
 def test_lease_expires_without_renewal_and_holds_with_it(pd):
-    pd.p.ack_timeout_s = pd.d.kv_lease_s = 0.3
+    pd.p.kv_lease_s = pd.d.kv_lease_s = 0.3
     try:
         req, alloc = pd.allocate(TEXT[:40])
         table, hdr, frames = pd.prefill(req, TEXT[:40], alloc)
@@ -169,7 +169,7 @@ def test_lease_expires_without_renewal_and_holds_with_it(pd):
         (end,) = [m for m in pd.take(pd.d, Tokens) if m.req_id == req]
         assert end.finish_reason == "error" and "lease of 0.3 s" in end.error
     finally:
-        pd.p.ack_timeout_s = pd.d.kv_lease_s = 5.0
+        pd.p.kv_lease_s = pd.d.kv_lease_s = 5.0
 
 
 def test_d_frees_a_request_whose_kv_never_comes(pd):
@@ -198,7 +198,7 @@ def test_over_capacity_refused_before_any_transfer_and_busy_when_full(pd):
 
 def test_prefix_hit_over_tcp_moves_only_the_missing_blocks():
     from kvflow.protocol import KVData
-    pd = PD(transfer="tcp")
+    pd = PD(kv_connector="tcp")
     try:
         first = TEXT[:32]
         pd.run(first)
@@ -224,6 +224,7 @@ def test_one_d_paired_with_two_p_reads_each_request_from_its_own_p():
     from that P's cache (not from the last paired one) and is token-identical."""
     import os
 
+    from kvflow.connector import Peer
     from kvflow.protocol import Pair, Prefill, decode
     from kvflow.serve.prefill import PrefillInstance
 
@@ -231,9 +232,9 @@ def test_one_d_paired_with_two_p_reads_each_request_from_its_own_p():
     pd = PD(prefix=False)
     p2 = make_instance(PrefillInstance, "prefill")
     try:
-        p2.links[pd.d.instance_id] = FakeLink()
+        p2.connector.attach(Peer(pd.d.instance_id, pd.d.spec, pd.d.num_blocks), link=FakeLink())
         pd.d.on_pair(Pair(peer_id=p2.instance_id, peer_role="prefill", peer_spec=p2.spec.to_dict(),
-                          peer_num_blocks=p2.num_blocks, shm_name=p2.shared.name,
+                          peer_num_blocks=p2.num_blocks, shm_name=p2.connector.export()["shm_name"],
                           peer_pid=os.getpid(), peer_fingerprint=p2.fingerprint), [], None)
         assert pd.d.out[-1].ok and sorted(pd.d.receiver.peers) == sorted([pd.p.instance_id,
                                                                           p2.instance_id])
@@ -242,7 +243,7 @@ def test_one_d_paired_with_two_p_reads_each_request_from_its_own_p():
             p.on_prefill(Prefill(req_id=req, token_ids=prompt, decode_id=pd.d.instance_id,
                                  decode_block_ids=alloc.block_ids), [], None)
             p.work()
-            hdr = decode(p.links[pd.d.instance_id].frames.pop()[0])
+            hdr = decode(p.connector.links[pd.d.instance_id].frames.pop()[0])
             pd.d.on_kvready(hdr, [], p.instance_id.encode())
             (ack,) = pd.take(pd.d, KVAck)
             p.on_kvack(ack, [], None)
@@ -251,5 +252,4 @@ def test_one_d_paired_with_two_p_reads_each_request_from_its_own_p():
         assert pd.free() == (pd.p.num_blocks, pd.d.num_blocks) and p2.allocator.num_used == 0
     finally:
         p2.close()
-        p2.sender.close()
         pd.close()

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from kvflow.segments import Owner
-from kvflow.transfer.shm import SHM_DIR
+from kvflow.segments import SHM_DIR
 
 from .serve_server import free_port, heartbeats_after, pid_alive
 

@@ -1,4 +1,4 @@
-"""ipc push (P writes into D's exported cache, kvflow.transfer.push) on an in-process P + D pair
+"""ipc-push (P writes into D's exported cache, kvflow.connector.ipc_push) on an in-process P + D pair
 (tests/reliability_harness.py): token identity with a colocated engine, prefix hits, and who
 owns D's blocks when a request ends early -- D keeps them ("lent") until P's KVPushed says it
 wrote its last byte, unless the Prefill never went out or P's process is gone. Every test ends
@@ -14,17 +14,15 @@ import torch
 from kvflow.context import forward_context
 from kvflow.protocol import Abort, KVPushed, Prefill, Rejected, Tokens, decode
 from kvflow.segments import host_id
-from kvflow.serve.config import ServeConfig
-from kvflow.serve.instance import layerwise_min_tokens, uses_push
-from kvflow.transfer import TransferError
+from kvflow.connector import Peer, PrefillJob, TransferError
 
-from .reliability_harness import AFTER_PREFILL, PD, every_block_back, time_out_on_d
+from .reliability_harness import PD, FakeLink, every_block_back, time_out_on_d
 from .test_reliability_pd import TEXT, colocated, tokens_of
 
 
 @pytest.fixture(scope="module")
 def pd():
-    h = PD(ipc_direction="push")
+    h = PD(kv_connector="ipc-push")
     yield h
     h.close()
 
@@ -40,12 +38,12 @@ def d_blocks(pd, ids):
 
 @pytest.mark.parametrize("mode", ["layerwise", "request"])
 def test_push_is_token_identical_and_p_frees_its_blocks_at_send(pd, mode):
-    pd.p.cfg.layerwise_min_tokens = 0 if mode == "layerwise" else AFTER_PREFILL
+    pd.p.connector.layerwise_min_tokens = 0 if mode == "layerwise" else 1 << 30
     try:
         req, alloc = pd.allocate(TEXT[:150])
         p_table, hdr, frames = pd.prefill(req, TEXT[:150], alloc)
     finally:
-        pd.p.cfg.layerwise_min_tokens = AFTER_PREFILL
+        pd.p.connector.layerwise_min_tokens = 1 << 30
     assert isinstance(hdr, KVPushed) and hdr.ok and frames == []
     assert (hdr.num_blocks, hdr.layerwise) == (10, mode == "layerwise")
     assert hdr.payload_bytes == 10 * pd.d.spec.bytes_per_block
@@ -129,11 +127,11 @@ def test_receive_timeout_keeps_the_blocks_lent_until_p_is_done_or_dead(pd):
         # the router's abort names the P; once that P's process is gone the blocks come back
         pd.d.on_abort(Abort(req_id=req, prefill_id="p-gone"), [], None)
         assert pd.d.lent[req].prefill_id == "p-gone"
-        pd.d.peer_pids["p-gone"] = dead_pid()
-        pd.d.peer_hosts["p-gone"] = host_id()  # its pid is comparable with D's
+        pd.d.lent.peer_pids["p-gone"] = dead_pid()
+        pd.d.lent.peer_hosts["p-gone"] = host_id()  # its pid is comparable with D's
         pd.d._last_peer_check = 0.0
         pd.d.heartbeat(force=True)
-        assert req not in pd.d.lent and "p-gone" not in pd.d.peer_pids
+        assert req not in pd.d.lent and "p-gone" not in pd.d.lent.peer_pids
     finally:
         pd.d.receive_timeout_s = 120.0
 
@@ -175,62 +173,71 @@ def test_over_capacity_prefill_tells_d(pd):
 
 def test_dummy_run_writes_and_sends_nothing(pd):
     snap = [t.clone() for t in pd.d.cache.tensors()]
-    sent = pd.p.writer.messages_sent
-    pd.p.dummy_run(48)
-    assert pd.p.writer.messages_sent == sent and not pd.link.frames
+    sent = pd.p.connector.messages_sent
+    pd.p.connector.dummy_run(pd.p.engine, pd.p.cfg.max_num_batched_tokens, 48)
+    assert pd.p.connector.messages_sent == sent and not pd.link.frames
     assert all(torch.equal(a, b) for a, b in zip(snap, pd.d.cache.tensors()))
     with forward_context(is_dummy_or_profile_run=True):
-        with pytest.raises(RuntimeError, match="PushWriter.send_done during a dummy/profile run"):
-            pd.p.writer.send_done(pd.link, "x", ok=True)
+        with pytest.raises(RuntimeError, match="PushSender.send_done during a dummy/profile run"):
+            pd.p.connector.send_done(pd.link, "x", ok=True)
 
 
 def test_attach_without_an_export_names_the_flag(pd):
     with pytest.raises(TransferError) as e:
-        pd.p.writer.attach("d-x", "", pd.d.spec, pd.d.num_blocks)
+        pd.p.connector.attach(Peer("d-x", pd.d.spec, pd.d.num_blocks), link=FakeLink())
     assert str(e.value) == ("decode instance d-x exported no cache to push into (is it running "
-                            "with --ipc-direction push?)")
-    pd.p.writer.attach(pd.d.instance_id, pd.d.export_name, pd.d.spec, pd.d.num_blocks)
+                            "with --kv-connector ipc-push?)")
+    assert "d-x" not in pd.p.connector.links                 # nothing stays attached
+
+
+def pd_spec():
+    return __import__("kvflow").KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=8,
+                                            block_size=4, dtype=torch.float32)
 
 
 def test_direction_resolution_and_pairing_names():
-    def cfg(**kw):
-        return ServeConfig(role=kw.pop("role", "prefill"), router_url="tcp://127.0.0.1:1", **kw)
-    assert uses_push(cfg(device="cuda")) and not uses_push(cfg())            # auto
-    assert uses_push(cfg(kv_connector="ipc-push")) and not uses_push(cfg(kv_connector="tcp"))
-    assert not uses_push(cfg(role="colocated", device="cuda"))
-    assert layerwise_min_tokens(cfg(kv_connector="ipc-push")) == 0
-    assert layerwise_min_tokens(cfg()) == 16384
-    assert layerwise_min_tokens(cfg(kv_connector="ipc-push", layerwise_min_tokens=7)) == 7
+    from kvflow.connector import make_sender, resolve_connector
     from kvflow.serve.__main__ import parse_args
+    from kvflow.serve.colocated import ColocatedInstance
     from kvflow.serve.server import instance_config
+    assert resolve_connector("auto", "cuda") == "ipc-push" and resolve_connector("auto") == "ipc-pull"
     parent = parse_args(["--kv-connector", "ipc-push"])
     assert instance_config(parent, "prefill", "tcp://127.0.0.1:1").kv_connector == "ipc-push"
+    assert ColocatedInstance.connector_name(None) == "none"                 # no connector
+    spec = pd_spec()
+    assert make_sender("ipc-push", spec).layerwise_min_tokens == 0
+    assert make_sender("auto", spec).layerwise_min_tokens == 16384
+    assert make_sender("ipc-push", spec, layerwise_min_tokens=7).layerwise_min_tokens == 7
+    with pytest.raises(ValueError, match="kv_connector must be 'auto' or one of ipc-pull, "
+                                         "ipc-push, tcp; got 'up'"):
+        resolve_connector("up")
     with pytest.raises(SystemExit):
         parse_args(["--kv-connector", "sideways"])
 
 
-# ---- PushWriter on its own: exact bytes, one launch per group of layers --------------------
+# ---- PushSender on its own: exact bytes, one launch per group of layers --------------------
 @pytest.mark.parametrize("group,chunk", [(1, None), (3, 48), (4, 64), (8, 100)])
 def test_writer_copies_each_group_once_per_chunk_byte_exact(group, chunk):
     from kvflow import PagedKVCache
     from kvflow.engine import Engine
     from kvflow.model import load_model
-    from kvflow.transfer import push
+    from kvflow.connector import ipc_push
     model, _ = load_model("kvflow-tiny")
     spec = model.kv_spec(16)
-    eng = Engine(model, PagedKVCache(spec, 24))
+    w = ipc_push.PushSender(spec, backend="numba", layers_per_copy=group)
+    eng = Engine(model, w.make_cache(24))
     dst = PagedKVCache(spec, 24)
     dst.buffer.fill_(0xAB)
-    w = push.PushWriter(eng.cache, "numba", layers_per_copy=group)
     w.peers["d-1"] = dst
     calls = []
-    real = w._copy
-    w._copy = lambda pairs, layers, cap, stats: (calls.append((layers, cap)),
+    real = w.copier._copy
+    w.copier._copy = lambda pairs, layers, cap, stats: (calls.append((layers, cap)),
                                                  real(pairs, layers, cap, stats))[1]
     toks = [(5 * i + 1) % 250 for i in range(150)]
     blocks, dst_ids = list(range(2, 12)), [20, 3, 7, 0, 11, 19, 4, 9, 15, 1]
-    logits, stats = w.prefill(eng, toks, blocks, dst_ids, chunk, peer_id="d-1", layerwise=True)
-    w.finish(stats)
+    logits, stats = w.write(eng, PrefillJob("r", toks, blocks, "d-1", dst_ids, chunk_size=chunk),
+                            layerwise=True)
+    w.copier.finish(stats)
     L = spec.num_layers
     chunks = -(-150 // (chunk or 150))
     want = [(lo, min(lo + group, L)) for lo in range(0, L, group)]
@@ -246,24 +253,24 @@ def test_writer_copies_each_group_once_per_chunk_byte_exact(group, chunk):
 
 def test_writer_refuses_bad_settings_and_short_tables():
     from kvflow import PagedKVCache
-    from kvflow.transfer import push
+    from kvflow.connector import ipc_push
     spec = __import__("kvflow").KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=8, block_size=4,
                                             dtype=torch.float32)
-    cache = PagedKVCache(spec, 8)
     for kw, msg in (({"layers_per_copy": 0}, "layers_per_copy must be an int >= 1, got 0"),
                     ({"max_ctas": 0}, "max_ctas must be an int >= 1, got 0"),
                     ({"layers_per_copy": True}, "layers_per_copy must be an int >= 1, got True")):
         with pytest.raises(ValueError) as e:
-            push.PushWriter(cache, **kw)
+            ipc_push.PushSender(spec, **kw)
         assert str(e.value) == msg
-    w = push.PushWriter(cache)
+    w = ipc_push.PushSender(spec)
+    w.make_cache(8)
     with pytest.raises(TransferError) as e:
-        w.prefill(None, [1, 2, 3], [0], [0], None, peer_id="d-1")
+        w.write(None, PrefillJob("r", [1, 2, 3], [0], "d-1", [0]), layerwise=True)
     assert str(e.value) == ("push to decode instance 'd-1', which is not paired with this prefill "
                             "instance (paired: [])")
     w.peers["d-1"] = PagedKVCache(spec, 8)
     with pytest.raises(TransferError) as e:
-        w.prefill(None, [1] * 9, [0, 1, 2], [0, 1], None, peer_id="d-1")
+        w.write(None, PrefillJob("r", [1] * 9, [0, 1, 2], "d-1", [0, 1]), layerwise=True)
     assert str(e.value) == ("decode_block_ids has 2 blocks and P's table 3; the 9-token prompt "
                             "needs 3")
 

@@ -10,7 +10,7 @@ import os
 import signal
 import time
 
-from kvflow.transfer.shm import SHM_DIR
+from kvflow.segments import SHM_DIR
 
 from .test_reliability_peers import Cluster
 

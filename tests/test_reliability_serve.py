@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from kvflow.protocol import Tokens, encode
-from kvflow.transfer.shm import SHM_DIR
+from kvflow.segments import SHM_DIR
 
 from .serve_server import Server
 

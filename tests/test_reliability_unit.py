@@ -12,7 +12,7 @@ from kvflow import KVCacheSpec
 from kvflow.sched import BlockAllocator, PrefixCache, block_keys
 from kvflow.serve import faults
 from kvflow.serve.__main__ import parse_args
-from kvflow.serve.instance import check_pairing
+from kvflow.serve.pairing import check_pairing
 
 SPEC = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32)
 

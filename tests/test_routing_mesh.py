@@ -19,7 +19,7 @@ from kvflow.protocol import (Allocate, Allocated, PairResult, Prefill, Register,
                              Unpair)
 from kvflow.serve.decode import DecodeInstance
 from kvflow.serve.config import ServeConfig
-from kvflow.serve.instance import sample_token
+from kvflow.serve.sampling import sample_token
 from kvflow.serve.prefill import PrefillInstance
 
 from .fake_router import FakeRouter
@@ -35,15 +35,14 @@ def prompt(i: int) -> list[int]:
 class Mesh(FakeRouter):
     """``n_p`` P's and ``n_d`` D's of kvflow-tiny, all paired as the router pairs them."""
 
-    def __init__(self, n_p: int, n_d: int, transfer: str, direction: str, mode: str) -> None:
+    def __init__(self, n_p: int, n_d: int, connector: str, mode: str) -> None:
         super().__init__()
 
         def cfg(role):
-            return ServeConfig(role=role, router_url=self.addr,
-                               kv_connector="tcp" if transfer == "tcp" else f"ipc-{direction}",
+            return ServeConfig(role=role, router_url=self.addr, kv_connector=connector,
                                block_size=BLOCK, max_model_len=256, num_blocks=40,
                                max_num_batched_tokens=32, kv_lease_s=30.0,
-                               layerwise_min_tokens=0 if mode == "layerwise" else 100_000)
+                               layerwise_min_tokens=0 if mode == "layerwise" else 1 << 30)
 
         self.ps = [PrefillInstance(cfg("prefill")) for _ in range(n_p)]
         self.ds = [DecodeInstance(cfg("decode")) for _ in range(n_d)]
@@ -101,17 +100,17 @@ def colocated(model, tokens: list[int]) -> list[int]:
     return out
 
 
-TRANSFERS = [("ipc", "pull", "request"), ("ipc", "pull", "layerwise"), ("ipc", "push", "layerwise"),
-             ("ipc", "push", "request"), ("tcp", "pull", "request"), ("tcp", "pull", "layerwise")]
+TRANSFERS = [("ipc-pull", "request"), ("ipc-pull", "layerwise"), ("ipc-push", "layerwise"),
+             ("ipc-push", "request"), ("tcp", "request"), ("tcp", "layerwise")]
 
 
 @pytest.mark.parametrize("n_p,n_d", [(1, 2), (2, 2)])
-@pytest.mark.parametrize("transfer,direction,mode", TRANSFERS, ids=["-".join(t) for t in TRANSFERS])
-def test_every_request_lands_on_the_d_the_router_chose(transfer, direction, mode, n_p, n_d):
+@pytest.mark.parametrize("connector,mode", TRANSFERS, ids=["-".join(t) for t in TRANSFERS])
+def test_every_request_lands_on_the_d_the_router_chose(connector, mode, n_p, n_d):
     """Requests to every (P, D) combination, all in flight at once (each P's queue holds
     requests for both D's): each D decodes exactly its own requests, token-identical to
     colocated; then every block is free on every instance."""
-    mesh = Mesh(n_p, n_d, transfer, direction, mode)
+    mesh = Mesh(n_p, n_d, connector, mode)
     try:
         combos = list(itertools.product(mesh.ps, mesh.ds)) * 2
         for i, (p, d) in enumerate(combos):
@@ -125,10 +124,9 @@ def test_every_request_lands_on_the_d_the_router_chose(transfer, direction, mode
         mesh.close()
 
 
-@pytest.mark.parametrize("transfer,direction,mode", [("ipc", "push", "layerwise"),
-                                                     ("tcp", "pull", "layerwise")])
-def test_unpaired_d_is_refused_and_only_its_link_goes(transfer, direction, mode):
-    mesh = Mesh(1, 2, transfer, direction, mode)
+@pytest.mark.parametrize("connector,mode", [("ipc-push", "layerwise"), ("tcp", "layerwise")])
+def test_unpaired_d_is_refused_and_only_its_link_goes(connector, mode):
+    mesh = Mesh(1, 2, connector, mode)
     (p,), (d0, d1) = mesh.ps, mesh.ds
     try:
         rid = "to-nowhere"
@@ -148,11 +146,11 @@ def test_unpaired_d_is_refused_and_only_its_link_goes(transfer, direction, mode)
         (rej,) = mesh.wait_for(Rejected, req_id="b")
         assert rej.error == (f"prefill instance {p.instance_id} is not paired with decode "
                              f"instance {d1.instance_id!r} (paired: {[d0.instance_id]})")
-        assert list(p.links) == [d0.instance_id] and len(p.sockets) == 2  # router + d0's link
-        if p.writer is not None:
-            assert list(p.writer.peers) == [d0.instance_id]
-        if p.layerwise is not None:
-            assert list(p.layerwise.socks) == [d0.instance_id]
+        assert list(p.connector.links) == [d0.instance_id] and len(p.sockets) == 2  # router + d0's link
+        if connector == "ipc-push":
+            assert list(p.connector.peers) == [d0.instance_id]
+        if p.connector.layerwise_enabled and connector != "ipc-push":
+            assert list(p.connector.layerwise.socks) == [d0.instance_id]
         from kvflow.protocol import Abort
         mesh.to(d1, Abort(req_id="b", prefill_sent=False))   # the router's clean-up
         mesh.pair(p, d1)                                      # d1 registered again: paired anew

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from kvflow.transfer.shm import SHM_DIR
+from kvflow.segments import SHM_DIR
 
 from .serve_server import Server, pid_alive
 

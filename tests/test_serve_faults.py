@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from kvflow.transfer.shm import SHM_DIR
+from kvflow.segments import SHM_DIR
 
 from .serve_server import Server, pid_alive
 
@@ -20,7 +20,9 @@ from .serve_server import Server, pid_alive
 @pytest.fixture(scope="module")
 def server():
     # P sleeps 3 s before each prefill (test-only fault injection), so the kill lands mid-request.
-    srv = Server("--kv-connector", "ipc-pull", env={"KVFLOW_FAULT_PREFILL_DELAY_S": "3"})
+    # Every prompt goes layerwise, so P has a signal segment (none when no prompt can).
+    srv = Server("--kv-connector", "ipc-pull", "--layerwise-min-tokens", "0",
+                 env={"KVFLOW_FAULT_PREFILL_DELAY_S": "3"})
     try:
         srv.wait_healthy()
         yield srv

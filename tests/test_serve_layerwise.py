@@ -25,7 +25,7 @@ from kvflow.protocol import (Abort, Allocate, Allocated, PairResult, Prefill, Re
                              Tokens)
 from kvflow.serve.decode import DecodeInstance
 from kvflow.serve.config import ServeConfig
-from kvflow.serve.instance import layerwise_min_tokens, sample_token
+from kvflow.serve.sampling import sample_token
 from kvflow.serve.prefill import PrefillInstance
 from kvflow.signal import STATS
 
@@ -43,17 +43,14 @@ def prompt(n: int) -> list[int]:
 class Harness(FakeRouter):
     """P + D + a router socket; :meth:`pump` runs one iteration of both instances' loops."""
 
-    def __init__(self, transfer: str, profile_hook=None, ipc_direction: str = "auto",
-                 **extra) -> None:
+    def __init__(self, connector: str, profile_hook=None, **extra) -> None:
         super().__init__()
-        kind = ("tcp" if transfer == "tcp" else "auto" if ipc_direction == "auto"
-                else f"ipc-{ipc_direction}")
+        extra.setdefault("layerwise_min_tokens", ALWAYS)
 
         def cfg(role, **kw):
-            return ServeConfig(role=role, router_url=self.addr, kv_connector=kind,
+            return ServeConfig(role=role, router_url=self.addr, kv_connector=connector,
                                block_size=BLOCK, max_model_len=512, memory_budget_mb=24,
-                               max_num_batched_tokens=CHUNK, layerwise_min_tokens=ALWAYS,
-                               **extra, **kw)
+                               max_num_batched_tokens=CHUNK, **extra, **kw)
 
         self.p, self.d = PrefillInstance(cfg("prefill")), DecodeInstance(cfg("decode", num_blocks=96))
         self.p.startup()
@@ -70,7 +67,7 @@ class Harness(FakeRouter):
 
     def request(self, rid: str, tokens: list[int], min_tokens: int = ALWAYS):
         """(generated token ids, kvflow dict of the first Tokens, D's prompt KV bytes)."""
-        self.p.cfg.layerwise_min_tokens = min_tokens
+        self.p.connector.layerwise_min_tokens = min_tokens
         self.to(self.d, Allocate(req_id=rid, token_ids=tokens, max_tokens=MAX_TOKENS, ignore_eos=True))
         (alloc,) = self.wait_for((Allocated, Rejected), req_id=rid)
         assert isinstance(alloc, Allocated), alloc
@@ -132,7 +129,7 @@ def colocated():
     return out
 
 
-@pytest.fixture(scope="module", params=["ipc", "tcp"])
+@pytest.fixture(scope="module", params=["ipc-pull", "tcp"])
 def harness(request):
     h = Harness(request.param)
     yield h
@@ -142,25 +139,25 @@ def harness(request):
 def test_layerwise_and_request_token_and_byte_identical_to_colocated(harness, colocated):
     h, spec = harness, harness.p.spec
     for mode, min_tokens in (("layerwise", ALWAYS), ("request", NEVER)):
-        parts0 = h.p.layerwise.messages_sent
+        parts0 = h.p.connector.layerwise.messages_sent
         for n in LENGTHS:
             got, kv, d_kv = h.request(f"{mode}-{n}", prompt(n), min_tokens)
             want, want_kv = colocated[n]
             assert got == want, (mode, n)
-            assert kv["transfer_mode"] == mode and kv["transfer"] == h.p.cfg.transfer
+            assert kv["transfer_mode"] == mode and kv["kv_connector"] == h.p.cfg.kv_connector
             blocks = spec.num_blocks_for(n)
             assert (kv["blocks"], kv["payload_bytes"]) == (blocks, blocks * spec.bytes_per_block)
             for layer, (a, b) in enumerate(zip(d_kv, want_kv)):
                 assert torch.equal(a, b), f"{mode} n={n}: D's prompt KV tensor {layer} differs"
-        parts = h.p.layerwise.messages_sent - parts0
+        parts = h.p.connector.layerwise.messages_sent - parts0
         if mode == "request":
             assert parts == 0
         else:  # >= one part + the last message per request; chunked prompts send more parts
             assert parts > 2 * len(LENGTHS)
         assert h.blocks_back() == h.free0
-    stats = h.p.layerwise.scheduler.stats
+    stats = h.p.connector.layerwise.scheduler.stats
     assert (stats.errors, stats.duplicate, stats.stale) == (0, 0, 0)
-    assert h.p.layerwise.scheduler.pending_requests() == [] and len(h.d.receiver.parts) == 0
+    assert h.p.connector.layerwise.scheduler.pending_requests() == [] and len(h.d.receiver.parts) == 0
 
 
 def test_every_block_layer_goes_exactly_once_in_full_blocks_per_chunk(harness):
@@ -168,17 +165,17 @@ def test_every_block_layer_goes_exactly_once_in_full_blocks_per_chunk(harness):
     2, then [8,10) (8 full + the partial last block) after the last; each layer once."""
     h = harness
     sent = []
-    real = h.p.sender.send_part
+    real = h.p.connector.send_part
 
     def spy(link, cache, src, layers, **fields):
         sent.append((fields["block_offset"], len(src), layers))
         return real(link, cache, src, layers, **fields)
 
-    h.p.sender.send_part = spy
+    h.p.connector.send_part = spy
     try:
         got, kv, _ = h.request("exact-once", prompt(150))
     finally:
-        del h.p.sender.send_part
+        del h.p.connector.send_part
     assert kv["transfer_mode"] == "layerwise"
     L = h.p.spec.num_layers
     seen = torch.zeros(L, 10, dtype=torch.int32)
@@ -191,7 +188,7 @@ def test_every_block_layer_goes_exactly_once_in_full_blocks_per_chunk(harness):
 
 def test_missing_layer_signal_fails_the_request_and_frees_blocks_on_both_sides(harness):
     h = harness
-    lw = h.p.layerwise
+    lw = h.p.connector.layerwise
     lw.worker.signal_timeout_s = 0.5
     real = lw.signaller.signal
     lw.signaller.signal = lambda layer, step: False if layer == 1 else real(layer, step)
@@ -226,7 +223,7 @@ def test_profile_warmup_and_dummy_runs_signal_and_send_nothing(monkeypatch):
         return n
 
     def after_p_startup(h):
-        lw = h.p.layerwise
+        lw = h.p.connector.layerwise
         # the profile run sized P (no --num-blocks); the warm-up dummy prefill ran its hooks
         seen["startup"] = (lw.signaller.channel, lw.signaller.stats.written,
                            lw.signaller.stats.suppressed, lw.messages_sent, lw.worker)
@@ -235,7 +232,7 @@ def test_profile_warmup_and_dummy_runs_signal_and_send_nothing(monkeypatch):
     w0 = STATS.written
     h = Harness("tcp", profile_hook=after_p_startup)
     try:
-        lw = h.p.layerwise
+        lw = h.p.connector.layerwise
         assert seen["profile"] == (0, 0)
         channel, written, suppressed, sent, worker = seen["startup"]
         layers = h.p.spec.num_layers
@@ -249,7 +246,7 @@ def test_profile_warmup_and_dummy_runs_signal_and_send_nothing(monkeypatch):
         arrived = []
         for kind in ("kvlayer", "kvdata", "kvready"):
             monkeypatch.setattr(h.d, f"on_{kind}", lambda *a, kind=kind: arrived.append(kind))
-        h.p.dummy_run(48)  # a dummy run after real traffic
+        h.p.connector.dummy_run(h.p.engine, CHUNK, 48)  # a dummy run after real traffic
         for _ in range(20):
             h.pump()
         assert lw.signaller.channel.steps().tolist() == steps
@@ -266,12 +263,31 @@ def test_profile_warmup_and_dummy_runs_signal_and_send_nothing(monkeypatch):
     assert lw.signaller.channel is None  # segment removed at close
 
 
-def test_a_threshold_past_every_prompt_has_no_layerwise_path():
+def test_a_threshold_past_every_prompt_reaches_the_instances():
     from kvflow.serve.__main__ import parse_args
     from kvflow.serve.server import instance_config
     args = parse_args(["--layerwise-min-tokens", str(NEVER)])
     assert instance_config(args, "prefill", "tcp://127.0.0.1:1").layerwise_min_tokens == NEVER
     assert parse_args([]).layerwise_min_tokens is None
-    cfg = ServeConfig(role="prefill", router_url="tcp://127.0.0.1:1", layerwise_min_tokens=NEVER)
-    p = PrefillInstance(cfg)
-    assert p.layerwise is None and layerwise_min_tokens(cfg) == NEVER
+
+
+@pytest.mark.parametrize("connector", ["ipc-pull", "tcp"])
+def test_threshold_above_max_model_len_creates_nothing_layerwise(connector):
+    """Default threshold (16384) > max_model_len (512): no signal segment, no worker thread,
+    no layerwise socket, yet requests are served (after the prefill)."""
+    import os
+    import threading
+
+    from kvflow.segments import SHM_DIR
+    segs, threads = set(os.listdir(SHM_DIR)), set(threading.enumerate())
+    h = Harness(connector, layerwise_min_tokens=None)
+    try:
+        assert h.p.connector.layerwise_min_tokens == 16384 and h.p.connector.layerwise is None
+        assert not [t for t in set(threading.enumerate()) - threads if t.name == "kvflow-layerwise"]
+        assert not [s for s in set(os.listdir(SHM_DIR)) - segs if s.startswith("kvflow-sig-")]
+        assert len(h.p.sockets) == 2  # the router's and D's link: no layerwise socket
+        got, kv, _ = h.request("after", prompt(100), 16384)
+        assert kv["transfer_mode"] == "request" and len(got) == MAX_TOKENS
+        assert h.blocks_back() == h.free0
+    finally:
+        h.close()

@@ -15,7 +15,8 @@ from kvflow import KVCacheSpec
 from kvflow.protocol import Register, decode
 from kvflow.serve.__main__ import build_parser, parse_args
 from kvflow.serve.config import ServeConfig
-from kvflow.serve.instance import check_pairing, sample_token, stop_reason
+from kvflow.serve.pairing import check_pairing
+from kvflow.serve.sampling import sample_token, stop_reason
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])

@@ -16,9 +16,10 @@ from kvflow import KVCacheSpec, PagedKVCache
 from kvflow.context import forward_context
 from kvflow.protocol import KVData, KVReady
 from kvflow.segments import Owner
-from kvflow.transfer import TransferError, make_receiver
-from kvflow.transfer.ipc import SHM_DIR, IpcSender, SharedCache, clean_stale_segments, map_peer_cache
-from kvflow.transfer.tcp import TcpSender
+from kvflow.connector import Peer, TransferError, make_receiver
+from kvflow.connector.ipc_pull import IpcPullSender
+from kvflow.connector.shm import SHM_DIR, SharedCache, clean_stale_segments, map_peer_cache
+from kvflow.connector.tcp import TcpSender
 
 from .zmq_link import recv, zmq_link  # noqa: F401 (zmq_link: a fixture)
 
@@ -57,9 +58,9 @@ def test_ipc_pulls_request_blocks_into_d_ids(spec, zmq_link):
         d_cache = PagedKVCache(spec, num_blocks=16)
         _fill(d_cache, 2)
         want = _expected(shared.cache, d_cache.tensors())
-        receiver = make_receiver("ipc", backend="numba")
-        receiver.attach("p0", spec, 12, shm_name=shared.name)
-        IpcSender(shared).send(p_sock, "r1", shared.cache, SRC, first_token=42, num_prompt_tokens=15)
+        receiver = make_receiver("ipc-pull", backend="numba")
+        receiver.attach(Peer("p0", spec, 12, shm_name=shared.name))
+        IpcPullSender(spec).send(p_sock, "r1", shared.cache, SRC, first_token=42, num_prompt_tokens=15)
         head, payload = recv(d_sock)
         assert isinstance(head, KVReady) and head.src_block_ids == SRC and head.first_token == 42
         stats = receiver.receive(head, payload, d_cache, DST)
@@ -77,7 +78,7 @@ def test_tcp_gathers_sends_and_scatters_into_d_ids(spec, zmq_link):
     _fill(p_cache, 3)
     _fill(d_cache, 4)
     want = _expected(p_cache, d_cache.tensors())
-    keep = TcpSender(backend="numba").send(p_sock, "r2", p_cache, SRC, first_token=7,
+    keep = TcpSender(spec, backend="numba").send(p_sock, "r2", p_cache, SRC, first_token=7,
                                            num_prompt_tokens=13)
     head, payload = recv(d_sock)
     assert isinstance(head, KVData) and (head.num_blocks, head.num_frames) == (4, spec.num_layers)
@@ -104,11 +105,11 @@ def test_tcp_rejects_frames_that_do_not_match(zmq_link):
 
 def test_ipc_receive_before_pairing_and_count_mismatch():
     spec = SPECS[0]
-    rx = make_receiver("ipc")
+    rx = make_receiver("ipc-pull")
     head = KVReady(req_id="r", src_block_ids=SRC, first_token=1, num_prompt_tokens=16, t_start=0.0)
     with pytest.raises(TransferError, match="before pairing"):
         rx.receive(head, [], PagedKVCache(spec, 16), DST)
-    with pytest.raises(ValueError, match="transfer must be one of"):
+    with pytest.raises(ValueError, match="kv_connector must be 'auto' or one of"):
         make_receiver("rdma")
 
 
@@ -118,7 +119,7 @@ def test_no_send_during_profile_run(zmq_link):
     cache = PagedKVCache(spec, num_blocks=12)
     shared = SharedCache(spec, num_blocks=12)
     try:
-        for sender in (TcpSender(), IpcSender(shared)):
+        for sender in (TcpSender(spec), IpcPullSender(spec)):
             with forward_context(is_dummy_or_profile_run=True):
                 with pytest.raises(RuntimeError, match="nothing may be sent"):
                     sender.send(p_sock, "r", cache, SRC, first_token=1, num_prompt_tokens=16)

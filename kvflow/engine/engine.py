@@ -54,7 +54,7 @@ class Engine:
         self.model, self.cache, self.spec = model, cache, s
         self.device = model.device
         #: Called as ``before_chunk(token_ids, start, end)`` before each prefill forward of
-        #: positions ``[start, end)`` (every path: whole, chunked, layerwise, push), on the
+        #: positions ``[start, end)`` (every prefill, whatever the connector), on the
         #: caller's thread. A serving instance heartbeats there, so a long prefill is not
         #: taken for a dead one.
         self.before_chunk: Callable[[list[int], int, int], None] | None = None
@@ -81,7 +81,9 @@ class Engine:
     @torch.no_grad()
     def prefill(self, token_ids: list[int], block_table: list[int], *, num_computed_tokens: int = 0,
                 chunk_size: int | None = None,
-                on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+                on_layer_done: Callable[[int], None] | None = None,
+                on_chunk: Callable[[int, int], Callable[[int], None] | None] | None = None
+                ) -> torch.Tensor:
         """Compute K/V of ``token_ids[num_computed_tokens:]`` into the cache; return the float32
         logits [vocab_size] of the last token.
 
@@ -97,8 +99,11 @@ class Engine:
         chunk_size : int, optional
             Tokens per forward (chunked prefill); default: all remaining in one.
         on_layer_done : callable(layer), optional
-            Called after each layer of each chunk, once that layer's K/V are in the cache
-            (layerwise transfer hook).
+            Called after each layer of each chunk, once that layer's K/V are in the cache.
+        on_chunk : callable(start, end) -> callable(layer) or None, optional
+            Called before the forward of each chunk of positions ``[start, end)``; returns
+            that chunk's per-layer hook (replacing ``on_layer_done``) or None. A connector
+            registers chunks and moves layers through it (this loop is the only chunk loop).
 
         Raises
         ------
@@ -124,9 +129,10 @@ class Engine:
         step = chunk_size or n
         for start in range(num_computed_tokens, n, step):
             end = min(start + step, n)
+            hook = on_chunk(start, end) if on_chunk is not None else on_layer_done
             if self.before_chunk is not None:
                 self.before_chunk(token_ids, start, end)
-            hidden = self._prefill_chunk(ids[start:end], start, table, on_layer_done)
+            hidden = self._prefill_chunk(ids[start:end], start, table, hook)
         return self.model.compute_logits(hidden[-1:])[0]
 
     def _prefill_chunk(self, ids, start, table, on_layer_done):

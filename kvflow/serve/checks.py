@@ -14,7 +14,9 @@ import json
 import os
 import re
 
-from .config import CONNECTOR_OPTIONS, ServeConfig, build_parser, flag_name
+from kvflow.connector import CONFIG_KEYS, resolve_connector
+
+from .config import ServeConfig, build_parser, flag_name
 from .startup import StartupError
 
 _INSTANCE_ROLES = ("prefill", "decode", "colocated")
@@ -140,10 +142,8 @@ def _check_connector(cfg: ServeConfig, given: set[str]) -> None:
                 where = "--mode colocated" if cfg.mode == "colocated" else "--role colocated"
                 raise StartupError(f"{flag_name(name)} {shown} has no effect with {where} (one "
                                    f"instance prefills and decodes: no KV moves); leave it out")
-    kind = cfg.kv_connector
-    if kind == "auto":
-        kind = "ipc-push" if cfg.device == "cuda" else "ipc-pull"
-    options = CONNECTOR_OPTIONS[kind]
+    kind = resolve_connector(cfg.kv_connector, cfg.device)
+    options = CONFIG_KEYS[kind]
     for key, value in cfg.kv_connector_config.items():
         if key not in options:
             takes = (f"it takes {', '.join(options)}" if options else "it takes no options")

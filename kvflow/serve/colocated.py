@@ -1,43 +1,49 @@
-"""The colocated instance: prefill and decode in one instance and one cache, no transfer.
+"""The colocated instance: prefill and decode in one instance and one cache, no connector.
 
-It runs D's decode loop (:class:`~kvflow.serve.decode.DecodeInstance`) but does the prefill
-itself (``Prefill``): the reference that disaggregated output must match token for token.
+It composes the engine, an allocator and the decode loop
+(:class:`~kvflow.serve.sequences.DecodeLoop`) and does each request's prefill itself
+(``Prefill``): the reference that disaggregated output must match token for token.
 """
 
 from __future__ import annotations
 
 import logging
 
-from kvflow.protocol import Prefill, Rejected
+from kvflow.protocol import Abort, Allocate, Prefill, Rejected
 from kvflow.sched import ColocatedState
 
 from . import faults
-from .decode import DecodeInstance
-from .instance import Instance, sample_token
+from .instance import Instance
+from .sampling import sample_token
+from .sequences import DecodeLoop
 
 log = logging.getLogger("kvflow.serve.colocated")
 
 
-class ColocatedInstance(DecodeInstance):
+class ColocatedInstance(Instance):
     """Prefill and decode in one instance and one cache (no transfer)."""
 
     role = "colocated"
 
-    def __init__(self, cfg) -> None:
-        super().__init__(cfg)
-        self.states = ColocatedState
+    def setup(self) -> None:
+        from kvflow.cache import PagedKVCache
+        from kvflow.engine import Engine
+        from kvflow.sched import BlockAllocator
+        self.cache = PagedKVCache(self.spec, self.num_blocks, device=self.cfg.device)
+        self.engine = Engine(self.model, self.cache)
+        self.allocator = BlockAllocator(self.num_blocks)
+        self.loop = DecodeLoop(self, ColocatedState)
+        self.seqs = self.loop.seqs
 
-    def warmup(self) -> None:
-        pass
+    def free_blocks(self) -> int:
+        return self.loop.free_blocks()
 
-    def open_channels(self) -> None:
-        Instance.open_channels(self)
+    def on_allocate(self, msg: Allocate, frames, ident) -> None:
+        self.loop.allocate(msg)
 
-    def register_extra(self) -> dict[str, str]:
-        return {}
-
-    def transfer_name(self) -> str:
-        return "none"
+    def on_abort(self, msg: Abort, frames, ident) -> None:
+        self.loop.end(msg.req_id, ColocatedState.ABORTED, msg.reason or "aborted", notify=False)
+        self.report_blocks()  # the router sees the freed blocks now, not a heartbeat later
 
     def on_prefill(self, msg: Prefill, frames, ident) -> None:
         seq = self.seqs.get(msg.req_id)
@@ -52,7 +58,7 @@ class ColocatedInstance(DecodeInstance):
                                          chunk_size=self.cfg.max_num_batched_tokens)
         except Exception as exc:
             log.exception("%s: prefill of %s failed", self.instance_id, msg.req_id)
-            self._end(msg.req_id, ColocatedState.FAILED, f"prefill failed: {exc}")
+            self.loop.end(msg.req_id, ColocatedState.FAILED, f"prefill failed: {exc}")
             return
         seq.kvflow = {"prefill_instance": self.instance_id, "decode_instance": self.instance_id,
                       "transfer": "none", "blocks": 0, "payload_bytes": 0, "transfer_ms": 0.0,
@@ -61,7 +67,13 @@ class ColocatedInstance(DecodeInstance):
         if digest is not None:
             seq.kvflow["kv_digest"] = digest
         req.transition(ColocatedState.DECODING)
-        self._emit(seq, sample_token(logits, req.temperature, seq.seed, 0))
+        self.loop.emit(seq, sample_token(logits, req.temperature, seq.seed, 0))
 
-    def heartbeat(self, force: bool = False) -> None:
-        Instance.heartbeat(self, force)
+    def has_work(self) -> bool:
+        return self.loop.has_work()
+
+    def num_running(self) -> int:
+        return len(self.seqs)
+
+    def work(self) -> None:
+        self.loop.step()

@@ -16,16 +16,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-#: the KV connector kinds of ``--kv-connector`` (``auto``: ipc-push on CUDA, ipc-pull on CPU)
-KV_CONNECTORS = ("auto", "ipc-pull", "ipc-push", "tcp")
-#: the options ``--kv-connector-config`` takes per connector kind, and what each means
-CONNECTOR_OPTIONS: dict[str, dict[str, str]] = {
-    "ipc-pull": {},
-    "ipc-push": {"layers_per_copy": "layers per layerwise copy launch, default 4",
-                 "max_ctas": "programs (CTAs) of each layerwise copy on CUDA, default 16: fewer "
-                             "leave the prefill more SMs, more copy each group faster"},
-    "tcp": {},
-}
+from kvflow.connector import CONFIG_KEYS, CONNECTORS
+
+#: the values of ``--kv-connector`` (``auto``: ipc-push on CUDA, ipc-pull on CPU)
+KV_CONNECTORS = ("auto", *CONNECTORS)
 
 
 def _flag(help: str, *, choices: tuple[str, ...] | None = None, default_text: str | None = None,
@@ -69,7 +63,7 @@ class ServeConfig:
     kv_connector_config: dict = field(default_factory=dict, metadata=_flag(
         "JSON object of options of the connector, e.g. '{\"max_ctas\": 8}'; " + "; ".join(
             f"{kind}: " + (", ".join(f"{k} ({v})" for k, v in opts.items()) or "none")
-            for kind, opts in CONNECTOR_OPTIONS.items()), default_text="{}", metavar="JSON"))
+            for kind, opts in CONFIG_KEYS.items()), default_text="{}", metavar="JSON"))
     layerwise_min_tokens: int | None = field(default=None, metadata=_flag(
         "prompts of at least this many tokens move layer by layer while P still prefills; "
         "shorter ones move after the prefill (above --max-model-len: every one)",
@@ -136,32 +130,6 @@ class ServeConfig:
         "an instance reports its free blocks to the router this often (seconds)"))
     parent_pid: int | None = field(default=None, metadata=_internal(
         "an instance started by python -m kvflow.serve exits when this parent is gone"))
-
-    # MERGE: the names the instances read until the connector branch lands (lead: remove)
-    @property
-    def router_addr(self) -> str:  # MERGE:
-        return self.router_url or ""
-
-    @property
-    def transfer(self) -> str:  # MERGE:
-        return "tcp" if self.kv_connector == "tcp" else "ipc"
-
-    @property
-    def ipc_direction(self) -> str:  # MERGE:
-        return {"ipc-push": "push", "ipc-pull": "pull"}.get(self.kv_connector, "auto")
-
-    @property
-    def transfer_mode(self) -> str:  # MERGE: a threshold past every prompt is request mode
-        t = self.layerwise_min_tokens
-        return "request" if t is not None and t > (self.max_model_len or 2048) else "layerwise"
-
-    @property
-    def layerwise_max_ctas(self) -> int | None:  # MERGE:
-        return self.kv_connector_config.get("max_ctas")
-
-    @property
-    def layers_per_copy(self) -> int | None:  # MERGE:
-        return self.kv_connector_config.get("layers_per_copy")
 
     def to_json(self) -> str:
         """The config as one JSON object (what a child instance gets)."""

@@ -128,7 +128,7 @@ class Router:
             await self.ctl.send(p, Prefill(req_id=req_id, token_ids=token_ids,
                                            temperature=body.temperature, seed=seed,
                                            decode_id=d.id, decode_block_ids=msg.block_ids,
-                                           skip_blocks=msg.num_cached_blocks))
+                                           num_cached_blocks=msg.num_cached_blocks))
             timeout, what = self.first_token_timeout_s, "the first token"
             while True:
                 msg = await self._wait(st, timeout, what)

@@ -11,6 +11,8 @@ import dataclasses
 import os
 import sys
 
+from kvflow.connector import resolve_connector
+
 from .config import ServeConfig
 from .output import say
 from .startup import StartupError, one_line_errors
@@ -28,14 +30,6 @@ def instance_config(cfg: ServeConfig, role: str, router_url: str) -> ServeConfig
             and cfg.num_blocks is None and cfg.prefill_device == cfg.decode_device):
         child.gpu_memory_utilization = shared_gpu_utilization(cfg.gpu_memory_utilization, 2)
     return child
-
-
-def connector_name(cfg: ServeConfig) -> str:
-    """``--kv-connector`` with ``auto`` resolved: ipc-push on CUDA, ipc-pull on CPU."""
-    # MERGE: kvflow.connector.resolve_connector(cfg.kv_connector, cfg.device) replaces this
-    if cfg.kv_connector != "auto":
-        return cfg.kv_connector
-    return "ipc-push" if cfg.device == "cuda" else "ipc-pull"
 
 
 def _controller(cfg: ServeConfig, metrics, children, tokenizer):
@@ -98,7 +92,7 @@ async def serve_router(cfg: ServeConfig, http_sock, children, serving: list[bool
         host, port = http_sock.getsockname()[:2]
         pids = (", ".join(f"{children.roles[pid]} pid {pid}" for pid in children.procs)
                 if children else "none")
-        kind = "none" if cfg.mode == "colocated" else connector_name(cfg)
+        kind = "none" if cfg.mode == "colocated" else resolve_connector(cfg.kv_connector, cfg.device)
         closed: list[str] = []
         serving.append(True)
         if not say(f"kvflow.serve: router listening on http://{host}:{port} (mode {cfg.mode}, "

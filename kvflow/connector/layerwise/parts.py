@@ -19,7 +19,7 @@ import torch
 
 from kvflow.cache import PagedKVCache
 
-from .base import TransferError, TransferStats
+from ..base import TransferError, TransferStats
 
 #: ``move(header, frames, cache, dst_ids, layers) -> payload bytes``: the connector's copy of one
 #: part into ``cache`` at D's ``dst_ids`` (checks its frames before writing anything).
@@ -34,7 +34,7 @@ class _Assembly:
 
 
 class LayerParts:
-    """Per-request bookkeeping of received layerwise parts (one per :class:`KVReceiver`)."""
+    """Per-request bookkeeping of received layerwise parts (one per :class:`~kvflow.connector.base.KVReceiver`)."""
 
     def __init__(self) -> None:
         self._reqs: dict[str, _Assembly] = {}
@@ -81,7 +81,8 @@ class LayerParts:
                     raise TransferError(
                         f"KVLayer for {rid}: last part arrived with {missing.shape[0]} of {L * n} "
                         f"block-layers missing (first: layer {layer}, prompt block {block})")
-                return TransferStats(blocks=n, payload_bytes=asm.payload_bytes, copy_ms=asm.copy_ms)
+                return TransferStats(blocks=n, payload_bytes=asm.payload_bytes, copy_ms=asm.copy_ms,
+                                     layerwise=True)
             lo, hi = header.block_offset, header.block_offset + header.num_blocks
             if not 0 <= header.layer_start < header.layer_stop <= L:
                 raise TransferError(f"KVLayer for {rid}: layers [{header.layer_start}, "

@@ -1,27 +1,25 @@
-"""``ipc`` transfer on GPU: P's paged cache exported with a CUDA IPC handle, D copies from it.
+"""CUDA IPC export and import of a paged cache: P's cache for ipc-pull on GPU (D copies from
+it), D's for ipc-push (P writes into it).
 
-P allocates its whole cache as one CUDA allocation (``PagedKVCache.buffer``) and exports it once
-(:func:`export_cache`): the IPC handle bytes of the allocation, the cache's byte offset and size
-inside it, torch's IPC reference-counter file and event, and the **UUID** of the GPU that holds
-it, in a :class:`CudaIpcExport` (a msgspec struct, MessagePack on the wire: nothing is pickled).
-:func:`publish_export` writes it to a 0600 shared-memory file whose name travels in P's
-``Register``/``Pair`` messages (field ``shm_name``), so the router's segment clean-up also
-removes it when P exits or dies.
+The exporter allocates its whole cache as one CUDA allocation (``PagedKVCache.buffer``) and
+exports it once (:func:`export_cache`): the IPC handle bytes of the allocation, the cache's byte
+offset and size inside it, torch's IPC reference-counter file and event, and the **UUID** of the
+GPU that holds it, in a :class:`CudaIpcExport` (a msgspec struct, MessagePack on the wire:
+nothing is pickled). :func:`publish_export` writes it to a 0600 shared-memory file whose name
+travels in the exporter's ``Register``/``Pair`` messages (field ``shm_name``), so the router's
+segment clean-up also removes it when the exporter exits or dies.
 
-D opens the handle once, at pairing (:func:`import_cache`): it maps the UUID to *its own* ordinal
-(``CUDA_VISIBLE_DEVICES`` may number the GPUs differently in every process: P may see its GPU as
-0 and D see another GPU as 0), refuses a UUID it cannot see, and wraps the mapped memory as a
+The importer opens the handle once, at pairing (:func:`import_cache`): it maps the UUID to *its
+own* ordinal (``CUDA_VISIBLE_DEVICES`` may number the GPUs differently in every process: P may
+see its GPU as 0 and D see another GPU as 0), refuses a UUID it cannot see, and wraps the mapped memory as a
 :class:`~kvflow.cache.PagedKVCache` on that ordinal. Each request is then one
 :func:`~kvflow.kernels.copy_blocks` launch over all layers (``direction="pull"``: the kernel runs
-on D's GPU and reads P's memory over NVLink; ``"push"``: on P's GPU, writing D's memory), no host
-synchronisation per block. D uses ``"push"`` by default: on 2xH200 (torch 2.11, 2026-11-29) a
-pull kernel on D's GPU reading the IPC-mapped memory faulted with an illegal address, in either
-order of peer enabling and import (tools/ipc_experiment.py), while a kernel launched (from D's
-process) on P's GPU, reading the mapping locally and writing D's cache over NVLink, is correct.
-D waits once per request (an event) before acknowledging, since P
-reuses its blocks after the ack. The mapping is closed (``cudaIpcCloseMemHandle`` via torch's
-storage deleter) when D closes the receiver or exits; P's memory is freed by torch once every
-importer has dropped it (torch's IPC reference counter), or when P exits.
+on the importer's GPU and reads the exporter's memory over NVLink; ``"push"``: on the exporter's
+GPU, writing the importer's memory), no host synchronisation per block. Which direction works on
+which hardware is recorded in docs/design.md. The mapping is closed
+(``cudaIpcCloseMemHandle`` via torch's storage deleter) when the importer drops it or exits; the
+exporter's memory is freed by torch once every importer has dropped it (torch's IPC reference
+counter), or when the exporter exits.
 
 The exporter must order its writes before the import side reads (P samples the first token, a
 host sync, before it sends ``KVReady``).
@@ -30,20 +28,16 @@ host sync, before it sends ``KVReady``).
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import msgspec
 import torch
 
 from kvflow.cache import PagedKVCache
-from kvflow.kernels import copy_blocks, payload_bytes
 from kvflow.layout import KVCacheSpec
-from kvflow.protocol import KVReady
 
-from .base import TransferError, TransferStats, as_ids
-from .ipc import IpcReceiver, IpcSender
-from .shm import shm_path, unlink_segment
+from .base import TransferError
+from .shm import shm_path
 
 EXPORT_VERSION = 1
 
@@ -195,7 +189,7 @@ def decode_export(data: bytes) -> CudaIpcExport:
 def publish_export(exp: CudaIpcExport, role: str = "cudaipc") -> str:
     """Write ``exp`` to a new 0600 shared-memory file; returns its segment name
     (``kvflow-<role>-<owner>-<hex>``, :func:`kvflow.segments.create`; removed by
-    :func:`kvflow.transfer.shm.unlink_segment`)."""
+    :func:`kvflow.connector.shm.unlink_segment`)."""
     from kvflow import segments
     data = encode_export(exp)
     name, fd = segments.create(role, len(data))
@@ -277,85 +271,3 @@ def import_cache(exp: CudaIpcExport, spec: KVCacheSpec, num_blocks: int | None =
     cache = PagedKVCache(spec, exp.num_blocks, buffer=buf)
     cache.backend_state["cuda_ipc"] = {"uuid": exp.uuid, "pid": exp.pid, "owner": owner}
     return cache
-
-
-class CudaIpcSender(IpcSender):
-    """P side: the cache is one CUDA allocation, exported at start-up; ``send`` tells D which
-    blocks to copy (``KVReady``, a few bytes), as the CPU ``ipc`` sender does."""
-
-    name = "ipc"
-    holds_blocks = True
-
-    def __init__(self, cache: PagedKVCache) -> None:  # noqa: D107 - no SharedCache on GPU
-        self.cache = cache
-        self.shared = None
-        self.export_name = publish_export(export_cache(cache))
-
-    def export(self) -> dict[str, str]:
-        return {"shm_name": self.export_name}
-
-    def close(self) -> None:
-        unlink_segment(self.export_name)
-
-
-class CudaIpcReceiver(IpcReceiver):
-    """D side: open P's handle at pairing; per request one ``copy_blocks`` launch and one event
-    wait (before the ack lets P reuse its blocks).
-
-    Parameters
-    ----------
-    backend : str
-        Kernel backend (``"auto"`` picks triton on CUDA).
-    direction : {"pull", "push"}
-        Where the copy kernel runs (see the module docstring); "push" by default.
-    """
-
-    def __init__(self, backend: str = "auto", direction: str = "push") -> None:
-        if direction not in ("pull", "push"):
-            raise ValueError(f"direction must be 'pull' or 'push', got {direction!r}")
-        super().__init__(backend)
-        self.direction = direction
-        self.copy_kwargs = {"direction": direction}
-
-    def attach(self, peer_id, peer_spec, peer_num_blocks, shm_name=""):
-        self.detach(peer_id)
-        peer = import_cache(read_export(shm_name), peer_spec, peer_num_blocks)
-        mine = torch.device("cuda", torch.cuda.current_device())
-        enable_peer_access(mine, peer.device)
-        self.peers[peer_id], self.peer_id = peer, peer_id
-
-    def detach(self, peer_id: str) -> None:
-        """Drop P ``peer_id``'s mapping (torch closes the IPC handle)."""
-        if self.peers.pop(peer_id, None) is not None and torch.cuda.is_initialized():
-            torch.cuda.ipc_collect()
-
-    def receive(self, header: Any, frames, cache, dst_ids, peer_id: str | None = None) -> TransferStats | None:
-        """``KVReady``: one ``copy_blocks`` launch in ``direction``; other headers (layerwise
-        ``KVLayer`` parts) as the CPU ``ipc`` receiver (pull). Waits for the copies once when
-        the request is complete (the ack lets P reuse its blocks)."""
-        peer = self.peer_for(peer_id)
-        if not isinstance(header, KVReady):
-            stats = super().receive(header, frames, cache, dst_ids, peer_id)
-            if stats is not None:
-                run_on = cache.device if self.direction == "pull" else peer.device
-                torch.cuda.current_stream(run_on).synchronize()
-            return stats
-        src = as_ids(header.src_block_ids)
-        if src.numel() != len(dst_ids):
-            raise TransferError(f"KVReady for {header.req_id} names {src.numel()} blocks; "
-                                f"D allocated {len(dst_ids)} for the prompt")
-        if frames:
-            raise TransferError(f"ipc KVReady carries no payload frames, got {len(frames)}")
-        t0 = time.perf_counter()
-        copy_blocks(peer, cache, src, as_ids(dst_ids), backend=self.backend,
-                    direction=self.direction)
-        run_on = cache.device if self.direction == "pull" else peer.device
-        torch.cuda.current_stream(run_on).synchronize()  # P may reuse its blocks after the ack
-        ms = (time.perf_counter() - t0) * 1e3
-        n = int((src >= 0).sum())
-        return TransferStats(blocks=n, payload_bytes=payload_bytes(cache.spec, n), copy_ms=ms)
-
-    def close(self) -> None:
-        self.peers.clear()  # drops the storages: torch closes the IPC mappings
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.ipc_collect()

@@ -32,14 +32,6 @@ from typing import Callable, Sequence
 from kvflow.context import sends_allowed
 
 MODES = ("layerwise", "request")
-#: Prompts shorter than this use ``request`` mode (the default of ``--layerwise-min-tokens``).
-#: Source: bench/results/layerwise_gpu-nvidia-h200-20261129-run1.json (one H200, Llama-3-8B shape,
-#: bf16, copy to a second cache on the same GPU): prefill + layerwise copies took longer than
-#: prefill + one copy after it at 256, 1K, 4K and 8K tokens (the per-layer copies slow the prefill
-#: by 1-4%, more than the 0.2-2.6 ms request-mode copy they hide) and beat it only at 16K
-#: (526.7 vs 527.0 ms, capped grid); on 2 x H200 the served layerwise path was slower still
-#: (docs/gpu_serving.md). DESIGN.md notes +18% TTFT at 256 tokens in another stack.
-DEFAULT_LAYERWISE_MIN_TOKENS = 16384
 
 SendFn = Callable[[str, range, list[int], list[int]], None]
 
@@ -98,7 +90,7 @@ class LayerwiseScheduler:
     mode : {"layerwise", "request"}
         ``request`` forces request mode for every request.
     layerwise_min_tokens : int
-        Prompts with fewer tokens use request mode (default :data:`DEFAULT_LAYERWISE_MIN_TOKENS`).
+        Prompts with fewer tokens use request mode (default 0: none).
     on_done : callable, optional
         ``on_done(request_id)`` after the last send of a request (its state is then gone).
     on_error : callable, optional
@@ -110,7 +102,7 @@ class LayerwiseScheduler:
     """
 
     def __init__(self, num_layers: int, block_size: int, send: SendFn, *, mode: str = "layerwise",
-                 layerwise_min_tokens: int = DEFAULT_LAYERWISE_MIN_TOKENS,
+                 layerwise_min_tokens: int = 0,
                  on_done: Callable[[str], None] | None = None,
                  on_error: Callable[[str, BaseException], None] | None = None) -> None:
         for name, v in (("num_layers", num_layers), ("block_size", block_size)):

@@ -1,16 +1,18 @@
 """P's side of the layerwise transfer: each layer's blocks leave as soon as the prefill has
 written them, so the transfer of layer ``l`` overlaps the compute of layers ``l+1..``.
 
-Pieces (DESIGN.md "Signals", issue 5):
+Pieces (docs/design.md, "Signals"):
 
-- the engine's ``on_layer_done`` hook stores ``(layer, step)`` into the instance's signal
+- :meth:`LayerwiseSender.run` hands :meth:`Engine.prefill <kvflow.engine.Engine.prefill>` a
+  per-chunk hook that registers the chunk with the scheduler and returns the per-layer hook,
+  which stores ``(layer, step)`` into the instance's signal
   segment (:class:`~kvflow.signal.LayerSignaller`; a CPU store after the layer, or the
   stream-ordered ``signal_layer`` kernel on GPU), one step per prefill chunk;
-- a :class:`~kvflow.layerwise.LayerwiseWorker` thread reads the segment and drives a
-  :class:`~kvflow.layerwise.LayerwiseScheduler`, which decides what is due: after each chunk the
+- a :class:`.LayerwiseWorker` thread reads the segment and drives a
+  :class:`.LayerwiseScheduler`, which decides what is due: after each chunk the
   chunk's newly *full* blocks of that layer, after the last chunk the partial last block;
 - each due part goes out as a :class:`~kvflow.protocol.KVLayer` through the connector's
-  :meth:`~kvflow.transfer.base.KVSender.send_part` (ipc: D is told the layers and P's block ids
+  :meth:`~kvflow.connector.framed.FramedSender.send_part` (ipc: D is told the layers and P's block ids
   and pulls them with ``copy_blocks(layers=...)``; tcp: one frame per layer gathered with
   ``gather_blocks(layers=...)``), on the send-only ZMQ socket of the request's D (one per
   paired D, keyed by D's instance id) that only the worker thread and
@@ -22,7 +24,7 @@ The scheduler pairs P's blocks with *logical* prompt positions (``block_offset``
 D maps them through the block table it allocated (D's table replaces P's).
 
 Gating: the channel and socket are created by :meth:`LayerwiseSender.open`, which refuses inside
-a profile/dummy run; :meth:`LayerwiseSender.prefill` inside a dummy run registers nothing and
+a profile/dummy run; :meth:`LayerwiseSender.run` inside a dummy run registers nothing and
 its hooks signal nothing, so nothing is sent. Failures (a send error, or a layer never signalled
 within ``signal_timeout_s``: :class:`TimeoutError`) drop the request and are queued for the
 instance's loop (:meth:`LayerwiseSender.pop_errors`), which fails it and frees its blocks.
@@ -40,18 +42,19 @@ import zmq
 
 from kvflow.cache import PagedKVCache
 from kvflow.context import sends_allowed
-from kvflow.layerwise import LayerwiseScheduler, LayerwiseWorker
 from kvflow.protocol import KVLayer, encode
 from kvflow.signal import LayerSignaller
 
-from .base import KVSender, check_send_allowed
+from ..base import PrefillJob, check_send_allowed
+from .scheduler import LayerwiseScheduler
+from .worker import LayerwiseWorker
 
 
 @dataclasses.dataclass
 class _Live:
     num_prompt_tokens: int
     peer_id: str = ""               # the D this request's parts go to
-    skip_blocks: int = 0
+    num_cached_blocks: int = 0
     t_start: float = 0.0
     gather_ms: float = 0.0
     keep: list = dataclasses.field(default_factory=list)
@@ -67,8 +70,8 @@ class LayerwiseSender:
 
     Parameters
     ----------
-    sender : KVSender
-        The connector (``IpcSender`` or ``TcpSender``); its :meth:`send_part` moves each part.
+    sender : FramedSender
+        The connector (ipc-pull or tcp); its :meth:`send_part` moves each part.
     cache : PagedKVCache
         P's cache.
     instance_id : str
@@ -81,7 +84,7 @@ class LayerwiseSender:
         ZMQ send timeout of the part socket (a dead D fails the request, never a hang).
     """
 
-    def __init__(self, sender: KVSender, cache: PagedKVCache, instance_id: str, *,
+    def __init__(self, sender: Any, cache: PagedKVCache, instance_id: str, *,
                  signal_timeout_s: float = 30.0, poll_s: float = 0.05,
                  send_timeout_ms: int = 10_000) -> None:
         spec = cache.spec
@@ -138,50 +141,49 @@ class LayerwiseSender:
             self._failed(req_id, ConnectionError(f"decode instance {peer_id} was unpaired"))
 
     # ---- the prefill (main thread) -----------------------------------------------------
-    def prefill(self, engine: Any, req_id: str, token_ids: list[int], blocks: list[int],
-                chunk_size: int | None, *, peer_id: str = "", skip_blocks: int = 0) -> Any:
-        """Run ``engine``'s prefill chunk by chunk, signalling every layer of every chunk; return
-        the last token's logits. Inside a dummy run nothing is registered, signalled or sent.
-
-        ``peer_id``: the D every part goes to (opened with :meth:`open`).
-
-        ``skip_blocks``: D already holds the prompt's logical blocks ``0..skip_blocks-1``
-        (prefix hit); only the rest is sent, with ``block_offset`` counted from there.
+    def run(self, engine: Any, job: PrefillJob) -> Any:
+        """Run ``job``'s prefill on ``engine`` (the engine's chunk loop), registering each
+        chunk and signalling every layer of it; return the last token's logits. Inside a dummy
+        run nothing is registered, signalled or sent. The parts go to D ``job.decode_id``
+        (opened with :meth:`open`); D already holds logical blocks
+        ``0..job.num_cached_blocks-1`` (prefix hit): only the rest is sent, with
+        ``block_offset`` counted from there.
 
         Raises
         ------
         RuntimeError
-            Outside a dummy run before :meth:`open`, or for a ``peer_id`` not opened.
+            Outside a dummy run before :meth:`open`, or for a D not opened.
         ValueError
             As :meth:`LayerwiseScheduler.add_request` / :meth:`Engine.prefill`.
         """
-        n, chunk = len(token_ids), chunk_size or len(token_ids)
+        req_id, n = job.req_id, len(job.token_ids)
         real = sends_allowed()
         if real:
             if self.worker is None:
                 raise RuntimeError("layerwise prefill before LayerwiseSender.open (no channel)")
+            nb = -(-n // self.cache.spec.block_size)
             with self._lock:
-                if peer_id not in self.socks:
-                    raise RuntimeError(f"layerwise prefill for decode instance {peer_id!r}, which "
-                                       f"is not paired (paired: {sorted(self.socks)})")
-                self._live[req_id] = _Live(n, peer_id, skip_blocks)
-            self.scheduler.add_request(req_id, n, blocks[:-(-n // self.cache.spec.block_size)])
-            self.scheduler.set_dst_blocks(req_id, range(-(-n // self.cache.spec.block_size)))
+                if job.decode_id not in self.socks:
+                    raise RuntimeError(f"layerwise prefill for decode instance {job.decode_id!r}, "
+                                       f"which is not paired (paired: {sorted(self.socks)})")
+                self._live[req_id] = _Live(n, job.decode_id, job.num_cached_blocks)
+            self.scheduler.add_request(req_id, n, job.blocks[:nb])
+            self.scheduler.set_dst_blocks(req_id, range(nb))
             self.worker.wake()
-        logits = None
+
+        def on_chunk(start: int, end: int):
+            self.step += 1
+            if real:
+                self.scheduler.add_chunk(req_id, self.step, end)
+            return self.signaller.layer_hook(self.step)
+
         try:
-            for start in range(0, n, chunk):
-                end = min(start + chunk, n)
-                self.step += 1
-                if real:
-                    self.scheduler.add_chunk(req_id, self.step, end)
-                logits = engine.prefill(token_ids[:end], blocks, num_computed_tokens=start,
-                                        on_layer_done=self.signaller.layer_hook(self.step))
+            return engine.prefill(job.token_ids, job.blocks, chunk_size=job.chunk_size,
+                                  on_chunk=on_chunk)
         except BaseException:
             if real:
                 self.abort(req_id)
             raise
-        return logits
 
     def finish(self, req_id: str, first_token: int) -> bool:
         """The first token is sampled: send the last part now if every layer went, else the
@@ -218,7 +220,7 @@ class LayerwiseSender:
             live = self._live.get(req_id)
             if live is None:
                 return  # aborted between the signal and now
-            cut = max(0, live.skip_blocks - dst[0])  # positions D already holds
+            cut = max(0, live.num_cached_blocks - dst[0])  # positions D already holds
             src, dst = src[cut:], dst[cut:]
             if not src:
                 return
@@ -227,7 +229,7 @@ class LayerwiseSender:
                 live.t_start = time.time()
             keep, gather_ms = self.sender.send_part(
                 self._sock(live), self.cache, src, layers, req_id=req_id, reply_to=self.instance_id,
-                block_offset=dst[0] - live.skip_blocks, num_prompt_tokens=live.num_prompt_tokens, t_start=live.t_start)
+                block_offset=dst[0] - live.num_cached_blocks, num_prompt_tokens=live.num_prompt_tokens, t_start=live.t_start)
             live.gather_ms += gather_ms
             live.parts += 1
             self.messages_sent += 1

@@ -1,4 +1,4 @@
-"""``tcp`` transfer: P gathers a request's blocks into a staging buffer with
+"""``tcp``: P gathers a request's blocks into a staging buffer with
 :func:`kvflow.kernels.gather_blocks` and sends it over ZMQ as zero-copy frames (one per layer,
 ``send_multipart(copy=False)`` of memoryviews of the buffer, kept alive until D acknowledges);
 D receives the frames without copying and :func:`kvflow.kernels.scatter_blocks` each layer into
@@ -9,8 +9,9 @@ Frame layout: ``[KVData header (msgpack), layer 0, layer 1, ...]``; layer ``l`` 
 ``tensors_per_layer * num_blocks * spec.block_bytes`` bytes. Zero blocks (D's prefix cache holds
 every prompt block) is a transfer too: empty layer frames, nothing written on D.
 
-Layerwise: ``[KVLayer header, one frame per layer of the part]``, each gathered with
-``gather_blocks(layers=...)`` as soon as the prefill signals the layer; D scatters on arrival.
+Layerwise (:mod:`.framed`): ``[KVLayer header, one frame per layer of the part]``, each
+gathered with ``gather_blocks(layers=...)`` as soon as the prefill signals the layer; D scatters
+on arrival.
 """
 
 from __future__ import annotations
@@ -21,22 +22,27 @@ from typing import Any
 
 import torch
 
-from kvflow.cache import staging_buffer, staging_shape
+from kvflow.cache import PagedKVCache, staging_buffer, staging_shape
 from kvflow.kernels import gather_blocks, scatter_blocks
 from kvflow.protocol import KVData, KVLayer, encode
 
-from .base import KVReceiver, KVSender, TransferError, TransferStats, as_ids, check_send_allowed
-from .parts import LayerParts
+from .base import KVReceiver, TransferError, TransferStats, as_ids, check_send_allowed
+from .framed import FramedSender
+from .layerwise.parts import LayerParts
 
 
-class TcpSender(KVSender):
-    """P side: gather, then send per-layer zero-copy frames."""
+class TcpSender(FramedSender):
+    """P's half: gather, then send per-layer zero-copy frames."""
 
     name = "tcp"
     holds_blocks = False  # the staging buffer holds the data; P's blocks can be freed at once
 
-    def __init__(self, backend: str = "auto") -> None:
-        self.backend = backend
+    def warmup(self, engine: Any, chunk_size: int) -> None:
+        """Compile the gather kernel on a scratch cache, then the layerwise set-up."""
+        scratch = PagedKVCache(self.spec, 2, device=self.device)
+        gather_blocks(scratch, [1], staging_buffer(self.spec, 1, device=self.device),
+                      backend=self.backend)
+        super().warmup(engine, chunk_size)
 
     def send(self, link, req_id, cache, src_ids, *, first_token, num_prompt_tokens):
         check_send_allowed("TcpSender.send")
@@ -77,13 +83,24 @@ class TcpSender(KVSender):
 
 
 class TcpReceiver(KVReceiver):
-    """D side: check the frames against the header and the spec, scatter each layer."""
+    """D's half: check the frames against the header and the spec, scatter each layer."""
 
     name = "tcp"
+    host_local = False  # P may live on another host
 
-    def __init__(self, backend: str = "auto") -> None:
-        self.backend = backend
+    def __init__(self, spec=None, device: Any = "cpu", *, backend: str = "auto") -> None:
+        super().__init__(spec, device, backend=backend)
         self.parts = LayerParts()
+
+    def warmup(self) -> None:
+        scatter_blocks(staging_buffer(self.spec, 1, device=self.device),
+                       PagedKVCache(self.spec, 2, device=self.device), [1], backend=self.backend)
+
+    def describe(self) -> dict[str, Any]:
+        return {"kv_connector": self.name, "transfer": "tcp", "ipc_direction": None}
+
+    def forget(self, req_id: str) -> None:
+        self.parts.forget(req_id)
 
     def receive(self, header: Any, frames: list[Any], cache, dst_ids, peer_id=None) -> TransferStats:
         spec = cache.spec

@@ -1,0 +1,138 @@
+"""Connectors: how a request's KV moves from a prefill instance (P) to a decode instance (D).
+
+Kinds (:data:`CONNECTORS`), one module each:
+
+- ``ipc-pull`` (:mod:`.ipc_pull`): one host; P's cache is exported (shared memory on CPU, CUDA
+  IPC on GPU) and D copies the request's blocks out of it.
+- ``ipc-push`` (:mod:`.ipc_push`): one host; D's cache is exported and P writes each layer group
+  into it while it prefills.
+- ``tcp`` (:mod:`.tcp`): P gathers into a staging buffer and sends zero-copy ZMQ frames, D
+  scatters; works between hosts.
+
+``auto`` resolves to ``ipc-push`` on CUDA and ``ipc-pull`` on CPU (:func:`resolve_connector`).
+:func:`make_sender` builds P's half, :func:`make_receiver` D's half; the contract is
+:mod:`.base`. Serving code imports this package only, never a kind's module.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+CONNECTORS = ("ipc-pull", "ipc-push", "tcp")
+#: Keys of ``kv_connector_config`` each kind accepts, and what each means.
+CONFIG_KEYS: dict[str, dict[str, str]] = {
+    "ipc-pull": {},
+    "ipc-push": {"layers_per_copy": "layers per layerwise copy launch, default 4",
+                 "max_ctas": "programs (CTAs) of each layerwise copy on CUDA, default 16: fewer "
+                             "leave the prefill more SMs, more copy each group faster"},
+    "tcp": {},
+}
+
+__all__ = ["CONFIG_KEYS", "CONNECTORS", "Handoff", "KVReceiver", "KVSender", "Peer", "PrefillJob",
+           "TransferError", "TransferStats", "check_connector_config", "make_receiver",
+           "make_sender", "resolve_connector"]
+
+_BASE = ("Handoff", "KVReceiver", "KVSender", "Peer", "PrefillJob", "TransferError",
+         "TransferStats")
+
+
+def __getattr__(name: str) -> Any:  # the contract loads torch: import it on first use
+    if name in _BASE:
+        return getattr(importlib.import_module("kvflow.connector.base"), name)
+    raise AttributeError(f"module 'kvflow.connector' has no attribute {name!r}")
+
+
+def resolve_connector(name: str, device: str = "cpu") -> str:
+    """The connector kind ``name`` means on ``device``: ``auto`` is ``ipc-push`` on CUDA and
+    ``ipc-pull`` elsewhere; a kind of :data:`CONNECTORS` is itself.
+
+    Raises
+    ------
+    ValueError
+        For a name that is neither ``auto`` nor a kind.
+    """
+    if name == "auto":
+        return "ipc-push" if str(device).startswith("cuda") else "ipc-pull"
+    if name not in CONNECTORS:
+        raise ValueError(f"kv_connector must be 'auto' or one of {', '.join(CONNECTORS)}; "
+                         f"got {name!r}")
+    return name
+
+
+def check_connector_config(name: str, config: dict[str, Any] | None) -> dict[str, Any]:
+    """``config`` checked against the keys connector ``name`` (a kind) accepts; returns a copy.
+
+    Raises
+    ------
+    ValueError
+        ``config`` is not a dict, or holds a key ``name`` does not accept, e.g.
+        ``kv_connector_config key 'max_ctas' is not an option of connector 'tcp' (it takes
+        none)``.
+    """
+    config = {} if config is None else config
+    if not isinstance(config, dict):
+        raise ValueError(f"kv_connector_config must be a JSON object, got {config!r}")
+    keys = CONFIG_KEYS[resolve_connector(name)]
+    for key in config:
+        if key not in keys:
+            takes = ", ".join(keys) if keys else "none"
+            raise ValueError(f"kv_connector_config key {key!r} is not an option of connector "
+                             f"{name!r} (it takes {takes})")
+    return dict(config)
+
+
+def make_sender(name: str, spec: Any, device: Any = "cpu", *, config: dict[str, Any] | None = None,
+                **kw: Any) -> Any:
+    """P's half of connector ``name`` (a kind or ``auto``).
+
+    Parameters
+    ----------
+    name : str
+    spec : KVCacheSpec
+        P's cache spec.
+    device : str or torch.device
+    config : dict, optional
+        ``kv_connector_config`` (:func:`check_connector_config`).
+    **kw
+        ``instance_id``, ``backend``, ``layerwise_min_tokens``, ``max_model_len``
+        (:class:`~kvflow.connector.base.KVSender`).
+
+    Raises
+    ------
+    ValueError
+        Unknown name or config key; a bad config value.
+    """
+    kind = resolve_connector(name, device)
+    options = check_connector_config(kind, config)
+    if kind == "ipc-push":
+        from .ipc_push import PushSender
+        return PushSender(spec, device, **options, **kw)
+    if kind == "ipc-pull":
+        from .ipc_pull import IpcPullSender
+        return IpcPullSender(spec, device, **kw)
+    from .tcp import TcpSender
+    return TcpSender(spec, device, **kw)
+
+
+def make_receiver(name: str, spec: Any = None, device: Any = "cpu", *,
+                  backend: str = "auto") -> Any:
+    """D's half of connector ``name`` (a kind or ``auto``) for a cache of ``spec`` on ``device``.
+
+    Raises
+    ------
+    ValueError
+        Unknown name.
+    """
+    kind = resolve_connector(name, device)
+    if kind == "ipc-push":
+        from .ipc_push import PushReceiver
+        return PushReceiver(spec, device, backend=backend)
+    if kind == "ipc-pull":
+        if str(device).startswith("cuda"):
+            from .ipc_pull import CudaIpcPullReceiver  # opens P's CUDA IPC handle
+            return CudaIpcPullReceiver(spec, device, backend=backend)
+        from .ipc_pull import IpcPullReceiver
+        return IpcPullReceiver(spec, device, backend=backend)
+    from .tcp import TcpReceiver
+    return TcpReceiver(spec, device, backend=backend)

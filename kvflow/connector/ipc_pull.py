@@ -1,0 +1,241 @@
+"""``ipc-pull`` (one host): P's paged cache is exported (CPU: POSIX shared memory, :mod:`.shm`;
+CUDA: one allocation's IPC handle, :mod:`.cuda_ipc`); D maps it once, at pairing, and pulls each
+request's blocks with :func:`kvflow.kernels.copy_blocks` straight into the block ids D
+allocated. P sends a :class:`~kvflow.protocol.KVReady` naming its blocks (a few bytes) and keeps
+them until D's ack or the lease ends.
+
+Layerwise (:class:`~kvflow.protocol.KVLayer`, :mod:`.framed`): D is told per part (layers + P's
+block ids) and pulls just that with ``copy_blocks(..., layers=range)``; P never writes into D's
+cache.
+
+On CUDA the copy kernel runs where ``direction`` says (:class:`CudaIpcPullReceiver`):
+``"push"`` (default) on P's GPU from D's process, reading the mapping locally and writing D's
+cache over NVLink; ``"pull"`` on D's GPU (on 2 x H200, torch 2.11, a pull kernel reading the
+IPC-mapped memory faulted with an illegal address: docs/design.md). D waits once per request
+before acknowledging, since P reuses its blocks after the ack.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from kvflow.cache import PagedKVCache
+from kvflow.kernels import copy_blocks, payload_bytes
+from kvflow.protocol import KVLayer, KVReady, encode
+
+from .base import KVReceiver, Peer, TransferError, TransferStats, as_ids, check_send_allowed
+from .framed import FramedSender
+from .layerwise.parts import LayerParts
+
+
+class IpcPullSender(FramedSender):
+    """P's half: the cache is exported at start-up; send D the ids to pull."""
+
+    name = "ipc-pull"
+    holds_blocks = True
+
+    def __init__(self, spec, device: Any = "cpu", **kw: Any) -> None:
+        super().__init__(spec, device, **kw)
+        self.export_name = ""
+        self.shared = None
+
+    def make_cache(self, num_blocks: int) -> PagedKVCache:
+        """P's cache, exported: one CUDA allocation's IPC handle, or a shared-memory segment."""
+        if self.device.type == "cuda":
+            from .cuda_ipc import export_cache, publish_export
+            cache = super().make_cache(num_blocks)
+            self.export_name = publish_export(export_cache(cache))
+            return cache
+        from .shm import SharedCache, clean_stale_segments
+        clean_stale_segments()
+        self.shared = SharedCache(self.spec, num_blocks, role="prefill")
+        self.export_name = self.shared.name
+        self.cache = self.shared.cache
+        return self.cache
+
+    def export(self) -> dict[str, str]:
+        return {"shm_name": self.export_name}
+
+    def send(self, link, req_id, cache, src_ids, *, first_token, num_prompt_tokens):
+        check_send_allowed("IpcPullSender.send")
+        link.send(encode(KVReady(req_id=req_id, src_block_ids=list(src_ids),
+                                 first_token=first_token, num_prompt_tokens=num_prompt_tokens,
+                                 t_start=time.time())))
+        return None
+
+    def send_part(self, link, cache, src_ids, layers, **fields):
+        """A :class:`KVLayer` naming P's ``src_ids`` and ``layers``: D pulls them (no payload)."""
+        check_send_allowed("IpcPullSender.send_part")
+        link.send(encode(KVLayer(layer_start=layers.start, layer_stop=layers.stop,
+                                 num_blocks=len(src_ids), src_block_ids=list(src_ids), **fields)))
+        return None, 0.0
+
+    def close(self) -> None:
+        super().close()
+        if self.shared is not None:
+            self.shared.close()
+        elif self.export_name:
+            from .shm import unlink_segment
+            unlink_segment(self.export_name)
+        self.export_name = ""
+
+
+class IpcPullReceiver(KVReceiver):
+    """D side: map each paired P's cache at pairing, then ``copy_blocks`` P's ids -> D's ids.
+
+    D may be paired with several P's: one mapping per P (``peers``), and every transfer reads
+    the cache of the P that sent it (``peer_id``), never another one's.
+    """
+
+    name = "ipc-pull"
+    reads_peer_memory = True
+    copy_kwargs: dict = {}  # extra copy_blocks arguments (the CUDA receiver sets direction)
+
+    def __init__(self, spec=None, device: Any = "cpu", *, backend: str = "auto") -> None:
+        super().__init__(spec, device, backend=backend)
+        self.peers: dict[str, PagedKVCache] = {}
+        self.peer_id = ""  # the last one paired
+        self.parts = LayerParts()
+
+    @property
+    def peer(self) -> PagedKVCache | None:
+        """The last paired P's mapped cache (None before pairing)."""
+        return self.peers.get(self.peer_id)
+
+    def warmup(self) -> None:
+        a = PagedKVCache(self.spec, 2, device=self.device)
+        b = PagedKVCache(self.spec, 2, device=self.device)
+        copy_blocks(a, b, [0], [1], backend=self.backend)
+
+    def describe(self) -> dict[str, Any]:
+        return {"kv_connector": self.name, "transfer": "ipc", "ipc_direction": "pull"}
+
+    def attach(self, peer: Peer) -> None:
+        from .shm import map_peer_cache
+        self.peers[peer.id] = map_peer_cache(peer.shm_name, peer.spec, peer.num_blocks)
+        self.peer_id = peer.id
+
+    def detach(self, peer_id: str) -> None:
+        """Drop P ``peer_id``'s mapping (it died or was replaced)."""
+        self.peers.pop(peer_id, None)
+
+    def peer_for(self, peer_id: str | None) -> PagedKVCache:
+        """The mapped cache of P ``peer_id`` (None: the only / last paired one).
+
+        Raises
+        ------
+        TransferError
+            Before pairing, or for a P that is not paired with this D.
+        """
+        if not self.peers:
+            raise TransferError("ipc receive before pairing: no prefill cache is mapped")
+        cache = self.peers.get(self.peer_id if peer_id is None else peer_id)
+        if cache is None:
+            raise TransferError(f"ipc transfer from {peer_id!r}, which is not paired with this "
+                                f"decode instance (paired: {sorted(self.peers)})")
+        return cache
+
+    def receive(self, header: Any, frames, cache, dst_ids, peer_id: str | None = None) -> TransferStats:
+        src_cache = self.peer_for(peer_id)
+        if isinstance(header, KVLayer):
+            return self.parts.receive(header, frames, cache, dst_ids,
+                                      lambda *a: self._pull_part(src_cache, *a))
+        if not isinstance(header, KVReady):
+            raise TransferError(f"ipc expects a KVReady or KVLayer header, got "
+                                f"{type(header).__name__}")
+        if frames:
+            raise TransferError(f"ipc KVReady carries no payload frames, got {len(frames)}")
+        src = as_ids(header.src_block_ids)
+        if src.numel() != len(dst_ids):
+            raise TransferError(f"KVReady for {header.req_id} names {src.numel()} blocks; "
+                                f"D allocated {len(dst_ids)} for the prompt")
+        t0 = time.perf_counter()
+        copy_blocks(src_cache, cache, src, as_ids(dst_ids), backend=self.backend)
+        ms = (time.perf_counter() - t0) * 1e3
+        n = int((src >= 0).sum())
+        return TransferStats(blocks=n, payload_bytes=payload_bytes(cache.spec, n), copy_ms=ms)
+
+    def _pull_part(self, src_cache, header, frames, cache, dst_ids, layers) -> int:
+        """copy_blocks of one layerwise part: P's ``src_block_ids`` -> D's ``dst_ids``."""
+        if frames:
+            raise TransferError(f"ipc KVLayer carries no payload frames, got {len(frames)}")
+        if len(header.src_block_ids) != len(dst_ids):
+            raise TransferError(f"KVLayer for {header.req_id} names {len(header.src_block_ids)} "
+                                f"source blocks for {len(dst_ids)} prompt blocks")
+        copy_blocks(src_cache, cache, as_ids(header.src_block_ids), as_ids(dst_ids), layers=layers,
+                    backend=self.backend, **self.copy_kwargs)
+        return payload_bytes(cache.spec, len(dst_ids), layers)
+
+    def forget(self, req_id: str) -> None:
+        self.parts.forget(req_id)
+
+    def close(self) -> None:
+        self.peers.clear()
+
+
+class CudaIpcPullReceiver(IpcPullReceiver):
+    """D side: open P's handle at pairing; per request one ``copy_blocks`` launch and one event
+    wait (before the ack lets P reuse its blocks).
+
+    Parameters
+    ----------
+    backend : str
+        Kernel backend (``"auto"`` picks triton on CUDA).
+    direction : {"pull", "push"}
+        Where the copy kernel runs (see the module docstring); "push" by default.
+    """
+
+    def __init__(self, spec=None, device: Any = "cuda", *, backend: str = "auto",
+                 direction: str = "push") -> None:
+        if direction not in ("pull", "push"):
+            raise ValueError(f"direction must be 'pull' or 'push', got {direction!r}")
+        super().__init__(spec, device, backend=backend)
+        self.direction = direction
+        self.copy_kwargs = {"direction": direction}
+
+    def attach(self, peer: Peer) -> None:
+        from .cuda_ipc import enable_peer_access, import_cache, read_export
+        self.detach(peer.id)
+        cache = import_cache(read_export(peer.shm_name), peer.spec, peer.num_blocks)
+        mine = torch.device("cuda", torch.cuda.current_device())
+        enable_peer_access(mine, cache.device)
+        self.peers[peer.id], self.peer_id = cache, peer.id
+
+    def detach(self, peer_id: str) -> None:
+        """Drop P ``peer_id``'s mapping (torch closes the IPC handle)."""
+        if self.peers.pop(peer_id, None) is not None and torch.cuda.is_initialized():
+            torch.cuda.ipc_collect()
+
+    def receive(self, header: Any, frames, cache, dst_ids, peer_id: str | None = None) -> TransferStats | None:
+        """``KVReady``: one ``copy_blocks`` launch in ``direction``; other headers (layerwise
+        ``KVLayer`` parts) as the CPU ``ipc`` receiver (pull). Waits for the copies once when
+        the request is complete (the ack lets P reuse its blocks)."""
+        peer = self.peer_for(peer_id)
+        if not isinstance(header, KVReady):
+            stats = super().receive(header, frames, cache, dst_ids, peer_id)
+            if stats is not None:
+                run_on = cache.device if self.direction == "pull" else peer.device
+                torch.cuda.current_stream(run_on).synchronize()
+            return stats
+        src = as_ids(header.src_block_ids)
+        if src.numel() != len(dst_ids):
+            raise TransferError(f"KVReady for {header.req_id} names {src.numel()} blocks; "
+                                f"D allocated {len(dst_ids)} for the prompt")
+        if frames:
+            raise TransferError(f"ipc KVReady carries no payload frames, got {len(frames)}")
+        t0 = time.perf_counter()
+        copy_blocks(peer, cache, src, as_ids(dst_ids), backend=self.backend,
+                    direction=self.direction)
+        run_on = cache.device if self.direction == "pull" else peer.device
+        torch.cuda.current_stream(run_on).synchronize()  # P may reuse its blocks after the ack
+        ms = (time.perf_counter() - t0) * 1e3
+        n = int((src >= 0).sum())
+        return TransferStats(blocks=n, payload_bytes=payload_bytes(cache.spec, n), copy_ms=ms)
+
+    def close(self) -> None:
+        self.peers.clear()  # drops the storages: torch closes the IPC mappings
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.ipc_collect()

@@ -1,0 +1,321 @@
+"""``ipc-push``: P writes each request's KV straight into the blocks D allocated (one host).
+
+D exports its cache once (CPU: a 0600 shared-memory segment, :mod:`.shm`; CUDA: one
+allocation's IPC handle, :mod:`.cuda_ipc`) and P maps it at pairing (one mapping per paired D).
+The router gives P D's id and block table with the request (``Prefill.decode_id``,
+``decode_block_ids``), so P copies its blocks into that D's with
+:func:`~kvflow.kernels.copy_blocks` -- on CUDA inside P's own process and CUDA context, where
+the copies can run *beside* P's compute kernels (a kernel launched on P's GPU from D's process
+is in another context and time-slices with them instead).
+
+Layerwise (prompts of at least ``layerwise_min_tokens``, default 0): after every group of
+``layers_per_copy`` layers of each chunk, the engine's per-layer hook records an event on P's
+compute stream; a copy stream waits on it and copies those layers of the chunk's blocks. That is
+a GPU-side dependency: no host round trip, no signal thread, no message per layer. The copies
+run beside the next layers' compute on a capped grid (``max_ctas`` programs, so the prefill
+keeps its SMs), except the last group of the last chunk, which nothing overlaps any more: it
+takes the whole GPU. On CPU the hook copies at once. Shorter prompts are copied after the
+prefill. Either way P waits for its copies, then sends one :class:`~kvflow.protocol.KVPushed`
+(``ok``, first token, timings); D starts decoding on it.
+
+Ownership: D's blocks of a request are written by P until P's ``KVPushed`` (ok or not) for it,
+so D keeps them allocated until then even if the request ends early (``lent`` blocks,
+:mod:`kvflow.serve.lent`), unless P is known dead. P frees its own blocks as soon as its copies
+are done (nothing reads them later). Inside a dummy or profile run nothing is copied or sent.
+Measurements behind the defaults: docs/design.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from kvflow.cache import PagedKVCache
+from kvflow.context import forward_context, sends_allowed
+from kvflow.kernels import copy_blocks, payload_bytes
+from kvflow.protocol import KVPushed, encode
+
+from .base import (KVReceiver, KVSender, Peer, PrefillJob, TransferError, TransferStats,
+                   check_send_allowed)
+from .layer_copy import LAYERS_PER_COPY, LAYERWISE_MAX_CTAS, LayerCopier, PushStats
+
+log = logging.getLogger("kvflow.connector.ipc_push")
+
+
+def map_decode_cache(shm_name: str, spec, num_blocks: int, device: torch.device) -> PagedKVCache:
+    """Map D's exported cache writable in P's process, usable by kernels on ``device``.
+
+    CPU: the shared-memory segment ``shm_name``; CUDA: the IPC export published under that name,
+    mapped into ``device``'s context (``import_cache(map_on=device)``), so P's kernels write D's
+    GPU memory over NVLink.
+
+    Raises
+    ------
+    TransferError
+        Missing segment or export, size or spec mismatch, a GPU this process cannot see.
+    """
+    if device.type == "cuda":
+        from .cuda_ipc import import_cache, read_export
+        return import_cache(read_export(shm_name), spec, num_blocks, map_on=device)
+    from .shm import map_peer_cache
+    return map_peer_cache(shm_name, spec, num_blocks, writable=True)
+
+
+class PushSender(KVSender):
+    """P's half: maps each paired D's cache at pairing and writes every request into the cache
+    of the D that allocated its blocks (``job.decode_id``), never another one's.
+
+    Parameters
+    ----------
+    spec, device, instance_id, backend, layerwise_min_tokens, max_model_len
+        As :class:`~kvflow.connector.base.KVSender`.
+    max_ctas : int
+        Grid cap of the layerwise copies that overlap compute; the last one and copies after
+        the prefill use the whole GPU (the prefill is over).
+    layers_per_copy : int
+        Layers per layerwise copy launch.
+
+    Raises
+    ------
+    ValueError
+        ``max_ctas`` or ``layers_per_copy`` not an int >= 1.
+    """
+
+    name = "ipc-push"
+    default_layerwise_min_tokens = 0
+
+    def __init__(self, spec, device: Any = "cpu", *, max_ctas: int = LAYERWISE_MAX_CTAS,
+                 layers_per_copy: int = LAYERS_PER_COPY, **kw: Any) -> None:
+        for name, v in (("max_ctas", max_ctas), ("layers_per_copy", layers_per_copy)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        super().__init__(spec, device, **kw)
+        self.max_ctas, self.layers_per_copy = max_ctas, layers_per_copy
+        self.peers: dict[str, PagedKVCache] = {}  # paired D -> its mapped cache
+        self.cuda = self.device.type == "cuda"
+        self.copier: LayerCopier | None = None  # built with the cache
+
+    def make_cache(self, num_blocks: int) -> PagedKVCache:
+        cache = super().make_cache(num_blocks)
+        self.copier = LayerCopier(cache, self.backend, self.max_ctas, self.layers_per_copy)
+        return cache
+
+    # ---- set-up ------------------------------------------------------------------------
+    def warmup(self, engine: Any, chunk_size: int) -> None:
+        """Compile both grids of the copies (full and capped), then a chunked prefill of 32
+        dummy tokens (computed only: nothing copied or sent)."""
+        a = PagedKVCache(self.spec, 2, device=self.device)
+        b = PagedKVCache(self.spec, 2, device=self.device)
+        for cap in (None, self.max_ctas):
+            copy_blocks(a, b, [1], [0], backend=self.backend, max_ctas=cap)
+        self.dummy_run(engine, chunk_size)
+
+    def dummy_run(self, engine: Any, chunk_size: int, num_tokens: int = 32) -> None:
+        """A chunked prefill of ``num_tokens`` dummy tokens through :meth:`write` inside
+        ``forward_context(is_dummy_or_profile_run=True)``: nothing is copied or sent."""
+        n = min(num_tokens, self.max_model_len, self.cache.num_blocks * self.spec.block_size)
+        blocks = list(range(self.spec.num_blocks_for(n)))
+        job = PrefillJob("dummy", [0] * n, blocks, "", blocks,
+                         chunk_size=max(1, min(chunk_size, n // 2)))
+        with forward_context(is_dummy_or_profile_run=True):
+            self.write(engine, job, layerwise=True)
+
+    def _attach(self, peer: Peer, ctx: Any) -> None:
+        """Map D ``peer``'s exported cache writable.
+
+        Raises
+        ------
+        TransferError
+            D exported no cache, or it cannot be mapped.
+        """
+        if not peer.shm_name:
+            raise TransferError(f"decode instance {peer.id} exported no cache to push into "
+                                f"(is it running with --kv-connector ipc-push?)")
+        self.peers[peer.id] = map_decode_cache(peer.shm_name, peer.spec, peer.num_blocks,
+                                               self.device)
+
+    def detach(self, peer_id: str) -> None:
+        """Drop D ``peer_id``'s link and mapping; other D's stay mapped."""
+        super().detach(peer_id)
+        if self.peers.pop(peer_id, None) is not None and self.cuda and torch.cuda.is_initialized():
+            torch.cuda.ipc_collect()
+
+    def close(self) -> None:
+        if self.copier is not None:
+            self.copier.close()
+        super().close()
+        self.peers.clear()
+        if self.cuda and torch.cuda.is_initialized():
+            torch.cuda.ipc_collect()
+
+    # ---- per request -------------------------------------------------------------------
+    def prefill(self, engine: Any, job: PrefillJob) -> None:
+        """Prefill writing the KV into D's blocks (layer by layer from
+        ``layerwise_min_tokens``), wait for the copies, then one ``KVPushed``. D sends no ack:
+        returns None (P's blocks are free once this returns). On an error the copies already
+        issued are waited for before it propagates."""
+        n = len(job.token_ids)
+        link = self.links.get(job.decode_id)
+        try:
+            t0 = time.perf_counter()
+            logits, stats = self.write(engine, job, layerwise=self.goes_layerwise(n))
+            first = job.sample(logits)
+            stats.prefill_ms = (time.perf_counter() - t0) * 1e3
+            self.copier.finish(stats)
+        except BaseException:
+            self.copier.finish()
+            raise
+        self.send_done(link, job.req_id, ok=True, first_token=first, num_prompt_tokens=n,
+                       stats=stats)
+        return None
+
+    def fail(self, req_id: str, decode_id: str, error: str) -> None:
+        """Tell D ``decode_id`` nothing (more) will be written into ``req_id``'s blocks."""
+        link = self.links.get(decode_id)
+        if link is None:
+            return
+        try:
+            self.send_done(link, req_id, ok=False, error=error)
+        except Exception:  # D is gone: nobody holds blocks for this request any more
+            log.exception("%s: could not tell %s that %s failed", self.instance_id, decode_id,
+                          req_id)
+
+    def write(self, engine: Any, job: PrefillJob, *, layerwise: bool) -> tuple[torch.Tensor, PushStats]:
+        """Run ``engine``'s prefill of ``job`` and write the prompt's KV into D
+        ``job.decode_id``'s blocks ``job.decode_block_ids`` (logical blocks from
+        ``job.num_cached_blocks`` on).
+
+        Parameters
+        ----------
+        engine : kvflow.engine.Engine
+            P's engine (its cache is :attr:`cache`).
+        job : PrefillJob
+        layerwise : bool
+            Copy each layer group of each chunk as soon as it is computed (else after the
+            prefill, in :meth:`LayerCopier.finish`).
+
+        Returns
+        -------
+        (logits, PushStats)
+            The last token's float32 logits [vocab_size]; layerwise copies are issued but may
+            still run on the device, a copy after the prefill is left to
+            :meth:`LayerCopier.finish`.
+
+        Raises
+        ------
+        TransferError
+            ``job.decode_id`` is not attached, or a block table is shorter than the prompt.
+        """
+        blocks, dst_ids = job.blocks, job.decode_block_ids
+        n, bs = len(job.token_ids), self.spec.block_size
+        nb = -(-n // bs)
+        real = sends_allowed()
+        dst = self.peers.get(job.decode_id)
+        if real and dst is None:
+            raise TransferError(f"push to decode instance {job.decode_id!r}, which is not paired "
+                                f"with this prefill instance (paired: {sorted(self.peers)})")
+        if len(dst_ids) < nb or len(blocks) < nb:
+            raise TransferError(f"decode_block_ids has {len(dst_ids)} blocks and P's table "
+                                f"{len(blocks)}; the {n}-token prompt needs {nb}")
+        stats = PushStats(dst=dst)
+        if not real:  # dummy / profile run: compute only
+            return engine.prefill(job.token_ids, blocks, chunk_size=job.chunk_size), stats
+        copier = self.copier
+        copier.start()
+        skip = job.num_cached_blocks
+
+        def on_chunk(start: int, end: int):
+            if not layerwise:
+                return None
+            pairs = copier.pairs(blocks, dst_ids, start // bs, -(-end // bs), skip, dst)
+            return None if pairs is None else copier.layer_hook(pairs, stats, end == n)
+
+        logits = engine.prefill(job.token_ids, blocks, chunk_size=job.chunk_size, on_chunk=on_chunk)
+        if not layerwise:  # copied by finish(), after the first token
+            stats.pending = copier.pairs(blocks, dst_ids, 0, nb, skip, dst)
+        m = max(0, nb - skip)
+        stats.blocks, stats.payload_bytes = m, payload_bytes(self.spec, m)
+        stats.layerwise = layerwise
+        return logits, stats
+
+    def send_done(self, link: Any, req_id: str, *, ok: bool, error: str = "",
+                  first_token: int = -1, num_prompt_tokens: int = 0,
+                  stats: PushStats | None = None) -> None:
+        """Tell D the push of ``req_id`` is over (after the copies finished): ``ok`` with the first
+        token, or not (nothing more will be written; D may free the blocks).
+
+        Raises
+        ------
+        RuntimeError
+            Inside a dummy/profile run.
+        """
+        check_send_allowed("PushSender.send_done")
+        s = stats or PushStats()
+        link.send(encode(KVPushed(req_id=req_id, ok=ok, error=error, first_token=first_token,
+                                  num_prompt_tokens=num_prompt_tokens, num_blocks=s.blocks,
+                                  payload_bytes=s.payload_bytes, t_start=s.t_start,
+                                  t_done=time.time(), copy_ms=s.copy_ms,
+                                  exposed_ms=s.exposed_ms, prefill_ms=s.prefill_ms,
+                                  layerwise=s.layerwise)))
+        self.messages_sent += 1
+
+
+class PushReceiver(KVReceiver):
+    """D's half: exports D's cache at start-up; a ``KVPushed`` says the KV is already in D's
+    blocks, so receiving only checks and reports it."""
+
+    name = "ipc-push"
+    acks = False
+    peer_writes = True
+
+    def __init__(self, spec=None, device: Any = "cpu", *, backend: str = "auto") -> None:
+        super().__init__(spec, device, backend=backend)
+        self.export_name = ""  # the shm segment (CPU) or published CUDA IPC export
+        self._shared = None
+
+    def make_cache(self, num_blocks: int) -> PagedKVCache:
+        """D's cache, exported: one CUDA allocation's IPC handle, or a shared-memory segment."""
+        if self.device.type == "cuda":
+            from .cuda_ipc import export_cache, publish_export
+            cache = super().make_cache(num_blocks)
+            self.export_name = publish_export(export_cache(cache), role="decodecuda")
+            return cache
+        from .shm import SharedCache, clean_stale_segments
+        clean_stale_segments()
+        self._shared = SharedCache(self.spec, num_blocks, role="decode")
+        self.export_name = self._shared.name
+        self.cache = self._shared.cache
+        return self.cache
+
+    def warmup(self) -> None:
+        a = PagedKVCache(self.spec, 2, device=self.device)
+        b = PagedKVCache(self.spec, 2, device=self.device)
+        copy_blocks(a, b, [0], [1], backend=self.backend)
+
+    def export(self) -> dict[str, str]:
+        return {"shm_name": self.export_name}
+
+    def describe(self) -> dict[str, Any]:
+        return {"kv_connector": self.name, "transfer": "ipc", "ipc_direction": "push"}
+
+    def receive(self, header: Any, frames, cache, dst_ids, peer_id=None) -> TransferStats:
+        if not isinstance(header, KVPushed):
+            raise TransferError(f"ipc push expects a KVPushed header, got {type(header).__name__}")
+        if frames:
+            raise TransferError(f"KVPushed carries no payload frames, got {len(frames)}")
+        if not header.ok:
+            raise TransferError(f"prefill could not push the KV: {header.error or 'no reason given'}")
+        if header.num_blocks != len(dst_ids):
+            raise TransferError(f"KVPushed for {header.req_id} wrote {header.num_blocks} blocks; "
+                                f"D expects {len(dst_ids)}")
+        return TransferStats(blocks=header.num_blocks, payload_bytes=header.payload_bytes,
+                             copy_ms=header.copy_ms, layerwise=header.layerwise)
+
+    def close(self) -> None:
+        if self.export_name:  # the router also removes it if D dies
+            from .shm import unlink_segment
+            unlink_segment(self.export_name)
+            self.export_name = ""

@@ -1,0 +1,172 @@
+"""P's copies of a request's blocks into a peer's mapped cache (ipc-push), one launch per group
+of ``layers_per_copy`` layers, ordered on the device behind P's compute.
+
+On CUDA each group's copy waits on an event recorded on P's compute stream after the group's
+last layer and runs on a copy stream: a GPU-side dependency, no host round trip. Copies that
+overlap compute use a capped grid (``max_ctas`` programs, so the prefill keeps its SMs); the
+last group of the last chunk and the copy after the prefill take the whole GPU. On CPU each copy
+runs at once. Block ids are checked once per chunk (:meth:`LayerCopier.pairs`); the copies skip
+validation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Any
+
+import torch
+
+from kvflow.cache import PagedKVCache
+from kvflow.kernels import copy_blocks
+
+from .base import TransferError
+
+#: Programs (CTAs) of a layerwise copy launched beside P's compute (``max_ctas``).
+LAYERWISE_MAX_CTAS = 16
+#: Layers per layerwise copy launch (``layers_per_copy``).
+LAYERS_PER_COPY = 4
+
+
+@dataclasses.dataclass
+class PushStats:
+    """One request's push as seen by P.
+
+    Attributes
+    ----------
+    blocks, payload_bytes : int
+        Blocks (per layer) and payload bytes written into D's cache.
+    t_start : float
+        ``time.time()`` when the first copy was issued (0 if nothing moved).
+    layerwise : bool
+        Copied layer by layer during the prefill.
+    copy_ms : float
+        Wall time of the copy calls on P (CPU: the copies; CUDA: issuing them, the device
+        runs them on P's copy stream).
+    exposed_ms : float
+        Time from the first token (sampled after the prefill) until every copy was done:
+        the copy after the prefill, or the layerwise copies still running (ms).
+    prefill_ms : float
+        P's prefill until the first token was sampled (ms).
+    """
+
+    blocks: int = 0
+    payload_bytes: int = 0
+    t_start: float = 0.0
+    copy_ms: float = 0.0
+    exposed_ms: float = 0.0
+    prefill_ms: float = 0.0
+    layerwise: bool = False
+    pending: Any = dataclasses.field(default=None, repr=False)  # ids to copy after the prefill
+    dst: Any = dataclasses.field(default=None, repr=False)      # the D cache written into
+
+
+class LayerCopier:
+    """Copies from P's ``cache`` into mapped peer caches.
+
+    Parameters
+    ----------
+    cache : PagedKVCache
+        P's cache (the source).
+    backend : str
+        Kernel backend of :func:`~kvflow.kernels.copy_blocks`.
+    max_ctas : int
+        Grid cap of copies that overlap compute.
+    layers_per_copy : int
+        Layers per launch.
+    """
+
+    def __init__(self, cache: PagedKVCache, backend: str, max_ctas: int,
+                 layers_per_copy: int) -> None:
+        self.cache, self.backend = cache, backend
+        self.max_ctas, self.layers_per_copy = max_ctas, layers_per_copy
+        self.cuda = cache.device.type == "cuda"
+        self._stream = torch.cuda.Stream(cache.device) if self.cuda else None
+        self._events = ([torch.cuda.Event() for _ in range(cache.spec.num_layers)]
+                        if self.cuda else [])
+        self._keep: list = []
+
+    def start(self) -> None:
+        """Order the copies after P's earlier writes into its blocks (other streams)."""
+        if self.cuda:
+            self._stream.wait_stream(torch.cuda.current_stream(self.cache.device))
+
+    def pairs(self, blocks: list[int], dst_ids: list[int], first: int, stop: int, skip: int,
+              peer: PagedKVCache) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """P's and D's ids of logical blocks ``[max(first, skip), stop)`` (two int64 tensors,
+        None when the range is empty), checked once here (the per-layer copies skip
+        validation) and, on CUDA, put on the device once through the copy stream (no host
+        sync per layer).
+
+        Raises
+        ------
+        TransferError
+            An id outside its cache, or ``dst_ids`` repeating a block.
+        """
+        lo = max(first, skip)
+        if lo >= stop:
+            return None
+        src, dst = blocks[lo:stop], dst_ids[lo:stop]
+        for name, ids, limit in (("P's block table", src, self.cache.num_blocks),
+                                 ("decode_block_ids", dst, peer.num_blocks)):
+            bad = [b for b in ids if not 0 <= b < limit]
+            if bad:
+                raise TransferError(f"{name} holds block {bad[0]}, not in [0, {limit})")
+        if len(set(dst)) != len(dst):
+            raise TransferError(f"decode_block_ids repeats a block: {dst}")
+        pairs = tuple(torch.tensor(x, dtype=torch.int64, pin_memory=self.cuda) for x in (src, dst))
+        if not self.cuda:
+            return pairs
+        with torch.cuda.stream(self._stream):
+            dev = tuple(t.to(self.cache.device, non_blocking=True) for t in pairs)
+        self._keep.append(pairs)  # pinned sources live until finish()
+        return dev
+
+    def layer_hook(self, pairs, stats: PushStats, last_chunk: bool):
+        """The engine's per-layer hook for one chunk: after each group of layers, copy that
+        group of ``pairs`` into ``stats.dst`` (the last group of the ``last_chunk`` uncapped)."""
+        L, G = self.cache.spec.num_layers, self.layers_per_copy
+
+        def hook(layer: int) -> None:
+            if (layer + 1) % G and layer != L - 1:
+                return  # the group of layers is not complete yet
+            if self.cuda:
+                ev = self._events[layer]
+                ev.record(torch.cuda.current_stream(self.cache.device))
+                self._stream.wait_event(ev)
+            final = last_chunk and layer == L - 1  # nothing left to overlap: the whole GPU
+            self._copy(pairs, (layer - layer % G, layer + 1), None if final else self.max_ctas,
+                       stats)
+        return hook
+
+    def _copy(self, pairs, layers, max_ctas, stats: PushStats) -> None:
+        t0 = time.perf_counter()
+        if not stats.t_start:
+            stats.t_start = time.time()
+        src, dst = pairs
+        with torch.cuda.stream(self._stream) if self.cuda else contextlib.nullcontext():
+            copy_blocks(self.cache, stats.dst, src, dst, layers, backend=self.backend,
+                        max_ctas=max_ctas, validate=False)
+        stats.copy_ms += (time.perf_counter() - t0) * 1e3
+
+    def finish(self, stats: PushStats | None = None) -> None:
+        """Issue the copy after the prefill (``stats.pending``, if any) and block until every
+        copy issued so far is done (D may read the blocks after this). The time spent here is
+        the part of the transfer not hidden behind the prefill (``stats.exposed_ms``)."""
+        t0 = time.perf_counter()
+        if stats is not None and stats.pending is not None:
+            if self.cuda:
+                self._stream.wait_stream(torch.cuda.current_stream(self.cache.device))
+            self._copy(stats.pending, None, None, stats)
+            stats.pending = None
+        if self._stream is not None:
+            self._stream.synchronize()
+        self._keep.clear()
+        if stats is not None:
+            stats.exposed_ms = (time.perf_counter() - t0) * 1e3
+
+    def close(self) -> None:
+        """Wait for every copy issued."""
+        if self._stream is not None:
+            self._stream.synchronize()

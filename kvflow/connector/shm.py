@@ -1,0 +1,112 @@
+"""Shared-memory caches (CPU): P's cache for ipc-pull, D's for ipc-push.
+
+Segments are files under ``/dev/shm`` named, created and cleaned by :mod:`kvflow.segments`
+(``kvflow-<role>-<owner>-<random hex>``: unique per instance, ``O_EXCL``, mode 0600, every
+page reserved at creation, so a cache larger than the free shared memory is refused at start-up
+instead of dying with SIGBUS later); unlinked by the owner on exit (and by the parent server if
+the owner is killed); :func:`clean_stale_segments` removes those whose owner is judged dead.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import warnings
+
+import torch
+
+from kvflow import segments
+from kvflow.cache import PagedKVCache
+from kvflow.layout import KVCacheSpec
+from kvflow.segments import SHM_DIR, clean_stale, segment_path, unlink
+
+from .base import TransferError
+
+__all__ = ["SHM_DIR", "SharedCache", "clean_stale_segments", "map_peer_cache", "shm_path",
+           "unlink_segment"]
+
+shm_path = segment_path
+clean_stale_segments = clean_stale
+unlink_segment = unlink
+
+
+class SharedCache:
+    """A :class:`PagedKVCache` laid over a shared-memory segment.
+
+    Parameters
+    ----------
+    spec : KVCacheSpec
+    num_blocks : int
+    role : str
+        Part of the segment name (``prefill``, ``decode``...).
+
+    Attributes
+    ----------
+    name : str
+        Segment name, to hand to the peer.
+    cache : PagedKVCache
+        The cache (``cache.buffer`` is the mapping).
+
+    Raises
+    ------
+    ValueError
+        ``role`` not lowercase letters.
+    kvflow.segments.SegmentSpaceError
+        The cache (``num_blocks * spec.bytes_per_block`` bytes) does not fit in the free
+        shared memory; the message gives both sizes and the flags that lower the first.
+    """
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, role: str = "prefill") -> None:
+        nbytes = num_blocks * spec.bytes_per_block
+        self.name, fd = segments.create(
+            role, nbytes, what=f"the {role} instance's KV cache ({num_blocks} blocks x "
+                               f"{spec.bytes_per_block} bytes)",
+            hint="lower --num-blocks or --memory-budget-mb")
+        self.path = shm_path(self.name)
+        try:
+            self._mmap = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            os.unlink(self.path)
+            raise
+        os.close(fd)
+        self.cache = PagedKVCache(spec, num_blocks, buffer=torch.frombuffer(self._mmap, dtype=torch.uint8))
+        self._owner = os.getpid()
+
+    def close(self) -> None:
+        """Unlink the segment (the mapping stays valid until this process exits)."""
+        if self._owner == os.getpid():
+            unlink_segment(self.name)
+
+
+def map_peer_cache(name: str, spec: KVCacheSpec, num_blocks: int, *,
+                   writable: bool = False) -> PagedKVCache:
+    """Map a peer's segment as a :class:`PagedKVCache`: read-only (D pulls from P's cache), or
+    ``writable`` (P pushes into D's cache, ipc-push).
+
+    Raises
+    ------
+    TransferError
+        If the segment is missing or smaller than ``num_blocks * spec.bytes_per_block``.
+    """
+    path = shm_path(name)
+    need = num_blocks * spec.bytes_per_block
+    try:
+        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+    except FileNotFoundError:
+        raise TransferError(f"shared-memory segment {name!r} does not exist") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size < need:
+            raise TransferError(f"segment {name!r} holds {size} bytes; the peer cache of "
+                                f"{num_blocks} blocks needs {need}")
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        mm = mmap.mmap(fd, need, mmap.MAP_SHARED, prot)
+    finally:
+        os.close(fd)
+    with warnings.catch_warnings():  # read-only mapping: we only read through it
+        warnings.simplefilter("ignore", UserWarning)
+        buf = torch.frombuffer(mm, dtype=torch.uint8)
+    cache = PagedKVCache(spec, num_blocks, buffer=buf)
+    cache.backend_state["mmap"] = mm
+    return cache

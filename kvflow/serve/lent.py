@@ -1,0 +1,118 @@
+"""D's blocks that a P may still write (connectors whose P writes D's cache: ipc-push), and the
+liveness of D's paired P's.
+
+A request that ends on D before its P's ``KVPushed`` leaves its blocks *lent*: never reused
+while the writing process exists. They come back on P's ``KVPushed``; when P's process is gone
+(judged as the router judges instances: P's pid, only when P's host id equals D's,
+:mod:`kvflow.serve.liveness`; or the router saw it exit, ``Abort.peer_exited``); or, for a P
+that D cannot judge (another pid namespace), ``kv_lease_s`` after the router declared it dead.
+A router's "dead" alone (missed heartbeats: a slow prefill) frees nothing. See
+docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+log = logging.getLogger("kvflow.serve.lent")
+
+
+@dataclasses.dataclass
+class Lent:
+    """Blocks of an ended request that a P may still write: freed on its KVPushed or once that
+    P's process is gone; ``prefill_id`` is "" until the router's Abort names it; ``dead_at``
+    (monotonic) when the router declared that P dead, ``exited`` when it saw the process
+    exit."""
+    blocks: list[int]
+    prefill_id: str = ""
+    since: float = dataclasses.field(default_factory=time.monotonic)
+    warned: bool = False
+    dead_at: float = 0.0
+    exited: bool = False
+
+
+class LentBlocks(dict):
+    """``req_id -> Lent`` of one D, with the paired P's it judges.
+
+    Parameters
+    ----------
+    allocator : BlockAllocator
+        D's; lent blocks go back to it.
+    kv_lease_s : float
+        How long after the router declared an unjudgeable P dead its blocks come back.
+    """
+
+    def __init__(self, allocator: Any, kv_lease_s: float) -> None:
+        super().__init__()
+        self.allocator, self.kv_lease_s = allocator, kv_lease_s
+        self.peer_pids: dict[str, int] = {}   # paired P -> its pid (one host: liveness)
+        self.peer_hosts: dict[str, str] = {}  # paired P -> its host id (pids comparable if ours)
+        self.gone_peers: set[str] = set()     # P's whose process D saw gone
+
+    def meet(self, peer_id: str, pid: int, host: str) -> None:
+        """P ``peer_id`` paired with this D."""
+        self.peer_pids[peer_id] = pid
+        self.peer_hosts[peer_id] = host
+
+    def lend(self, req_id: str, blocks: list[int]) -> None:
+        self[req_id] = Lent(list(blocks))
+
+    def give_back(self, req_ids: list[str]) -> None:
+        """Free the lent blocks of ``req_ids`` (their writer is done or gone)."""
+        for r in req_ids:
+            entry = self.pop(r, None)
+            if entry is not None:
+                self.allocator.free(entry.blocks)
+
+    def aborted(self, req_id: str, prefill_id: str, peer_dead: str, peer_exited: bool) -> None:
+        """The router's Abort of a lent request: who writes it, and whether it is dead."""
+        entry = self.get(req_id)
+        if entry is None:
+            return
+        entry.prefill_id = prefill_id or entry.prefill_id
+        if peer_dead and peer_dead == entry.prefill_id:
+            entry.dead_at = entry.dead_at or time.monotonic()
+            entry.exited = entry.exited or peer_exited
+        self.settle()
+
+    def settle(self) -> None:
+        """Give back lent blocks whose writer can write no more: its process is gone, or D
+        cannot judge it and ``kv_lease_s`` has passed since the router declared it dead."""
+        from .liveness import DEAD, UNKNOWN, process_state
+        now = time.monotonic()
+        done = []
+        for req_id, e in self.items():
+            p = e.prefill_id
+            state = DEAD if e.exited or p in self.gone_peers else \
+                process_state(self.peer_pids.get(p, 0), self.peer_hosts.get(p, ""))
+            if state == DEAD or (state == UNKNOWN and e.dead_at
+                                 and now - e.dead_at >= self.kv_lease_s):
+                done.append(req_id)
+        self.give_back(done)
+
+    def gone(self) -> list[tuple[str, int]]:
+        """Forget the paired P's whose process is gone (judged only on this host and pid
+        namespace) and return them as ``(peer_id, pid)``; then give back the blocks lent to
+        them."""
+        from .liveness import DEAD, process_state
+        out = []
+        for peer, pid in list(self.peer_pids.items()):
+            if process_state(pid, self.peer_hosts.get(peer, "")) == DEAD:
+                del self.peer_pids[peer]
+                self.gone_peers.add(peer)
+                out.append((peer, pid))
+        self.settle()
+        return out
+
+    def warn_overdue(self, instance_id: str, timeout_s: float) -> None:
+        """Log once per request lent longer than ``timeout_s`` (its blocks stay held)."""
+        now = time.monotonic()
+        for req_id, entry in self.items():
+            if not entry.warned and now - entry.since > timeout_s:
+                entry.warned = True
+                log.warning("%s: ended request %s still waits for KVPushed from %s after %g s; "
+                            "its blocks stay held", instance_id, req_id,
+                            entry.prefill_id or "its prefill instance", timeout_s)

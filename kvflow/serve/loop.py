@@ -1,0 +1,151 @@
+"""The ZMQ event loop every serving instance runs: its sockets, sending, dispatch of decoded
+messages to ``on_<type>`` handlers, heartbeats.
+
+:meth:`EventLoop.serve_forever` polls the sockets, hands each decoded message to its handler,
+does one unit of work (:meth:`EventLoop.work`: a prefill on P, a decode step on D) and sends a
+heartbeat (free blocks) every ``heartbeat_s``. Malformed frames are logged and dropped
+(:func:`kvflow.protocol.decode_or_log`); a handler that raises is logged and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+import zmq
+
+from kvflow.context import sends_allowed
+from kvflow.protocol import Heartbeat, decode_or_log, encode
+
+log = logging.getLogger("kvflow.serve")
+
+
+class EventLoop:
+    """Sockets, sends and the poll loop of one instance (base of
+    :class:`~kvflow.serve.instance.Instance`).
+
+    Subclasses set ``instance_id`` and ``cfg`` (``router_url``, ``heartbeat_s``,
+    ``parent_pid``) and provide :meth:`free_blocks`.
+    """
+
+    instance_id: str
+    cfg: Any
+
+    def __init__(self) -> None:
+        self.stopping = False
+        self.ctx: zmq.Context | None = None
+        self.ctrl: zmq.Socket | None = None
+        self.sockets: dict[Any, str] = {}
+        self._last_hb = 0.0
+        self.messages_sent = 0
+
+    def open_channels(self) -> None:
+        """Create the ZMQ context and the control socket to the router (after the profile
+        run)."""
+        self.ctx = zmq.Context()
+        # every socket of this context waits at most 1 s for unsent messages when it closes, so
+        # ending the context (close, or its garbage collection after a failed start) never hangs
+        self.ctx.setsockopt(zmq.LINGER, 1000)
+        self.ctrl = self.ctx.socket(zmq.DEALER)
+        self.ctrl.setsockopt(zmq.IDENTITY, self.instance_id.encode())
+        self.ctrl.setsockopt(zmq.LINGER, 500)
+        self.ctrl.connect(self.cfg.router_url)
+        self.sockets[self.ctrl] = "router"
+
+    # ---- sending --------------------------------------------------------------------
+    def send_ctrl(self, msg: Any) -> None:
+        """Send a control message to the router."""
+        self.send(self.ctrl, msg)
+
+    def send(self, sock: zmq.Socket, msg: Any, *, ident: bytes | None = None) -> None:
+        if not sends_allowed():
+            raise RuntimeError("send during a dummy/profile run: nothing may be sent while "
+                               "is_dummy_or_profile_run is set")
+        frame = encode(msg)
+        sock.send_multipart([ident, frame] if ident is not None else [frame])
+        self.messages_sent += 1
+
+    # ---- loop -----------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return False
+
+    def work(self) -> None:
+        """One unit of work (a prefill, a decode step)."""
+
+    def free_blocks(self) -> int:
+        raise NotImplementedError
+
+    def report_blocks(self) -> None:
+        """Send a :class:`Heartbeat` (free blocks, running requests) now."""
+        self._last_hb = time.monotonic()
+        self.send_ctrl(Heartbeat(instance_id=self.instance_id, free_blocks=self.free_blocks(),
+                                 num_running=self.num_running()))
+
+    def heartbeat(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last_hb >= self.cfg.heartbeat_s:
+            self.report_blocks()
+            if self.cfg.parent_pid and os.getppid() != self.cfg.parent_pid:
+                log.error("%s: parent %d is gone; exiting", self.instance_id, self.cfg.parent_pid)
+                self.stopping = True
+
+    def num_running(self) -> int:
+        return 0
+
+    def drain(self, sock: zmq.Socket) -> None:
+        """Dispatch every message waiting on ``sock`` without blocking."""
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.dispatch(sock, frames)
+
+    def dispatch(self, sock: zmq.Socket, frames: list[Any]) -> None:
+        ident = None
+        if sock.type == zmq.ROUTER:
+            ident, frames = frames[0].bytes, frames[1:]
+        if not frames:
+            return
+        msg = decode_or_log(frames[0], self.sockets[sock])
+        if msg is None:
+            return
+        handler = getattr(self, f"on_{type(msg).__name__.lower()}", None)
+        if handler is None:
+            log.error("%s: unexpected %s from %s; dropped", self.instance_id,
+                      type(msg).__name__, self.sockets[sock])
+            return
+        try:
+            handler(msg, frames[1:], ident)
+        except Exception:  # one bad request must not take the instance down
+            log.exception("%s: handling %s failed", self.instance_id, type(msg).__name__)
+
+    def serve_forever(self) -> None:
+        poller, polled = zmq.Poller(), set()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: setattr(self, "stopping", True))
+        try:
+            while not self.stopping:
+                if polled != set(self.sockets):  # a socket was opened (pairing) or closed
+                    poller, polled = zmq.Poller(), set(self.sockets)
+                    for sock in polled:
+                        poller.register(sock, zmq.POLLIN)
+                timeout = 0 if self.has_work() else int(self.cfg.heartbeat_s * 250)
+                for sock, _ in poller.poll(timeout):
+                    self.drain(sock)
+                if self.has_work():
+                    self.work()
+                self.heartbeat()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for sock in list(self.sockets):
+            sock.close(0)
+        self.sockets.clear()
+        if self.ctx is not None:
+            self.ctx.term()
+            self.ctx = None
