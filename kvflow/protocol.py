@@ -61,7 +61,7 @@ class Register(_Msg):
     pid: int
     data_addr: str = ""             # D: ZMQ address P connects to; "" otherwise
     shm_name: str = ""              # ipc: the exported cache (P's for pull, D's for push)
-    host_id: str = ""               # kvflow.serve.liveness.host_id(): pids comparable when equal
+    host_id: str = ""               # kvflow.segments.host_id(): pids comparable when equal
     fingerprint: dict[str, Any] = {}  # kvflow.serve.fingerprint (config, dtype, weights...)
     model: str = ""                 # the instance's --model
     tokenizer: str = ""             # its tokenizer's digest: the router's must be equal

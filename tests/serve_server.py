@@ -13,7 +13,7 @@ import time
 
 import httpx
 
-from kvflow.serve.liveness import process_exited
+from kvflow.segments import process_exited
 
 SMALL = ["--max-model-len", "512", "--memory-budget-mb", "32", "--max-num-batched-tokens", "256"]
 

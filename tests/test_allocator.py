@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from kvflow.sched import (AdmissionError, BlockAllocator, ColocatedState, DecodeState,
+from kvflow.blocks import (AdmissionError, BlockAllocator, ColocatedState, DecodeState,
                           IllegalTransitionError, NoFreeBlocksError, Request,
                           admission_check)
 

@@ -26,7 +26,7 @@ from kvflow.connector.cuda_ipc import (CudaIpcExport, decode_export, encode_expo
                                        ordinal_of_uuid, publish_export, read_export)
 from kvflow.connector.ipc_pull import CudaIpcPullReceiver
 from kvflow.segments import Owner
-from kvflow.connector.shm import shm_path, unlink_segment
+from kvflow.segments import segment_path, unlink
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float16)
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2,
@@ -55,11 +55,11 @@ def test_export_round_trip_and_rejects():
 def test_publish_is_private_and_removable():
     name = publish_export(export())
     try:
-        assert stat.S_IMODE(os.stat(shm_path(name)).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(segment_path(name)).st_mode) == 0o600
         assert name.startswith(f"kvflow-cudaipc-{Owner.me().tag}-")
         assert read_export(name) == export()
     finally:
-        assert unlink_segment(name)
+        assert unlink(name)
     with pytest.raises(TransferError, match="does not exist"):
         read_export(name)
 
@@ -141,13 +141,13 @@ import sys, torch
 from kvflow.bench.cases import fill_pattern
 from kvflow import KVCacheSpec, PagedKVCache
 from kvflow.connector.cuda_ipc import export_cache, publish_export
-from kvflow.connector.shm import unlink_segment
+from kvflow.segments import unlink
 spec = KVCacheSpec(**{spec!r})
 cache = PagedKVCache(spec, 64, device="cuda:0")
 fill_pattern(cache); torch.cuda.synchronize()
 name = publish_export(export_cache(cache))
 print(name, torch.cuda.get_device_properties(0).uuid, flush=True)
-sys.stdin.readline(); unlink_segment(name)
+sys.stdin.readline(); unlink(name)
 """
 
 _D_CHILD = """
@@ -211,7 +211,7 @@ import sys, torch
 from kvflow.bench.cases import pattern
 from kvflow import KVCacheSpec, PagedKVCache
 from kvflow.connector.cuda_ipc import export_cache, publish_export
-from kvflow.connector.shm import unlink_segment
+from kvflow.segments import unlink
 spec = KVCacheSpec(**{spec!r})
 cache = PagedKVCache(spec, 64, device="cuda:0")
 cache.buffer.zero_(); torch.cuda.synchronize()
@@ -223,7 +223,7 @@ ok = all(torch.equal(t[dst].reshape(3, -1).view(torch.int32), pattern(j, torch.t
          for j, t in enumerate(cache.tensors()))
 rest = all(int(t[[i for i in range(64) if i not in (1, 2, 40)]].view(torch.uint8).count_nonzero()) == 0
            for t in cache.tensors())
-print("OK" if ok and rest else "MISMATCH", flush=True); unlink_segment(name)
+print("OK" if ok and rest else "MISMATCH", flush=True); unlink(name)
 """
 
 _P_PUSHER = """

@@ -1,4 +1,4 @@
-"""kvflow.serve.liveness: which host and pid namespace this is, and whether a pid has exited
+"""kvflow.segments: which host and pid namespace this is, and whether a pid has exited
 (a zombie counts as exited: its sockets are closed)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from kvflow.serve.liveness import host_id, process_exited
+from kvflow.segments import host_id, process_exited
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/ns/pid"), reason="needs Linux /proc")
@@ -18,7 +18,7 @@ def test_host_id_is_boot_id_and_pid_namespace():
     with open("/proc/sys/kernel/random/boot_id") as f:
         boot = f.read().strip()
     assert host_id() == f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
-    out = subprocess.run([sys.executable, "-c", "from kvflow.serve.liveness import host_id; "
+    out = subprocess.run([sys.executable, "-c", "from kvflow.segments import host_id; "
                           "print(host_id())"], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == host_id()  # another process on this host: the same id
 

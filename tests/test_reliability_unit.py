@@ -9,7 +9,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from kvflow import KVCacheSpec
-from kvflow.sched import BlockAllocator, PrefixCache, block_keys
+from kvflow.blocks import BlockAllocator, PrefixCache, block_keys
 from kvflow.serve import faults
 from kvflow.serve.__main__ import parse_args
 from kvflow.serve.pairing import check_pairing

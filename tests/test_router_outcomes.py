@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from kvflow.model import ByteTokenizer
 from kvflow.protocol import Allocate, Rejected
-from kvflow.sched.request import AdmissionError, admission_check
+from kvflow.blocks.request import AdmissionError, admission_check
 from kvflow.serve.metrics import Metrics
 from kvflow.serve.app import create_app
 from kvflow.serve.router import Router

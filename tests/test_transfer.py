@@ -18,7 +18,8 @@ from kvflow.protocol import KVData, KVReady
 from kvflow.segments import Owner
 from kvflow.connector import Peer, TransferError, make_receiver
 from kvflow.connector.ipc_pull import IpcPullSender
-from kvflow.connector.shm import SHM_DIR, SharedCache, clean_stale_segments, map_peer_cache
+from kvflow.connector.shm import SharedCache, map_peer_cache
+from kvflow.segments import SHM_DIR, clean_stale
 from kvflow.connector.tcp import TcpSender
 
 from .zmq_link import recv, zmq_link  # noqa: F401 (zmq_link: a fixture)
@@ -143,7 +144,7 @@ def test_shared_segment_mode_name_and_stale_cleanup():
                                "print(Owner.me().tag)"], capture_output=True, text=True, check=True)
         stale = f"kvflow-decode-{dead.stdout.strip()}-0123456789ab"
         open(os.path.join(SHM_DIR, stale), "wb").close()
-        assert stale in clean_stale_segments()
+        assert stale in clean_stale()
         assert not os.path.exists(os.path.join(SHM_DIR, stale))
         assert os.path.exists(a.path) and os.path.exists(b.path)
     finally:

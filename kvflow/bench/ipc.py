@@ -75,8 +75,8 @@ def libcudart():
 def p_child(args) -> int:
     """The cross-process P: allocate, fill the pattern, export; exit on a stdin line."""
     from kvflow.cache import PagedKVCache
-    from kvflow.transfer.cuda_ipc import export_cache, publish_export  # MERGE: kvflow.connector
-    from kvflow.transfer.shm import unlink_segment
+    from kvflow.connector.cuda_ipc import export_cache, publish_export
+    from kvflow.segments import unlink
     cache = PagedKVCache(spec_of(False), args.num_blocks, device="cuda:0")
     fill_pattern(cache)
     torch.cuda.synchronize()
@@ -85,7 +85,7 @@ def p_child(args) -> int:
     try:
         sys.stdin.readline()
     finally:
-        unlink_segment(name)
+        unlink(name)
     return 0
 
 
@@ -102,7 +102,7 @@ class KernelBench:
         self.memcpy = libcudart() if self.cuda else None
         self.backend = "triton" if self.cuda or os.environ.get("TRITON_INTERPRET") == "1" else "auto"
         if self.cuda:
-            from kvflow.transfer.cuda_ipc import enable_peer_access  # MERGE: kvflow.connector
+            from kvflow.connector.cuda_ipc import enable_peer_access
             enable_peer_access(self.pd, self.dd)
 
     def ids(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -224,7 +224,7 @@ def run_kernels(a, kb: KernelBench, env, rows, xproc_peer=None, variant=None) ->
 
 def run_xproc(a, kb: KernelBench, env, rows) -> None:
     from kvflow.devices import worker_env
-    from kvflow.transfer.cuda_ipc import import_cache, read_export  # MERGE: kvflow.connector
+    from kvflow.connector.cuda_ipc import import_cache, read_export
     p_index = int(os.environ.get("KVFLOW_BENCH_P_GPU", "0"))
     kb.P = None  # free GPU0 for the child's cache
     torch.cuda.empty_cache()

@@ -188,7 +188,7 @@ class Bench:
                 if layers.stop == L:
                     ends["t2"] = self._stamp(self.side)
 
-            from kvflow.layerwise import LayerwiseScheduler, LayerwiseWorker  # MERGE: kvflow.connector
+            from kvflow.connector.layerwise import LayerwiseScheduler, LayerwiseWorker
             sched = LayerwiseScheduler(L, self.spec.block_size, send, layerwise_min_tokens=0,
                                        on_done=lambda rid: done.set())
             sched.add_request("r", self.tokens, self.src_l)

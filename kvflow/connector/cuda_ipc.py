@@ -37,7 +37,7 @@ from kvflow.cache import PagedKVCache
 from kvflow.layout import KVCacheSpec
 
 from .base import TransferError
-from .shm import shm_path
+from kvflow.segments import segment_path
 
 EXPORT_VERSION = 1
 
@@ -189,7 +189,7 @@ def decode_export(data: bytes) -> CudaIpcExport:
 def publish_export(exp: CudaIpcExport, role: str = "cudaipc") -> str:
     """Write ``exp`` to a new 0600 shared-memory file; returns its segment name
     (``kvflow-<role>-<owner>-<hex>``, :func:`kvflow.segments.create`; removed by
-    :func:`kvflow.connector.shm.unlink_segment`)."""
+    :func:`kvflow.segments.unlink`)."""
     from kvflow import segments
     data = encode_export(exp)
     name, fd = segments.create(role, len(data))
@@ -207,7 +207,7 @@ def read_export(name: str) -> CudaIpcExport:
         If the file is missing (P gone) or does not hold an export.
     """
     try:
-        with open(shm_path(name), "rb") as f:
+        with open(segment_path(name), "rb") as f:
             return decode_export(f.read())
     except FileNotFoundError:
         raise TransferError(f"CUDA IPC export {name!r} does not exist (prefill gone?)") from None

@@ -49,8 +49,10 @@ class IpcPullSender(FramedSender):
             cache = super().make_cache(num_blocks)
             self.export_name = publish_export(export_cache(cache))
             return cache
-        from .shm import SharedCache, clean_stale_segments
-        clean_stale_segments()
+        from kvflow.segments import clean_stale
+
+        from .shm import SharedCache
+        clean_stale()
         self.shared = SharedCache(self.spec, num_blocks, role="prefill")
         self.export_name = self.shared.name
         self.cache = self.shared.cache
@@ -78,8 +80,8 @@ class IpcPullSender(FramedSender):
         if self.shared is not None:
             self.shared.close()
         elif self.export_name:
-            from .shm import unlink_segment
-            unlink_segment(self.export_name)
+            from kvflow.segments import unlink
+            unlink(self.export_name)
         self.export_name = ""
 
 

@@ -283,8 +283,10 @@ class PushReceiver(KVReceiver):
             cache = super().make_cache(num_blocks)
             self.export_name = publish_export(export_cache(cache), role="decodecuda")
             return cache
-        from .shm import SharedCache, clean_stale_segments
-        clean_stale_segments()
+        from kvflow.segments import clean_stale
+
+        from .shm import SharedCache
+        clean_stale()
         self._shared = SharedCache(self.spec, num_blocks, role="decode")
         self.export_name = self._shared.name
         self.cache = self._shared.cache
@@ -316,6 +318,6 @@ class PushReceiver(KVReceiver):
 
     def close(self) -> None:
         if self.export_name:  # the router also removes it if D dies
-            from .shm import unlink_segment
-            unlink_segment(self.export_name)
+            from kvflow.segments import unlink
+            unlink(self.export_name)
             self.export_name = ""

@@ -4,7 +4,7 @@ Segments are files under ``/dev/shm`` named, created and cleaned by :mod:`kvflow
 (``kvflow-<role>-<owner>-<random hex>``: unique per instance, ``O_EXCL``, mode 0600, every
 page reserved at creation, so a cache larger than the free shared memory is refused at start-up
 instead of dying with SIGBUS later); unlinked by the owner on exit (and by the parent server if
-the owner is killed); :func:`clean_stale_segments` removes those whose owner is judged dead.
+the owner is killed); :func:`kvflow.segments.clean_stale` removes those whose owner is judged dead.
 """
 
 from __future__ import annotations
@@ -18,16 +18,11 @@ import torch
 from kvflow import segments
 from kvflow.cache import PagedKVCache
 from kvflow.layout import KVCacheSpec
-from kvflow.segments import SHM_DIR, clean_stale, segment_path, unlink
+from kvflow.segments import segment_path, unlink
 
 from .base import TransferError
 
-__all__ = ["SHM_DIR", "SharedCache", "clean_stale_segments", "map_peer_cache", "shm_path",
-           "unlink_segment"]
-
-shm_path = segment_path
-clean_stale_segments = clean_stale
-unlink_segment = unlink
+__all__ = ["SharedCache", "map_peer_cache"]
 
 
 class SharedCache:
@@ -62,7 +57,7 @@ class SharedCache:
             role, nbytes, what=f"the {role} instance's KV cache ({num_blocks} blocks x "
                                f"{spec.bytes_per_block} bytes)",
             hint="lower --num-blocks or --memory-budget-mb")
-        self.path = shm_path(self.name)
+        self.path = segment_path(self.name)
         try:
             self._mmap = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
@@ -76,7 +71,7 @@ class SharedCache:
     def close(self) -> None:
         """Unlink the segment (the mapping stays valid until this process exits)."""
         if self._owner == os.getpid():
-            unlink_segment(self.name)
+            unlink(self.name)
 
 
 def map_peer_cache(name: str, spec: KVCacheSpec, num_blocks: int, *,
@@ -89,7 +84,7 @@ def map_peer_cache(name: str, spec: KVCacheSpec, num_blocks: int, *,
     TransferError
         If the segment is missing or smaller than ``num_blocks * spec.bytes_per_block``.
     """
-    path = shm_path(name)
+    path = segment_path(name)
     need = num_blocks * spec.bytes_per_block
     try:
         fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)

@@ -119,7 +119,7 @@ def _main(argv: list[str] | None) -> int:
     if cfg.role in ("prefill", "decode", "colocated"):
         return run_instance(cfg)
 
-    from kvflow.transfer.shm import clean_stale_segments
+    from kvflow.segments import clean_stale
 
     from .procs import Children, bind_http_socket
     from .server import serve_router
@@ -129,7 +129,7 @@ def _main(argv: list[str] | None) -> int:
         if cfg.mode == "disagg":
             gpus["--decode-device"] = cfg.decode_device
         check_device(cfg.device, gpus)
-    clean_stale_segments()
+    clean_stale()
     http_sock = bind_http_socket(cfg.host, cfg.port)
     children = Children() if cfg.role == "all" else None
     serving: list[bool] = []  # set once the router listens: an interrupt then is a normal stop

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from kvflow.protocol import KVAck, KVPushed
-from kvflow.sched import DecodeState
+from kvflow.blocks import DecodeState
 
 from . import faults
 from .sequences import Seq

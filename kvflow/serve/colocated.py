@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from kvflow.protocol import Abort, Allocate, Prefill, Rejected
-from kvflow.sched import ColocatedState
+from kvflow.blocks import ColocatedState
 
 from . import faults
 from .instance import Instance
@@ -28,7 +28,7 @@ class ColocatedInstance(Instance):
     def setup(self) -> None:
         from kvflow.cache import PagedKVCache
         from kvflow.engine import Engine
-        from kvflow.sched import BlockAllocator
+        from kvflow.blocks import BlockAllocator
         self.cache = PagedKVCache(self.spec, self.num_blocks, device=self.cfg.device)
         self.engine = Engine(self.model, self.cache)
         self.allocator = BlockAllocator(self.num_blocks)

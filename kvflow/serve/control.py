@@ -11,7 +11,7 @@ both (colocated: one instance). Every P is paired with every D (N x M); :meth:`C
 chooses a (P, D) per request and the Prefill names that D, so a P with several D's sends each
 request to its own D. When a D dies its P's get :class:`~kvflow.protocol.Unpair`.
 A remote instance that misses heartbeats for ``dead_after_s``, one on this host whose process
-has exited (:mod:`kvflow.serve.liveness`), or a child process of this server that has exited
+has exited (:mod:`kvflow.segments`), or a child process of this server that has exited
 (or sent nothing for ``hung_after_s``), is dead: every request that
 still needed it fails at once (the request's own clean-up then sends
 :class:`~kvflow.protocol.Abort` to the survivor, which frees its blocks), and its
@@ -35,7 +35,7 @@ from kvflow.protocol import (Heartbeat, Pair, PairResult, Register, Registered,
 
 from .config import ServeConfig
 from .errors import registration_refusal
-from .liveness import DEAD, process_state
+from kvflow.segments import DEAD, process_state
 from .placement import InstanceInfo, ReqState, pick_pair
 
 log = logging.getLogger("kvflow.serve.router")

@@ -24,7 +24,7 @@ import time
 import zmq
 
 from kvflow.protocol import Abort, Allocate, KVPushed, LeaseRenew, Pair, PairResult
-from kvflow.sched import DecodeState, PrefixCache
+from kvflow.blocks import DecodeState, PrefixCache
 
 from .arrivals import Arrivals, InFlight
 from .instance import Instance
@@ -53,7 +53,7 @@ class DecodeInstance(Arrivals, Instance):
     def setup(self) -> None:
         from kvflow.connector import check_connector_config, make_receiver
         from kvflow.engine import Engine
-        from kvflow.sched import BlockAllocator
+        from kvflow.blocks import BlockAllocator
         cfg = self.cfg
         try:
             self.receiver = make_receiver(cfg.kv_connector, self.spec, cfg.device,

@@ -26,10 +26,10 @@ import secrets
 import time
 
 from kvflow.protocol import Register, Registered
+from kvflow.segments import host_id
 
 from .config import ServeConfig
 from .fingerprint import model_fingerprint
-from .liveness import host_id
 from .loop import EventLoop
 from .startup import StartupError
 

@@ -4,7 +4,7 @@ liveness of D's paired P's.
 A request that ends on D before its P's ``KVPushed`` leaves its blocks *lent*: never reused
 while the writing process exists. They come back on P's ``KVPushed``; when P's process is gone
 (judged as the router judges instances: P's pid, only when P's host id equals D's,
-:mod:`kvflow.serve.liveness`; or the router saw it exit, ``Abort.peer_exited``); or, for a P
+:mod:`kvflow.segments`; or the router saw it exit, ``Abort.peer_exited``); or, for a P
 that D cannot judge (another pid namespace), ``kv_lease_s`` after the router declared it dead.
 A router's "dead" alone (missed heartbeats: a slow prefill) frees nothing. See
 docs/reliability.md.
@@ -81,7 +81,7 @@ class LentBlocks(dict):
     def settle(self) -> None:
         """Give back lent blocks whose writer can write no more: its process is gone, or D
         cannot judge it and ``kv_lease_s`` has passed since the router declared it dead."""
-        from .liveness import DEAD, UNKNOWN, process_state
+        from kvflow.segments import DEAD, UNKNOWN, process_state
         now = time.monotonic()
         done = []
         for req_id, e in self.items():
@@ -97,7 +97,7 @@ class LentBlocks(dict):
         """Forget the paired P's whose process is gone (judged only on this host and pid
         namespace) and return them as ``(peer_id, pid)``; then give back the blocks lent to
         them."""
-        from .liveness import DEAD, process_state
+        from kvflow.segments import DEAD, process_state
         out = []
         for peer, pid in list(self.peer_pids.items()):
             if process_state(pid, self.peer_hosts.get(peer, "")) == DEAD:

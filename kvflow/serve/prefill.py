@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from kvflow.protocol import Abort, KVAck, LeaseRenew, Pair, PairResult, Prefill, Rejected, Unpair
-from kvflow.sched import NoFreeBlocksError
+from kvflow.blocks import NoFreeBlocksError
 
 from . import faults
 from .instance import Instance
@@ -65,7 +65,7 @@ class PrefillInstance(Instance):
     def setup(self) -> None:
         from kvflow.connector import make_sender
         from kvflow.engine import Engine
-        from kvflow.sched import BlockAllocator
+        from kvflow.blocks import BlockAllocator
         cfg = self.cfg
         try:
             self.connector = make_sender(cfg.kv_connector, self.spec, cfg.device,

@@ -1,6 +1,6 @@
 """The requests live on a decoding instance (D or colocated) and their decode loop.
 
-Allocate: admission (:func:`kvflow.sched.admission_check`) and the instance's *own* blocks for
+Allocate: admission (:func:`kvflow.blocks.admission_check`) and the instance's *own* blocks for
 prompt + max_tokens; with a prefix cache (``--enable-prefix-caching``) the prompt's full blocks
 are looked up first: a hit on logical blocks ``0..k-1`` puts those (shared, ref-counted) blocks
 first in the new table and answers ``Allocated(num_cached_blocks=k)``. Evictable cached blocks
@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from kvflow.protocol import Allocate, Allocated, Rejected, Tokens
-from kvflow.sched import AdmissionError, NoFreeBlocksError, PrefixCache, Request, admission_check
+from kvflow.blocks import AdmissionError, NoFreeBlocksError, PrefixCache, Request, admission_check
 
 from .sampling import sample_token, stop_reason
 
@@ -46,8 +46,8 @@ class DecodeLoop:
         Gives ``engine``, ``allocator``, ``spec``, ``num_blocks``, ``max_model_len``,
         ``tokenizer``, ``instance_id``, ``role`` and ``send_ctrl``.
     states : enum
-        The request states of the role (:class:`~kvflow.sched.DecodeState` or
-        :class:`~kvflow.sched.ColocatedState`).
+        The request states of the role (:class:`~kvflow.blocks.DecodeState` or
+        :class:`~kvflow.blocks.ColocatedState`).
     prefix : PrefixCache or None
     """
 

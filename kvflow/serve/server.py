@@ -60,7 +60,7 @@ async def serve_router(cfg: ServeConfig, http_sock, children, serving: list[bool
     """
     import uvicorn
 
-    from kvflow.transfer.shm import clean_stale_segments
+    from kvflow.segments import clean_stale
 
     from .app import create_app
     from .metrics import Metrics
@@ -118,6 +118,6 @@ async def serve_router(cfg: ServeConfig, http_sock, children, serving: list[bool
             children.stop_all()
         # every kind of segment whose owner is gone (the children's, also those of one killed
         # earlier); an instance started on its own keeps its segments while it runs
-        clean_stale_segments()
+        clean_stale()
         if ctl is not None:
             await ctl.close()

@@ -5,7 +5,7 @@ chained hash: ``key_i = blake2b(key_{i-1} || tokens of block i)`` with ``key_{-1
 key names the whole prefix up to and including block ``i`` (the block-hash chain of vLLM's
 automatic prefix caching). A partial last block is never cached: decode writes into it.
 
-Reference counts live in the :class:`~kvflow.sched.BlockAllocator`: the cache holds one
+Reference counts live in the :class:`~kvflow.blocks.BlockAllocator`: the cache holds one
 reference on every block it maps; each request that uses a cached block adds one
 (:meth:`PrefixCache.match`) and drops it by freeing its block table as usual. A block held
 only by the cache (count 1) is *evictable*: :meth:`PrefixCache.evict` frees such blocks,
