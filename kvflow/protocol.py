@@ -57,7 +57,7 @@ class Register(_Msg):
     num_blocks: int
     free_blocks: int
     max_model_len: int
-    transfer: str                   # the connector: "ipc-pull" | "ipc-push" | "tcp" | "none"
+    kv_connector: str               # the connector: "ipc-pull" | "ipc-push" | "tcp" | "none"
     pid: int
     data_addr: str = ""             # D: ZMQ address P connects to; "" otherwise
     shm_name: str = ""              # ipc: the exported cache (P's for pull, D's for push)

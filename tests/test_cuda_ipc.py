@@ -302,9 +302,9 @@ def test_served_disagg_cuda_token_identical_to_colocated():
         assert [t for t, _ in got[name]] == want, name
         assert [kv["payload_bytes"] for _, kv in got[name]] == [
             -(-len(p) // 16) * 4 * 2 * 16 * 2 * 32 * 4 for p in prompts]  # tiny: 4 layers, fp32
-        assert {(kv["ipc_direction"], kv["transfer_mode"]) for _, kv in got[name]} == {
-            ("pull" if name.startswith("pull") else "push",
-             "request" if name.endswith("request") else "layerwise")}, name
+        assert {(kv["kv_connector"], kv["layerwise"]) for _, kv in got[name]} == {
+            ("ipc-pull" if name.startswith("pull") else "ipc-push",
+             not name.endswith("request"))}, name
     assert all(len(t) == 12 for t in want)
 
 

@@ -21,7 +21,7 @@ def test_every_message_round_trips():
             KVData(req_id="r1", num_blocks=2, num_frames=4, first_token=9, num_prompt_tokens=20,
                    t_start=1.5),
             Register(instance_id="p-1-ab", role="prefill", spec={"block_size": 16}, num_blocks=8,
-                     free_blocks=8, max_model_len=512, transfer="ipc", pid=1, shm_name="x",
+                     free_blocks=8, max_model_len=512, kv_connector="ipc-pull", pid=1, shm_name="x",
                      host_id="b00t/4026531836")]
     for m in msgs:
         assert decode(encode(m)) == m

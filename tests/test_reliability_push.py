@@ -55,7 +55,7 @@ def test_push_is_token_identical_and_p_frees_its_blocks_at_send(pd, mode):
     msgs = pd.take(pd.d, Tokens)
     assert tokens_of(msgs) == colocated(pd, TEXT[:150])
     kv = msgs[0].kvflow
-    assert (kv["ipc_direction"], kv["transfer_mode"], kv["blocks"]) == ("push", mode, 10)
+    assert (kv["kv_connector"], kv["layerwise"], kv["blocks"]) == ("ipc-push", mode == "layerwise", 10)
     assert kv["exposed_ms"] >= 0 and kv["prefill_ms"] > 0
 
 

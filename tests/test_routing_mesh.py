@@ -170,7 +170,7 @@ def _controller(n_p: int, n_d: int, free: list[int], refused=()):
     ctl = Controller()
     def info(iid, role, nfree):
         reg = Register(instance_id=iid, role=role, spec={}, num_blocks=40, free_blocks=nfree,
-                       max_model_len=256, transfer="ipc", pid=1)
+                       max_model_len=256, kv_connector="ipc-pull", pid=1)
         return InstanceInfo(reg, iid.encode(), 0.0, nfree)
     ps = [info(f"p-{i}", "prefill", 40) for i in range(n_p)]
     ds = [info(f"d-{j}", "decode", free[j]) for j in range(n_d)]

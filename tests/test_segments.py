@@ -119,7 +119,7 @@ def test_router_keeps_the_segment_of_an_instance_it_cannot_judge():
     try:
         for name in (foreign, dead):
             reg = Register(instance_id="d-1", role="decode", spec={}, num_blocks=1, free_blocks=1,
-                           max_model_len=16, transfer="ipc", pid=nobody, shm_name=name,
+                           max_model_len=16, kv_connector="ipc-pull", pid=nobody, shm_name=name,
                            host_id="elsewhere")
             ctl.instance_died(InstanceInfo(reg, b"d-1", 0.0, 1), "missed heartbeats")
         assert os.path.exists(os.path.join(SHM_DIR, foreign))

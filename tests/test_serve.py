@@ -89,8 +89,8 @@ def test_disagg_is_token_identical_to_colocated(servers, reference, transfer):
         assert body["usage"]["prompt_tokens"] == n
         kv = body["kvflow"]
         blocks = -(-n // spec["block_size"])
-        assert kv["transfer"] == transfer.split("-")[0] and kv["blocks"] == blocks
-        assert kv["ipc_direction"] == {"ipc": "pull", "ipc-push": "push", "tcp": None}[transfer]
+        assert kv["kv_connector"] == {"ipc": "ipc-pull"}.get(transfer, transfer)
+        assert kv["blocks"] == blocks
         assert kv["payload_bytes"] == blocks * bytes_per_block
         assert kv["prefill_instance"].startswith("p-") and kv["decode_instance"].startswith("d-")
         assert kv["transfer_ms"] > 0
@@ -98,7 +98,7 @@ def test_disagg_is_token_identical_to_colocated(servers, reference, transfer):
 
 def test_colocated_moves_nothing(servers):
     kv = servers["colocated"].complete(prompt="Hello there", max_tokens=2).json()["kvflow"]
-    assert (kv["transfer"], kv["blocks"], kv["payload_bytes"]) == ("none", 0, 0)
+    assert (kv["kv_connector"], kv["blocks"], kv["payload_bytes"]) == ("none", 0, 0)
     assert kv["prefill_instance"] == kv["decode_instance"]
 
 
@@ -111,8 +111,8 @@ def test_over_capacity_prompt_is_400_and_moves_nothing(servers):
                                             "max_model_len=512")
     r = srv.complete(prompt="x" * 400, max_tokens=200)
     assert r.status_code == 400 and "= 601 exceeds max_model_len=512" in r.json()["error"]["message"]
-    assert _metric(srv.client.get("/metrics").text, 'kvflow_transfer_bytes_total{transfer="ipc"}') == \
-        _metric(before, 'kvflow_transfer_bytes_total{transfer="ipc"}')
+    assert _metric(srv.client.get("/metrics").text, 'kvflow_transfer_bytes_total{connector="ipc-pull"}') == \
+        _metric(before, 'kvflow_transfer_bytes_total{connector="ipc-pull"}')
 
 
 @pytest.mark.parametrize("body, field", [
@@ -171,8 +171,8 @@ def test_health_models_and_metrics(servers):
     text = srv.client.get("/metrics").text
     assert _metric(text, "kvflow_ttft_seconds_count") >= 1
     assert _metric(text, "kvflow_tpot_seconds_count") >= 1
-    assert _metric(text, 'kvflow_transfer_bytes_total{transfer="ipc"}') > 0
-    assert _metric(text, 'kvflow_transfer_seconds_count{transfer="ipc"}') >= 1
+    assert _metric(text, 'kvflow_transfer_bytes_total{connector="ipc-pull"}') > 0
+    assert _metric(text, 'kvflow_transfer_seconds_count{connector="ipc-pull"}') >= 1
     # The gauge and /health both follow D's heartbeats: once the request's blocks are back,
     # they agree (read both again until a heartbeat between the two reads is not in the way).
     want = srv.wait_free_blocks(srv.total_blocks())

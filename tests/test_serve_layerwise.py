@@ -144,7 +144,7 @@ def test_layerwise_and_request_token_and_byte_identical_to_colocated(harness, co
             got, kv, d_kv = h.request(f"{mode}-{n}", prompt(n), min_tokens)
             want, want_kv = colocated[n]
             assert got == want, (mode, n)
-            assert kv["transfer_mode"] == mode and kv["kv_connector"] == h.p.cfg.kv_connector
+            assert kv["layerwise"] == (mode == "layerwise") and kv["kv_connector"] == h.p.cfg.kv_connector
             blocks = spec.num_blocks_for(n)
             assert (kv["blocks"], kv["payload_bytes"]) == (blocks, blocks * spec.bytes_per_block)
             for layer, (a, b) in enumerate(zip(d_kv, want_kv)):
@@ -176,7 +176,7 @@ def test_every_block_layer_goes_exactly_once_in_full_blocks_per_chunk(harness):
         got, kv, _ = h.request("exact-once", prompt(150))
     finally:
         del h.p.connector.send_part
-    assert kv["transfer_mode"] == "layerwise"
+    assert kv["layerwise"] is True
     L = h.p.spec.num_layers
     seen = torch.zeros(L, 10, dtype=torch.int32)
     for off, k, layers in sent:
@@ -208,7 +208,7 @@ def test_missing_layer_signal_fails_the_request_and_frees_blocks_on_both_sides(h
     assert h.blocks_back() == h.free0
     assert len(h.d.receiver.parts) == 0 and lw.scheduler.pending_requests() == []
     got, kv, _ = h.request("after-failure", prompt(40))  # the instance serves on
-    assert kv["transfer_mode"] == "layerwise" and len(got) == MAX_TOKENS
+    assert kv["layerwise"] is True and len(got) == MAX_TOKENS
     assert h.blocks_back() == h.free0
 
 
@@ -240,7 +240,7 @@ def test_profile_warmup_and_dummy_runs_signal_and_send_nothing(monkeypatch):
         assert suppressed == 2 * layers  # warm-up: 32 tokens in two chunks, every layer refused
         assert lw.signaller.channel is not None  # created at pairing
         got, kv, _ = h.request("real", prompt(100))
-        assert kv["transfer_mode"] == "layerwise"
+        assert kv["layerwise"] is True
         assert lw.signaller.stats.written == 2 * layers  # 2 chunks x layers
         steps, p_sent = lw.signaller.channel.steps().tolist(), lw.messages_sent
         arrived = []
@@ -287,7 +287,7 @@ def test_threshold_above_max_model_len_creates_nothing_layerwise(connector):
         assert not [s for s in set(os.listdir(SHM_DIR)) - segs if s.startswith("kvflow-sig-")]
         assert len(h.p.sockets) == 2  # the router's and D's link: no layerwise socket
         got, kv, _ = h.request("after", prompt(100), 16384)
-        assert kv["transfer_mode"] == "request" and len(got) == MAX_TOKENS
+        assert kv["layerwise"] is False and len(got) == MAX_TOKENS
         assert h.blocks_back() == h.free0
     finally:
         h.close()

@@ -40,7 +40,7 @@ def test_quickstart_commands(monkeypatch):
         body = json.loads(complete)
         assert body["usage"] == {"prompt_tokens": 25, "completion_tokens": 8, "total_tokens": 33}
         kv = body["kvflow"]
-        assert kv["transfer"] == "ipc" and kv["blocks"] == 2 and kv["payload_bytes"] == 2 * 32768
+        assert kv["kv_connector"] == "ipc-pull" and kv["blocks"] == 2 and kv["payload_bytes"] == 2 * 32768
         events = [ln for ln in stream.splitlines() if ln]
         assert len(events) == 5 and events[-1] == "data: [DONE]"
         assert "kvflow_ttft_seconds_count" in metrics and "kvflow_free_blocks{" in metrics

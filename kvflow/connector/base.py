@@ -306,9 +306,8 @@ class KVReceiver(abc.ABC):
         return {"shm_name": ""}
 
     def describe(self) -> dict[str, Any]:
-        """The connector fields of a request's ``kvflow`` response block: ``kv_connector``,
-        and the ``transfer`` ("ipc" or "tcp") and ``ipc_direction`` ("pull", "push" or None)
-        that the API and the metrics' ``transfer`` label read."""
+        """The connector fields of a request's ``kvflow`` response block: ``kv_connector``
+        (the kind; the metrics' ``connector`` label)."""
         return {"kv_connector": self.name}
 
     def attach(self, peer: Peer) -> None:

@@ -112,8 +112,6 @@ class IpcPullReceiver(KVReceiver):
         b = PagedKVCache(self.spec, 2, device=self.device)
         copy_blocks(a, b, [0], [1], backend=self.backend)
 
-    def describe(self) -> dict[str, Any]:
-        return {"kv_connector": self.name, "transfer": "ipc", "ipc_direction": "pull"}
 
     def attach(self, peer: Peer) -> None:
         from .shm import map_peer_cache

@@ -300,8 +300,6 @@ class PushReceiver(KVReceiver):
     def export(self) -> dict[str, str]:
         return {"shm_name": self.export_name}
 
-    def describe(self) -> dict[str, Any]:
-        return {"kv_connector": self.name, "transfer": "ipc", "ipc_direction": "push"}
 
     def receive(self, header: Any, frames, cache, dst_ids, peer_id=None) -> TransferStats:
         if not isinstance(header, KVPushed):

@@ -96,8 +96,6 @@ class TcpReceiver(KVReceiver):
         scatter_blocks(staging_buffer(self.spec, 1, device=self.device),
                        PagedKVCache(self.spec, 2, device=self.device), [1], backend=self.backend)
 
-    def describe(self) -> dict[str, Any]:
-        return {"kv_connector": self.name, "transfer": "tcp", "ipc_direction": None}
 
     def forget(self, req_id: str) -> None:
         self.parts.forget(req_id)

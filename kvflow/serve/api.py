@@ -6,10 +6,11 @@ plus OpenAI's other fields when their value is what kvflow does anyway, e.g. ``t
 ignored) and answers with
 :func:`completion_response` (non-streaming) or server-sent events of :func:`completion_chunk`
 followed by ``data: [DONE]``. Every response carries a ``kvflow`` object: ``prefill_instance``,
-``decode_instance``, ``transfer`` ("ipc", "tcp" or "none" when colocated), ``blocks`` and
+``decode_instance``, ``kv_connector`` ("ipc-pull", "ipc-push", "tcp" or "none" when
+colocated), ``layerwise`` (the KV moved layer by layer during the prefill), ``blocks`` and
 ``payload_bytes`` moved (blocks x ``KVCacheSpec.bytes_per_block``), ``transfer_ms`` (from P
-starting the transfer to the blocks being in D's cache, wall clock), ``cached_blocks``,
-``transfer_mode`` and ``ipc_direction`` (docs/tutorials/quickstart.md, section 4).
+starting the transfer to the blocks being in D's cache, wall clock) and ``cached_blocks``
+(docs/tutorials/quickstart.md, section 4).
 """
 
 from __future__ import annotations

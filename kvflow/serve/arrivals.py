@@ -111,7 +111,7 @@ class Arrivals:
                       "gather_ms": round(getattr(msg, "gather_ms", 0.0), 3),
                       "block_table": list(req.block_table),
                       "cached_blocks": seq.num_cached_blocks,
-                      "transfer_mode": "layerwise" if stats.layerwise else "request"}
+                      "layerwise": stats.layerwise}
         digest = faults.kv_digest(self.cache, req.block_table, len(req.prompt_token_ids))
         if digest is not None:
             seq.kvflow["kv_digest"] = digest

@@ -61,7 +61,7 @@ class ColocatedInstance(Instance):
             self.loop.end(msg.req_id, ColocatedState.FAILED, f"prefill failed: {exc}")
             return
         seq.kvflow = {"prefill_instance": self.instance_id, "decode_instance": self.instance_id,
-                      "transfer": "none", "blocks": 0, "payload_bytes": 0, "transfer_ms": 0.0,
+                      "kv_connector": "none", "layerwise": False, "blocks": 0, "payload_bytes": 0, "transfer_ms": 0.0,
                       "block_table": list(req.block_table)}
         digest = faults.kv_digest(self.cache, req.block_table, len(req.prompt_token_ids))
         if digest is not None:

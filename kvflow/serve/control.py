@@ -188,9 +188,9 @@ class Controller:
         others = self.by_role("decode" if new.role == "prefill" else "prefill")
         for other in others:
             p, d = (new, other) if new.role == "prefill" else (other, new)
-            if p.reg.transfer != d.reg.transfer:
-                self.errors.append(f"transfer mismatch: {p.id} uses {p.reg.transfer!r}, "
-                                   f"{d.id} uses {d.reg.transfer!r}; not paired")
+            if p.reg.kv_connector != d.reg.kv_connector:
+                self.errors.append(f"kv connector mismatch: {p.id} uses {p.reg.kv_connector!r}, "
+                                   f"{d.id} uses {d.reg.kv_connector!r}; not paired")
                 continue
             await self.send(p, Pair(peer_id=d.id, peer_role="decode", peer_spec=d.reg.spec,
                                     peer_num_blocks=d.reg.num_blocks, data_addr=d.reg.data_addr,
@@ -252,7 +252,7 @@ class Controller:
         return {"status": "ok" if self.ready() else "starting", "mode": self.mode,
                 "control_addr": self.addr,
                 "instances": [{"id": i.id, "role": i.role, "pid": i.reg.pid,
-                               "transfer": i.reg.transfer, "num_blocks": i.reg.num_blocks,
+                               "kv_connector": i.reg.kv_connector, "num_blocks": i.reg.num_blocks,
                                "free_blocks": i.free_blocks, "num_running": i.num_running,
                                "heartbeat_age_s": now - i.heartbeat_at,
                                "max_model_len": i.reg.max_model_len, "spec": i.reg.spec,

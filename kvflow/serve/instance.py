@@ -94,7 +94,7 @@ class Instance(EventLoop):
         self.send_ctrl(Register(instance_id=self.instance_id, role=self.role,
                                 spec=self.spec.to_dict(), num_blocks=self.num_blocks,
                                 free_blocks=self.free_blocks(),
-                                max_model_len=self.max_model_len, transfer=self.connector_name(),
+                                max_model_len=self.max_model_len, kv_connector=self.connector_name(),
                                 pid=os.getpid(), host_id=host_id(), fingerprint=self.fingerprint,
                                 model=self.cfg.model, tokenizer=self.tokenizer.digest,
                                 **self.register_extra()))

@@ -5,9 +5,9 @@ name                                      type       meaning
 ========================================  =========  ===========================================
 kvflow_ttft_seconds                       histogram  router receives request -> first token
 kvflow_tpot_seconds                       histogram  mean time per output token after the first
-kvflow_transfer_bytes_total{transfer}     counter    KV payload bytes moved P -> D
-kvflow_transfer_blocks_total{transfer}    counter    KV blocks moved P -> D
-kvflow_transfer_seconds{transfer}         histogram  P starts the transfer -> blocks in D's cache
+kvflow_transfer_bytes_total{connector}    counter    KV payload bytes moved P -> D
+kvflow_transfer_blocks_total{connector}   counter    KV blocks moved P -> D
+kvflow_transfer_seconds{connector}        histogram  P starts the transfer -> blocks in D's cache
 kvflow_free_blocks{instance,role}         gauge      free KV blocks of each instance
 kvflow_num_blocks{instance,role}          gauge      KV blocks of each instance
 kvflow_requests_total{outcome}            counter    finished requests: ok, error, aborted
@@ -34,11 +34,11 @@ class Metrics:
         self.tpot = Histogram("kvflow_tpot_seconds", "Time per output token after the first (s)",
                               buckets=_LAT, registry=r)
         self.transfer_bytes = Counter("kvflow_transfer_bytes", "KV payload bytes moved P->D",
-                                      ["transfer"], registry=r)
+                                      ["connector"], registry=r)
         self.transfer_blocks = Counter("kvflow_transfer_blocks", "KV blocks moved P->D",
-                                       ["transfer"], registry=r)
+                                       ["connector"], registry=r)
         self.transfer_seconds = Histogram("kvflow_transfer_seconds", "KV transfer time P->D (s)",
-                                          ["transfer"], buckets=_XFER, registry=r)
+                                          ["connector"], buckets=_XFER, registry=r)
         self.free_blocks = Gauge("kvflow_free_blocks", "Free KV blocks", ["instance", "role"], registry=r)
         self.num_blocks = Gauge("kvflow_num_blocks", "KV blocks", ["instance", "role"], registry=r)
         self.requests = Counter("kvflow_requests", "Finished requests", ["outcome"], registry=r)
@@ -46,8 +46,8 @@ class Metrics:
             self.requests.labels(outcome)
 
     def observe_transfer(self, kv: dict) -> None:
-        if kv.get("transfer") in ("ipc", "tcp"):
-            t = kv["transfer"]
+        if kv.get("kv_connector", "none") != "none":
+            t = kv["kv_connector"]
             self.transfer_bytes.labels(t).inc(kv.get("payload_bytes", 0))
             self.transfer_blocks.labels(t).inc(kv.get("blocks", 0))
             self.transfer_seconds.labels(t).observe(kv.get("transfer_ms", 0.0) / 1e3)
