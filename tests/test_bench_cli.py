@@ -100,7 +100,8 @@ def test_tutorial_commands(workdir, capsys):
 
     transfer = json.loads(next(p for p in results if p.name.startswith("transfer")).read_text())
     moved = [r for r in transfer["rows"] if r["op"] == "transfer"]
-    assert {(r["backend"], r["tokens"]) for r in moved} == {(c, t) for c in ("ipc-pull", "tcp") for t in (64, 256)}
+    assert {(r["backend"], r["tokens"]) for r in moved} == {(c, t) for c in ("ipc-pull", "ipc-push", "tcp")
+                                                           for t in (64, 256)}
     assert all(r["verified"] and r["latency_ms_p99"] >= r["latency_ms_p50"] > 0 for r in moved)
 
     page = (workdir / "docs" / "benchmarks.md").read_text()

@@ -131,3 +131,44 @@ def test_unknown_connector_is_refused(study, tmp_path):
     with pytest.raises(SystemExit, match="--connectors: unknown nixl; known: ipc-pull, ipc-push, tcp"):
         main([study, "--quick", "--connectors", "nixl", "--out-dir", str(tmp_path), "--no-progress"])
     assert json.dumps(sorted(p.name for p in tmp_path.iterdir())) == "[]"
+
+
+def test_transfer_quick_moves_every_connector_byte_exact(tmp_path, capsys):
+    """The quick transfer study builds both halves of ipc-pull, ipc-push and tcp through the
+    connector factory; every request size is moved byte-exact (checked against P)."""
+    from kvflow.bench.__main__ import main
+    from kvflow.bench.cases import LLAMA3_8B, make_spec
+    assert main(["transfer", "--quick", "--out-dir", str(tmp_path), "--no-progress",
+                 "--threads", "1"]) == 0
+    assert "skipped" not in capsys.readouterr().err
+    (result,) = tmp_path.glob("transfer-cpu-*.json")
+    rows = json.loads(result.read_text())["rows"]
+    moved = [r for r in rows if r["op"] == "transfer"]
+    assert sorted((r["backend"], r["tokens"]) for r in moved) == [
+        (c, t) for c in ("ipc-pull", "ipc-push", "tcp") for t in (64, 256)]
+    spec = make_spec(LLAMA3_8B, "NHD", "bfloat16")
+    for r in moved:
+        assert r["verified"] is True, r
+        assert r["payload_bytes"] == r["blocks"] * spec.bytes_per_block
+        assert r["gbps"] > 0 and r["ratio"] > 0 and r["d_copy_ms"] > 0
+    ceilings = {(r["backend"], r["tokens"]) for r in rows if r["op"] == "ceiling"}
+    assert ceilings == {(c, t) for c in ("copy_", "zmq-loopback") for t in (64, 256)}
+
+
+@pytest.mark.parametrize("connector", ["ipc-pull", "ipc-push", "tcp"])
+def test_transfer_pair_writes_only_d_blocks(connector):
+    """One request of the study's pair writes P's blocks into exactly D's ids."""
+    import torch
+
+    from kvflow.bench.cases import blocks_equal
+    from kvflow.bench.transfer import _Pair
+    pair = _Pair(connector, tiny_spec(), 8, "cpu")
+    try:
+        pair.d_cache.buffer.zero_()
+        stats = pair.request([5, 1, 6], [0, 7, 3])
+        assert stats.blocks == 3 and stats.payload_bytes == 3 * tiny_spec().bytes_per_block
+        assert blocks_equal(pair.p_cache, [5, 1, 6], pair.d_cache, [0, 7, 3])
+        for t in pair.d_cache.tensors():
+            assert not t[[1, 2, 4, 5, 6]].view(torch.uint8).any()
+    finally:
+        pair.close()

@@ -7,11 +7,13 @@ decodes the same tokens). Issue 14 kind 5: tcp answered the repeat with 502 "bot
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
 from kvflow import KVCacheSpec, PagedKVCache
-from kvflow.protocol import KVData, KVLayer, KVPushed, KVReady
+from kvflow.protocol import KVData, KVLayer, KVPushed, KVReady, decode
 from kvflow.connector import Peer, PrefillJob, make_receiver
 from kvflow.connector.ipc_pull import IpcPullSender
 from kvflow.connector.ipc_push import PushReceiver, PushSender
@@ -79,13 +81,17 @@ def test_push_writes_nothing_and_d_accepts_zero_blocks():
     eng = Engine(model, w.make_cache(4))
     peer = w.peers["d-1"] = PagedKVCache(spec, 4)
     peer.buffer.fill_(0x5A)
-    for layerwise in (True, False):
-        _, stats = w.write(eng, PrefillJob("r", list(range(1, 33)), [0, 1], "d-1", [2, 3],
-                                           num_cached_blocks=2, chunk_size=16),
-                           layerwise=layerwise)
-        w.copier.finish(stats)
-        assert (stats.blocks, stats.payload_bytes, stats.t_start) == (0, 0, 0.0)
-        assert bool((peer.buffer == 0x5A).all())
+    job = PrefillJob("r", list(range(1, 33)), [0, 1], "d-1", [2, 3], num_cached_blocks=2,
+                     chunk_size=16)
+    _, stats = w.write(eng, job)                     # layer by layer during the prefill
+    w.copier.finish(stats)
+    assert (stats.blocks, stats.payload_bytes, stats.t_start) == (0, 0, 0.0)
+    sent = []
+    w.links["d-1"] = types.SimpleNamespace(send=sent.append)
+    assert w.send_prefilled(job, 3) is None          # after the prefill
+    done = decode(sent[0])
+    assert (done.ok, done.num_blocks, done.payload_bytes, done.t_start) == (True, 0, 0, 0.0)
+    assert bool((peer.buffer == 0x5A).all())
     stats = PushReceiver().receive(KVPushed(req_id="r", ok=True, first_token=3, num_blocks=0),
                                    [], peer, [])
     assert (stats.blocks, stats.payload_bytes) == (0, 0)

@@ -235,8 +235,7 @@ def test_writer_copies_each_group_once_per_chunk_byte_exact(group, chunk):
                                                  real(pairs, layers, cap, stats))[1]
     toks = [(5 * i + 1) % 250 for i in range(150)]
     blocks, dst_ids = list(range(2, 12)), [20, 3, 7, 0, 11, 19, 4, 9, 15, 1]
-    logits, stats = w.write(eng, PrefillJob("r", toks, blocks, "d-1", dst_ids, chunk_size=chunk),
-                            layerwise=True)
+    logits, stats = w.write(eng, PrefillJob("r", toks, blocks, "d-1", dst_ids, chunk_size=chunk))
     w.copier.finish(stats)
     L = spec.num_layers
     chunks = -(-150 // (chunk or 150))
@@ -265,12 +264,12 @@ def test_writer_refuses_bad_settings_and_short_tables():
     w = ipc_push.PushSender(spec)
     w.make_cache(8)
     with pytest.raises(TransferError) as e:
-        w.write(None, PrefillJob("r", [1, 2, 3], [0], "d-1", [0]), layerwise=True)
+        w.write(None, PrefillJob("r", [1, 2, 3], [0], "d-1", [0]))
     assert str(e.value) == ("push to decode instance 'd-1', which is not paired with this prefill "
                             "instance (paired: [])")
     w.peers["d-1"] = PagedKVCache(spec, 8)
     with pytest.raises(TransferError) as e:
-        w.write(None, PrefillJob("r", [1] * 9, [0, 1, 2], "d-1", [0, 1]), layerwise=True)
+        w.write(None, PrefillJob("r", [1] * 9, [0, 1, 2], "d-1", [0, 1]))
     assert str(e.value) == ("decode_block_ids has 2 blocks and P's table 3; the 9-token prompt "
                             "needs 3")
 

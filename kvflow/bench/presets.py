@@ -32,10 +32,11 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
                  "prefill_tokens": 4096},
     },
     "transfer": {
-        "quick": {"tokens": [64, 256], "connectors": ["ipc-pull", "tcp"], "warmup": 1, "reps": 5,
-                  "num_blocks": 16},
-        "full": {"tokens": [256, 1024, 4096, 16384, 65536], "connectors": ["ipc-pull", "tcp"],
-                 "warmup": 3, "reps": 30, "num_blocks": 2048},
+        "quick": {"tokens": [64, 256], "connectors": ["ipc-pull", "ipc-push", "tcp"],
+                  "warmup": 1, "reps": 5, "num_blocks": 16},
+        "full": {"tokens": [256, 1024, 4096, 16384, 65536],
+                 "connectors": ["ipc-pull", "ipc-push", "tcp"], "warmup": 3, "reps": 30,
+                 "num_blocks": 2048},
     },
     "serve": {
         "quick": {"num_requests": 8, "rate": 8.0, "prompt_len": "16:48", "output_len": "4:8",

@@ -1,9 +1,18 @@
 """P->D transfer through a connector (``ipc-pull``, ``ipc-push``, ``tcp``): one request's
 blocks from a prefill (P) cache into a decode (D) cache, per request size.
 
-One timed request = P's half sending over a ZMQ DEALER->ROUTER link on 127.0.0.1, D's
-``recv_multipart``, header decode and D's half receiving into D's own block ids (random,
-seeded; distinct from P's), i.e. the whole P->D path the server runs, in one process.
+Both halves come from the connector factory (:func:`kvflow.connector.make_sender` /
+:func:`~kvflow.connector.make_receiver`), are paired as the server pairs them (``make_cache``,
+``export``, ``attach(Peer)``) and talk over a ZMQ DEALER->ROUTER link on 127.0.0.1, in one
+process. P's cache holds random bytes, i.e. KV already computed, so no model runs: one timed
+request is :meth:`KVSender.send_prefilled <kvflow.connector.base.KVSender.send_prefilled>`
+(what ``prefill`` does after the prefill of a prompt that does not go layerwise), D's
+``recv_multipart``, header decode and :meth:`KVReceiver.receive` into D's own block ids
+(random, seeded; distinct from P's). Per kind that is: ipc-pull, a ``KVReady`` and D's copy out
+of P's exported cache; ipc-push, P's copy into D's exported cache and a ``KVPushed``; tcp, P's
+gather, zero-copy frames and D's scatter. On CUDA the factory's halves export and map over CUDA
+IPC, which refuses a handle exported by its own process: the ipc kinds are then reported as
+skipped, with that reason.
 
 Ceilings measured in the same run on the same payload bytes (:data:`CEILINGS`):
 
@@ -12,7 +21,7 @@ Ceilings measured in the same run on the same payload bytes (:data:`CEILINGS`):
 - ``ipc-pull`` / ``ipc-push``: ``dst.copy_(src)`` of the payload bytes (what a copy between
   the two caches' memory can reach).
 
-Every request is checked once: D's blocks equal P's blocks byte for byte.
+Every size is checked once per connector: D's blocks (zeroed first) equal P's byte for byte.
 """
 
 from __future__ import annotations
@@ -22,11 +31,12 @@ import sys
 import time
 from typing import Any
 
+from kvflow.connector import CONNECTORS
+
 from . import cli
-from .cases import LLAMA3_8B, blocks_equal, make_spec, scramble
+from .cases import LLAMA3_8B, blocks_equal, disjoint_ids, make_spec, scramble
 from .timing import copy_ceiling, median, percentile, time_calls
 
-CONNECTORS = ("ipc-pull", "ipc-push", "tcp")
 #: connector -> the same-run ceiling its ratio is taken against (row ``backend``, description)
 CEILINGS = {"ipc-pull": ("copy_", "copy_ of the payload"),
             "ipc-push": ("copy_", "copy_ of the payload"),
@@ -62,70 +72,50 @@ def loopback_ceiling(nbytes: int, *, warmup: int, reps: int) -> list[float]:
         d.close()
 
 
-def make_halves(connector: str, spec, num_blocks: int, device: str):
-    """P's cache and half, D's cache and half of ``connector`` (``D.attach`` done).
-
-    Returns ``(p_cache, sender, d_cache, receiver)``; closing the halves frees the rest.
-
-    Raises
-    ------
-    RuntimeError
-        A connector that cannot run here, naming why.
-    """
-    # MERGE: use kvflow.connector factory (make_sender / make_receiver by name, ipc-push too)
-    import torch
-
-    from kvflow.cache import PagedKVCache
-    from kvflow.transfer import make_receiver
-    if connector == "ipc-pull":
-        if torch.device(device).type != "cpu":
-            raise RuntimeError("this build's ipc-pull bench moves CPU shared-memory caches; the "
-                               "CUDA IPC path comes with the connector factory")
-        from kvflow.transfer.ipc import IpcSender, SharedCache
-        shared = SharedCache(spec, num_blocks, role="bench")
-        p_cache, sender = shared.cache, IpcSender(shared)
-        receiver = make_receiver("ipc")
-    elif connector == "tcp":
-        from kvflow.transfer.tcp import TcpSender
-        p_cache, sender = PagedKVCache(spec, num_blocks, device), TcpSender()
-        receiver = make_receiver("tcp")
-    elif connector == "ipc-push":
-        raise RuntimeError("ipc-push is benched through the connector factory (kvflow.connector)")
-    else:
-        raise ValueError(f"connector={connector!r}: expected one of {', '.join(CONNECTORS)}")
-    d_cache = PagedKVCache(spec, num_blocks, device)
-    receiver.attach("bench-p", spec, num_blocks, **sender.export())
-    return p_cache, sender, d_cache, receiver
-
-
 class _Pair:
-    """P's cache, half and link end; D's cache, half and link end, for one connector."""
+    """P's half (with its cache and link end) and D's half (with its cache and link end) of one
+    connector, built by the factory and paired as the server pairs them."""
 
     def __init__(self, connector: str, spec, num_blocks: int, device: str) -> None:
+        from kvflow.connector import Peer, make_receiver, make_sender
         self.name = connector
-        self.p_cache, self.sender, self.d_cache, self.receiver = make_halves(
-            connector, spec, num_blocks, device)
+        self.sender = make_sender(connector, spec, device, instance_id="bench-p")
+        self.receiver = make_receiver(connector, spec, device)
         self.p_sock, self.d_sock = _link()
+        try:
+            self.p_cache = self.sender.make_cache(num_blocks)
+            self.d_cache = self.receiver.make_cache(num_blocks)
+            self.receiver.attach(Peer("bench-p", spec, num_blocks, **self.sender.export()))
+            self.sender.attach(Peer("bench-d", spec, num_blocks, **self.receiver.export()),
+                               link=self.p_sock)
+        except BaseException:
+            self.close()
+            raise
         scramble(self.p_cache.buffer)
 
     def request(self, src_ids: list[int], dst_ids: list[int]):
         """One request end to end; returns D's TransferStats."""
+        from kvflow.connector import PrefillJob
         from kvflow.protocol import decode
-        keep = self.sender.send(self.p_sock, "bench", self.p_cache, src_ids, first_token=0,
-                                num_prompt_tokens=len(src_ids) * self.p_cache.spec.block_size)
+        job = PrefillJob("bench", [0] * (len(src_ids) * self.p_cache.spec.block_size), src_ids,
+                         "bench-d", dst_ids)
+        handoff = self.sender.send_prefilled(job, 0)
         _, head, *frames = self.d_sock.recv_multipart(copy=False)
-        stats = self.receiver.receive(decode(head), frames, self.d_cache, dst_ids)
-        del keep
+        stats = self.receiver.receive(decode(head), frames, self.d_cache, dst_ids, "bench-p")
+        del handoff  # D is done: P may drop its staging buffer
         return stats
 
     def check(self, src_ids: list[int], dst_ids: list[int]) -> bool:
+        """One request into zeroed D blocks; D's blocks equal P's byte for byte."""
+        self.d_cache.buffer.zero_()
+        self.request(src_ids, dst_ids)
         return blocks_equal(self.p_cache, src_ids, self.d_cache, dst_ids)
 
     def close(self) -> None:
+        self.sender.close()  # closes p_sock, its link
         self.p_sock.close()
         self.d_sock.close()
         self.receiver.close()
-        self.sender.close()
 
 
 def run_transfer(opts: dict[str, Any], env: dict[str, Any], progress: bool = True) -> tuple[list, list]:
@@ -133,7 +123,9 @@ def run_transfer(opts: dict[str, Any], env: dict[str, Any], progress: bool = Tru
     size, plus the connectors skipped with their reason.
 
     Transfer rows carry ``latency_ms_p50`` / ``latency_ms_p99`` (per request), ``d_copy_ms``
-    (D's own copy/scatter time, median), ``ceiling`` (what the ratio is to) and ``verified``.
+    (the connector's copy time, median, :attr:`TransferStats.copy_ms
+    <kvflow.connector.base.TransferStats.copy_ms>`: D's copy / scatter for ipc-pull and tcp,
+    P's copy into D's cache for ipc-push), ``ceiling`` (what the ratio is to) and ``verified``.
     """
     import torch
 
@@ -158,8 +150,7 @@ def run_transfer(opts: dict[str, Any], env: dict[str, Any], progress: bool = Tru
         for tokens in sizes:
             n = spec.num_blocks_for(tokens)
             nbytes = payload_bytes(spec, n)
-            perm = torch.randperm(opts["num_blocks"], generator=g)
-            src, dst = perm[:n].tolist(), perm[n:2 * n].tolist()
+            src, dst = (ids.tolist() for ids in disjoint_ids(opts["num_blocks"], n, g))
             ceil_s = {}
             for name in dict.fromkeys(CEILINGS[c][0] for c in pairs):
                 ts = (loopback_ceiling(nbytes, warmup=opts["warmup"], reps=opts["reps"])
@@ -170,7 +161,7 @@ def run_transfer(opts: dict[str, Any], env: dict[str, Any], progress: bool = Tru
                                      blocks=n, payload_bytes=nbytes, times_s=ts,
                                      ceiling_s=ceil_s[name], seed=opts["seed"]))
             for c, pair in pairs.items():
-                ok = (pair.request(src, dst), pair.check(src, dst))[1]
+                ok = pair.check(src, dst)
                 stats: list = []
                 times = time_calls([lambda: stats.append(pair.request(src, dst))],
                                    warmup=opts["warmup"], reps=opts["reps"])
@@ -208,7 +199,7 @@ def format_table(rows: list[dict]) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     cli.add_common(p)
     p.add_argument("--connectors", type=cli.csv(),
-                   help=f"comma list of {','.join(CONNECTORS)} (default ipc-pull,tcp)")
+                   help=f"comma list of {','.join(CONNECTORS)} (default all)")
     p.add_argument("--tokens", type=cli.tokens, help="request sizes in tokens")
     p.add_argument("--num-blocks", type=int, help="blocks per cache (quick 16, full 2048)")
     p.add_argument("--warmup", type=int, help="untimed requests per size")

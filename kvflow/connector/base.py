@@ -250,6 +250,30 @@ class KVSender(abc.ABC):
             P's blocks and calls :meth:`fail`.
         """
 
+    @abc.abstractmethod
+    def send_prefilled(self, job: PrefillJob, first_token: int) -> Handoff | None:
+        """Send ``job``'s KV, already computed into P's blocks ``job.blocks``, to D
+        ``job.decode_id`` with its first token: what :meth:`prefill` does after the prefill of
+        a prompt that does not go layerwise (it calls this). A transfer benchmark calls it on
+        a cache it filled itself.
+
+        Returns and raises as :meth:`prefill`.
+        """
+
+    def link_to(self, decode_id: str) -> Any:
+        """The link to attached D ``decode_id``.
+
+        Raises
+        ------
+        TransferError
+            ``decode_id`` is not attached.
+        """
+        link = self.links.get(decode_id)
+        if link is None:
+            raise TransferError(f"decode instance {decode_id!r} is not paired with this "
+                                f"prefill instance (paired: {sorted(self.links)})")
+        return link
+
     def fail(self, req_id: str, decode_id: str, error: str) -> None:
         """Request ``req_id`` will not be (completely) sent to D ``decode_id``: tell D when it
         waits for P's word (ipc-push: D keeps the blocks P may write until then)."""

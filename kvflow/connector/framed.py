@@ -16,7 +16,7 @@ from __future__ import annotations
 import abc
 from typing import Any
 
-from .base import Handoff, KVSender, Peer, PrefillJob, TransferError
+from .base import Handoff, KVSender, Peer, PrefillJob
 
 
 class FramedSender(KVSender):
@@ -96,20 +96,20 @@ class FramedSender(KVSender):
         """Prefill, then one message with the first token; or, from ``layerwise_min_tokens``,
         every layer sent as it completes (P's blocks held until D's ack; a part that fails
         later comes out of :meth:`pop_errors`)."""
-        link = self.links.get(job.decode_id)
-        if link is None:
-            raise TransferError(f"decode instance {job.decode_id!r} is not paired with this "
-                                f"prefill instance (paired: {sorted(self.links)})")
+        self.link_to(job.decode_id)  # before any compute
         if self.layerwise is not None and self.goes_layerwise(len(job.token_ids)):
             logits = self.layerwise.run(engine, job)
             self.layerwise.finish(job.req_id, job.sample(logits))
             return Handoff(holds_blocks=True)
         logits = engine.prefill(job.token_ids, job.blocks, chunk_size=job.chunk_size)
-        first = job.sample(logits)
+        return self.send_prefilled(job, job.sample(logits))
+
+    def send_prefilled(self, job: PrefillJob, first_token: int) -> Handoff:
+        """One message (:meth:`send`) for the prompt's blocks past D's prefix hit."""
         # D holds logical blocks 0..num_cached_blocks-1 (prefix hit): send only the rest
-        keep = self.send(link, job.req_id, self.cache,
+        keep = self.send(self.link_to(job.decode_id), job.req_id, self.cache,
                          job.blocks[min(job.num_cached_blocks, len(job.blocks)):],
-                         first_token=first, num_prompt_tokens=len(job.token_ids))
+                         first_token=first_token, num_prompt_tokens=len(job.token_ids))
         self.messages_sent += 1
         return Handoff(self.holds_blocks, keep)
 

@@ -121,7 +121,7 @@ class PushSender(KVSender):
         job = PrefillJob("dummy", [0] * n, blocks, "", blocks,
                          chunk_size=max(1, min(chunk_size, n // 2)))
         with forward_context(is_dummy_or_profile_run=True):
-            self.write(engine, job, layerwise=True)
+            self.write(engine, job)
 
     def _attach(self, peer: Peer, ctx: Any) -> None:
         """Map D ``peer``'s exported cache writable.
@@ -153,24 +153,50 @@ class PushSender(KVSender):
 
     # ---- per request -------------------------------------------------------------------
     def prefill(self, engine: Any, job: PrefillJob) -> None:
-        """Prefill writing the KV into D's blocks (layer by layer from
-        ``layerwise_min_tokens``), wait for the copies, then one ``KVPushed``. D sends no ack:
-        returns None (P's blocks are free once this returns). On an error the copies already
-        issued are waited for before it propagates."""
-        n = len(job.token_ids)
-        link = self.links.get(job.decode_id)
-        try:
-            t0 = time.perf_counter()
-            logits, stats = self.write(engine, job, layerwise=self.goes_layerwise(n))
+        """Prefill writing the KV into D's blocks layer by layer (from
+        ``layerwise_min_tokens``; a shorter prompt is copied after it, :meth:`send_prefilled`),
+        wait for the copies, then one ``KVPushed``. D sends no ack: returns None (P's blocks
+        are free once this returns). On an error the copies already issued are waited for
+        before it propagates."""
+        t0 = time.perf_counter()
+        if not self.goes_layerwise(len(job.token_ids)):
+            self.plan(job)  # a job D cannot take fails before any compute
+            logits = engine.prefill(job.token_ids, job.blocks, chunk_size=job.chunk_size)
             first = job.sample(logits)
-            stats.prefill_ms = (time.perf_counter() - t0) * 1e3
+            return self.send_prefilled(job, first, prefill_ms=(time.perf_counter() - t0) * 1e3)
+        try:
+            logits, stats = self.write(engine, job)
+            first = job.sample(logits)
+        except BaseException:
+            self.copier.finish()
+            raise
+        stats.prefill_ms = (time.perf_counter() - t0) * 1e3
+        return self._finish(job, first, stats)
+
+    def send_prefilled(self, job: PrefillJob, first_token: int, *,
+                       prefill_ms: float = 0.0) -> None:
+        """Copy the prompt's blocks past D's prefix hit into D's blocks (one launch over all
+        layers, the whole GPU), wait for it, then one ``KVPushed`` (``prefill_ms``: P's
+        prefill before it, reported to D). Returns None (D sends no ack)."""
+        check_send_allowed("PushSender.send_prefilled")
+        stats = self.plan(job)
+        stats.prefill_ms = prefill_ms
+        self.copier.start()
+        stats.pending = self.copier.pairs(job.blocks, job.decode_block_ids, 0,
+                                          self.spec.num_blocks_for(len(job.token_ids)),
+                                          job.num_cached_blocks, stats.dst)
+        return self._finish(job, first_token, stats)
+
+    def _finish(self, job: PrefillJob, first_token: int, stats: PushStats) -> None:
+        """Issue the copy after the prefill (if any), wait for every copy, send ``KVPushed``."""
+        try:
             self.copier.finish(stats)
         except BaseException:
             self.copier.finish()
             raise
-        self.send_done(link, job.req_id, ok=True, first_token=first, num_prompt_tokens=n,
+        self.send_done(self.links.get(job.decode_id), job.req_id, ok=True,
+                       first_token=first_token, num_prompt_tokens=len(job.token_ids),
                        stats=stats)
-        return None
 
     def fail(self, req_id: str, decode_id: str, error: str) -> None:
         """Tell D ``decode_id`` nothing (more) will be written into ``req_id``'s blocks."""
@@ -183,26 +209,10 @@ class PushSender(KVSender):
             log.exception("%s: could not tell %s that %s failed", self.instance_id, decode_id,
                           req_id)
 
-    def write(self, engine: Any, job: PrefillJob, *, layerwise: bool) -> tuple[torch.Tensor, PushStats]:
-        """Run ``engine``'s prefill of ``job`` and write the prompt's KV into D
-        ``job.decode_id``'s blocks ``job.decode_block_ids`` (logical blocks from
-        ``job.num_cached_blocks`` on).
-
-        Parameters
-        ----------
-        engine : kvflow.engine.Engine
-            P's engine (its cache is :attr:`cache`).
-        job : PrefillJob
-        layerwise : bool
-            Copy each layer group of each chunk as soon as it is computed (else after the
-            prefill, in :meth:`LayerCopier.finish`).
-
-        Returns
-        -------
-        (logits, PushStats)
-            The last token's float32 logits [vocab_size]; layerwise copies are issued but may
-            still run on the device, a copy after the prefill is left to
-            :meth:`LayerCopier.finish`.
+    def plan(self, job: PrefillJob) -> PushStats:
+        """Check ``job`` against the attached D's and P's tables; its :class:`PushStats`
+        (``dst``: D's mapped cache, None inside a dummy run; ``blocks``, ``payload_bytes``:
+        what will be written).
 
         Raises
         ------
@@ -210,35 +220,54 @@ class PushSender(KVSender):
             ``job.decode_id`` is not attached, or a block table is shorter than the prompt.
         """
         blocks, dst_ids = job.blocks, job.decode_block_ids
-        n, bs = len(job.token_ids), self.spec.block_size
-        nb = -(-n // bs)
-        real = sends_allowed()
+        n = len(job.token_ids)
+        nb = self.spec.num_blocks_for(n)
         dst = self.peers.get(job.decode_id)
-        if real and dst is None:
+        if sends_allowed() and dst is None:
             raise TransferError(f"push to decode instance {job.decode_id!r}, which is not paired "
                                 f"with this prefill instance (paired: {sorted(self.peers)})")
         if len(dst_ids) < nb or len(blocks) < nb:
             raise TransferError(f"decode_block_ids has {len(dst_ids)} blocks and P's table "
                                 f"{len(blocks)}; the {n}-token prompt needs {nb}")
-        stats = PushStats(dst=dst)
-        if not real:  # dummy / profile run: compute only
-            return engine.prefill(job.token_ids, blocks, chunk_size=job.chunk_size), stats
-        copier = self.copier
+        m = max(0, nb - job.num_cached_blocks)
+        return PushStats(dst=dst, blocks=m, payload_bytes=payload_bytes(self.spec, m))
+
+    def write(self, engine: Any, job: PrefillJob) -> tuple[torch.Tensor, PushStats]:
+        """Run ``engine``'s prefill of ``job``, copying each layer group of each chunk into D
+        ``job.decode_id``'s blocks ``job.decode_block_ids`` (logical blocks from
+        ``job.num_cached_blocks`` on) as soon as it is computed.
+
+        Parameters
+        ----------
+        engine : kvflow.engine.Engine
+            P's engine (its cache is :attr:`cache`).
+        job : PrefillJob
+
+        Returns
+        -------
+        (logits, PushStats)
+            The last token's float32 logits [vocab_size]; the copies are issued but may still
+            run on the device (:meth:`LayerCopier.finish` waits for them).
+
+        Raises
+        ------
+        TransferError
+            As :meth:`plan`.
+        """
+        stats = self.plan(job)
+        if not sends_allowed():  # dummy / profile run: compute only
+            return engine.prefill(job.token_ids, job.blocks, chunk_size=job.chunk_size), stats
+        copier, n, bs = self.copier, len(job.token_ids), self.spec.block_size
         copier.start()
-        skip = job.num_cached_blocks
 
         def on_chunk(start: int, end: int):
-            if not layerwise:
-                return None
-            pairs = copier.pairs(blocks, dst_ids, start // bs, -(-end // bs), skip, dst)
+            pairs = copier.pairs(job.blocks, job.decode_block_ids, start // bs, -(-end // bs),
+                                 job.num_cached_blocks, stats.dst)
             return None if pairs is None else copier.layer_hook(pairs, stats, end == n)
 
-        logits = engine.prefill(job.token_ids, blocks, chunk_size=job.chunk_size, on_chunk=on_chunk)
-        if not layerwise:  # copied by finish(), after the first token
-            stats.pending = copier.pairs(blocks, dst_ids, 0, nb, skip, dst)
-        m = max(0, nb - skip)
-        stats.blocks, stats.payload_bytes = m, payload_bytes(self.spec, m)
-        stats.layerwise = layerwise
+        logits = engine.prefill(job.token_ids, job.blocks, chunk_size=job.chunk_size,
+                                on_chunk=on_chunk)
+        stats.layerwise = True
         return logits, stats
 
     def send_done(self, link: Any, req_id: str, *, ok: bool, error: str = "",
