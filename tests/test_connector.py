@@ -78,3 +78,13 @@ def test_serve_imports_no_concrete_connector():
             bad += [f"{path.name}: {n}" for n in names
                     if n.startswith(("kvflow.connector.", "kvflow.transfer", "kvflow.layerwise"))]
     assert bad == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", CONNECTORS)
+def test_cuda_without_an_index_is_the_current_gpu(kind):
+    """``--device cuda`` names the current GPU: both halves hold ``cuda:N``, so P and D on one
+    GPU compare equal (a bare ``cuda`` against ``cuda:0`` once refused the push pairing)."""
+    want = torch.device("cuda", torch.cuda.current_device())
+    assert make_sender(kind, SPEC, "cuda").device == want
+    assert make_receiver(kind, SPEC, "cuda").device == want

@@ -270,10 +270,15 @@ def test_prefill_pushes_into_decode_export_on_its_own_gpu(order):
         d.wait(30)
 
 
-@TWO_GPUS
+@pytest.mark.parametrize("gpus", [2, 1])
 @pytest.mark.timeout(900)
-def test_served_disagg_cuda_token_identical_to_colocated():
+def test_served_disagg_cuda_token_identical_to_colocated(gpus):
+    """P and D on two GPUs, or sharing one (``--decode-device 0``): every connector's tokens
+    equal colocated's."""
     import asyncio
+
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} CUDA GPU(s)")
 
     import httpx
 
@@ -295,7 +300,9 @@ def test_served_disagg_cuda_token_identical_to_colocated():
                "push-request": ("disagg", "--layerwise-min-tokens 100000"),
                "pull-request": ("disagg", "--kv-connector ipc-pull --layerwise-min-tokens 100000")}
     for name, (mode, extra) in configs.items():
-        with started_server(mode, f"--device cuda --num-blocks 256 {extra}", timeout=240) as url:
+        where = "--decode-device 0" if gpus == 1 and mode == "disagg" else ""
+        with started_server(mode, f"--device cuda --num-blocks 256 {where} {extra}",
+                            timeout=240) as url:
             got[name] = asyncio.run(run(url))
     want = [t for t, _ in got["colocated"]]
     for name in ("push", "push-request", "pull-request"):

@@ -128,6 +128,15 @@ class Handoff:
     keep: Any = None
 
 
+def as_device(device: Any) -> torch.device:
+    """``device`` as a ``torch.device`` with an index on CUDA (``"cuda"`` is the current GPU,
+    ``cuda:N``), so two names of one GPU compare equal."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 def check_send_allowed(what: str) -> None:
     """Raise RuntimeError if called during a dummy/profile run (nothing may be sent then)."""
     if not sends_allowed():
@@ -167,7 +176,7 @@ class KVSender(abc.ABC):
     def __init__(self, spec: KVCacheSpec, device: Any = "cpu", *, instance_id: str = "p",
                  backend: str = "auto", layerwise_min_tokens: int | None = None,
                  max_model_len: int = 2048) -> None:
-        self.spec, self.device = spec, torch.device(device)
+        self.spec, self.device = spec, as_device(device)
         self.instance_id, self.backend, self.max_model_len = instance_id, backend, max_model_len
         self.layerwise_min_tokens = (self.default_layerwise_min_tokens
                                      if layerwise_min_tokens is None else layerwise_min_tokens)
@@ -314,7 +323,7 @@ class KVReceiver(abc.ABC):
     host_local: bool = True
 
     def __init__(self, spec: KVCacheSpec, device: Any = "cpu", *, backend: str = "auto") -> None:
-        self.spec, self.device, self.backend = spec, torch.device(device), backend
+        self.spec, self.device, self.backend = spec, as_device(device), backend
         self.cache: PagedKVCache | None = None
 
     def make_cache(self, num_blocks: int) -> PagedKVCache:
