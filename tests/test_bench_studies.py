@@ -138,8 +138,8 @@ def test_transfer_quick_moves_every_connector_byte_exact(tmp_path, capsys):
     connector factory; every request size is moved byte-exact (checked against P)."""
     from kvflow.bench.__main__ import main
     from kvflow.bench.cases import LLAMA3_8B, make_spec
-    assert main(["transfer", "--quick", "--out-dir", str(tmp_path), "--no-progress",
-                 "--threads", "1"]) == 0
+    assert main(["transfer", "--quick", "--device", "cpu", "--out-dir", str(tmp_path),
+                 "--no-progress", "--threads", "1"]) == 0
     assert "skipped" not in capsys.readouterr().err
     (result,) = tmp_path.glob("transfer-cpu-*.json")
     rows = json.loads(result.read_text())["rows"]

@@ -151,3 +151,31 @@ def test_shared_segment_mode_name_and_stale_cleanup():
         a.close()
         b.close()
     assert not os.path.exists(a.path) and not os.path.exists(b.path)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_tcp_frames_land_in_a_cuda_cache_byte_exact():
+    """tcp on CUDA: P's frames are host memory; D copies each layer to its GPU and scatters
+    (once refused: "src is on cpu; the cache is on cuda:0")."""
+    from kvflow.connector import make_receiver
+    from kvflow.connector.tcp import TcpSender
+    from kvflow.protocol import decode
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float16)
+    src = PagedKVCache(spec, 8, device="cuda")
+    for t in src.tensors():
+        t.copy_(torch.randn(t.shape, dtype=torch.float32))
+    rx = make_receiver("tcp", spec, "cuda")
+    dst = rx.make_cache(8)
+    for t in dst.tensors():
+        t.zero_()
+
+    class Link:
+        def send_multipart(self, frames, copy=False):
+            self.frames = frames
+    link = Link()
+    TcpSender(spec, "cuda").send(link, "r", src, [1, 5, 2], first_token=0, num_prompt_tokens=12)
+    rx.receive(decode(bytes(link.frames[0])), link.frames[1:], dst, [7, 0, 3])
+    for layer in range(spec.num_layers):
+        for got, want in zip(dst.layer(layer), src.layer(layer)):
+            for s, d in ((1, 7), (5, 0), (2, 3)):
+                assert torch.equal(got[d], want[s])

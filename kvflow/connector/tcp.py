@@ -31,6 +31,18 @@ from .framed import FramedSender
 from .layerwise.parts import LayerParts
 
 
+def _frame_tensor(buf: memoryview, spec, num_blocks: int, layer: int,
+                  device: torch.device) -> torch.Tensor:
+    """One received layer frame as the staging tensor ``scatter_blocks`` reads:
+    ``staging_shape(spec, num_blocks, layer)`` of ``spec.dtype``, on ``device`` (the frame is
+    host memory: copied to a GPU cache's device, viewed without a copy on the CPU)."""
+    with warnings.catch_warnings():  # zmq frames are read-only; scatter only reads them
+        warnings.simplefilter("ignore", UserWarning)
+        src = torch.frombuffer(buf, dtype=torch.uint8)
+    src = src.view(spec.dtype).view(staging_shape(spec, num_blocks, layer))
+    return src if device.type == "cpu" else src.to(device)
+
+
 class TcpSender(FramedSender):
     """P's half: gather, then send per-layer zero-copy frames."""
 
@@ -124,11 +136,8 @@ class TcpReceiver(KVReceiver):
         t0 = time.perf_counter()
         total = 0
         for layer, buf in enumerate(bufs if n else ()):  # zero blocks (prefix hit): nothing to write
-            with warnings.catch_warnings():  # zmq frames are read-only; scatter only reads them
-                warnings.simplefilter("ignore", UserWarning)
-                src = torch.frombuffer(buf, dtype=torch.uint8)
-            src = src.view(spec.dtype).view(staging_shape(spec, n, layer))
-            scatter_blocks(src, cache, ids, layer, backend=self.backend)
+            scatter_blocks(_frame_tensor(buf, spec, n, layer, cache.device), cache, ids, layer,
+                           backend=self.backend)
             total += buf.nbytes
         ms = (time.perf_counter() - t0) * 1e3
         return TransferStats(blocks=n, payload_bytes=total, copy_ms=ms)
@@ -147,9 +156,6 @@ class TcpReceiver(KVReceiver):
                                     f"{buf.nbytes} bytes, expected {layer_bytes}")
         ids = as_ids(dst_ids)
         for layer, buf in zip(layers, bufs):
-            with warnings.catch_warnings():  # zmq frames are read-only; scatter only reads them
-                warnings.simplefilter("ignore", UserWarning)
-                src = torch.frombuffer(buf, dtype=torch.uint8)
-            scatter_blocks(src.view(spec.dtype).view(staging_shape(spec, n, layer)), cache, ids,
-                           layer, backend=self.backend)
+            scatter_blocks(_frame_tensor(buf, spec, n, layer, cache.device), cache, ids, layer,
+                           backend=self.backend)
         return layer_bytes * len(layers)
