@@ -8,7 +8,7 @@ Every segment is a file under :data:`SHM_DIR` named ::
 
     kvflow-<kind>-[<label>-]<pid>.<start>.<pidns>.<boot>-<random hex>
 
-``kind`` says what it holds (``prefill``/``decode``: a paged KV cache, ``decodecuda``/``cudaipc``:
+``kind`` says what it holds (``prefill``/``decode``: a paged KV cache, ``prefillcuda``/``decodecuda``:
 a CUDA IPC export record, ``sig``: a signal segment, :mod:`kvflow.signal.segment`); ``label``
 is optional (signal segments: the instance id); the owner part names the creating process on
 its host: pid, start time (``/proc/<pid>/stat`` field 22, clock ticks after boot), pid

@@ -132,7 +132,7 @@ def as_device(device: Any) -> torch.device:
     """``device`` as a ``torch.device`` with an index on CUDA (``"cuda"`` is the current GPU,
     ``cuda:N``), so two names of one GPU compare equal."""
     dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
+    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 

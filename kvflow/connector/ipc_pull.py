@@ -40,22 +40,12 @@ class IpcPullSender(FramedSender):
     def __init__(self, spec, device: Any = "cpu", **kw: Any) -> None:
         super().__init__(spec, device, **kw)
         self.export_name = ""
-        self.shared = None
 
     def make_cache(self, num_blocks: int) -> PagedKVCache:
         """P's cache, exported: one CUDA allocation's IPC handle, or a shared-memory segment."""
-        if self.device.type == "cuda":
-            from .cuda_ipc import export_cache, publish_export
-            cache = super().make_cache(num_blocks)
-            self.export_name = publish_export(export_cache(cache))
-            return cache
-        from kvflow.segments import clean_stale
-
-        from .shm import SharedCache
-        clean_stale()
-        self.shared = SharedCache(self.spec, num_blocks, role="prefill")
-        self.export_name = self.shared.name
-        self.cache = self.shared.cache
+        from .shm import export_new_cache
+        self.cache, self.export_name = export_new_cache(self.spec, num_blocks, self.device,
+                                                        "prefill")
         return self.cache
 
     def export(self) -> dict[str, str]:
@@ -77,9 +67,7 @@ class IpcPullSender(FramedSender):
 
     def close(self) -> None:
         super().close()
-        if self.shared is not None:
-            self.shared.close()
-        elif self.export_name:
+        if self.export_name:  # the router also removes it if P dies
             from kvflow.segments import unlink
             unlink(self.export_name)
         self.export_name = ""

@@ -303,22 +303,12 @@ class PushReceiver(KVReceiver):
     def __init__(self, spec=None, device: Any = "cpu", *, backend: str = "auto") -> None:
         super().__init__(spec, device, backend=backend)
         self.export_name = ""  # the shm segment (CPU) or published CUDA IPC export
-        self._shared = None
 
     def make_cache(self, num_blocks: int) -> PagedKVCache:
         """D's cache, exported: one CUDA allocation's IPC handle, or a shared-memory segment."""
-        if self.device.type == "cuda":
-            from .cuda_ipc import export_cache, publish_export
-            cache = super().make_cache(num_blocks)
-            self.export_name = publish_export(export_cache(cache), role="decodecuda")
-            return cache
-        from kvflow.segments import clean_stale
-
-        from .shm import SharedCache
-        clean_stale()
-        self._shared = SharedCache(self.spec, num_blocks, role="decode")
-        self.export_name = self._shared.name
-        self.cache = self._shared.cache
+        from .shm import export_new_cache
+        self.cache, self.export_name = export_new_cache(self.spec, num_blocks, self.device,
+                                                        "decode")
         return self.cache
 
     def warmup(self) -> None:

@@ -22,7 +22,7 @@ from kvflow.segments import segment_path, unlink
 
 from .base import TransferError
 
-__all__ = ["SharedCache", "map_peer_cache"]
+__all__ = ["SharedCache", "export_new_cache", "map_peer_cache"]
 
 
 class SharedCache:
@@ -105,3 +105,26 @@ def map_peer_cache(name: str, spec: KVCacheSpec, num_blocks: int, *,
     cache = PagedKVCache(spec, num_blocks, buffer=buf)
     cache.backend_state["mmap"] = mm
     return cache
+
+
+def export_new_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device,
+                     role: str) -> tuple[PagedKVCache, str]:
+    """A new cache of ``num_blocks`` blocks that another process on this host can map, and the
+    name it finds it by: on CUDA one allocation whose IPC export is published as
+    ``kvflow-<role>cuda-...`` (:mod:`.cuda_ipc`), on CPU a :class:`SharedCache` segment
+    ``kvflow-<role>-...``. Stale segments of dead owners are removed first. The owner calls
+    :func:`kvflow.segments.unlink` on the name when it closes.
+
+    Raises
+    ------
+    kvflow.segments.SegmentSpaceError
+        The cache does not fit in the free shared memory (CPU).
+    """
+    if device.type == "cuda":
+        from .cuda_ipc import export_cache, publish_export
+        cache = PagedKVCache(spec, num_blocks, device=device)
+        return cache, publish_export(export_cache(cache), role=f"{role}cuda")
+    from kvflow.segments import clean_stale
+    clean_stale()
+    shared = SharedCache(spec, num_blocks, role=role)
+    return shared.cache, shared.name

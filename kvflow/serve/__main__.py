@@ -22,13 +22,10 @@ from .checks import parse_config
 from .config import ServeConfig
 from .config import build_parser as _build_parser
 from .output import say
-from .startup import StartupError, check_backend, check_device, check_host, one_line_errors
+from .startup import (StartupError, Terminated, check_backend, check_device, check_host,
+                      check_interrupted, on_interrupt, one_line_errors)
 
 log = logging.getLogger("kvflow.serve")
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised like Ctrl-C's KeyboardInterrupt so that both stop the same way."""
 
 
 def parse_args(argv: list[str] | None = None) -> ServeConfig:
@@ -93,20 +90,20 @@ def run_instance(cfg: ServeConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     """The CLI; returns the exit status: 1 and one line on stderr for a start-up failure, 130
     (SIGINT) or 143 (SIGTERM) when interrupted before serving began."""
-    def _term(signum, frame):
-        raise Terminated
-
     # a child instance (--config-json) is stopped by its parent's SIGTERM: it ends at once,
     # silently; the parent reports what its children did
     child = "--config-json" in (sys.argv[1:] if argv is None else argv)
+    signal.signal(signal.SIGINT, on_interrupt)
     if not child:
-        signal.signal(signal.SIGTERM, _term)
+        signal.signal(signal.SIGTERM, on_interrupt)
     try:
         return _main(argv)
     except StartupError as exc:
         say(str(exc), sys.stderr)
         return 1
     except KeyboardInterrupt as exc:  # before serving began: one line, no traceback
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut it short
+            signal.signal(sig, signal.SIG_IGN)
         if not child:
             say("kvflow.serve: stopped (interrupted while starting)", sys.stderr)
         return 143 if isinstance(exc, Terminated) else 130
@@ -114,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     cfg = check_args(argv)
+    check_interrupted()
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if cfg.role in ("prefill", "decode", "colocated"):
@@ -134,6 +132,7 @@ def _main(argv: list[str] | None) -> int:
     children = Children() if cfg.role == "all" else None
     serving: list[bool] = []  # set once the router listens: an interrupt then is a normal stop
     code = 0
+    check_interrupted()
     try:
         code = asyncio.run(serve_router(cfg, http_sock, children, serving))
     except KeyboardInterrupt:

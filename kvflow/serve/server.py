@@ -15,7 +15,7 @@ from kvflow.connector import resolve_connector
 
 from .config import ServeConfig
 from .output import say
-from .startup import StartupError, one_line_errors
+from .startup import StartupError, check_interrupted, one_line_errors
 
 
 def instance_config(cfg: ServeConfig, role: str, router_url: str) -> ServeConfig:
@@ -94,6 +94,7 @@ async def serve_router(cfg: ServeConfig, http_sock, children, serving: list[bool
                 if children else "none")
         kind = "none" if cfg.mode == "colocated" else resolve_connector(cfg.kv_connector, cfg.device)
         closed: list[str] = []
+        check_interrupted()
         serving.append(True)
         if not say(f"kvflow.serve: router listening on http://{host}:{port} (mode {cfg.mode}, "
                    f"kv connector {kind}, model {cfg.model}; control {ctl.addr}; "

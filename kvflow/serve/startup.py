@@ -26,10 +26,33 @@ import glob
 import json
 import logging
 import os
+import signal
 from typing import Iterator
 
 PREFIX = "kvflow.serve: error: "
 log = logging.getLogger("kvflow.serve")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C's KeyboardInterrupt so that both stop the same way."""
+
+
+_INTERRUPTS: list[int] = []  # SIGINT / SIGTERM received while starting, in order
+
+
+def on_interrupt(signum: int, frame) -> None:
+    """Handler of SIGINT and SIGTERM while the server starts: remember the signal, then raise
+    :class:`KeyboardInterrupt` (SIGINT) or :class:`Terminated` (SIGTERM)."""
+    _INTERRUPTS.append(signum)
+    raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+
+
+def check_interrupted() -> None:
+    """Raise the first interrupt received while starting again. Some imported libraries catch
+    every exception during their own import; an interrupt that lands there is swallowed, and
+    without this check the server would start and ignore it."""
+    if _INTERRUPTS:
+        raise Terminated if _INTERRUPTS[0] == signal.SIGTERM else KeyboardInterrupt
 
 
 class StartupError(SystemExit):
