@@ -145,7 +145,7 @@ def test_report_one_section_per_device(tmp_path):
 def test_bad_flags_fail_before_work(workdir, capsys):
     with pytest.raises(SystemExit):
         main(["kernels", "--tokens", "lots"])
-    assert "--tokens: 'LOTS' is not a token count (e.g. 16,1K,64K)" in capsys.readouterr().err
+    assert "argument --tokens: 'lots' is not a token count >= 1 (e.g. 16,1K,64K)" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"backend='nosuch' is unknown"):
         main(["kernels", "--quick", "--backends", "nosuch", "--no-progress"])
     with pytest.raises(SystemExit, match="--plugin 'missing.py': no such file"):

@@ -48,13 +48,17 @@ def csv(kind=str):
 def tokens(text: str) -> list[int]:
     """Parser of request sizes in tokens: ``16,1K,64K``."""
     out = []
-    for item in text.split(","):
-        item = item.strip().upper()
+    for given in text.split(","):
+        item = given.strip().upper()
         mult = 1024 if item.endswith("K") else 1
         try:
-            out.append(int(item.rstrip("K")) * mult)
+            n = int(item[:-1] if mult > 1 else item) * mult
         except ValueError:
-            raise argparse.ArgumentTypeError(f"--tokens: {item!r} is not a token count (e.g. 16,1K,64K)")
+            n = 0
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"{given.strip()!r} is not a token count >= 1 "
+                                             f"(e.g. 16,1K,64K)")
+        out.append(n)
     return out
 
 
@@ -92,9 +96,30 @@ def resolve(args: argparse.Namespace, study: str) -> dict[str, Any]:
     opts["preset"] = getattr(args, "preset", None) or "quick"
     if "device" in opts and opts["device"] is None:
         opts["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    if "device" in opts:
+        check_device(study, opts["device"])
     if opts.get("threads"):
         set_threads(opts["threads"])
     return opts
+
+
+def check_device(study: str, device: str) -> None:
+    """Refuse a ``--device`` this machine cannot run, in one line (SystemExit).
+
+    Raises
+    ------
+    SystemExit
+        ``device`` is not ``cpu``, ``cuda`` or ``cuda:N``, or CUDA is asked for without a
+        CUDA build of torch and a visible GPU.
+    """
+    import re
+
+    import torch
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", str(device)):
+        raise SystemExit(f"kvflow.bench {study}: --device {device!r}: use cpu, cuda or cuda:N")
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"kvflow.bench {study}: --device {device}: this torch "
+                         f"({torch.__version__}) sees no CUDA GPU; use --device cpu")
 
 
 def set_threads(n: int) -> None:

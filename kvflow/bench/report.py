@@ -240,6 +240,10 @@ def run(args) -> int:
     if not files:
         print(f"report: no result files in {args.results}", file=sys.stderr)
         return 1
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        print(f"report: no such result file: {', '.join(missing)}", file=sys.stderr)
+        return 1
     out = write_report(files, Path(args.out), Path(args.img_dir))
     print(f"wrote {out}")
     page = out.read_text()
