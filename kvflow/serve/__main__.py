@@ -23,7 +23,7 @@ from .config import ServeConfig
 from .config import build_parser as _build_parser
 from .output import say
 from .startup import (StartupError, Terminated, check_backend, check_device, check_host,
-                      check_interrupted, on_interrupt, one_line_errors)
+                      check_interrupted, interrupted_by, on_interrupt, one_line_errors)
 
 log = logging.getLogger("kvflow.serve")
 
@@ -97,16 +97,31 @@ def main(argv: list[str] | None = None) -> int:
     if not child:
         signal.signal(signal.SIGTERM, on_interrupt)
     try:
+        check_interrupted()
         return _main(argv)
+    except KeyboardInterrupt as exc:  # before serving began: one line, no traceback
+        return _stopped_while_starting(signal.SIGTERM if isinstance(exc, Terminated)
+                                       else signal.SIGINT, child)
     except StartupError as exc:
+        if interrupted_by() is not None:  # the failure came from the interrupt
+            return _stopped_while_starting(interrupted_by(), child)
         say(str(exc), sys.stderr)
         return 1
-    except KeyboardInterrupt as exc:  # before serving began: one line, no traceback
-        for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut it short
-            signal.signal(sig, signal.SIG_IGN)
-        if not child:
-            say("kvflow.serve: stopped (interrupted while starting)", sys.stderr)
-        return 143 if isinstance(exc, Terminated) else 130
+    except Exception:
+        if interrupted_by() is None:
+            raise
+        # an interrupt inside an import can break the next import of that module (numpy:
+        # "cannot load module more than once"): the interrupt is the cause, not the error
+        return _stopped_while_starting(interrupted_by(), child)
+
+
+def _stopped_while_starting(signum: int, child: bool) -> int:
+    """One line (not for a child: its parent reports), exit status 143 (SIGTERM) or 130."""
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut it short
+        signal.signal(sig, signal.SIG_IGN)
+    if not child:
+        say("kvflow.serve: stopped (interrupted while starting)", sys.stderr)
+    return 143 if signum == signal.SIGTERM else 130
 
 
 def _main(argv: list[str] | None) -> int:

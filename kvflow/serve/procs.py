@@ -67,8 +67,11 @@ class Children:
         """Start instance ``role`` with config ``cfg`` (its ``role`` field); ``env`` (default
         ``os.environ``) is the child's environment."""
         cmd = [sys.executable, "-m", "kvflow.serve", "--config-json", cfg.to_json()]
+        # its own session: a terminal's Ctrl-C reaches only this server, which stops its
+        # children with SIGTERM (they also exit when their parent is gone, cfg.parent_pid)
         proc = subprocess.Popen(cmd, env=os.environ if env is None else env,
-                                stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                start_new_session=True)
         self.procs[proc.pid] = proc
         self.roles[proc.pid] = role
         tail = self.stderr_tail[proc.pid] = deque(maxlen=20)

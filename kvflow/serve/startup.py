@@ -47,6 +47,11 @@ def on_interrupt(signum: int, frame) -> None:
     raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
 
 
+def interrupted_by() -> int | None:
+    """The first SIGINT / SIGTERM received while starting, or None."""
+    return _INTERRUPTS[0] if _INTERRUPTS else None
+
+
 def check_interrupted() -> None:
     """Raise the first interrupt received while starting again. Some imported libraries catch
     every exception during their own import; an interrupt that lands there is swallowed, and
