@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 
@@ -161,4 +162,12 @@ def _main(argv: list[str] | None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if status in (130, 143):
+        # Interrupted while starting: children are stopped and nothing is left to clean up.
+        # Leave now instead of running interpreter finalization: under load, a finalization
+        # after the interrupt once ended the process by SIGINT (status -2) after its line.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
