@@ -23,8 +23,9 @@ from .checks import parse_config
 from .config import ServeConfig
 from .config import build_parser as _build_parser
 from .output import say
-from .startup import (StartupError, Terminated, check_backend, check_device, check_host,
-                      check_interrupted, interrupted_by, on_interrupt, one_line_errors)
+from .startup import (StartupError, Terminated, arm_interrupts, check_backend, check_device,
+                      check_host, check_interrupted, interrupted_by, one_line_errors,
+                      record_interrupt)
 
 log = logging.getLogger("kvflow.serve")
 
@@ -94,12 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     # a child instance (--config-json) is stopped by its parent's SIGTERM: it ends at once,
     # silently; the parent reports what its children did
     child = "--config-json" in (sys.argv[1:] if argv is None else argv)
-    signal.signal(signal.SIGINT, on_interrupt)
+    signal.signal(signal.SIGINT, record_interrupt)  # raised once the imports are done
     if not child:
-        signal.signal(signal.SIGTERM, on_interrupt)
+        signal.signal(signal.SIGTERM, record_interrupt)
     try:
-        check_interrupted()
-        return _main(argv)
+        return _main(argv, child)
     except KeyboardInterrupt as exc:  # before serving began: one line, no traceback
         return _stopped_while_starting(signal.SIGTERM if isinstance(exc, Terminated)
                                        else signal.SIGINT, child)
@@ -125,9 +125,20 @@ def _stopped_while_starting(signum: int, child: bool) -> int:
     return 143 if signum == signal.SIGTERM else 130
 
 
-def _main(argv: list[str] | None) -> int:
-    cfg = check_args(argv)
-    check_interrupted()
+def _preload(cfg: ServeConfig) -> None:
+    """Import what this process will run while an interrupt is only recorded: a
+    KeyboardInterrupt raised inside a C++ extension's import aborts the process."""
+    import importlib
+    names = (("colocated", "decode", "prefill") if cfg.role in ("prefill", "decode", "colocated")
+             else ("app", "router", "server"))
+    for name in names:
+        importlib.import_module(f"kvflow.serve.{name}")
+
+
+def _main(argv: list[str] | None, child: bool = False) -> int:
+    cfg = check_args(argv)  # imports torch
+    _preload(cfg)
+    arm_interrupts(sigterm=not child)
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if cfg.role in ("prefill", "decode", "colocated"):

@@ -40,6 +40,22 @@ class Terminated(KeyboardInterrupt):
 _INTERRUPTS: list[int] = []  # SIGINT / SIGTERM received while starting, in order
 
 
+def record_interrupt(signum: int, frame) -> None:
+    """Handler of SIGINT and SIGTERM while the process imports its modules: only remember the
+    signal (an exception raised inside an import can abort the process from a C++ extension,
+    or leave a half-imported module); :func:`arm_interrupts` raises it afterwards."""
+    _INTERRUPTS.append(signum)
+
+
+def arm_interrupts(sigterm: bool = True) -> None:
+    """From now on SIGINT (and SIGTERM with ``sigterm``) raise at once (:func:`on_interrupt`);
+    one received before is raised now."""
+    signal.signal(signal.SIGINT, on_interrupt)
+    if sigterm:
+        signal.signal(signal.SIGTERM, on_interrupt)
+    check_interrupted()
+
+
 def on_interrupt(signum: int, frame) -> None:
     """Handler of SIGINT and SIGTERM while the server starts: remember the signal, then raise
     :class:`KeyboardInterrupt` (SIGINT) or :class:`Terminated` (SIGTERM)."""
