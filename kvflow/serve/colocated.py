@@ -15,12 +15,12 @@ from kvflow.blocks import ColocatedState
 from . import faults
 from .instance import Instance
 from .sampling import sample_token
-from .sequences import DecodeLoop
+from .sequences import DecodeLoop, DecodesWithLoop
 
 log = logging.getLogger("kvflow.serve.colocated")
 
 
-class ColocatedInstance(Instance):
+class ColocatedInstance(DecodesWithLoop, Instance):
     """Prefill and decode in one instance and one cache (no transfer)."""
 
     role = "colocated"
@@ -34,9 +34,6 @@ class ColocatedInstance(Instance):
         self.allocator = BlockAllocator(self.num_blocks)
         self.loop = DecodeLoop(self, ColocatedState)
         self.seqs = self.loop.seqs
-
-    def free_blocks(self) -> int:
-        return self.loop.free_blocks()
 
     def on_allocate(self, msg: Allocate, frames, ident) -> None:
         self.loop.allocate(msg)
@@ -61,19 +58,10 @@ class ColocatedInstance(Instance):
             self.loop.end(msg.req_id, ColocatedState.FAILED, f"prefill failed: {exc}")
             return
         seq.kvflow = {"prefill_instance": self.instance_id, "decode_instance": self.instance_id,
-                      "kv_connector": "none", "layerwise": False, "blocks": 0, "payload_bytes": 0, "transfer_ms": 0.0,
-                      "block_table": list(req.block_table)}
+                      "kv_connector": "none", "layerwise": False, "blocks": 0,
+                      "payload_bytes": 0, "transfer_ms": 0.0, "block_table": list(req.block_table)}
         digest = faults.kv_digest(self.cache, req.block_table, len(req.prompt_token_ids))
         if digest is not None:
             seq.kvflow["kv_digest"] = digest
         req.transition(ColocatedState.DECODING)
         self.loop.emit(seq, sample_token(logits, req.temperature, seq.seed, 0))
-
-    def has_work(self) -> bool:
-        return self.loop.has_work()
-
-    def num_running(self) -> int:
-        return len(self.seqs)
-
-    def work(self) -> None:
-        self.loop.step()

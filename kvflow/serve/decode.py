@@ -30,13 +30,13 @@ from .arrivals import Arrivals, InFlight
 from .instance import Instance
 from .lent import LentBlocks
 from .pairing import check_peer, peer_of
-from .sequences import DecodeLoop
+from .sequences import DecodeLoop, DecodesWithLoop
 from .startup import StartupError
 
 log = logging.getLogger("kvflow.serve.decode")
 
 
-class DecodeInstance(Arrivals, Instance):
+class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
     role = "decode"
 
     def __init__(self, cfg) -> None:
@@ -94,9 +94,6 @@ class DecodeInstance(Arrivals, Instance):
 
     def register_extra(self) -> dict[str, str]:
         return {"data_addr": self.data_addr, **self.receiver.export()}
-
-    def free_blocks(self) -> int:
-        return self.loop.free_blocks()
 
     # ---- control handlers -----------------------------------------------------------
     def on_pair(self, msg: Pair, frames, ident) -> None:
@@ -157,15 +154,6 @@ class DecodeInstance(Arrivals, Instance):
         self.loop.end(req_id, state, error, notify=notify, free=not lend)
 
     # ---- loop -----------------------------------------------------------------------
-    def has_work(self) -> bool:
-        return self.loop.has_work()
-
-    def num_running(self) -> int:
-        return len(self.seqs)
-
-    def work(self) -> None:
-        self.loop.step()
-
     def heartbeat(self, force: bool = False) -> None:
         now = time.monotonic()
         if now - self._last_peer_check >= (0.1 if self.lent else 1.0):

@@ -37,6 +37,23 @@ class Seq:
     t_renewed: float = 0.0          # time.time() of the last LeaseRenew that named it
 
 
+class DecodesWithLoop:
+    """The event-loop methods of an instance that decodes through ``self.loop`` (a
+    :class:`DecodeLoop`): D and colocated."""
+
+    def free_blocks(self) -> int:
+        return self.loop.free_blocks()
+
+    def has_work(self) -> bool:
+        return self.loop.has_work()
+
+    def num_running(self) -> int:
+        return len(self.loop.seqs)
+
+    def work(self) -> None:
+        self.loop.step()
+
+
 class DecodeLoop:
     """Live requests, their blocks and the batched decode step of one instance.
 
