@@ -11,11 +11,12 @@ from typing import Any
 
 import torch
 
-from kvflow.cache import PagedKVCache, memory_relation, overlaps, staging_shape
+from kvflow.cache import PagedKVCache, memory_relation, overlaps
 from kvflow.layout import is_int, normalize_layers
 
+from .errors import raise_pending
 from .registry import get_backend
-from .validate import check_buffer, check_cache, check_ids, check_same_spec, check_unique
+from .validate import check_buffer, check_cache, check_ids, check_same_spec, shared_block
 
 
 def _check_max_ctas(max_ctas: Any) -> int | None:
@@ -31,9 +32,18 @@ def _check_max_ctas(max_ctas: Any) -> int | None:
     return int(max_ctas)
 
 
-def _check_validate(validate: Any) -> None:
-    if not isinstance(validate, bool):
+def _check_validate(validate: Any, *devices: torch.device) -> None:
+    """``validate`` must be a bool; when True, a bad id that an earlier call's kernel found on
+    one of ``devices`` is raised now, before anything runs (:mod:`kvflow.kernels.errors`)."""
+    if validate is True:
+        for dev in devices:
+            raise_pending(dev)
+    elif validate is not False:
         raise TypeError(f"validate must be True or False, got {validate!r}")
+
+
+def _layers(layers: Any, num_layers: int) -> tuple[int, int]:
+    return (0, num_layers) if layers is None else normalize_layers(layers, num_layers)
 
 
 def _check_separate(name: str, buf: torch.Tensor, cache: PagedKVCache) -> None:
@@ -53,9 +63,9 @@ def _check_disjoint(src_cache: PagedKVCache, dst_cache: PagedKVCache, s: torch.T
         raise ValueError("src_cache and dst_cache overlap in memory without being the same "
                          "cache (same tensors); copy_blocks needs disjoint caches or one cache")
     if relation == "same" and validate:
-        both = set(s.cpu().tolist()) & set(d.cpu().tolist()) - {-1}
-        if both:
-            raise ValueError(f"src_ids and dst_ids share block {min(both)} of one cache")
+        both = shared_block(s, d)  # ids on a GPU: a sync (the one default call that waits)
+        if both >= 0:
+            raise ValueError(f"src_ids and dst_ids share block {both} of one cache")
 
 
 def gather_blocks(cache: PagedKVCache, block_ids: Any, out: Any, layers: Any = None, *,
@@ -79,7 +89,10 @@ def gather_blocks(cache: PagedKVCache, block_ids: Any, out: Any, layers: Any = N
     max_ctas : int, optional
         GPU backends: cap on the grid (programs), for copies that run beside compute.
     validate : bool
-        Check id values on the host (see :mod:`kvflow.kernels.validate`).
+        Check id values (range; distinct destinations): ids on the host are checked before
+        any kernel runs; ids on a GPU are checked by the ``triton`` kernel on the device and
+        reported by the next call or :func:`kvflow.kernels.check_errors` (no sync here); see
+        :mod:`kvflow.kernels.validate`. False skips the checks (bad ids are still skipped).
 
     Returns
     -------
@@ -91,17 +104,18 @@ def gather_blocks(cache: PagedKVCache, block_ids: Any, out: Any, layers: Any = N
     TypeError, ValueError
         Bad argument, naming it and its value; RuntimeError for an unavailable backend.
     """
-    _check_validate(validate)
     cache = check_cache("cache", cache)
-    start, stop = normalize_layers(layers, cache.spec.num_layers)
-    ids = check_ids("block_ids", block_ids, cache.num_blocks, cache.device, validate)
-    out = check_buffer("out", out, staging_shape(cache.spec, ids.numel(), (start, stop)),
+    _check_validate(validate, cache.device)
+    start, stop = _layers(layers, cache.spec.num_layers)
+    be = get_backend(backend, cache.device)
+    ids, on_device = check_ids("block_ids", block_ids, cache.num_blocks, cache.device, validate,
+                               device_checks=_device_checks(be))
+    out = check_buffer("out", out, _staging(cache, ids.numel(), start, stop),
                        cache.spec.dtype, cache.device)
     _check_separate("out", out, cache)
     max_ctas = _check_max_ctas(max_ctas)
-    be = get_backend(backend, cache.device)
     if ids.numel():
-        be.gather(cache, ids, out, start, stop, max_ctas)
+        _call(be.gather, on_device, cache, ids, out, start, stop, max_ctas)
     return out
 
 
@@ -126,19 +140,18 @@ def scatter_blocks(src: Any, cache: PagedKVCache, block_ids: Any, layers: Any = 
     PagedKVCache
         ``cache``.
     """
-    _check_validate(validate)
     cache = check_cache("cache", cache)
-    start, stop = normalize_layers(layers, cache.spec.num_layers)
-    ids = check_ids("block_ids", block_ids, cache.num_blocks, cache.device, validate)
-    src = check_buffer("src", src, staging_shape(cache.spec, ids.numel(), (start, stop)),
+    _check_validate(validate, cache.device)
+    start, stop = _layers(layers, cache.spec.num_layers)
+    be = get_backend(backend, cache.device)
+    ids, on_device = check_ids("block_ids", block_ids, cache.num_blocks, cache.device, validate,
+                               unique=True, device_checks=_device_checks(be))
+    src = check_buffer("src", src, _staging(cache, ids.numel(), start, stop),
                        cache.spec.dtype, cache.device)
     _check_separate("src", src, cache)
-    if validate:
-        check_unique("block_ids", ids)
     max_ctas = _check_max_ctas(max_ctas)
-    be = get_backend(backend, cache.device)
     if ids.numel():
-        be.scatter(src, cache, ids, start, stop, max_ctas)
+        _call(be.scatter, on_device, src, cache, ids, start, stop, max_ctas)
     return cache
 
 
@@ -173,33 +186,49 @@ def copy_blocks(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, 
     """
     if direction not in ("pull", "push"):
         raise ValueError(f"direction must be 'pull' or 'push', got {direction!r}")
-    _check_validate(validate)
     src_cache = check_cache("src_cache", src_cache)
     dst_cache = check_cache("dst_cache", dst_cache)
+    _check_validate(validate, dst_cache.device, src_cache.device)
     check_same_spec("src_cache", src_cache.spec, "dst_cache", dst_cache.spec)
-    start, stop = normalize_layers(layers, dst_cache.spec.num_layers)
-    s = check_ids("src_ids", src_ids, src_cache.num_blocks, dst_cache.device, validate)
-    d = check_ids("dst_ids", dst_ids, dst_cache.num_blocks, dst_cache.device, validate)
+    start, stop = _layers(layers, dst_cache.spec.num_layers)
+    be = get_backend(backend, dst_cache.device)
+    checks = _device_checks(be)
+    s, s_dev = check_ids("src_ids", src_ids, src_cache.num_blocks, dst_cache.device, validate,
+                         device_checks=checks)
+    d, d_dev = check_ids("dst_ids", dst_ids, dst_cache.num_blocks, dst_cache.device, validate,
+                         unique=True, device_checks=checks)
     if s.numel() != d.numel():
         raise ValueError(f"src_ids has {s.numel()} ids but dst_ids has {d.numel()}; "
                          f"they pair one to one")
-    if validate:
-        check_unique("dst_ids", d)
     _check_disjoint(src_cache, dst_cache, s, d, validate)
     max_ctas = _check_max_ctas(max_ctas)
     if src_cache.device.type != dst_cache.device.type:
         raise ValueError(f"src_cache is on {src_cache.device} and dst_cache on {dst_cache.device}; "
                          f"copy_blocks moves between caches of one device type")
-    be = get_backend(backend, dst_cache.device)
     if direction == "push" and "push" not in getattr(be, "directions", ("pull",)):
         raise ValueError(f"direction='push' is not supported by backend {be.name!r}; "
                          f"use 'pull' or one of the triton/numba_cuda backends")
     if s.numel():
-        if direction == "pull":
-            be.copy(src_cache, dst_cache, s, d, start, stop, max_ctas)
-        else:
-            be.copy(src_cache, dst_cache, s, d, start, stop, max_ctas, direction=direction)
+        kw = {} if direction == "pull" else {"direction": direction}
+        _call(be.copy, s_dev or d_dev, src_cache, dst_cache, s, d, start, stop, max_ctas, **kw)
     return dst_cache
+
+
+def _device_checks(be: Any) -> bool:
+    return getattr(be, "device_checks", False)
+
+
+def _call(fn: Any, on_device: bool, *args: Any, **kw: Any) -> None:
+    """Run a backend op; ``check=True`` only when the ids are checked on the device (backends
+    without ``device_checks`` never see the keyword)."""
+    if on_device:
+        fn(*args, check=True, **kw)
+    else:
+        fn(*args, **kw)
+
+
+def _staging(cache: PagedKVCache, n: int, start: int, stop: int) -> tuple[int, ...]:
+    return (stop - start, cache.spec.tensors_per_layer, n, *cache.spec.block_shape)
 
 
 def payload_bytes(spec, num_blocks: int, layers: Any = None) -> int:

@@ -12,6 +12,10 @@ A backend is an object with
   called with arguments already checked by :mod:`kvflow.kernels.ops` (ids: 1-D int32/int64 on
   the cache's device; layers as a half-open tensor range of layers ``[start, stop)``).
   It must skip ids of -1 (and any id outside the cache), leaving the destination untouched.
+- optionally ``device_checks = True``: the ops then pass ``check=True`` when ids on a GPU are
+  to be validated, and the backend checks them on the device and reports through
+  :mod:`kvflow.kernels.errors` (``triton``); other backends get ids whose values were already
+  checked on the host.
 
 Choice (``backend=`` of every op): ``"auto"`` takes ``KVFLOW_BACKEND`` if set, else the first
 available backend of :data:`AUTO_ORDER` for the device; an explicitly named backend (argument or
@@ -39,9 +43,13 @@ AUTO_ORDER = {"cpu": ("numba", "native", "torch"), "cuda": ("triton", "numba_cud
 _BACKENDS: dict[str, Any] = {}
 
 
+_AUTO: dict[tuple[str, str, str], Any] = {}  # resolved "auto" choices (cleared on register)
+
+
 def register_backend(backend: Any) -> Any:
     """Register (or replace) a backend object; returns it (usable as a decorator on an instance)."""
     _BACKENDS[backend.name] = backend
+    _AUTO.clear()
     return backend
 
 
@@ -85,6 +93,17 @@ def get_backend(name: str, device: torch.device) -> Any:
     RuntimeError
         An explicitly requested backend that is unavailable here (with the reason).
     """
+    env = os.environ.get("KVFLOW_BACKEND", "")
+    if name == "auto":  # the default: resolved once per device type and environment
+        key = (device.type, env, os.environ.get("TRITON_INTERPRET", ""))
+        hit = _AUTO.get(key)
+        if hit is None:
+            hit = _AUTO[key] = _resolve(name, device)
+        return hit
+    return _resolve(name, device)
+
+
+def _resolve(name: Any, device: torch.device) -> Any:
     if not isinstance(name, str):
         raise TypeError(f"backend must be a str, got {name!r}")
     explicit, source = name != "auto", "backend"

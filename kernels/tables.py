@@ -31,3 +31,31 @@ def device_table(cache, device: torch.device) -> tuple[torch.Tensor, int]:
         state[key] = (table if table.device == device else table.to(device),
                       alignment(*(t.data_ptr() for t in cache.tensors())))
     return state[key]
+
+
+class Stamps:
+    """Per-block int32 stamps of one cache on one device, for the device-side repeat check.
+
+    A call takes a new number (:meth:`next`); a destination block whose stamp already holds
+    it was named twice in that call. Numbers run 1..2**31-1, then the array is cleared."""
+
+    def __init__(self, num_blocks: int, device: torch.device) -> None:
+        self.array = torch.zeros(num_blocks, dtype=torch.int32, device=device)
+        self.addr = self.array.data_ptr()
+        self.call = 0
+
+    def next(self) -> int:
+        self.call += 1
+        if self.call >= 2 ** 31:
+            self.array.zero_()
+            self.call = 1
+        return self.call
+
+
+def stamps(cache, device: torch.device) -> Stamps:
+    """The :class:`Stamps` of ``cache`` on ``device``, made on first use."""
+    state = cache.backend_state.setdefault("stamps", {})
+    key = str(device)
+    if key not in state:
+        state[key] = Stamps(cache.num_blocks, device)
+    return state[key]

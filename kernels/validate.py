@@ -1,11 +1,16 @@
 """Checks shared by the public ops: run before any kernel, raise naming argument and value.
 
 Shape, dtype and device checks never synchronise with a device. Value checks of block ids
-(range, duplicates) read the ids on the host: free for CPU ids, one device->host copy for
-GPU ids; callers that validated the ids before (the transfer runtime does, on its host copy)
-pass ``validate=False`` to the ops to keep the hot path free of host synchronisation. The
-kernels themselves skip any id outside ``[0, num_blocks)``, so even unvalidated ids never
-write out of bounds.
+(range, repeated destinations) run where the ids are:
+
+- ids on the host: here, before any kernel (compiled scans, :mod:`kvflow.kernels.host_checks`);
+- ids on a GPU, with a backend that has ``device_checks`` (``triton``): in the kernel itself,
+  reported through :mod:`kvflow.kernels.errors` (the next call, or ``check_errors()``), so the
+  default call never waits for the device;
+- ids on a GPU with any other backend: read on the host (one device->host copy and a sync).
+
+``validate=False`` skips the value checks (the kernels still skip any id outside
+``[0, num_blocks)``, so unvalidated ids never write out of bounds).
 """
 
 from __future__ import annotations
@@ -18,7 +23,10 @@ from kvflow.cache import PagedKVCache
 from kvflow.dlpack import to_torch
 from kvflow.layout import KVCacheSpec, is_int
 
+from .errors import out_of_range, repeated
+
 ID_DTYPES = (torch.int32, torch.int64)
+_CPU = torch.device("cpu")
 
 
 def check_cache(name: str, cache: Any) -> PagedKVCache:
@@ -27,60 +35,84 @@ def check_cache(name: str, cache: Any) -> PagedKVCache:
     return cache
 
 
-def check_ids(name: str, ids: Any, num_blocks: int, device: torch.device,
-              validate: bool = True) -> torch.Tensor:
-    """Return ``ids`` as a 1-D int32/int64 tensor on ``device``.
-
-    Raises
-    ------
-    TypeError
-        ``ids`` is not a tensor (or list of ints), or has a non-integer dtype.
-    ValueError
-        ``ids`` is not 1-D, lives on another accelerator, or (``validate``) holds an id
-        outside ``[-1, num_blocks)`` (-1 is padding).
-    """
+def _as_tensor(name: str, ids: Any, num_blocks: int) -> torch.Tensor:
     ids = to_torch(ids, name)
     if isinstance(ids, (list, tuple)):
         if not all(is_int(v) for v in ids):
             raise TypeError(f"{name} must hold ints, got {ids!r}")
         for i, v in enumerate(ids):
             if not -2 ** 63 <= v < 2 ** 63:  # would not fit the int64 tensor
-                raise _out_of_range(name, i, int(v), num_blocks)
+                raise out_of_range(name, i, int(v), num_blocks)
         ids = torch.tensor([int(v) for v in ids], dtype=torch.int64)
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"{name} must be a 1-D int32 or int64 tensor, got {type(ids).__name__}")
+    return ids
+
+
+def check_ids(name: str, ids: Any, num_blocks: int, device: torch.device,
+              validate: bool = True, *, unique: bool = False,
+              device_checks: bool = False) -> tuple[torch.Tensor, bool]:
+    """Return ``(ids, checked_on_device)``: ``ids`` as a contiguous 1-D int32/int64 tensor on
+    ``device``, and whether the kernel must check its values (see the module docstring).
+
+    ``unique``: destination ids, which must not repeat (other than -1).
+
+    Raises
+    ------
+    TypeError
+        ``ids`` is not a tensor (or list of ints), or has a non-integer dtype.
+    ValueError
+        ``ids`` is not 1-D, lives on another accelerator, or (``validate``, ids checked here)
+        holds an id outside ``[-1, num_blocks)`` or, with ``unique``, repeats a block.
+    """
+    if type(ids) is not torch.Tensor:
+        ids = _as_tensor(name, ids, num_blocks)
     if ids.dtype not in ID_DTYPES:
         raise TypeError(f"{name} must have dtype torch.int32 or torch.int64, got {ids.dtype}")
     if ids.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(ids.shape)}")
-    if ids.device != device:
-        if ids.device.type != "cpu":
-            raise ValueError(f"{name} is on {ids.device}; the cache is on {device}")
+    where = ids.device
+    if where != device and where.type != "cpu":
+        raise ValueError(f"{name} is on {where}; the cache is on {device}")
+    on_device = False
     if validate and ids.numel():
-        host = ids.cpu()
-        bad = (host < -1) | (host >= num_blocks)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0, 0])
-            raise _out_of_range(name, i, int(host[i]), num_blocks)
-    if ids.device != device:
+        if where.type != "cpu" and device_checks:
+            on_device = True
+        else:
+            check_values(name, ids, num_blocks, unique)
+    if where != device:
         ids = ids.to(device, non_blocking=True)
-    return ids if ids.is_contiguous() else ids.contiguous()
+    return (ids if ids.is_contiguous() else ids.contiguous()), on_device
 
 
-def _out_of_range(name: str, i: int, value: int, num_blocks: int) -> ValueError:
-    return ValueError(f"{name}[{i}]={value} is out of range for a cache of {num_blocks} blocks "
-                      f"(valid: 0..{num_blocks - 1}, or -1 for padding)")
+def check_values(name: str, ids: torch.Tensor, num_blocks: int, unique: bool) -> None:
+    """Range (and, with ``unique``, repeat) check of ``ids`` on the host; GPU ids are copied
+    to the host first (a sync)."""
+    checks = _host_checks()
+    host = (ids if ids.device == _CPU else ids.cpu()).numpy()
+    i = checks.first_bad(host, num_blocks)
+    if i >= 0:
+        raise out_of_range(name, int(i), int(host[i]), num_blocks)
+    if unique:
+        dup = checks.smallest_repeat(host)
+        if dup >= 0:
+            raise repeated(name, int(dup))
 
 
-def check_unique(name: str, ids: torch.Tensor) -> None:
-    """Destination ids (other than -1) must be distinct: two writes to one block would race."""
-    host = ids.cpu()
-    real = host[host >= 0]
-    uniq, counts = torch.unique(real, return_counts=True)
-    if bool((counts > 1).any()):
-        dup = int(uniq[counts > 1][0])
-        raise ValueError(f"{name} repeats destination block {dup}; destination ids must be "
-                         f"distinct (only -1 padding may repeat)")
+def shared_block(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The smallest block id (>= 0) in both ``a`` and ``b``, or -1 (GPU ids: a sync)."""
+    return int(_host_checks().smallest_shared(a.cpu().numpy(), b.cpu().numpy()))
+
+
+_CHECKS: list[Any] = []
+
+
+def _host_checks() -> Any:
+    """:mod:`kvflow.kernels.host_checks`, imported on first use (numba loads only then)."""
+    if not _CHECKS:
+        from . import host_checks
+        _CHECKS.append(host_checks)
+    return _CHECKS[0]
 
 
 def check_same_spec(a_name: str, a: KVCacheSpec, b_name: str, b: KVCacheSpec) -> None:

@@ -21,6 +21,7 @@ NHD is vLLM's FlashAttention layout, HND FlashInfer's; MLA is DeepSeek's compres
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from typing import Any
@@ -132,17 +133,17 @@ class KVCacheSpec:
                              f"got {self.num_kv_heads}")
 
     # ---- derived geometry -------------------------------------------------------------
-    @property
+    @functools.cached_property
     def tensors_per_layer(self) -> int:
         """2 (K and V) for NHD/HND, 1 (the latent) for MLA."""
         return 1 if self.layout == "MLA" else 2
 
-    @property
+    @functools.cached_property
     def num_tensors(self) -> int:
         """Per-layer tensors in the whole cache: ``num_layers * tensors_per_layer``."""
         return self.num_layers * self.tensors_per_layer
 
-    @property
+    @functools.cached_property
     def block_shape(self) -> tuple[int, ...]:
         """Shape of one block of one tensor (everything after the block dimension)."""
         if self.layout == "NHD":
@@ -156,17 +157,17 @@ class KVCacheSpec:
         """Width of the MLA latent (``head_dim``); for other layouts heads x head_dim."""
         return self.num_kv_heads * self.head_dim
 
-    @property
+    @functools.cached_property
     def itemsize(self) -> int:
         """Bytes per element."""
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
-    @property
+    @functools.cached_property
     def block_numel(self) -> int:
         """Elements in one block of one tensor."""
         return math.prod(self.block_shape)
 
-    @property
+    @functools.cached_property
     def block_bytes(self) -> int:
         """Bytes in one block of one tensor (one contiguous run)."""
         return self.block_numel * self.itemsize

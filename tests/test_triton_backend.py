@@ -20,6 +20,7 @@ import torch
 from kvflow import KVCacheSpec, PagedKVCache, staging_buffer
 from kvflow.kernels import copy_blocks, gather_blocks, scatter_blocks
 from kvflow.kernels.registry import get_backend
+from kvflow.kernels.tables import alignment
 
 from .conftest import assert_bytes_equal, backends_for, cache_bytes, random_bytes_, random_cache
 
@@ -83,7 +84,7 @@ def test_runs_split_into_chunks(device, monkeypatch, chunk, block):
 def test_word_widths_and_odd_block_bytes(device, dtype, heads, dim, bs, word):
     spec = KVCacheSpec(num_layers=3, num_kv_heads=heads, head_dim=dim, block_size=bs,
                        dtype=dtype, layout="HND")
-    assert cr.alignment(spec.block_bytes) == word
+    assert alignment(spec.block_bytes) == word
     ref_out, ref_dst = _run_all(device, spec, backend="torch")
     out, dst = _run_all(device, spec, layers=(1, 3))
     assert_bytes_equal(out, ref_out, f"gather {spec.block_bytes} B")
@@ -166,23 +167,20 @@ def test_constexprs_fixed_per_cache_grid_capped(device, monkeypatch):
                                                (5, 10, 5, 10)]  # n, src_n, dst_n, items
 
 
-def _ptx(src_cache: bool, dst_cache: bool) -> str:
+def _ptx(src_cache: bool, dst_cache: bool, check: bool) -> str:
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    sig = {"src_table": "*i64", "dst_table": "*i64", "src_stage": "*i64", "dst_stage": "*i64",
-           "src_ids": "*i32", "dst_ids": "*i32", "n": "i32", "src_n": "i32", "dst_n": "i32",
-           "total": "i32"}
+    sig = {k: "i64" for k in ("src_table", "dst_table", "src_stage", "dst_stage", "src_ids",
+                              "dst_ids")}
+    sig.update({"n": "i32", "src_n": "i32", "dst_n": "i32", "total": "i32", "errors": "i64",
+                "ready": "i64", "stamps": "i64", "call": "i32", "op": "i32"})
     const = dict(WORD=tl.int64, ALIGN=16, RUN=16384, CHUNK=8192, BLOCK=2048, EVEN=True,
-                 SRC_CACHE=src_cache, DST_CACHE=dst_cache, STREAM=False)
-    for name in (("src_stage",) if src_cache else ("src_table", "src_ids")) + \
-                (("dst_stage",) if dst_cache else ("dst_table", "dst_ids")):
-        const[name] = None
+                 SRC_CACHE=src_cache, DST_CACHE=dst_cache, STREAM=False, SRC_I64=False,
+                 DST_I64=True, CHECK=check, DUP=check)
     sig.update({k: "constexpr" for k in const})
-    names = list(sig)
-    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in names if sig[k][0] == "*"}
-    src = ASTSource(fn=triton.jit(cr._copy_runs), signature=sig, constexprs=const, attrs=attrs)
+    src = ASTSource(fn=triton.jit(cr._copy_runs), signature=sig, constexprs=const, attrs={})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
 
 
@@ -195,12 +193,17 @@ def test_sm90_body_uses_128_bit_accesses(device, src_cache, dst_cache, monkeypat
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # compile, don't interpret
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")  # no float math here; silences 3.9
     try:
-        ptx = _ptx(src_cache, dst_cache)
+        ptx = _ptx(src_cache, dst_cache, check=False)
+        checked = _ptx(src_cache, dst_cache, check=True)
     except RuntimeError as exc:  # no bundled ptxas/LLVM for sm_90 in this triton build
         pytest.skip(f"cannot compile for sm_90 here: {exc}")
     moves = set(re.findall(r"\b(ld\.global\S*|st\.global\S*)\s", ptx))
     assert "ld.global.v2.b64" in moves and "st.global.v2.b64" in moves, moves
     assert not {m for m in moves if m.startswith("st.")} - {"st.global.v2.b64"}, moves
+    # the id checks add scalar atomics and error-record stores, never a narrower copy
+    moves = set(re.findall(r"\b(ld\.global\S*|st\.global\S*)\s", checked))
+    assert "ld.global.v2.b64" in moves and "st.global.v2.b64" in moves, moves
+    assert "atom.global" in checked, "no atomic: the id check is missing"
 
 
 def test_copy_between_two_gpus_pull_and_push(device):

@@ -7,8 +7,10 @@ layouts, so gather, scatter and copy_blocks are one loop: for work item ``w`` ov
 Python loop per block); runs are copied with 8-byte words when ``block_bytes`` allows.
 
 The pointer tables are int64 base addresses (:meth:`PagedKVCache.ptr_table`, built once per
-cache); a staging buffer is described as one pointer per (layer, tensor) and ids ``0..n-1``.
-Compiled lazily on first use and cached on disk (``cache=True``), so import compiles nothing.
+cache and layer range); a staging buffer is passed as its base address (run ``(t, i)`` at
+``base + (t * n + i) * block_bytes``), so a call allocates nothing. Copies below
+:data:`PARALLEL_MIN_BYTES` run serially on the calling thread. Compiled lazily on first use and
+cached on disk (``cache=True``), so import compiles nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ except ImportError as exc:  # pragma: no cover - numba is a core dependency
     _IMPORT_ERROR = str(exc)
 
 
+# Copies of fewer payload bytes than this run on the calling thread: waking numba's thread
+# pool costs more than it saves for small copies, and under load (a server's decode loop and
+# transfer thread on 2 cores) a wake-up alone took milliseconds (issue #16).
+PARALLEL_MIN_BYTES = 4 << 20
+
 if numba is not None:
     @intrinsic
     def _as_ptr(typingctx, addr):
@@ -39,62 +46,75 @@ if numba is not None:
             return builder.inttoptr(args[0], cgutils.voidptr_t)
         return sig, codegen
 
-    @numba.njit(parallel=True, cache=True, nogil=True)
-    def _copy_runs_u64(src_ptrs, dst_ptrs, src_ids, dst_ids, src_n, dst_n, run_words):
-        n = src_ids.shape[0]
-        for w in numba.prange(src_ptrs.shape[0] * n):
+    def _copy_runs(src_ptrs, dst_ptrs, src_ids, dst_ids, src_base, dst_base, n, src_n, dst_n,
+                   run, word):
+        """Work item ``w`` = (tensor ``t``, pair ``i``): run ``src_ids[i]`` of ``src_ptrs[t]``
+        (or, when ``src_base`` is not 0, run ``t * n + i`` of the staging buffer at
+        ``src_base``) to the same on the destination side; ``run`` counts ``word`` units."""
+        tensors = src_ptrs.shape[0] if src_base == 0 else dst_ptrs.shape[0]
+        for w in numba.prange(tensors * n):
             t = w // n
             i = w - t * n
-            s = src_ids[i]
-            d = dst_ids[i]
-            if s < 0 or d < 0 or s >= src_n or d >= dst_n:
-                continue
-            src = numba.carray(_as_ptr(src_ptrs[t] + s * run_words * 8), run_words, np.uint64)
-            dst = numba.carray(_as_ptr(dst_ptrs[t] + d * run_words * 8), run_words, np.uint64)
-            for k in range(run_words):
-                dst[k] = src[k]
+            if src_base == 0:
+                s = np.int64(src_ids[i])
+                if s < 0 or s >= src_n:
+                    continue
+                sp = src_ptrs[t] + s * run * word
+            else:
+                sp = src_base + (t * n + i) * run * word
+            if dst_base == 0:
+                d = np.int64(dst_ids[i])
+                if d < 0 or d >= dst_n:
+                    continue
+                dp = dst_ptrs[t] + d * run * word
+            else:
+                dp = dst_base + (t * n + i) * run * word
+            if word == 8:
+                src = numba.carray(_as_ptr(sp), run, np.uint64)
+                dst = numba.carray(_as_ptr(dp), run, np.uint64)
+                for k in range(run):
+                    dst[k] = src[k]
+            else:
+                src8 = numba.carray(_as_ptr(sp), run, np.uint8)
+                dst8 = numba.carray(_as_ptr(dp), run, np.uint8)
+                for k in range(run):
+                    dst8[k] = src8[k]
 
-    @numba.njit(parallel=True, cache=True, nogil=True)
-    def _copy_runs_u8(src_ptrs, dst_ptrs, src_ids, dst_ids, src_n, dst_n, run_bytes):
-        n = src_ids.shape[0]
-        for w in numba.prange(src_ptrs.shape[0] * n):
-            t = w // n
-            i = w - t * n
-            s = src_ids[i]
-            d = dst_ids[i]
-            if s < 0 or d < 0 or s >= src_n or d >= dst_n:
-                continue
-            src = numba.carray(_as_ptr(src_ptrs[t] + s * run_bytes), run_bytes, np.uint8)
-            dst = numba.carray(_as_ptr(dst_ptrs[t] + d * run_bytes), run_bytes, np.uint8)
-            for k in range(run_bytes):
-                dst[k] = src[k]
+    _serial = numba.njit(cache=True, nogil=True)(_copy_runs)
+    _parallel = numba.njit(parallel=True, cache=True, nogil=True)(_copy_runs)
+
+_NONE = np.zeros(0, dtype=np.int64)  # the unused side's table or ids
 
 
-def copy_runs(src_ptrs, dst_ptrs, src_ids, dst_ids, src_n: int, dst_n: int, run_bytes: int) -> None:
+def copy_runs(src_ptrs, dst_ptrs, src_ids, dst_ids, src_n: int, dst_n: int, run_bytes: int,
+              *, src_base: int = 0, dst_base: int = 0, n: int | None = None) -> None:
     """Copy run ``src_ids[i]`` of each ``src_ptrs[t]`` to run ``dst_ids[i]`` of ``dst_ptrs[t]``.
 
-    All arrays are int64 numpy arrays; runs are ``run_bytes`` long; ids outside
-    ``[0, src_n)`` / ``[0, dst_n)`` (padding -1 included) are skipped.
+    Arrays are numpy int64 (ids int32 or int64); runs are ``run_bytes`` long; ids outside
+    ``[0, src_n)`` / ``[0, dst_n)`` (padding -1 included) are skipped. A side given as
+    ``*_base`` (an address) is a staging buffer instead: run ``(t, i)`` at
+    ``base + (t * n + i) * run_bytes``, and its table and ids are ignored.
     """
-    if run_bytes % 8 == 0:
-        _copy_runs_u64(src_ptrs, dst_ptrs, src_ids, dst_ids, src_n, dst_n, run_bytes // 8)
-    else:
-        _copy_runs_u8(src_ptrs, dst_ptrs, src_ids, dst_ids, src_n, dst_n, run_bytes)
+    n = (src_ids if src_base == 0 else dst_ids).shape[0] if n is None else n
+    tensors = (src_ptrs if src_base == 0 else dst_ptrs).shape[0]
+    fn = _parallel if tensors * n * run_bytes >= PARALLEL_MIN_BYTES else _serial
+    word = 8 if run_bytes % 8 == 0 else 1
+    fn(src_ptrs, dst_ptrs, src_ids, dst_ids, src_base, dst_base, n, src_n, dst_n,
+       run_bytes // word, word)
 
 
 def _ptrs(cache, start: int, stop: int) -> np.ndarray:
-    T = cache.spec.tensors_per_layer
-    return cache.ptr_table().numpy()[start * T:stop * T]
-
-
-def _staging_ptrs(buf: torch.Tensor, num_runs: int, run_bytes: int) -> np.ndarray:
-    per_tensor = num_runs * run_bytes
-    count = buf.numel() * buf.element_size() // per_tensor if per_tensor else 0
-    return buf.data_ptr() + np.arange(count, dtype=np.int64) * per_tensor
+    """The cache's base addresses of layers ``[start, stop)`` (kept per layer range)."""
+    key = ("numba_ptrs", start, stop)
+    arr = cache.backend_state.get(key)
+    if arr is None:
+        T = cache.spec.tensors_per_layer
+        arr = cache.backend_state[key] = cache.ptr_table().numpy()[start * T:stop * T].copy()
+    return arr
 
 
 def _ids(ids: torch.Tensor) -> np.ndarray:
-    return ids.numpy().astype(np.int64, copy=False)
+    return ids.numpy()
 
 
 class NumbaCPUBackend:
@@ -105,14 +125,12 @@ class NumbaCPUBackend:
         return None if numba is not None else f"numba is not installed ({_IMPORT_ERROR})"
 
     def gather(self, cache, ids, out, start, stop, max_ctas=None):
-        n, bb = ids.numel(), cache.spec.block_bytes
-        copy_runs(_ptrs(cache, start, stop), _staging_ptrs(out, n, bb), _ids(ids),
-                  np.arange(n, dtype=np.int64), cache.num_blocks, n, bb)
+        copy_runs(_ptrs(cache, start, stop), _NONE, _ids(ids), _NONE, cache.num_blocks, 0,
+                  cache.spec.block_bytes, dst_base=out.data_ptr())
 
     def scatter(self, src, cache, ids, start, stop, max_ctas=None):
-        n, bb = ids.numel(), cache.spec.block_bytes
-        copy_runs(_staging_ptrs(src, n, bb), _ptrs(cache, start, stop),
-                  np.arange(n, dtype=np.int64), _ids(ids), n, cache.num_blocks, bb)
+        copy_runs(_NONE, _ptrs(cache, start, stop), _NONE, _ids(ids), 0, cache.num_blocks,
+                  cache.spec.block_bytes, src_base=src.data_ptr())
 
     def copy(self, src_cache, dst_cache, src_ids, dst_ids, start, stop, max_ctas=None):
         copy_runs(_ptrs(src_cache, start, stop), _ptrs(dst_cache, start, stop), _ids(src_ids),

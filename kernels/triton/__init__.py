@@ -10,6 +10,10 @@ into ``dst_cache``. Both need peer access between the two GPUs
 (``torch.cuda.can_device_access_peer``) and the caller must order the source's writes before
 the copy (e.g. an event recorded on the producer's stream). The kernel is enqueued on the
 executing device's current stream; the call returns without waiting.
+
+Host work per call is a dict lookup of a launch plan (:mod:`.launch`) and one launch of the
+kernel compiled for it; with ``check=True`` ids are checked by the kernel (the device's error
+record, :mod:`kvflow.kernels.errors`), so nothing waits for the device.
 """
 
 from __future__ import annotations
@@ -18,13 +22,16 @@ import os
 
 import torch
 
+from ..errors import OP_CODES, record_for
+from ..graphs import no_repeat_check
 from ..registry import register_backend
+from ..tables import alignment, device_table, stamps
 
 try:
-    from . import copy_runs as _cr
+    from . import launch as _launch
     _IMPORT_ERROR = None
 except ImportError as exc:  # triton missing or broken
-    _cr = None
+    _launch = None
     _IMPORT_ERROR = str(exc)
 
 DIRECTIONS = ("pull", "push")
@@ -35,56 +42,106 @@ class TritonBackend:
 
     name = "triton"
     directions = DIRECTIONS
+    device_checks = True  # check=True: ids are checked by the kernel, on the device
 
     @property
     def devices(self) -> set[str]:
         return {"cpu"} if os.environ.get("TRITON_INTERPRET", "0") == "1" else {"cuda"}
 
     def unavailable_reason(self) -> str | None:
-        if _cr is None:
+        if _launch is None:
             return f"triton is not importable ({_IMPORT_ERROR})"
         if "cpu" in self.devices or torch.cuda.is_available():
             return None
         return "no CUDA device (set TRITON_INTERPRET=1 to run on CPU tensors)"
 
-    def gather(self, cache, ids, out, start, stop, max_ctas=None):
-        T, bb = cache.spec.tensors_per_layer, cache.spec.block_bytes
-        table, align = _cr.cache_table(cache, cache.device)
-        _cr.launch(src_table=table[start * T:stop * T], dst_stage=out, src_ids=ids,
-                   n=ids.numel(), num_tensors=(stop - start) * T, src_n=cache.num_blocks,
-                   dst_n=ids.numel(), run_bytes=bb,
-                   align=_cr.alignment(align, bb, out.data_ptr()),
-                   device=cache.device, max_ctas=max_ctas)
+    def gather(self, cache, ids, out, start, stop, max_ctas=None, check=False):
+        table, align = device_table(cache, cache.device)
+        T, bb, ptr = cache.spec.tensors_per_layer, cache.spec.block_bytes, out.data_ptr()
+        a = alignment(align, bb, ptr)
+        key = ("gather", start, stop, max_ctas, ids.dtype, check, a)
+        plan = _plan(cache, key, cache.device, bb, a, (stop - start) * T, True, False,
+                     ids.dtype == torch.int64, False, check, False, max_ctas)
+        rec = record_for(cache.device)
+        plan.launch(table.data_ptr() + start * T * 8, 0, 0, ptr, ids.data_ptr(), 0, ids.numel(),
+                    cache.num_blocks, ids.numel(), rec.record_addr, rec.ready_addr, 0, 0,
+                    OP_CODES["gather_blocks"])
 
-    def scatter(self, src, cache, ids, start, stop, max_ctas=None):
-        T, bb = cache.spec.tensors_per_layer, cache.spec.block_bytes
-        table, align = _cr.cache_table(cache, cache.device)
-        _cr.launch(src_stage=src, dst_table=table[start * T:stop * T], dst_ids=ids,
-                   n=ids.numel(), num_tensors=(stop - start) * T, src_n=ids.numel(),
-                   dst_n=cache.num_blocks, run_bytes=bb,
-                   align=_cr.alignment(align, bb, src.data_ptr()),
-                   device=cache.device, max_ctas=max_ctas)
+    def scatter(self, src, cache, ids, start, stop, max_ctas=None, check=False):
+        table, align = device_table(cache, cache.device)
+        T, bb, ptr = cache.spec.tensors_per_layer, cache.spec.block_bytes, src.data_ptr()
+        a = alignment(align, bb, ptr)
+        dup = check and not _capturing(cache.device)
+        key = ("scatter", start, stop, max_ctas, ids.dtype, check, dup, a)
+        plan = _plan(cache, key, cache.device, bb, a, (stop - start) * T, False, True, False,
+                     ids.dtype == torch.int64, check, dup, max_ctas)
+        rec = record_for(cache.device)
+        st = stamps(cache, cache.device) if dup else None
+        plan.launch(0, table.data_ptr() + start * T * 8, ptr, 0, 0, ids.data_ptr(), ids.numel(),
+                    ids.numel(), cache.num_blocks, rec.record_addr, rec.ready_addr,
+                    st.addr if st else 0, st.next() if st else 0, OP_CODES["scatter_blocks"])
 
     def copy(self, src_cache, dst_cache, src_ids, dst_ids, start, stop, max_ctas=None,
-             direction="pull"):
+             direction="pull", check=False):
         if direction not in DIRECTIONS:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
         dev = dst_cache.device if direction == "pull" else src_cache.device
         if src_cache.device != dst_cache.device and dev.type == "cuda":
-            a, b = src_cache.device.index, dst_cache.device.index
-            if not torch.cuda.can_device_access_peer(b if direction == "pull" else a,
-                                                     a if direction == "pull" else b):
-                raise RuntimeError(f"copy_blocks direction={direction!r} needs peer access "
-                                   f"between {src_cache.device} and {dst_cache.device}")
+            _check_peer(src_cache.device, dst_cache.device, direction)
+        if src_ids.device != dev:
+            src_ids = src_ids.to(dev, non_blocking=True)
+        if dst_ids.device != dev:
+            dst_ids = dst_ids.to(dev, non_blocking=True)
         T, bb = src_cache.spec.tensors_per_layer, src_cache.spec.block_bytes
-        s_table, s_align = _cr.cache_table(src_cache, dev)
-        d_table, d_align = _cr.cache_table(dst_cache, dev)
-        _cr.launch(src_table=s_table[start * T:stop * T], dst_table=d_table[start * T:stop * T],
-                   src_ids=src_ids.to(dev, non_blocking=True),
-                   dst_ids=dst_ids.to(dev, non_blocking=True), n=src_ids.numel(),
-                   num_tensors=(stop - start) * T, src_n=src_cache.num_blocks,
-                   dst_n=dst_cache.num_blocks, run_bytes=bb,
-                   align=_cr.alignment(s_align, d_align, bb), device=dev, max_ctas=max_ctas)
+        s_table, s_align = device_table(src_cache, dev)
+        d_table, d_align = device_table(dst_cache, dev)
+        a = alignment(s_align, d_align, bb)
+        dup = check and not _capturing(dev)
+        key = ("copy", str(dev), start, stop, max_ctas, src_ids.dtype, dst_ids.dtype, check,
+               dup, a)
+        plan = _plan(dst_cache, key, dev, bb, a, (stop - start) * T, True, True,
+                     src_ids.dtype == torch.int64, dst_ids.dtype == torch.int64, check, dup,
+                     max_ctas)
+        rec = record_for(dev)
+        st = stamps(dst_cache, dev) if dup else None
+        plan.launch(s_table.data_ptr() + start * T * 8, d_table.data_ptr() + start * T * 8, 0, 0,
+                    src_ids.data_ptr(), dst_ids.data_ptr(), src_ids.numel(),
+                    src_cache.num_blocks, dst_cache.num_blocks, rec.record_addr, rec.ready_addr,
+                    st.addr if st else 0, st.next() if st else 0, OP_CODES["copy_blocks"])
+
+
+def _plan(cache, key, device, run_bytes, align, num_tensors, src_cache, dst_cache, src_i64,
+          dst_i64, check, dup, max_ctas):
+    """The launch plan for ``key``, kept in ``cache.backend_state``. A plan holds no address:
+    the cache tables, ids and buffers are passed per call, so a peer cache never lives in it."""
+    plans = cache.backend_state.setdefault("triton_plans", {})
+    plan = plans.get(key)
+    if plan is not None and plan.config is _launch.current_config():
+        return plan
+    plan = plans[key] = _launch.Plan(device=device, run_bytes=run_bytes, align=align,
+                        num_tensors=num_tensors, src_cache=src_cache, dst_cache=dst_cache,
+                        src_i64=src_i64, dst_i64=dst_i64, check=check, dup=dup,
+                        max_ctas=max_ctas)
+    return plan
+
+
+def _capturing(device: torch.device) -> bool:
+    """True while a CUDA graph is captured (or warmed up for it, :mod:`kvflow.kernels.graphs`):
+    the repeat check is left out (a captured call number would repeat at every replay)."""
+    return device.type == "cuda" and no_repeat_check()
+
+
+_PEER: dict[tuple[int, int], bool] = {}
+
+
+def _check_peer(src: torch.device, dst: torch.device, direction: str) -> None:
+    a, b = src.index, dst.index
+    pair = (b, a) if direction == "pull" else (a, b)
+    if pair not in _PEER:
+        _PEER[pair] = torch.cuda.can_device_access_peer(*pair)
+    if not _PEER[pair]:
+        raise RuntimeError(f"copy_blocks direction={direction!r} needs peer access "
+                           f"between {src} and {dst}")
 
 
 register_backend(TritonBackend())

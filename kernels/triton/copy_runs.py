@@ -16,8 +16,15 @@ outside ``[0, num_blocks)`` (the -1 padding included) are skipped: destination u
 Words: bytes are moved as int64/int32/int16/uint8 words (whatever divides the run and every base
 address), and pointers carry a ``tl.multiple_of`` hint of the common alignment (16 bytes when
 possible), so on sm_90 the body compiles to 128-bit ``ld.global.v2.b64`` / ``st.global.v2.b64``.
-Constexprs (word type, alignment, run length) are fixed per cache; the pair count ``n`` and the
-layer range are runtime values, so a new request size never recompiles.
+Constexprs (word type, alignment, run length) are fixed per cache; every address (tables,
+staging buffers, ids) and the pair count ``n`` are runtime int64/int32 values that are never
+specialised on, so a new request size or buffer never recompiles and one compiled kernel per
+launch plan (:mod:`.launch`) serves every call.
+
+Checks (``CHECK``): one work item per pair (tensor 0, chunk 0) records the first id outside
+``[-1, num_blocks)`` and, with ``DUP``, a destination id already stamped with this call's number
+(a per-cache int32 array, :func:`kvflow.kernels.tables.stamps`) into the device's error record
+(:mod:`kvflow.kernels.errors`); the pair itself is skipped like padding.
 
 Under ``TRITON_INTERPRET=1`` the same kernel runs on CPU tensors (CI); the int64 -> pointer cast
 works in both the interpreter and the compiler.
@@ -29,42 +36,74 @@ import dataclasses
 import os
 from typing import Any
 
-import torch
-
 import triton
 import triton.language as tl
 
-from ..tables import alignment, device_table as cache_table  # noqa: F401 (re-exported)
-
 
 def _copy_runs(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
-               n, src_n, dst_n, total,
+               n, src_n, dst_n, total, errors, ready, stamps, call, op,
                WORD: tl.constexpr, ALIGN: tl.constexpr, RUN: tl.constexpr,
                CHUNK: tl.constexpr, BLOCK: tl.constexpr, EVEN: tl.constexpr,
-               SRC_CACHE: tl.constexpr, DST_CACHE: tl.constexpr, STREAM: tl.constexpr):
-    """Copy ``total`` work items; see the module docstring. RUN, CHUNK, BLOCK are in words."""
+               SRC_CACHE: tl.constexpr, DST_CACHE: tl.constexpr, STREAM: tl.constexpr,
+               SRC_I64: tl.constexpr, DST_I64: tl.constexpr, CHECK: tl.constexpr,
+               DUP: tl.constexpr):
+    """Copy ``total`` work items; see the module docstring. RUN, CHUNK, BLOCK are in words;
+    every pointer argument is an int64 address (so a new buffer never recompiles)."""
     NCHUNK: tl.constexpr = (RUN + CHUNK - 1) // CHUNK
     ar = tl.arange(0, BLOCK)
+    err = errors.to(tl.pointer_type(tl.int64))
+    free = tl.full([], 0, tl.int64)  # the record's lock word: 0 free, 1 taken
+    taken = tl.full([], 1, tl.int64)
     for w in range(tl.program_id(0), total, tl.num_programs(0)):
         c = w % NCHUNK
         r = w // NCHUNK
         i = r % n
         j = r // n
         valid = i >= 0
+        first = (j == 0) & (c == 0)  # one work item per pair reports its ids
         if SRC_CACHE:
-            s = tl.load(src_ids + i).to(tl.int64)
+            if SRC_I64:
+                s = tl.load(src_ids.to(tl.pointer_type(tl.int64)) + i)
+            else:
+                s = tl.load(src_ids.to(tl.pointer_type(tl.int32)) + i).to(tl.int64)
             valid = valid & (s >= 0) & (s < src_n)
-            base = tl.load(src_table + j).to(tl.pointer_type(WORD))
+            if CHECK:
+                if first & ((s < -1) | (s >= src_n)):
+                    if tl.atomic_cas(err, free, taken) == 0:
+                        tl.store(err + 1, op * 4)
+                        tl.store(err + 2, i)
+                        tl.store(err + 3, s)
+                        tl.store(err + 4, src_n)
+                        tl.store(ready.to(tl.pointer_type(tl.int64)), 1)
+            base = tl.load(src_table.to(tl.pointer_type(tl.int64)) + j).to(tl.pointer_type(WORD))
             sp = base + s * RUN
         else:
-            sp = src_stage + (j.to(tl.int64) * n + i) * RUN
+            sp = src_stage.to(tl.pointer_type(WORD)) + (j.to(tl.int64) * n + i) * RUN
         if DST_CACHE:
-            d = tl.load(dst_ids + i).to(tl.int64)
-            valid = valid & (d >= 0) & (d < dst_n)
-            base = tl.load(dst_table + j).to(tl.pointer_type(WORD))
+            if DST_I64:
+                d = tl.load(dst_ids.to(tl.pointer_type(tl.int64)) + i)
+            else:
+                d = tl.load(dst_ids.to(tl.pointer_type(tl.int32)) + i).to(tl.int64)
+            inside = (d >= 0) & (d < dst_n)
+            valid = valid & inside
+            if CHECK:
+                if first:
+                    bad = (d < -1) | (d >= dst_n)
+                    if DUP:
+                        if inside:
+                            stamp = stamps.to(tl.pointer_type(tl.int32)) + d
+                            bad = bad | (tl.atomic_xchg(stamp, call) == call)
+                    if bad:
+                        if tl.atomic_cas(err, free, taken) == 0:
+                            tl.store(err + 1, op * 4 + 2 + inside.to(tl.int32))
+                            tl.store(err + 2, i)
+                            tl.store(err + 3, d)
+                            tl.store(err + 4, dst_n)
+                            tl.store(ready.to(tl.pointer_type(tl.int64)), 1)
+            base = tl.load(dst_table.to(tl.pointer_type(tl.int64)) + j).to(tl.pointer_type(WORD))
             dp = base + d * RUN
         else:
-            dp = dst_stage + (j.to(tl.int64) * n + i) * RUN
+            dp = dst_stage.to(tl.pointer_type(WORD)) + (j.to(tl.int64) * n + i) * RUN
         if valid:
             sp = tl.multiple_of(sp + c * CHUNK, ALIGN)
             dp = tl.multiple_of(dp + c * CHUNK, ALIGN)
@@ -152,10 +191,6 @@ class LaunchConfig:
 
 
 CONFIG = LaunchConfig()
-_WORD = {8: (torch.int64, tl.int64), 4: (torch.int32, tl.int32),
-         2: (torch.int16, tl.int16), 1: (torch.uint8, tl.uint8)}
-_JIT: dict[bool, Any] = {}
-_SMS: dict[int, int] = {}
 
 
 def interpreting() -> bool:
@@ -163,73 +198,16 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+_JIT: dict[bool, Any] = {}
+# Runtime ints that change per call: never specialise on them (a value of 1 would become a
+# constant and the compiled kernel would be wrong for the next call), so one compile serves all.
+_RUNTIME = ("src_table", "dst_table", "src_stage", "dst_stage", "src_ids", "dst_ids", "n",
+            "src_n", "dst_n", "total", "errors", "ready", "stamps", "call", "op")
+
+
 def kernel():
     """The jitted kernel; built on first use (so the interpreter flag is read at run time)."""
     mode = interpreting()
     if mode not in _JIT:
-        _JIT[mode] = triton.jit(_copy_runs)
+        _JIT[mode] = triton.jit(_copy_runs, do_not_specialize=list(_RUNTIME))
     return _JIT[mode]
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter runs programs one after another
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
-
-
-def launch(*, src_table=None, dst_table=None, src_stage=None, dst_stage=None,
-           src_ids=None, dst_ids=None, n: int, num_tensors: int, src_n: int, dst_n: int,
-           run_bytes: int, align: int, device: torch.device, max_ctas: int | None,
-           config: LaunchConfig | None = None) -> None:
-    """Launch the kernel for ``num_tensors`` x ``n`` runs of ``run_bytes`` bytes.
-
-    Exactly one of ``src_table`` / ``src_stage`` and one of ``dst_table`` / ``dst_stage`` is
-    given; a table side needs its ids. ``align`` is the common alignment (bytes) of every base
-    address and of ``run_bytes``. Runs on ``device``'s current stream; returns without waiting.
-    """
-    cfg = config or CONFIG
-    word = min(align, 8)
-    torch_word, tl_word = _WORD[word]
-    run = run_bytes // word
-    sms = _sm_count(device)
-    capped = max_ctas is not None and max_ctas < sms
-    both = src_table is not None and dst_table is not None  # copy_blocks
-    step, warps = (cfg.capped_block_bytes, cfg.capped_num_warps) if capped else \
-        (cfg.copy_block_bytes if both else cfg.block_bytes, cfg.num_warps)
-    block = max(4, min(triton.next_power_of_2(run), step // word))
-    chunk_bytes = cfg.copy_chunk_bytes if both else cfg.chunk_bytes
-    chunk = block * max(1, min(-(-run // block), chunk_bytes // word // block))
-    even = run % chunk == 0
-    total = num_tensors * n * (-(-run // chunk))
-    if total >= 2 ** 31:
-        raise ValueError(f"{total} work items exceed the kernel's int32 index; split the call")
-    limit = max_ctas or (cfg.ctas_per_sm * sms if cfg.persistent else total)
-    grid = min(total, limit)
-
-    def words(t):
-        return t.view(-1).view(torch.uint8).view(torch_word) if t is not None else None
-
-    args = (src_table, dst_table, words(src_stage), words(dst_stage), src_ids, dst_ids)
-    with _on(device):
-        kernel()[(grid,)](*args, n, src_n, dst_n, total,
-                          WORD=tl_word, ALIGN=align, RUN=run, CHUNK=chunk, BLOCK=block,
-                          EVEN=even, SRC_CACHE=src_table is not None,
-                          DST_CACHE=dst_table is not None,
-                          STREAM=cfg.capped_streaming if capped else cfg.streaming,
-                          num_warps=warps)
-
-
-class _on:
-    """``torch.cuda.device(device)`` for CUDA devices; nothing for CPU (interpreter)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.ctx = torch.cuda.device(device) if device.type == "cuda" else None
-
-    def __enter__(self):
-        return self.ctx.__enter__() if self.ctx else None
-
-    def __exit__(self, *exc):
-        return self.ctx.__exit__(*exc) if self.ctx else False

@@ -1,0 +1,120 @@
+"""Launch plans: the copy kernel's settings worked out once, so a call only fills in addresses.
+
+A :class:`Plan` holds everything that is fixed for one (op, cache or cache pair, layer range,
+id dtypes, checks, alignment, ``max_ctas``): word type, run, chunk and block lengths, warps, the
+grid rule and, after its first launch on a GPU, the compiled kernel itself. Later calls launch
+that compiled kernel directly (``CompiledKernel[grid](*args, stream=...)``) and skip Triton's
+per-call argument binding and specialisation, which is most of a Triton launch's host time
+(issue #16: 57 us per kvflow call against 9 us for a bare launch). Plans live in the cache's
+``backend_state`` (see :mod:`kvflow.kernels.triton`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import copy_runs as _cr
+
+_WORDS = {8: _cr.tl.int64, 4: _cr.tl.int32, 2: _cr.tl.int16, 1: _cr.tl.uint8}
+_SMS: dict[int, int] = {}
+MAX_ITEMS = 2 ** 31
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (4 for the interpreter, which runs programs one
+    after another)."""
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+def current_config() -> Any:
+    """The :class:`~.copy_runs.LaunchConfig` in force (the launch sweep swaps it); a plan made
+    under another one is rebuilt."""
+    return _cr.CONFIG
+
+
+def _raw_stream(index: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(index)  # what Triton's own launcher reads
+
+
+class Plan:
+    """One launch shape of the copy kernel (see the module docstring).
+
+    Parameters
+    ----------
+    device : torch.device
+        Where the kernel runs.
+    run_bytes, align : int
+        Bytes per run (``spec.block_bytes``) and the common alignment of every base address.
+    num_tensors : int
+        Per-layer tensors in the layer range (layers x tensors per layer).
+    src_cache, dst_cache : bool
+        Which sides are caches (with ids); the others are staging buffers.
+    src_i64, dst_i64 : bool
+        Id dtypes (int64 when True, else int32).
+    check, dup : bool
+        Record bad ids on the device; also repeated destination ids.
+    max_ctas : int or None
+        Grid cap; None fills the GPU.
+    """
+
+    def __init__(self, *, device: torch.device, run_bytes: int, align: int, num_tensors: int,
+                 src_cache: bool, dst_cache: bool, src_i64: bool, dst_i64: bool, check: bool,
+                 dup: bool, max_ctas: int | None, config: Any = None) -> None:
+        cfg = self.config = config or _cr.CONFIG
+        word = min(align, 8)
+        run = run_bytes // word
+        sms = sm_count(device)
+        capped = max_ctas is not None and max_ctas < sms
+        both = src_cache and dst_cache  # copy_blocks
+        step, warps = (cfg.capped_block_bytes, cfg.capped_num_warps) if capped else \
+            (cfg.copy_block_bytes if both else cfg.block_bytes, cfg.num_warps)
+        block = max(4, min(_cr.triton.next_power_of_2(run), step // word))
+        chunk_bytes = cfg.copy_chunk_bytes if both else cfg.chunk_bytes
+        chunk = block * max(1, min(-(-run // block), chunk_bytes // word // block))
+        self.device, self.warps = device, warps
+        self.index = device.index if device.type == "cuda" else None
+        self.per_pair = num_tensors * (-(-run // chunk))  # work items per pair of ids
+        self.limit = max_ctas or (cfg.ctas_per_sm * sms if cfg.persistent else None)
+        self.consts = dict(WORD=_WORDS[word], ALIGN=align, RUN=run, CHUNK=chunk, BLOCK=block,
+                           EVEN=run % chunk == 0, SRC_CACHE=src_cache, DST_CACHE=dst_cache,
+                           STREAM=cfg.capped_streaming if capped else cfg.streaming,
+                           SRC_I64=src_i64, DST_I64=dst_i64, CHECK=check, DUP=dup)
+        self.const_values = tuple(self.consts.values())
+        self.compiled = None
+
+    def launch(self, src_table: int, dst_table: int, src_stage: int, dst_stage: int,
+               src_ids: int, dst_ids: int, n: int, src_n: int, dst_n: int, errors: int,
+               ready: int, stamps: int, call: int, op: int) -> None:
+        """Enqueue one copy of ``n`` pairs on the device's current stream (no wait).
+
+        Every address is an int (0 for a side that is not used). Raises ValueError when the
+        work items would overflow the kernel's int32 index."""
+        total = self.per_pair * n
+        if total >= MAX_ITEMS:
+            raise ValueError(f"{total} work items exceed the kernel's int32 index; split the call")
+        grid = total if self.limit is None else min(total, self.limit)
+        args = (src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids, n, src_n, dst_n,
+                total, errors, ready, stamps, call, op)
+        if self.index is None:  # Triton's interpreter: no compiled kernel to keep
+            _cr.kernel()[(grid,)](*args, **self.consts, num_warps=self.warps)
+            return
+        switch = torch.cuda.current_device() != self.index
+        if switch:
+            prev = torch.cuda.current_device()
+            torch.cuda.set_device(self.index)
+        try:
+            if self.compiled is not None:
+                self.compiled[(grid, 1, 1)](*args, *self.const_values,
+                                            stream=_raw_stream(self.index))
+            else:
+                self.compiled = _cr.kernel()[(grid,)](*args, **self.consts, num_warps=self.warps)
+        finally:
+            if switch:
+                torch.cuda.set_device(prev)
