@@ -29,7 +29,7 @@ _WARMING = [0]  # > 0 while capture() warms up: calls take the graph's plans (no
 
 def no_repeat_check() -> bool:
     """True while a call is captured (or warmed up for capture): see the module docstring."""
-    return _WARMING[0] > 0 or torch.cuda.is_current_stream_capturing()
+    return _WARMING[0] > 0 or torch._C._cuda_isCurrentStreamCapturing()
 
 
 @contextlib.contextmanager

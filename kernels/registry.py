@@ -93,14 +93,23 @@ def get_backend(name: str, device: torch.device) -> Any:
     RuntimeError
         An explicitly requested backend that is unavailable here (with the reason).
     """
-    env = os.environ.get("KVFLOW_BACKEND", "")
     if name == "auto":  # the default: resolved once per device type and environment
-        key = (device.type, env, os.environ.get("TRITON_INTERPRET", ""))
+        key = (device.type, _env(b"KVFLOW_BACKEND"), _env(b"TRITON_INTERPRET"))
         hit = _AUTO.get(key)
         if hit is None:
             hit = _AUTO[key] = _resolve(name, device)
         return hit
     return _resolve(name, device)
+
+
+_ENV = getattr(os.environ, "_data", None)  # CPython's bytes view of os.environ: a dict lookup
+
+
+def _env(name: bytes) -> Any:
+    """The raw value of an environment variable (or None), cheaper than ``os.environ.get``."""
+    if _ENV is None:
+        return os.environ.get(name.decode())
+    return _ENV.get(name)
 
 
 def _resolve(name: Any, device: torch.device) -> Any:

@@ -14,23 +14,31 @@ import torch
 
 def alignment(*values: int) -> int:
     """Largest power of two <= 16 dividing every value (byte counts or addresses)."""
-    a = 16
+    x = 16
     for v in values:
-        while v % a:
-            a //= 2
-    return a
+        x |= v
+    return x & -x
 
 
 def device_table(cache, device: torch.device) -> tuple[torch.Tensor, int]:
     """``(table, align)``: ``cache``'s base addresses as int64 on ``device`` and their common
     alignment in bytes (at most 16); built once per (cache, device)."""
     state = cache.backend_state.setdefault("device_tables", {})
-    key = str(device)
-    if key not in state:
+    if device not in state:
         table = cache.ptr_table()
-        state[key] = (table if table.device == device else table.to(device),
-                      alignment(*(t.data_ptr() for t in cache.tensors())))
-    return state[key]
+        state[device] = (table if table.device == device else table.to(device),
+                         alignment(*(t.data_ptr() for t in cache.tensors())))
+    return state[device]
+
+
+def table_addr(cache, device: torch.device) -> tuple[int, int]:
+    """``(address, align)`` of :func:`device_table` (the address an int, for kernels that take
+    addresses); one dict lookup per call."""
+    hit = cache.backend_state.get(("table_addr", device))
+    if hit is None:
+        table, align = device_table(cache, device)
+        hit = cache.backend_state[("table_addr", device)] = (table.data_ptr(), align)
+    return hit
 
 
 class Stamps:
@@ -55,7 +63,6 @@ class Stamps:
 def stamps(cache, device: torch.device) -> Stamps:
     """The :class:`Stamps` of ``cache`` on ``device``, made on first use."""
     state = cache.backend_state.setdefault("stamps", {})
-    key = str(device)
-    if key not in state:
-        state[key] = Stamps(cache.num_blocks, device)
-    return state[key]
+    if device not in state:
+        state[device] = Stamps(cache.num_blocks, device)
+    return state[device]

@@ -128,12 +128,13 @@ def check_same_spec(a_name: str, a: KVCacheSpec, b_name: str, b: KVCacheSpec) ->
 def check_buffer(name: str, buf: Any, shape: tuple[int, ...], dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:
     """A staging buffer must match shape, dtype and device exactly and be contiguous."""
-    buf = to_torch(buf, name)
-    if not isinstance(buf, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(buf).__name__}")
+    if type(buf) is not torch.Tensor:
+        buf = to_torch(buf, name)
+        if not isinstance(buf, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(buf).__name__}")
     if buf.dtype != dtype:
         raise TypeError(f"{name}.dtype is {buf.dtype}; the cache holds {dtype}")
-    if tuple(buf.shape) != tuple(shape):
+    if buf.shape != shape:
         raise ValueError(f"{name}.shape is {tuple(buf.shape)}; expected {tuple(shape)} "
                          f"(layers, tensors per layer, blocks, *block_shape)")
     if buf.device != device:

@@ -126,7 +126,7 @@ def test_pointer_table_built_once_no_sync_no_list_tensors(device, monkeypatch):
     gather_blocks(cache, ids, out, backend="triton", validate=False)      # builds the tables
     copy_blocks(cache, other, ids, torch.tensor(DST, device=device), backend="triton",
                 validate=False)
-    table = cache.backend_state["device_tables"][str(cache.device)][0]
+    table = cache.backend_state["device_tables"][cache.device][0]
     assert table.data_ptr() == cache.ptr_table().data_ptr()
     assert table.tolist() == [t.data_ptr() for t in cache.tensors()]
 
@@ -142,7 +142,7 @@ def test_pointer_table_built_once_no_sync_no_list_tensors(device, monkeypatch):
         scatter_blocks(buf, other, ids, layers, backend="triton", validate=False)
         copy_blocks(cache, other, ids, ids, layers, backend="triton", validate=False)
     monkeypatch.undo()
-    assert cache.backend_state["device_tables"][str(cache.device)][0] is table
+    assert cache.backend_state["device_tables"][cache.device][0] is table
 
 
 def test_constexprs_fixed_per_cache_grid_capped(device, monkeypatch):

@@ -25,7 +25,7 @@ import torch
 from ..errors import OP_CODES, record_for
 from ..graphs import no_repeat_check
 from ..registry import register_backend
-from ..tables import alignment, device_table, stamps
+from ..tables import alignment, stamps, table_addr
 
 try:
     from . import launch as _launch
@@ -56,30 +56,31 @@ class TritonBackend:
         return "no CUDA device (set TRITON_INTERPRET=1 to run on CPU tensors)"
 
     def gather(self, cache, ids, out, start, stop, max_ctas=None, check=False):
-        table, align = device_table(cache, cache.device)
-        T, bb, ptr = cache.spec.tensors_per_layer, cache.spec.block_bytes, out.data_ptr()
+        dev, n, ptr = cache.device, ids.shape[0], out.data_ptr()
+        table, align = table_addr(cache, dev)
+        T, bb = cache.spec.tensors_per_layer, cache.spec.block_bytes
         a = alignment(align, bb, ptr)
-        key = ("gather", start, stop, max_ctas, ids.dtype, check, a)
-        plan = _plan(cache, key, cache.device, bb, a, (stop - start) * T, True, False,
-                     ids.dtype == torch.int64, False, check, False, max_ctas)
-        rec = record_for(cache.device)
-        plan.launch(table.data_ptr() + start * T * 8, 0, 0, ptr, ids.data_ptr(), 0, ids.numel(),
-                    cache.num_blocks, ids.numel(), rec.record_addr, rec.ready_addr, 0, 0,
-                    OP_CODES["gather_blocks"])
+        i64 = ids.dtype == torch.int64
+        plan = _plan(cache, ("gather", start, stop, max_ctas, i64, check, a), dev, bb, a,
+                     (stop - start) * T, True, False, i64, False, check, False, max_ctas)
+        rec = record_for(dev)
+        plan.launch(table + start * T * 8, 0, 0, ptr, ids.data_ptr(), 0, n, cache.num_blocks, n,
+                    rec.record_addr, rec.ready_addr, 0, 0, _GATHER)
 
     def scatter(self, src, cache, ids, start, stop, max_ctas=None, check=False):
-        table, align = device_table(cache, cache.device)
-        T, bb, ptr = cache.spec.tensors_per_layer, cache.spec.block_bytes, src.data_ptr()
+        dev, n, ptr = cache.device, ids.shape[0], src.data_ptr()
+        table, align = table_addr(cache, dev)
+        T, bb = cache.spec.tensors_per_layer, cache.spec.block_bytes
         a = alignment(align, bb, ptr)
-        dup = check and not _capturing(cache.device)
-        key = ("scatter", start, stop, max_ctas, ids.dtype, check, dup, a)
-        plan = _plan(cache, key, cache.device, bb, a, (stop - start) * T, False, True, False,
-                     ids.dtype == torch.int64, check, dup, max_ctas)
-        rec = record_for(cache.device)
-        st = stamps(cache, cache.device) if dup else None
-        plan.launch(0, table.data_ptr() + start * T * 8, ptr, 0, 0, ids.data_ptr(), ids.numel(),
-                    ids.numel(), cache.num_blocks, rec.record_addr, rec.ready_addr,
-                    st.addr if st else 0, st.next() if st else 0, OP_CODES["scatter_blocks"])
+        i64 = ids.dtype == torch.int64
+        dup = check and not _capturing(dev)
+        plan = _plan(cache, ("scatter", start, stop, max_ctas, i64, check, dup, a), dev, bb, a,
+                     (stop - start) * T, False, True, False, i64, check, dup, max_ctas)
+        rec = record_for(dev)
+        st = stamps(cache, dev) if dup else None
+        plan.launch(0, table + start * T * 8, ptr, 0, 0, ids.data_ptr(), n, n, cache.num_blocks,
+                    rec.record_addr, rec.ready_addr, st.addr if st else 0,
+                    st.next() if st else 0, _SCATTER)
 
     def copy(self, src_cache, dst_cache, src_ids, dst_ids, start, stop, max_ctas=None,
              direction="pull", check=False):
@@ -93,35 +94,39 @@ class TritonBackend:
         if dst_ids.device != dev:
             dst_ids = dst_ids.to(dev, non_blocking=True)
         T, bb = src_cache.spec.tensors_per_layer, src_cache.spec.block_bytes
-        s_table, s_align = device_table(src_cache, dev)
-        d_table, d_align = device_table(dst_cache, dev)
+        s_table, s_align = table_addr(src_cache, dev)
+        d_table, d_align = table_addr(dst_cache, dev)
         a = alignment(s_align, d_align, bb)
+        s64, d64 = src_ids.dtype == torch.int64, dst_ids.dtype == torch.int64
         dup = check and not _capturing(dev)
-        key = ("copy", str(dev), start, stop, max_ctas, src_ids.dtype, dst_ids.dtype, check,
-               dup, a)
-        plan = _plan(dst_cache, key, dev, bb, a, (stop - start) * T, True, True,
-                     src_ids.dtype == torch.int64, dst_ids.dtype == torch.int64, check, dup,
-                     max_ctas)
+        plan = _plan(dst_cache, ("copy", dev, start, stop, max_ctas, s64, d64, check, dup, a),
+                     dev, bb, a, (stop - start) * T, True, True, s64, d64, check, dup, max_ctas)
         rec = record_for(dev)
         st = stamps(dst_cache, dev) if dup else None
-        plan.launch(s_table.data_ptr() + start * T * 8, d_table.data_ptr() + start * T * 8, 0, 0,
-                    src_ids.data_ptr(), dst_ids.data_ptr(), src_ids.numel(),
-                    src_cache.num_blocks, dst_cache.num_blocks, rec.record_addr, rec.ready_addr,
-                    st.addr if st else 0, st.next() if st else 0, OP_CODES["copy_blocks"])
+        plan.launch(s_table + start * T * 8, d_table + start * T * 8, 0, 0, src_ids.data_ptr(),
+                    dst_ids.data_ptr(), src_ids.shape[0], src_cache.num_blocks,
+                    dst_cache.num_blocks, rec.record_addr, rec.ready_addr, st.addr if st else 0,
+                    st.next() if st else 0, _COPY)
+
+
+_GATHER, _SCATTER, _COPY = (OP_CODES[k] for k in ("gather_blocks", "scatter_blocks",
+                                                  "copy_blocks"))
 
 
 def _plan(cache, key, device, run_bytes, align, num_tensors, src_cache, dst_cache, src_i64,
           dst_i64, check, dup, max_ctas):
     """The launch plan for ``key``, kept in ``cache.backend_state``. A plan holds no address:
     the cache tables, ids and buffers are passed per call, so a peer cache never lives in it."""
-    plans = cache.backend_state.setdefault("triton_plans", {})
+    plans = cache.backend_state.get("triton_plans")
+    if plans is None:
+        plans = cache.backend_state["triton_plans"] = {}
     plan = plans.get(key)
     if plan is not None and plan.config is _launch.current_config():
         return plan
     plan = plans[key] = _launch.Plan(device=device, run_bytes=run_bytes, align=align,
-                        num_tensors=num_tensors, src_cache=src_cache, dst_cache=dst_cache,
-                        src_i64=src_i64, dst_i64=dst_i64, check=check, dup=dup,
-                        max_ctas=max_ctas)
+                                     num_tensors=num_tensors, src_cache=src_cache,
+                                     dst_cache=dst_cache, src_i64=src_i64, dst_i64=dst_i64,
+                                     check=check, dup=dup, max_ctas=max_ctas)
     return plan
 
 

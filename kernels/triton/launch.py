@@ -6,7 +6,8 @@ grid rule and, after its first launch on a GPU, the compiled kernel itself. Late
 that compiled kernel directly (``CompiledKernel[grid](*args, stream=...)``) and skip Triton's
 per-call argument binding and specialisation, which is most of a Triton launch's host time
 (issue #16: 57 us per kvflow call against 9 us for a bare launch). Plans live in the cache's
-``backend_state`` (see :mod:`kvflow.kernels.triton`).
+``backend_state`` (see :mod:`kvflow.kernels.triton`). Launches after the first do not call
+Triton's launch hooks (``triton.knobs.runtime.launch_enter_hook``, used by profilers).
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ def current_config() -> Any:
 
 def _raw_stream(index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(index)  # what Triton's own launcher reads
+
+
+def _get_device() -> int:
+    return torch._C._cuda_getDevice()
 
 
 class Plan:
@@ -99,22 +104,24 @@ class Plan:
         total = self.per_pair * n
         if total >= MAX_ITEMS:
             raise ValueError(f"{total} work items exceed the kernel's int32 index; split the call")
-        grid = total if self.limit is None else min(total, self.limit)
+        grid = total if self.limit is None or total < self.limit else self.limit
         args = (src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids, n, src_n, dst_n,
                 total, errors, ready, stamps, call, op)
         if self.index is None:  # Triton's interpreter: no compiled kernel to keep
             _cr.kernel()[(grid,)](*args, **self.consts, num_warps=self.warps)
             return
-        switch = torch.cuda.current_device() != self.index
-        if switch:
-            prev = torch.cuda.current_device()
+        prev = _get_device()
+        if prev != self.index:
             torch.cuda.set_device(self.index)
         try:
-            if self.compiled is not None:
-                self.compiled[(grid, 1, 1)](*args, *self.const_values,
-                                            stream=_raw_stream(self.index))
+            k = self.compiled
+            if k is not None:
+                # The call Triton's JIT makes after binding (runtime/jit.py), without launch
+                # metadata or hooks: (grid, stream, function, packed metadata, ..., all args).
+                k.run(grid, 1, 1, _raw_stream(self.index), k.function, k.packed_metadata,
+                      None, None, None, *args, *self.const_values)
             else:
                 self.compiled = _cr.kernel()[(grid,)](*args, **self.consts, num_warps=self.warps)
         finally:
-            if switch:
+            if prev != self.index:
                 torch.cuda.set_device(prev)
