@@ -149,3 +149,20 @@ def test_calls_refuses_an_unknown_op(workdir):
     with pytest.raises(SystemExit, match="--ops: unknown nope; known: gather,scatter,copy"):
         main(["calls", "--ops", "nope", *FLAGS])
     assert not (workdir / "bench").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_calls_cuda_rows(workdir, capsys):
+    """On a GPU: triton's cases with host ids as a CPU tensor, the bare launch, and the CUDA
+    graph replay (or its skip with the capture's error)."""
+    assert main(["calls", "--quick", "--device", "cuda", "--calls", "50", "--repeats", "2",
+                 "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    (path,) = (workdir / "bench" / "results").glob("calls-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    keys = {(r["op"], r["backend"], r["call"], r["ids"]) for r in rows}
+    assert ("gather", "triton", "defaults", "host tensor") in keys
+    assert ("launch", "triton", "trivial kernel, grid (1,)", "-") in keys
+    assert any(r.get("graph") for r in rows) or "skipped: case=cuda graph replay, reason=" in err
+    assert all(r["host_us"] > 0 and r["drain_us"] >= 0 for r in rows)

@@ -128,8 +128,12 @@ def cases(opts: dict, device, skipped: list) -> list[tuple[dict, Callable[[], ob
         try:
             replay = capture_graph(lambda kw=kw: ops["gather"](src, dst, **kw), device)
         except Exception as exc:  # noqa: BLE001 - a capture that fails is reported, not fatal
-            reasons.append(f"{kw or 'defaults'}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
-            torch.cuda.synchronize(device)
+            first = (str(exc).strip().splitlines() or [""])[0]
+            reasons.append(f"{kw or 'defaults'}: {type(exc).__name__}: {first}")
+            try:
+                torch.cuda.synchronize(device)
+            except Exception:  # noqa: BLE001 - the capture's own error is the one reported
+                pass
             continue
         call = "graph.replay() of gather(" + (", ".join(f"{k}={v!r}" for k, v in kw.items()) or
                                               "defaults") + ")"
