@@ -1,6 +1,6 @@
 """pytest-benchmark suite of the kernel sweep: the same cases as ``python -m kvflow.bench kernels``
 (ops x backends x layouts x dtypes x request sizes, from :mod:`kvflow.bench.presets`), the same
-buffers (:class:`kvflow.bench.kernels._Case`: seeded random ids, rotated staging buffers) and
+buffers (:class:`kvflow.bench.kernel_case.KernelCase`: seeded random ids, rotated staging buffers) and
 the same row schema: each benchmark's ``extra_info`` is a :func:`kvflow.bench.schema.make_row`
 row (GB/s of payload, ratio to the same-run ``copy_`` ceiling, speed-up over torch).
 
@@ -21,7 +21,8 @@ import torch
 
 from kvflow.bench import presets
 from kvflow.bench.cases import LLAMA3_8B, MLA_DIM, make_spec, scramble
-from kvflow.bench.kernels import OPS, _Case, pick_backends
+from kvflow.bench.kernel_case import KernelCase
+from kvflow.bench.kernels import OPS, pick_backends
 from kvflow.bench.schema import env_info, make_row
 from kvflow.bench.timing import (copy_ceiling, last_level_cache_bytes, median, rotations_for,
                                  time_calls)
@@ -60,7 +61,7 @@ def _case(layout: str, dtype: str, tokens: int) -> dict:
         payload = payload_bytes(cache.spec, n)
         rot = rotations_for(payload, last_level_cache_bytes(DEVICE))
         reps = presets.reps_for(payload, OPTS["reps"])
-        case = _Case(cache, n, rot, torch.Generator().manual_seed(SEED))
+        case = KernelCase(cache, n, rot, torch.Generator().manual_seed(SEED))
         ceiling = median(copy_ceiling(payload, device=DEVICE, rotations=rot,
                                       warmup=OPTS["warmup"], reps=reps))
         _STATE[key] = {"case": case, "payload": payload, "rot": rot, "reps": reps,

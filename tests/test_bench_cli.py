@@ -66,14 +66,14 @@ def test_tutorial_commands(workdir, capsys):
     for name, body in tutorial_files(text).items():
         (workdir / name).write_text(body)
     cmds = tutorial_commands(text)
-    assert [c[0] for c in cmds] == ["kernels", "transfer", "report", "kernels", "report"]
+    assert [c[0] for c in cmds] == ["kernels", "calls", "transfer", "report", "kernels", "report"]
     for argv in cmds:
         assert main(argv + (CI_FLAGS if argv[0] != "report" else [])) == 0, argv
     out = capsys.readouterr().out
 
     results = sorted((workdir / "bench" / "results").glob("*.json"))
     names = [p.name.split("-cpu-")[0] for p in results]
-    assert sorted(names) == ["kernels", "kernels-toy", "transfer"]
+    assert sorted(names) == ["calls", "kernels", "kernels-toy", "transfer"]
     kern = json.loads(next(p for p in results if p.name.startswith("kernels-cpu")).read_text())
     assert kern["env"]["command"] == "python -m kvflow.bench kernels --quick " + " ".join(CI_FLAGS)
     rows = kern["rows"]
@@ -108,7 +108,8 @@ def test_tutorial_commands(workdir, capsys):
     assert page.startswith("# kvflow benchmarks")
     assert f"## {env_info('cpu')['device']}" in page
     assert "Command: `python -m kvflow.bench kernels --quick --plugin toy_backend.py" in page
-    assert "| tokens | MiB | ceiling GB/s | torch |" in page
+    assert "| tokens | MiB | ceiling GB/s | torch as called | torch device |" in page
+    assert "**Host time per call**" in page
     pngs = sorted(p.name for p in (workdir / "docs" / "img").glob("*.png"))
     assert any(p.endswith("-NHD-bfloat16.png") for p in pngs) and any("transfer" in p for p in pngs)
     for p in pngs:

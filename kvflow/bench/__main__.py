@@ -4,6 +4,8 @@ Studies (``--help`` on each; none needs a GPU package to print it):
 
 - ``kernels``: gather / scatter / copy sweep vs torch and the same-run ``copy_`` ceiling
   (plus the SM-contention study on a GPU);
+- ``calls``: host microseconds per call of each op, back to back with no sync inside (default
+  arguments, ``validate=False``, host ids, torch, a bare Triton launch, a CUDA-graph replay);
 - ``sweep``: launch settings of the Triton copy kernel, repeated and interleaved (GPU);
 - ``layerwise``: per-layer copies beside a Llama-3-8B-shaped prefill: how much hides;
 - ``ipc``: P->D copies between two GPUs (pull, push, per-layer torch, per-block loops,
@@ -27,6 +29,7 @@ import sys
 #: and ``run(args) -> int`` and imports nothing heavier than torch at import time.
 STUDIES = {
     "kernels": ("kernels", "gather/scatter/copy sweep vs torch and the copy_ ceiling"),
+    "calls": ("calls", "host time per call of gather/scatter/copy (no sync inside)"),
     "sweep": ("sweep", "launch settings of the triton copy kernel (GPU)"),
     "layerwise": ("layerwise", "per-layer copies beside a prefill: the hidden fraction"),
     "ipc": ("ipc", "P->D copies between two GPUs, and the served modes on two GPUs"),

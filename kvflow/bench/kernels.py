@@ -2,13 +2,18 @@
 
 For each case the sweep (1) checks the backend's result byte for byte against the torch
 reference once, (2) times it over rotating id sets and staging buffers whose total exceeds
-twice the last-level cache (cold L2/LLC), and (3) reports GB/s of payload, the ratio to the
-same-run ceiling (``dst.copy_(src)`` of the same payload bytes, :func:`timing.copy_ceiling`) and
-the speed-up over the torch backend (per-layer ``index_select`` / ``index_copy_``, the baseline a
-user would write). See docs/design.md, "Measuring".
+twice the last-level cache (cold L2/LLC), twice: **as called** (batches of back-to-back calls
+with default arguments, one sync per batch: :func:`timing.time_as_called`), the headline, and
+**device time** (``validate=False``, per-call events with the queue filled first:
+:func:`timing.time_calls`), and (3) reports for both GB/s of payload, the ratio to the same-run
+ceiling (``dst.copy_(src)`` of the same payload bytes, device time, :func:`timing.copy_ceiling`)
+and the speed-up over the torch backend (per-layer ``index_select`` / ``index_copy_``, the
+baseline a user would write) timed the same way. See docs/design.md, "Measuring".
 
-Block ids are random (seeded): gather reads any ``n`` blocks, scatter writes ``n`` distinct ones,
-copy moves ``n`` blocks to ``n`` other blocks of the same cache (disjoint sets).
+Row fields: ``time_s``, ``gbps``, ``ratio``, ``baseline_ratio`` are device time (as in result
+files made before the as-called figure existed); ``as_called_s``, ``as_called_gbps``,
+``as_called_ratio``, ``as_called_baseline_ratio`` (and p10 / p90, calls per batch) are as called.
+Cases: :class:`kvflow.bench.kernel_case.KernelCase`.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from . import cli
-from .cases import LLAMA3_8B, MLA_DIM, as_bytes, make_spec, scramble
+from .cases import LLAMA3_8B, MLA_DIM, make_spec, scramble
+from .kernel_case import KernelCase, check_errors
 from .presets import reps_for
 
 OPS = ("gather", "scatter", "copy")
@@ -66,61 +72,6 @@ def pick_backends(requested: list[str] | None, device) -> tuple[list[str], dict[
     return names, left_out
 
 
-class _Case:
-    """Buffers of one (spec, tokens) case: ``rot`` id sets and staging buffers."""
-
-    def __init__(self, cache, n: int, rot: int, gen) -> None:
-        import torch
-
-        from kvflow.cache import staging_buffer
-        self.cache, self.n, self.rot = cache, n, rot
-        dev = cache.device
-        perms = [torch.randperm(cache.num_blocks, generator=gen) for _ in range(rot)]
-        self.ids = [p[:n].to(dev) for p in perms]
-        self.dst_ids = [p[n:2 * n].to(dev) for p in perms]
-        self.bufs = []
-        for _ in range(rot):
-            b = staging_buffer(cache.spec, n, device=dev)
-            scramble(b)
-            self.bufs.append(b)
-
-    def fns(self, op: str, backend: str, max_ctas: int | None) -> list:
-        from kvflow.kernels import copy_blocks, gather_blocks, scatter_blocks
-        c, kw = self.cache, {"backend": backend, "max_ctas": max_ctas, "validate": False}
-        if op == "gather":
-            return [lambda i=i: gather_blocks(c, self.ids[i], self.bufs[i], **kw) for i in range(self.rot)]
-        if op == "scatter":
-            return [lambda i=i: scatter_blocks(self.bufs[i], c, self.ids[i], **kw) for i in range(self.rot)]
-        return [lambda i=i: copy_blocks(c, c, self.ids[i], self.dst_ids[i], **kw) for i in range(self.rot)]
-
-    def verify(self, op: str, backend: str, max_ctas: int | None) -> bool:
-        """Run the op once with ``backend`` and compare the bytes with the torch reference.
-
-        The destination is overwritten with fresh random bytes first, so a backend that writes
-        nothing cannot pass on what an earlier backend left there."""
-        import torch
-
-        from kvflow.cache import staging_buffer
-        from kvflow.kernels import copy_blocks, gather_blocks, scatter_blocks
-        c, ids, buf = self.cache, self.ids[0], self.bufs[0]
-        ref = staging_buffer(c.spec, self.n, device=c.device)
-        scramble(buf)
-        if op == "gather":
-            gather_blocks(c, ids, buf, backend=backend, max_ctas=max_ctas)
-            gather_blocks(c, ids, ref, backend="torch")
-            return torch.equal(as_bytes(buf), as_bytes(ref))
-        if op == "scatter":
-            scatter_blocks(buf, c, ids, backend=backend, max_ctas=max_ctas)
-            gather_blocks(c, ids, ref, backend="torch")
-            return torch.equal(as_bytes(buf), as_bytes(ref))
-        dst = self.dst_ids[0]
-        scatter_blocks(buf, c, dst, backend="torch")  # dst blocks now differ from src blocks
-        copy_blocks(c, c, ids, dst, backend=backend, max_ctas=max_ctas)
-        gather_blocks(c, ids, ref, backend="torch")
-        gather_blocks(c, dst, buf, backend="torch")
-        return torch.equal(as_bytes(buf), as_bytes(ref))
-
-
 def run_kernels(opts: dict[str, Any], env: dict[str, Any], progress: bool = True) -> tuple[list, list]:
     """Run the sweep described by ``opts`` (the parsed flags of ``kernels``).
 
@@ -128,7 +79,9 @@ def run_kernels(opts: dict[str, Any], env: dict[str, Any], progress: bool = True
     -------
     rows : list of dict
         One :func:`kvflow.bench.schema.make_row` row per (op, backend, layout, dtype, tokens,
-        max_ctas), with extra keys ``max_ctas``, ``verified``, ``rotations``, ``cold``.
+        max_ctas) (device time), with the as-called figures of
+        :func:`kvflow.bench.schema.as_called_fields` and extra keys ``max_ctas``, ``verified``,
+        ``rotations``, ``cold``.
     skipped : list of dict
         Cases that did not run, with the reason (e.g. a request larger than the cache).
     """
@@ -137,8 +90,9 @@ def run_kernels(opts: dict[str, Any], env: dict[str, Any], progress: bool = True
     from kvflow.cache import PagedKVCache
     from kvflow.kernels import payload_bytes
 
-    from .schema import make_row
-    from .timing import copy_ceiling, last_level_cache_bytes, median, rotations_for, time_calls
+    from .schema import as_called_fields, make_row
+    from .timing import (calls_per_batch, copy_ceiling, last_level_cache_bytes, median,
+                         rotations_for, time_as_called, time_calls)
     device = torch.device(opts["device"])
     backends, left_out = pick_backends(opts.get("backends"), device)
     llc = last_level_cache_bytes(device)
@@ -165,11 +119,11 @@ def run_kernels(opts: dict[str, Any], env: dict[str, Any], progress: bool = True
             payload = payload_bytes(spec, n)
             rot = rotations_for(payload, llc, max_rotations=opts.get("max_rotations", 8))
             reps = reps_for(payload, opts["reps"])
-            case = _Case(cache, n, rot, gen)
+            case = KernelCase(cache, n, rot, gen)
             ceiling_s = median(copy_ceiling(payload, device=device, rotations=rot,
                                             warmup=opts["warmup"], reps=reps))
             for op in opts["ops"]:
-                baseline_s = None
+                baseline_s = called_baseline_s = None
                 for backend in backends:
                     ctas_list = [None] if backend == "torch" or device.type == "cpu" else opts["max_ctas"]
                     for max_ctas in ctas_list:
@@ -179,6 +133,11 @@ def run_kernels(opts: dict[str, Any], env: dict[str, Any], progress: bool = True
                             ok = case.verify(op, backend, max_ctas)
                             times = time_calls(case.fns(op, backend, max_ctas), device=device,
                                                warmup=opts["warmup"], reps=reps)
+                            per_batch = calls_per_batch(median(times))
+                            called = time_as_called(
+                                case.fns(op, backend, max_ctas, as_called=True), device=device,
+                                calls=per_batch, batches=min(5, reps), warmup=opts["warmup"])
+                            check_errors()
                         except Exception as exc:  # noqa: BLE001 - one backend's failure is reported, not fatal
                             skipped.append({"op": op, "backend": backend, "layout": layout,
                                             "dtype": dtype, "tokens": tokens, "max_ctas": max_ctas,
@@ -188,12 +147,14 @@ def run_kernels(opts: dict[str, Any], env: dict[str, Any], progress: bool = True
                             print(f"kernels: {backend} {op} {layout} {dtype} {tokens} tokens differs "
                                   f"from the torch reference", file=sys.stderr)
                         if backend == "torch":
-                            baseline_s = median(times)
+                            baseline_s, called_baseline_s = median(times), median(called)
                         rows.append(make_row(
                             env, op=op, backend=backend, spec=spec, tokens=tokens, blocks=n,
                             payload_bytes=payload, times_s=times, ceiling_s=ceiling_s,
                             baseline_s=baseline_s, seed=opts["seed"], max_ctas=max_ctas,
                             verified=ok, rotations=rot, cold=rot * payload > llc,
+                            **as_called_fields(called, payload, ceiling_s, called_baseline_s,
+                                               calls=per_batch),
                             config={"num_blocks": opts["num_blocks"], "reps": reps,
                                     "warmup": opts["warmup"], "device": str(device),
                                     "llc_bytes": llc, "preset": opts.get("preset")}))
@@ -207,15 +168,18 @@ def run_kernels(opts: dict[str, Any], env: dict[str, Any], progress: bool = True
 
 
 def format_table(rows: list[dict]) -> str:
-    """Compact text table: op, backend, layout, dtype, tokens, max_ctas, GB/s, ratio, x torch."""
+    """Compact text table: op, backend, layout, dtype, tokens, max_ctas, then as called (GB/s,
+    ratio to the same-run ceiling, speed-up over torch) and device time (GB/s, ratio)."""
     head = f"{'op':8} {'backend':10} {'layout':6} {'dtype':14} {'tokens':>7} {'ctas':>5} " \
-           f"{'GB/s':>9} {'ratio':>6} {'xtorch':>7}"
+           f"{'called GB/s':>11} {'ratio':>6} {'xtorch':>7} {'device GB/s':>11} {'ratio':>6}"
     lines = [head, "-" * len(head)]
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for r in rows:
         lines.append(f"{r['op']:8} {r['backend']:10} {r['layout']:6} {r['dtype']:14} "
-                     f"{r['tokens']:>7} {fmt(r.get('max_ctas'), 'd'):>5} {fmt(r['gbps'], '.2f'):>9} "
-                     f"{fmt(r['ratio'], '.2f'):>6} {fmt(r['baseline_ratio'], '.2f'):>7}"
+                     f"{r['tokens']:>7} {fmt(r.get('max_ctas'), 'd'):>5} "
+                     f"{fmt(r.get('as_called_gbps'), '.2f'):>11} {fmt(r.get('as_called_ratio'), '.2f'):>6} "
+                     f"{fmt(r.get('as_called_baseline_ratio'), '.2f'):>7} "
+                     f"{fmt(r['gbps'], '.2f'):>11} {fmt(r['ratio'], '.2f'):>6}"
                      + ("" if r.get("verified", True) else "  MISMATCH"))
     return "\n".join(lines)
 

@@ -79,21 +79,27 @@ def _label(r: dict) -> str:
             + (f" ({variant})" if variant and variant != "in_process" else ""))
 
 
-def _bandwidth_axes(ax_gbps, ax_ratio, rows: list[dict], ceilings: list[tuple[str, list]]) -> None:
+def _bandwidth_axes(ax_gbps, ax_ratio, rows: list[dict], ceilings: list[tuple[str, list]],
+                    prefix: str = "", ratio_label: str = "ratio to the same-run ceiling") -> None:
     """GB/s (ceilings in black) on ``ax_gbps`` and the ratio to the same-run ceiling on
-    ``ax_ratio``, vs payload MiB, one series per :func:`_label`."""
-    for i, (name, pts) in enumerate(ceilings):
+    ``ax_ratio``, vs payload MiB, one series per :func:`_label`; ``prefix="as_called_"`` plots
+    the as-called figures, and ``ax_gbps=None`` only the ratio."""
+    for i, (name, pts) in enumerate(ceilings if ax_gbps is not None else []):
         pts = sorted(pts)
         ax_gbps.plot([b / 2**20 for b, _ in pts], [g for _, g in pts], label=f"ceiling: {name}",
                      **ceiling_style(i))
     ax_ratio.axhline(1.0, **ceiling_style(0), label="ceiling = 1")
     for i, lab in enumerate(dict.fromkeys(_label(r) for r in rows)):
-        mine = sorted((r["payload_bytes"], r["gbps"], r["ratio"]) for r in rows if _label(r) == lab)
+        mine = sorted((r["payload_bytes"], r[prefix + "gbps"], r[prefix + "ratio"])
+                      for r in rows if _label(r) == lab)
         x = [b / 2**20 for b, _, _ in mine]
-        ax_gbps.plot(x, [g for _, g, _ in mine], label=lab, **series_style(i))
+        if ax_gbps is not None:
+            ax_gbps.plot(x, [g for _, g, _ in mine], label=lab, **series_style(i))
         if any(q is not None for _, _, q in mine):
             ax_ratio.plot(x, [q for _, _, q in mine], label=lab, **series_style(i))
-    for ax, ylab in ((ax_gbps, "GB/s"), (ax_ratio, "ratio to the same-run ceiling")):
+    for ax, ylab in ((ax_gbps, "GB/s"), (ax_ratio, ratio_label)):
+        if ax is None:
+            continue
         _log_x(ax)
         ax.set_xlabel("payload (MiB)")
         ax.set_ylabel(ylab, fontsize=8)
@@ -102,7 +108,9 @@ def _bandwidth_axes(ax_gbps, ax_ratio, rows: list[dict], ceilings: list[tuple[st
 
 def kernels_png(stem: str, rows: list[dict], img_dir: Path, env: dict) -> list[Path]:
     """One PNG per (layout, dtype): a column per op; GB/s vs payload per backend with the
-    same-run ``copy_`` ceiling on top, the ratio to it below."""
+    same-run ``copy_`` ceiling on top, the ratio to it below. Rows with as-called figures get
+    three rows of axes: as-called GB/s, as-called ratio, then device time's ratio (the same
+    ceiling); rows made before them get the two rows of device time."""
     plt = _plt()
     out = []
     groups = defaultdict(list)
@@ -110,15 +118,24 @@ def kernels_png(stem: str, rows: list[dict], img_dir: Path, env: dict) -> list[P
         groups[(r["layout"], r["dtype"])].append(r)
     for (layout, dtype), rs in groups.items():
         ops = list(dict.fromkeys(r["op"] for r in rs))
-        fig, axes = plt.subplots(2, len(ops), figsize=(4.4 * len(ops), 6.4), squeeze=False)
+        both = any(r.get("as_called_ratio") is not None for r in rs)
+        fig, axes = plt.subplots(3 if both else 2, len(ops), figsize=(4.4 * len(ops), 9.2 if both else 6.4),
+                                 squeeze=False)
         for k, op in enumerate(ops):
             ors = [r for r in rs if r["op"] == op]
             ceil = list({(r["payload_bytes"], r["ceiling_gbps"]) for r in ors if r["ceiling_gbps"]})
-            _bandwidth_axes(axes[0][k], axes[1][k], ors, [("copy_", ceil)])
-            axes[0][k].set_title(f"{op} · {layout} · {dtype}", fontsize=9)
+            if both:
+                _bandwidth_axes(axes[0][k], axes[1][k], ors, [("copy_", ceil)], "as_called_",
+                                "as called: ratio to the same-run ceiling")
+                _bandwidth_axes(None, axes[2][k], ors, [], "", "device time: ratio to the ceiling")
+            else:
+                _bandwidth_axes(axes[0][k], axes[1][k], ors, [("copy_", ceil)])
+            axes[0][k].set_title(f"{op} · {layout} · {dtype}" + (" · as called" if both else ""),
+                                 fontsize=9)
         axes[0][0].legend(fontsize=6)
+        what = "as called (GB/s, ratio) and device time (ratio)" if both else "GB/s and ratio"
         out.append(_save(fig, img_dir / f"{stem}-{layout}-{dtype}.png",
-                         f"kernels: GB/s and ratio to the same-run copy_ ceiling ({rs[0]['geometry']})", env))
+                         f"kernels: {what} to the same-run copy_ ceiling ({rs[0]['geometry']})", env))
     return out
 
 

@@ -2,9 +2,12 @@
 
 The page is generated, never hand-edited: one section per device (its driver and library
 versions, commit, date), then per result file the command that produced it and its tables
-(kernels: GB/s and ratio to the same-run ceiling per op/layout/dtype; contention; transfer;
-serve; any other rows generically) and plots (:mod:`kvflow.bench.plots`). A table never mixes
-devices: rows of two devices in one result file raise, naming both.
+(kernels: as called, then device time, GB/s and ratio to the same-run ceiling per
+op/layout/dtype, :mod:`kvflow.bench.kernel_report`; host time per call,
+:mod:`kvflow.bench.calls`; contention; transfer; serve; any other rows generically) and plots (:mod:`kvflow.bench.plots`). A table never mixes
+devices: rows of two devices in one result file raise, naming both. A headline table (the
+kernels' ratios at 1K and 16K tokens, NHD bf16) opens the page and is copied into the README
+between its headline markers.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from . import cli
+from .kernel_report import headline, kernel_tables, update_readme
+from .kernel_report import md_table as _md_table
 from .schema import read_results
 
 KERNEL_OPS = ("gather", "scatter", "copy")
@@ -41,46 +46,6 @@ def _fmt(v: Any, spec: str = ".2f") -> str:
     if isinstance(v, float):
         return format(v, spec)
     return str(v)
-
-
-def _md_table(head: list[str], body: list[list[Any]]) -> list[str]:
-    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    out += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in body]
-    return out + [""]
-
-
-def _label(r: dict) -> str:
-    return r["backend"] + (f" ctas={r['max_ctas']}" if r.get("max_ctas") is not None else "")
-
-
-def kernel_tables(rows: list[dict]) -> list[str]:
-    """Per (op, layout, dtype): rows = request sizes; columns = ceiling GB/s, then each
-    backend's GB/s with its ratio to the ceiling and its speed-up over torch."""
-    out = []
-    groups = defaultdict(list)
-    for r in rows:
-        groups[(r["op"], r["layout"], r["dtype"], r["geometry"])].append(r)
-    for (op, layout, dtype, geom), rs in groups.items():
-        labels = list(dict.fromkeys(_label(r) for r in rs))
-        by_tok = defaultdict(dict)
-        for r in rs:
-            by_tok[r["tokens"]][_label(r)] = r
-        body = []
-        for tok in sorted(by_tok):
-            cells = by_tok[tok]
-            any_r = next(iter(cells.values()))
-            row = [tok, any_r["payload_bytes"] / 2**20, any_r["ceiling_gbps"]]
-            for lab in labels:
-                r = cells.get(lab)
-                row.append("-" if r is None else
-                           f"{r['gbps']:.1f} ({_fmt(r['ratio'])}, {_fmt(r['baseline_ratio'])}x)"
-                           + ("" if r.get("verified", True) else " MISMATCH"))
-            body.append(row)
-        out.append(f"**{op}** · {layout} · {dtype} · {geom} — GB/s of payload "
-                   f"(ratio to the same-run copy_ ceiling, speed-up over torch)")
-        out.append("")
-        out += _md_table(["tokens", "MiB", "ceiling GB/s", *labels], body)
-    return out
 
 
 def contention_table(rows: list[dict]) -> list[str]:
@@ -175,10 +140,16 @@ def file_section(path: Path, data: dict, md_dir: Path, img_dir: Path) -> list[st
            + f" — commit {env.get('commit')}, {env.get('date')}", ""]
     kinds = defaultdict(list)
     for r in rows:
+        if "host_us" in r:
+            kinds["calls"].append(r)
+            continue
         kinds[r["op"] if r["op"] in ("contention", "serve", "transfer", "ceiling") else
               ("kernels" if r["op"] in KERNEL_OPS else "other")].append(r)
     if kinds["kernels"]:
         out += kernel_tables(kinds["kernels"])
+    if kinds["calls"]:
+        from .calls import calls_table
+        out += calls_table(kinds["calls"])
     if kinds["contention"]:
         out += contention_table(kinds["contention"])
     if kinds["transfer"] or kinds["ceiling"]:
@@ -195,8 +166,9 @@ def file_section(path: Path, data: dict, md_dir: Path, img_dir: Path) -> list[st
     return out + [""]
 
 
-def write_report(files: list[Path], out: Path, img_dir: Path) -> Path:
-    """Write the report page for ``files``; returns ``out``.
+def write_report(files: list[Path], out: Path, img_dir: Path, readme: Path | None = None) -> Path:
+    """Write the report page for ``files``; returns ``out``. ``readme``: a file whose headline
+    block (:func:`kvflow.bench.kernel_report.update_readme`) is rewritten too.
 
     Raises
     ------
@@ -214,6 +186,14 @@ def write_report(files: list[Path], out: Path, img_dir: Path) -> Path:
              "`bench/results/` (`bench/results/README.md` says what each is); do not edit by hand. Every ratio is to a ceiling measured in the "
              "same run on the same device; rows of different devices never share a table. "
              "How to reproduce and read it: [tutorials/benchmarking.md](tutorials/benchmarking.md).", ""]
+    top = headline(loaded)
+    if top:
+        lines += ["## Headline", "",
+                  "**As called** (the headline): back-to-back calls from Python with default "
+                  "arguments, one sync per batch of calls, so wrapper work and any host sync "
+                  "count. **Device time**: `validate=False`, per-call events with the device "
+                  "queue filled first (only the kernels). Both over the same rotated ids and "
+                  "buffers (cold L2), as ratios to the same device-time copy_ ceiling.", "", *top]
     for device in sorted(by_device, key=lambda d: ("(" in d, d)):  # GPUs before CPU names
         files_d = sorted(by_device[device], key=lambda pd: pd[0].name)
         env = files_d[-1][1]["env"]
@@ -223,6 +203,8 @@ def write_report(files: list[Path], out: Path, img_dir: Path) -> Path:
         for path, data in files_d:
             lines += file_section(path, data, out.parent, img_dir)
     out.write_text("\n".join(lines).rstrip() + "\n")
+    if readme is not None:
+        update_readme(readme, loaded)
     return out
 
 
@@ -231,6 +213,8 @@ def add_arguments(p) -> None:
     p.add_argument("--results", default="bench/results", help="folder read when no files given")
     p.add_argument("--out", default="docs/benchmarks.md", help="markdown file to write")
     p.add_argument("--img-dir", default="docs/img", help="folder of the PNG plots")
+    p.add_argument("--readme", default="README.md",
+                   help="file whose generated headline block is rewritten, if it has one")
 
 
 def run(args) -> int:
@@ -244,7 +228,7 @@ def run(args) -> int:
     if missing:
         print(f"report: no such result file: {', '.join(missing)}", file=sys.stderr)
         return 1
-    out = write_report(files, Path(args.out), Path(args.img_dir))
+    out = write_report(files, Path(args.out), Path(args.img_dir), Path(args.readme))
     print(f"wrote {out}")
     page = out.read_text()
     for png in sorted(Path(args.img_dir).glob("*.png")):

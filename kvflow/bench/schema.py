@@ -128,6 +128,33 @@ def make_row(env: dict[str, Any], *, op: str, backend: str, spec: Any, tokens: i
     return row
 
 
+#: The as-called figures of a kernel row (:func:`as_called_fields`); rows made before they existed
+#: lack them, and the report marks those tables "device time only".
+AS_CALLED_FIELDS = ("as_called_s", "as_called_p10_s", "as_called_p90_s", "as_called_gbps",
+                    "as_called_ratio", "as_called_baseline_ratio", "as_called_calls")
+
+
+def as_called_fields(times_s: list[float], payload_bytes: int, ceiling_s: float | None,
+                     baseline_s: float | None = None, *, calls: int | None = None) -> dict[str, Any]:
+    """The as-called figures of a row, from seconds per call of each batch of back-to-back
+    calls (:func:`kvflow.bench.timing.time_as_called`).
+
+    Same definitions as :func:`make_row`: ``as_called_gbps = payload_bytes / median / 1e9``,
+    ``as_called_ratio = ceiling_s / median`` (the same-run ``copy_`` ceiling, device time: the
+    fraction of the hardware's copy rate a caller gets), ``as_called_baseline_ratio =
+    baseline_s / median`` (``baseline_s``: the torch backend's as-called median);
+    ``as_called_calls`` is the number of calls per batch.
+    """
+    ts = sorted(times_s)
+    med = ts[len(ts) // 2]
+    pick = lambda q: ts[min(len(ts) - 1, int(q * len(ts)))]  # noqa: E731
+    return {"as_called_s": med, "as_called_p10_s": pick(0.1), "as_called_p90_s": pick(0.9),
+            "as_called_gbps": payload_bytes / med / 1e9 if med > 0 else None,
+            "as_called_ratio": ceiling_s / med if ceiling_s and med > 0 else None,
+            "as_called_baseline_ratio": baseline_s / med if baseline_s and med > 0 else None,
+            "as_called_calls": calls}
+
+
 def write_results(path: str | os.PathLike, env: dict[str, Any], rows: list[dict[str, Any]]) -> Path:
     """Write a result file (creating folders); returns its path."""
     path = Path(path)

@@ -6,6 +6,11 @@ not the host's launch gaps. Several CUDA devices (a P->D copy between two GPUs):
 is on the last device's stream, every other stream waits for it, and the last stream waits for
 every other before the end event, so work on any of the GPUs is inside the interval.
 
+Two figures per op (docs/design.md, "Measuring"): **device time** (:func:`time_calls`: per-call
+events with the device queue filled first, so only the kernels are timed) and **as called**
+(:func:`time_as_called`: batches of back-to-back calls from Python, one event pair and one sync
+per batch, so wrapper work and any host synchronisation inside a call count, as for a caller).
+
 Cold L2/LLC: callers rotate among input sets whose total size exceeds twice the last-level cache
 (:func:`rotations_for`; 60 MB L2 on an H200), so each timed call reads memory, not cache
 (docs/design.md, "Measuring").
@@ -59,6 +64,58 @@ def time_calls(fns: Sequence[Callable[[], object]], *, device: str | torch.devic
     for d in devs:
         torch.cuda.synchronize(d)
     return [s.elapsed_time(e) / 1e3 for s, e in marks]
+
+
+#: Target length of one as-called batch (seconds): long enough that the first call's launch
+#: latency, paid once per batch, is about 1% of the batch at 1K Llama-3-8B tokens on an H200
+#: (a 128 MiB gather of ~70 us: 29 calls).
+AS_CALLED_BATCH_S = 2e-3
+
+
+def calls_per_batch(device_time_s: float, *, target_s: float = AS_CALLED_BATCH_S,
+                    cap: int = 1000) -> int:
+    """Calls in one as-called batch: enough that the batch lasts about ``target_s`` seconds at
+    ``device_time_s`` per call (at least 1, at most ``cap``)."""
+    if device_time_s <= 0:
+        return cap
+    return max(1, min(cap, math.ceil(target_s / device_time_s)))
+
+
+def time_as_called(fns: Sequence[Callable[[], object]], *, device: str | torch.device = "cpu",
+                   calls: int = 1, batches: int = 5, warmup: int = 3) -> list[float]:
+    """Seconds per call of each of ``batches`` batches of ``calls`` back-to-back calls of
+    ``fns[i % len(fns)]`` (the rotation continues across batches), after ``warmup`` calls.
+
+    Nothing waits inside a batch: the device is synchronised before it, then (CUDA) an event is
+    recorded, the calls are issued, an event is recorded and the device synchronised; the batch's
+    time is the events' interval divided by ``calls``. Host work between launches, and any sync a
+    call does itself, is in the interval whenever it leaves the device idle. On a CPU the batch
+    is timed with ``time.perf_counter``. This is ``triton.testing.do_bench`` without its L2
+    flush between calls (the caller's rotation of buffers larger than L2 keeps caches cold).
+    """
+    dev = torch.device(device)
+    k = len(fns)
+    for i in range(warmup):
+        fns[i % k]()
+    out, j = [], 0
+    for _ in range(batches):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record(torch.cuda.current_stream(dev))
+            for _ in range(calls):
+                fns[j % k]()
+                j += 1
+            e.record(torch.cuda.current_stream(dev))
+            torch.cuda.synchronize(dev)
+            out.append(s.elapsed_time(e) / 1e3 / calls)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fns[j % k]()
+                j += 1
+            out.append((time.perf_counter() - t0) / calls)
+    return out
 
 
 def time_on_stream(fn: Callable[[], object], reps: int) -> list[float]:
