@@ -15,8 +15,9 @@ When it is reported (the documented points):
   launches anything.
 
 Record layout (int64, on the device): ``[lock, code, index, value, num_blocks]``; ``code`` is
-``op * 4 + side * 2 + kind`` with op 1/2/3 = gather/scatter/copy, side 0/1 = source/destination
-ids, kind 0 = out of range, 1 = a repeated destination block. The "ready" word is host memory
+``op * 16 + side * 4 + kind`` with op 1/2/3 = gather/scatter/copy, side 0/1 = source/destination
+ids, kind 0 = out of range, 1 = a repeated destination block, 2 = a source block that is also a
+destination (copies within one cache). The "ready" word is host memory
 (page-locked, addressed by the device under unified addressing); on a CPU device (Triton's
 interpreter) it is a slot of the record itself.
 """
@@ -42,6 +43,11 @@ def repeated(name: str, block: int) -> ValueError:
     """The error of a destination block named twice in one call."""
     return ValueError(f"{name} repeats destination block {block}; destination ids must be "
                       f"distinct (only -1 padding may repeat)")
+
+
+def shared(block: int) -> ValueError:
+    """The error of a copy within one cache whose source and destination ids share a block."""
+    return ValueError(f"src_ids and dst_ids share block {block} of one cache")
 
 
 class DeviceErrors:
@@ -70,11 +76,15 @@ class DeviceErrors:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.ready_np[0] = 0
-        op, side, kind = code // 4, code % 4 // 2, code % 2
+        op, side, kind = code // 16, code % 16 // 4, code % 4
         name = _ARG.get((op, side), "block_ids")
-        base = repeated(name, value) if kind else out_of_range(name, index, value, num_blocks)
-        after = ("its content is undefined" if kind else
-                 "that pair was skipped; nothing outside the cache was written")
+        if kind == 2:
+            base, after = shared(value), f"pair {index} was skipped"
+        elif kind == 1:
+            base, after = repeated(name, value), "its content is undefined"
+        else:
+            base = out_of_range(name, index, value, num_blocks)
+            after = "that pair was skipped; nothing outside the cache was written"
         return ValueError(f"an earlier {OPS.get(op, '?')} call on {self.device} (ids checked "
                           f"by the kernel): {base}; {after}")
 

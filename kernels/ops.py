@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import weakref
+
 import torch
 
 from kvflow.cache import PagedKVCache, memory_relation, overlaps
 from kvflow.layout import is_int, normalize_layers
 
-from .errors import raise_pending
+from .errors import raise_pending, shared
 from .registry import get_backend
 from .validate import check_buffer, check_cache, check_ids, check_same_spec, shared_block
 
@@ -42,8 +44,6 @@ def _check_validate(validate: Any, *devices: torch.device) -> None:
         raise TypeError(f"validate must be True or False, got {validate!r}")
 
 
-def _layers(layers: Any, num_layers: int) -> tuple[int, int]:
-    return (0, num_layers) if layers is None else normalize_layers(layers, num_layers)
 
 
 def _check_separate(name: str, buf: torch.Tensor, cache: PagedKVCache) -> None:
@@ -53,19 +53,35 @@ def _check_separate(name: str, buf: torch.Tensor, cache: PagedKVCache) -> None:
 
 
 def _check_disjoint(src_cache: PagedKVCache, dst_cache: PagedKVCache, s: torch.Tensor,
-                    d: torch.Tensor, validate: bool) -> None:
-    """Copying within one memory is allowed only as one cache with disjoint block ids.
+                    d: torch.Tensor, validate: bool, on_device: bool) -> bool:
+    """Copying within one memory is allowed only as one cache with disjoint block ids; True
+    when it is one cache (ids checked on the device are checked there, see
+    :mod:`kvflow.kernels.errors`).
 
     Two cache objects over the same tensors (e.g. ``PagedKVCache(..., buffer=c.buffer)``)
     count as one cache; caches whose memory overlaps in any other way are refused."""
-    relation = memory_relation(src_cache, dst_cache)
+    relation = _relation(src_cache, dst_cache)
     if relation == "overlapping":
         raise ValueError("src_cache and dst_cache overlap in memory without being the same "
                          "cache (same tensors); copy_blocks needs disjoint caches or one cache")
-    if relation == "same" and validate:
-        both = shared_block(s, d)  # ids on a GPU: a sync (the one default call that waits)
+    if relation == "same" and validate and not on_device:
+        both = shared_block(s, d)
         if both >= 0:
-            raise ValueError(f"src_ids and dst_ids share block {both} of one cache")
+            raise shared(both)
+    return relation == "same"
+
+
+def _relation(src_cache: PagedKVCache, dst_cache: PagedKVCache) -> str:
+    """:func:`memory_relation`, kept per cache pair (a cache's memory never moves); the pair
+    is remembered through a weak reference, so it never keeps a peer's cache alive."""
+    if src_cache is dst_cache:
+        return "same"
+    hit = dst_cache.backend_state.get("relation")
+    if hit is not None and hit[0]() is src_cache:
+        return hit[1]
+    relation = memory_relation(src_cache, dst_cache)
+    dst_cache.backend_state["relation"] = (weakref.ref(src_cache), relation)
+    return relation
 
 
 def gather_blocks(cache: PagedKVCache, block_ids: Any, out: Any, layers: Any = None, *,
@@ -104,18 +120,26 @@ def gather_blocks(cache: PagedKVCache, block_ids: Any, out: Any, layers: Any = N
     TypeError, ValueError
         Bad argument, naming it and its value; RuntimeError for an unavailable backend.
     """
-    cache = check_cache("cache", cache)
-    _check_validate(validate, cache.device)
-    start, stop = _layers(layers, cache.spec.num_layers)
-    be = get_backend(backend, cache.device)
-    ids, on_device = check_ids("block_ids", block_ids, cache.num_blocks, cache.device, validate,
-                               device_checks=_device_checks(be))
-    out = check_buffer("out", out, _staging(cache, ids.numel(), start, stop),
-                       cache.spec.dtype, cache.device)
+    # Written for a short host path (issue #16): each step is one check, no helper layers.
+    if type(cache) is not PagedKVCache:
+        cache = check_cache("cache", cache)
+    dev, spec = cache.device, cache.spec
+    _check_validate(validate, dev)
+    start, stop = (0, spec.num_layers) if layers is None else normalize_layers(layers, spec.num_layers)
+    be = get_backend(backend, dev)
+    ids, on_device = check_ids("block_ids", block_ids, cache.num_blocks, dev, validate,
+                               device_checks=getattr(be, "device_checks", False))
+    n = ids.shape[0]
+    out = check_buffer("out", out, (stop - start, spec.tensors_per_layer, n, *spec.block_shape),
+                       spec.dtype, dev)
     _check_separate("out", out, cache)
-    max_ctas = _check_max_ctas(max_ctas)
-    if ids.numel():
-        _call(be.gather, on_device, cache, ids, out, start, stop, max_ctas)
+    if max_ctas is not None:
+        max_ctas = _check_max_ctas(max_ctas)
+    if n:
+        if on_device:
+            be.gather(cache, ids, out, start, stop, max_ctas, check=True)
+        else:
+            be.gather(cache, ids, out, start, stop, max_ctas)
     return out
 
 
@@ -140,18 +164,25 @@ def scatter_blocks(src: Any, cache: PagedKVCache, block_ids: Any, layers: Any = 
     PagedKVCache
         ``cache``.
     """
-    cache = check_cache("cache", cache)
-    _check_validate(validate, cache.device)
-    start, stop = _layers(layers, cache.spec.num_layers)
-    be = get_backend(backend, cache.device)
-    ids, on_device = check_ids("block_ids", block_ids, cache.num_blocks, cache.device, validate,
-                               unique=True, device_checks=_device_checks(be))
-    src = check_buffer("src", src, _staging(cache, ids.numel(), start, stop),
-                       cache.spec.dtype, cache.device)
+    if type(cache) is not PagedKVCache:
+        cache = check_cache("cache", cache)
+    dev, spec = cache.device, cache.spec
+    _check_validate(validate, dev)
+    start, stop = (0, spec.num_layers) if layers is None else normalize_layers(layers, spec.num_layers)
+    be = get_backend(backend, dev)
+    ids, on_device = check_ids("block_ids", block_ids, cache.num_blocks, dev, validate,
+                               unique=True, device_checks=getattr(be, "device_checks", False))
+    n = ids.shape[0]
+    src = check_buffer("src", src, (stop - start, spec.tensors_per_layer, n, *spec.block_shape),
+                       spec.dtype, dev)
     _check_separate("src", src, cache)
-    max_ctas = _check_max_ctas(max_ctas)
-    if ids.numel():
-        _call(be.scatter, on_device, src, cache, ids, start, stop, max_ctas)
+    if max_ctas is not None:
+        max_ctas = _check_max_ctas(max_ctas)
+    if n:
+        if on_device:
+            be.scatter(src, cache, ids, start, stop, max_ctas, check=True)
+        else:
+            be.scatter(src, cache, ids, start, stop, max_ctas)
     return cache
 
 
@@ -186,49 +217,48 @@ def copy_blocks(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, 
     """
     if direction not in ("pull", "push"):
         raise ValueError(f"direction must be 'pull' or 'push', got {direction!r}")
-    src_cache = check_cache("src_cache", src_cache)
-    dst_cache = check_cache("dst_cache", dst_cache)
-    _check_validate(validate, dst_cache.device, src_cache.device)
-    check_same_spec("src_cache", src_cache.spec, "dst_cache", dst_cache.spec)
-    start, stop = _layers(layers, dst_cache.spec.num_layers)
-    be = get_backend(backend, dst_cache.device)
-    checks = _device_checks(be)
-    s, s_dev = check_ids("src_ids", src_ids, src_cache.num_blocks, dst_cache.device, validate,
+    if type(src_cache) is not PagedKVCache:
+        src_cache = check_cache("src_cache", src_cache)
+    if type(dst_cache) is not PagedKVCache:
+        dst_cache = check_cache("dst_cache", dst_cache)
+    dev, spec = dst_cache.device, dst_cache.spec
+    _check_validate(validate, dev, src_cache.device)
+    if dst_cache.backend_state.get("checked_spec") is not src_cache.spec:  # specs are frozen
+        check_same_spec("src_cache", src_cache.spec, "dst_cache", spec)
+        dst_cache.backend_state["checked_spec"] = src_cache.spec
+    start, stop = (0, spec.num_layers) if layers is None else normalize_layers(layers, spec.num_layers)
+    be = get_backend(backend, dev)
+    checks = getattr(be, "device_checks", False)
+    s, s_dev = check_ids("src_ids", src_ids, src_cache.num_blocks, dev, validate,
                          device_checks=checks)
-    d, d_dev = check_ids("dst_ids", dst_ids, dst_cache.num_blocks, dst_cache.device, validate,
+    d, d_dev = check_ids("dst_ids", dst_ids, dst_cache.num_blocks, dev, validate,
                          unique=True, device_checks=checks)
-    if s.numel() != d.numel():
+    if s.shape[0] != d.shape[0]:
         raise ValueError(f"src_ids has {s.numel()} ids but dst_ids has {d.numel()}; "
                          f"they pair one to one")
-    _check_disjoint(src_cache, dst_cache, s, d, validate)
-    max_ctas = _check_max_ctas(max_ctas)
+    same = _check_disjoint(src_cache, dst_cache, s, d, validate, s_dev or d_dev)
+    if max_ctas is not None:
+        max_ctas = _check_max_ctas(max_ctas)
     if src_cache.device.type != dst_cache.device.type:
         raise ValueError(f"src_cache is on {src_cache.device} and dst_cache on {dst_cache.device}; "
                          f"copy_blocks moves between caches of one device type")
     if direction == "push" and "push" not in getattr(be, "directions", ("pull",)):
         raise ValueError(f"direction='push' is not supported by backend {be.name!r}; "
                          f"use 'pull' or one of the triton/numba_cuda backends")
-    if s.numel():
+    if s.shape[0]:
         kw = {} if direction == "pull" else {"direction": direction}
-        _call(be.copy, s_dev or d_dev, src_cache, dst_cache, s, d, start, stop, max_ctas, **kw)
+        if s_dev or d_dev:
+            kw["check"] = True
+            if same:
+                kw["same"] = True
+        be.copy(src_cache, dst_cache, s, d, start, stop, max_ctas, **kw)
     return dst_cache
 
 
-def _device_checks(be: Any) -> bool:
-    return getattr(be, "device_checks", False)
 
 
-def _call(fn: Any, on_device: bool, *args: Any, **kw: Any) -> None:
-    """Run a backend op; ``check=True`` only when the ids are checked on the device (backends
-    without ``device_checks`` never see the keyword)."""
-    if on_device:
-        fn(*args, check=True, **kw)
-    else:
-        fn(*args, **kw)
 
 
-def _staging(cache: PagedKVCache, n: int, start: int, stop: int) -> tuple[int, ...]:
-    return (stop - start, cache.spec.tensors_per_layer, n, *cache.spec.block_shape)
 
 
 def payload_bytes(spec, num_blocks: int, layers: Any = None) -> int:

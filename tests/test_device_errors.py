@@ -142,6 +142,21 @@ def test_repeated_destination_is_recorded(triton_cpu, op):
     raises_exactly(expected, check_errors)
 
 
+def test_copy_within_one_cache_skips_and_reports_a_shared_block(triton_cpu):
+    cache, whole = guarded_cache("cpu", 18)
+    before = PagedKVCache(SPEC, NB, buffer=whole[GUARD:-GUARD].clone())
+    # pair 1 reads block 5, which pair 2 writes: skipped and reported; pairs 0 and 2 copy
+    triton_cpu.copy(cache, cache, torch.tensor([1, 5, 7]), torch.tensor([2, 9, 5]), 0,
+                    SPEC.num_layers, check=True, same=True)
+    for layer in range(SPEC.num_layers):
+        for now, old in zip(cache.layer(layer), before.layer(layer)):
+            assert_bytes_equal(now[2], old[1], "pair 0")
+            assert_bytes_equal(now[5], old[7], "pair 2")
+            assert_bytes_equal(now[9], old[9], "pair 1 skipped")
+    raises_exactly(message("copy_blocks", "cpu", "src_ids and dst_ids share block 5 of one cache",
+                           "pair 1 was skipped"), check_errors)
+
+
 def test_first_finding_wins_and_unchecked_calls_record_nothing(triton_cpu):
     src, _ = guarded_cache("cpu", 11)
     out = staging_buffer(SPEC, 3)
@@ -170,11 +185,13 @@ def test_default_calls_with_gpu_ids_never_sync(monkeypatch):
     src, _ = guarded_cache("cuda", 12)
     dst, _ = guarded_cache("cuda", 13)
     ids = torch.tensor([4, 0, 7], device="cuda")
+    low, high = torch.tensor([0, 1, 2], device="cuda"), torch.tensor([6, 7, 8], device="cuda")
     out = staging_buffer(SPEC, 3, device="cuda")
     for _ in range(2):  # the first call builds tables, plans and compiles
         gather_blocks(src, ids, out)
         scatter_blocks(out, dst, ids + 1)
         copy_blocks(src, dst, ids, ids + 4)
+        copy_blocks(dst, dst, low, high)  # within one cache
     torch.cuda.synchronize()
 
     def forbidden(*a, **k):
@@ -189,6 +206,7 @@ def test_default_calls_with_gpu_ids_never_sync(monkeypatch):
             gather_blocks(src, ids, out)
             scatter_blocks(out, dst, ids + 1)
             copy_blocks(src, dst, ids, ids + 4)
+            copy_blocks(dst, dst, low, high)
     finally:
         torch.cuda.set_sync_debug_mode("default")
         monkeypatch.undo()

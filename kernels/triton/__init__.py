@@ -83,7 +83,7 @@ class TritonBackend:
                     st.next() if st else 0, _SCATTER)
 
     def copy(self, src_cache, dst_cache, src_ids, dst_ids, start, stop, max_ctas=None,
-             direction="pull", check=False):
+             direction="pull", check=False, same=False):
         if direction not in DIRECTIONS:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
         dev = dst_cache.device if direction == "pull" else src_cache.device
@@ -99,14 +99,21 @@ class TritonBackend:
         a = alignment(s_align, d_align, bb)
         s64, d64 = src_ids.dtype == torch.int64, dst_ids.dtype == torch.int64
         dup = check and not _capturing(dev)
-        plan = _plan(dst_cache, ("copy", dev, start, stop, max_ctas, s64, d64, check, dup, a),
-                     dev, bb, a, (stop - start) * T, True, True, s64, d64, check, dup, max_ctas)
+        shared = same and dup  # one cache: stamp the destinations first, in their own launch
+        plan = _plan(dst_cache, ("copy", dev, start, stop, max_ctas, s64, d64, check, dup,
+                                 shared, a),
+                     dev, bb, a, (stop - start) * T, True, True, s64, d64, check,
+                     dup and not shared, max_ctas, shared=shared)
         rec = record_for(dev)
         st = stamps(dst_cache, dev) if dup else None
-        plan.launch(s_table + start * T * 8, d_table + start * T * 8, 0, 0, src_ids.data_ptr(),
-                    dst_ids.data_ptr(), src_ids.shape[0], src_cache.num_blocks,
-                    dst_cache.num_blocks, rec.record_addr, rec.ready_addr, st.addr if st else 0,
-                    st.next() if st else 0, _COPY)
+        args = (s_table + start * T * 8, d_table + start * T * 8, 0, 0, src_ids.data_ptr(),
+                dst_ids.data_ptr(), src_ids.shape[0], src_cache.num_blocks,
+                dst_cache.num_blocks, rec.record_addr, rec.ready_addr, st.addr if st else 0,
+                st.next() if st else 0, _COPY)
+        if shared:
+            _plan(dst_cache, ("stamp", dev, s64, d64), dev, bb, a, 1, True, True, s64, d64,
+                  True, True, None, stamp_only=True).launch(*args)
+        plan.launch(*args)
 
 
 _GATHER, _SCATTER, _COPY = (OP_CODES[k] for k in ("gather_blocks", "scatter_blocks",
@@ -114,7 +121,7 @@ _GATHER, _SCATTER, _COPY = (OP_CODES[k] for k in ("gather_blocks", "scatter_bloc
 
 
 def _plan(cache, key, device, run_bytes, align, num_tensors, src_cache, dst_cache, src_i64,
-          dst_i64, check, dup, max_ctas):
+          dst_i64, check, dup, max_ctas, shared=False, stamp_only=False):
     """The launch plan for ``key``, kept in ``cache.backend_state``. A plan holds no address:
     the cache tables, ids and buffers are passed per call, so a peer cache never lives in it."""
     plans = cache.backend_state.get("triton_plans")
@@ -126,7 +133,8 @@ def _plan(cache, key, device, run_bytes, align, num_tensors, src_cache, dst_cach
     plan = plans[key] = _launch.Plan(device=device, run_bytes=run_bytes, align=align,
                                      num_tensors=num_tensors, src_cache=src_cache,
                                      dst_cache=dst_cache, src_i64=src_i64, dst_i64=dst_i64,
-                                     check=check, dup=dup, max_ctas=max_ctas)
+                                     check=check, dup=dup, max_ctas=max_ctas,
+                                     shared=shared, stamp_only=stamp_only)
     return plan
 
 

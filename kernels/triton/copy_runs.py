@@ -46,19 +46,28 @@ def _copy_runs(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
                CHUNK: tl.constexpr, BLOCK: tl.constexpr, EVEN: tl.constexpr,
                SRC_CACHE: tl.constexpr, DST_CACHE: tl.constexpr, STREAM: tl.constexpr,
                SRC_I64: tl.constexpr, DST_I64: tl.constexpr, CHECK: tl.constexpr,
-               DUP: tl.constexpr):
+               DUP: tl.constexpr, SHARED: tl.constexpr, STAMP_ONLY: tl.constexpr):
     """Copy ``total`` work items; see the module docstring. RUN, CHUNK, BLOCK are in words;
-    every pointer argument is an int64 address (so a new buffer never recompiles)."""
+    every pointer argument is an int64 address (so a new buffer never recompiles).
+
+    Copies within one cache take two launches: ``STAMP_ONLY`` (one item per pair: check and
+    stamp the destination ids, copy nothing), then the copy with ``SHARED``, which skips and
+    reports a pair whose source block carries this call's stamp (it is also a destination)."""
     NCHUNK: tl.constexpr = (RUN + CHUNK - 1) // CHUNK
     ar = tl.arange(0, BLOCK)
     err = errors.to(tl.pointer_type(tl.int64))
     free = tl.full([], 0, tl.int64)  # the record's lock word: 0 free, 1 taken
     taken = tl.full([], 1, tl.int64)
     for w in range(tl.program_id(0), total, tl.num_programs(0)):
-        c = w % NCHUNK
-        r = w // NCHUNK
-        i = r % n
-        j = r // n
+        if STAMP_ONLY:
+            c = 0
+            i = w
+            j = 0
+        else:
+            c = w % NCHUNK
+            r = w // NCHUNK
+            i = r % n
+            j = r // n
         valid = i >= 0
         first = (j == 0) & (c == 0)  # one work item per pair reports its ids
         if SRC_CACHE:
@@ -70,11 +79,23 @@ def _copy_runs(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
             if CHECK:
                 if first & ((s < -1) | (s >= src_n)):
                     if tl.atomic_cas(err, free, taken) == 0:
-                        tl.store(err + 1, op * 4)
+                        tl.store(err + 1, op * 16)
                         tl.store(err + 2, i)
                         tl.store(err + 3, s)
                         tl.store(err + 4, src_n)
                         tl.store(ready.to(tl.pointer_type(tl.int64)), 1)
+            if SHARED:
+                inside = (s >= 0) & (s < src_n)
+                if inside:
+                    both = tl.load(stamps.to(tl.pointer_type(tl.int32)) + s) == call
+                    valid = valid & (both == 0)
+                    if first & both:
+                        if tl.atomic_cas(err, free, taken) == 0:
+                            tl.store(err + 1, op * 16 + 2)
+                            tl.store(err + 2, i)
+                            tl.store(err + 3, s)
+                            tl.store(err + 4, src_n)
+                            tl.store(ready.to(tl.pointer_type(tl.int64)), 1)
             base = tl.load(src_table.to(tl.pointer_type(tl.int64)) + j).to(tl.pointer_type(WORD))
             sp = base + s * RUN
         else:
@@ -95,7 +116,7 @@ def _copy_runs(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
                             bad = bad | (tl.atomic_xchg(stamp, call) == call)
                     if bad:
                         if tl.atomic_cas(err, free, taken) == 0:
-                            tl.store(err + 1, op * 4 + 2 + inside.to(tl.int32))
+                            tl.store(err + 1, op * 16 + 4 + inside.to(tl.int32))
                             tl.store(err + 2, i)
                             tl.store(err + 3, d)
                             tl.store(err + 4, dst_n)
@@ -104,6 +125,8 @@ def _copy_runs(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
             dp = base + d * RUN
         else:
             dp = dst_stage.to(tl.pointer_type(WORD)) + (j.to(tl.int64) * n + i) * RUN
+        if STAMP_ONLY:
+            valid = False
         if valid:
             sp = tl.multiple_of(sp + c * CHUNK, ALIGN)
             dp = tl.multiple_of(dp + c * CHUNK, ALIGN)

@@ -65,13 +65,17 @@ class Plan:
         Id dtypes (int64 when True, else int32).
     check, dup : bool
         Record bad ids on the device; also repeated destination ids.
+    shared, stamp_only : bool
+        Copies within one cache: the copy that skips pairs whose source is stamped, and the
+        launch before it that only stamps (one work item per pair).
     max_ctas : int or None
         Grid cap; None fills the GPU.
     """
 
     def __init__(self, *, device: torch.device, run_bytes: int, align: int, num_tensors: int,
                  src_cache: bool, dst_cache: bool, src_i64: bool, dst_i64: bool, check: bool,
-                 dup: bool, max_ctas: int | None, config: Any = None) -> None:
+                 dup: bool, max_ctas: int | None, config: Any = None, shared: bool = False,
+                 stamp_only: bool = False) -> None:
         cfg = self.config = config or _cr.CONFIG
         word = min(align, 8)
         run = run_bytes // word
@@ -85,12 +89,14 @@ class Plan:
         chunk = block * max(1, min(-(-run // block), chunk_bytes // word // block))
         self.device, self.warps = device, warps
         self.index = device.index if device.type == "cuda" else None
-        self.per_pair = num_tensors * (-(-run // chunk))  # work items per pair of ids
+        # work items per pair of ids
+        self.per_pair = 1 if stamp_only else num_tensors * (-(-run // chunk))
         self.limit = max_ctas or (cfg.ctas_per_sm * sms if cfg.persistent else None)
         self.consts = dict(WORD=_WORDS[word], ALIGN=align, RUN=run, CHUNK=chunk, BLOCK=block,
                            EVEN=run % chunk == 0, SRC_CACHE=src_cache, DST_CACHE=dst_cache,
                            STREAM=cfg.capped_streaming if capped else cfg.streaming,
-                           SRC_I64=src_i64, DST_I64=dst_i64, CHECK=check, DUP=dup)
+                           SRC_I64=src_i64, DST_I64=dst_i64, CHECK=check, DUP=dup,
+                           SHARED=shared, STAMP_ONLY=stamp_only)
         self.const_values = tuple(self.consts.values())
         self.compiled = None
 
