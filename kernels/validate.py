@@ -72,15 +72,18 @@ def check_ids(name: str, ids: Any, num_blocks: int, device: torch.device,
     if ids.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(ids.shape)}")
     where = ids.device
-    if where != device and where.type != "cpu":
-        raise ValueError(f"{name} is on {where}; the cache is on {device}")
     on_device = False
-    if validate and ids.numel():
-        if where.type != "cpu" and device_checks:
-            on_device = True
-        else:
+    if where == device:
+        if validate and ids.shape[0]:
+            if device_checks and where.type != "cpu":
+                on_device = True
+            else:
+                check_values(name, ids, num_blocks, unique)
+    elif where.type != "cpu":
+        raise ValueError(f"{name} is on {where}; the cache is on {device}")
+    else:  # host ids for a device cache: checked here, then copied over
+        if validate and ids.shape[0]:
             check_values(name, ids, num_blocks, unique)
-    if where != device:
         ids = ids.to(device, non_blocking=True)
     return (ids if ids.is_contiguous() else ids.contiguous()), on_device
 

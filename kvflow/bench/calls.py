@@ -21,6 +21,7 @@ reason when capture fails). docs/design.md, "Measuring".
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from typing import Any, Callable
@@ -83,9 +84,10 @@ def cases(opts: dict, device, skipped: list) -> list[tuple[dict, Callable[[], ob
     ids = torch.randperm(cache.num_blocks, generator=torch.Generator().manual_seed(opts["seed"]))
     src, dst = ids[:n].to(device), ids[n:2 * n].to(device)
     buf = scramble(staging_buffer(spec, n, device=device))
-    ops = {"gather": lambda s, d, **kw: gather_blocks(cache, s, buf, **kw),
-           "scatter": lambda s, d, **kw: scatter_blocks(buf, cache, s, **kw),
-           "copy": lambda s, d, **kw: copy_blocks(cache, cache, s, d, **kw)}
+    # each case is one C-level partial of the op: no Python frame between the loop and the op
+    ops = {"gather": lambda s, d, **kw: functools.partial(gather_blocks, cache, s, buf, **kw),
+           "scatter": lambda s, d, **kw: functools.partial(scatter_blocks, buf, cache, s, **kw),
+           "copy": lambda s, d, **kw: functools.partial(copy_blocks, cache, cache, s, d, **kw)}
     # host ids: a CPU tensor for a GPU cache (the wrapper copies it over), a list on a CPU
     host = {"cuda": lambda t: t.cpu(), "cpu": lambda t: t.tolist()}[device.type]
     hsrc, hdst = host(src), host(dst)
@@ -98,14 +100,14 @@ def cases(opts: dict, device, skipped: list) -> list[tuple[dict, Callable[[], ob
             kw = {} if backend == auto else {"backend": backend}
             args = "defaults" if not kw else f"backend={backend!r}"
             out.append((dict(base, op=op, backend=backend, call=args, ids="device tensor"),
-                        lambda f=f, kw=kw: f(src, dst, **kw)))
+                        f(src, dst, **kw)))
             if backend == "torch":
                 continue
             out.append((dict(base, op=op, backend=backend, call=args + ", validate=False",
-                             ids="device tensor"), lambda f=f, kw=kw: f(src, dst, validate=False, **kw)))
+                             ids="device tensor"), f(src, dst, validate=False, **kw)))
             out.append((dict(base, op=op, backend=backend, call=args,
                              ids="host tensor" if device.type == "cuda" else "Python list"),
-                        lambda f=f, kw=kw: f(hsrc, hdst, **kw)))
+                        f(hsrc, hdst, **kw)))
     a = torch.empty(spec.bytes_per_block * n, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     out.append((dict(base, op="copy_", backend="torch", call="dst.copy_(src), payload bytes",
@@ -126,7 +128,7 @@ def cases(opts: dict, device, skipped: list) -> list[tuple[dict, Callable[[], ob
     for extra in ({}, {"validate": False}) if gpu else ():
         kw = dict(extra, **({} if gpu == auto else {"backend": gpu}))
         try:
-            replay = capture_graph(lambda kw=kw: ops["gather"](src, dst, **kw), device)
+            replay = capture_graph(ops["gather"](src, dst, **kw), device)
         except Exception as exc:  # noqa: BLE001 - a capture that fails is reported, not fatal
             first = (str(exc).strip().splitlines() or [""])[0]
             reasons.append(f"{kw or 'defaults'}: {type(exc).__name__}: {first}")
