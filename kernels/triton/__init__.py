@@ -61,8 +61,11 @@ class TritonBackend:
         T, bb = cache.spec.tensors_per_layer, cache.spec.block_bytes
         a = alignment(align, bb, ptr)
         i64 = ids.dtype == torch.int64
-        plan = _plan(cache, ("gather", start, stop, max_ctas, i64, check, a), dev, bb, a,
-                     (stop - start) * T, True, False, i64, False, check, False, max_ctas)
+        key = ("gather", start, stop, max_ctas, i64, check, a)
+        plan = _plans(cache).get(key)
+        if plan is None or plan.config is not _launch.current_config():
+            plan = _plan(cache, key, dev, bb, a, (stop - start) * T, True, False, i64, False,
+                         check, False, max_ctas)
         rec = record_for(dev)
         plan.launch(table + start * T * 8, 0, 0, ptr, ids.data_ptr(), 0, n, cache.num_blocks, n,
                     rec.record_addr, rec.ready_addr, 0, 0, _GATHER)
@@ -74,8 +77,11 @@ class TritonBackend:
         a = alignment(align, bb, ptr)
         i64 = ids.dtype == torch.int64
         dup = check and not _capturing(dev)
-        plan = _plan(cache, ("scatter", start, stop, max_ctas, i64, check, dup, a), dev, bb, a,
-                     (stop - start) * T, False, True, False, i64, check, dup, max_ctas)
+        key = ("scatter", start, stop, max_ctas, i64, check, dup, a)
+        plan = _plans(cache).get(key)
+        if plan is None or plan.config is not _launch.current_config():
+            plan = _plan(cache, key, dev, bb, a, (stop - start) * T, False, True, False, i64,
+                         check, dup, max_ctas)
         rec = record_for(dev)
         st = stamps(cache, dev) if dup else None
         plan.launch(0, table + start * T * 8, ptr, 0, 0, ids.data_ptr(), n, n, cache.num_blocks,
@@ -120,13 +126,19 @@ _GATHER, _SCATTER, _COPY = (OP_CODES[k] for k in ("gather_blocks", "scatter_bloc
                                                   "copy_blocks"))
 
 
+def _plans(cache) -> dict:
+    """The plans of ``cache`` (made on first use)."""
+    plans = cache.backend_state.get("triton_plans")
+    if plans is None:
+        plans = cache.backend_state["triton_plans"] = {}
+    return plans
+
+
 def _plan(cache, key, device, run_bytes, align, num_tensors, src_cache, dst_cache, src_i64,
           dst_i64, check, dup, max_ctas, shared=False, stamp_only=False):
     """The launch plan for ``key``, kept in ``cache.backend_state``. A plan holds no address:
     the cache tables, ids and buffers are passed per call, so a peer cache never lives in it."""
-    plans = cache.backend_state.get("triton_plans")
-    if plans is None:
-        plans = cache.backend_state["triton_plans"] = {}
+    plans = _plans(cache)
     plan = plans.get(key)
     if plan is not None and plan.config is _launch.current_config():
         return plan

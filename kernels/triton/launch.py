@@ -111,23 +111,27 @@ class Plan:
         if total >= MAX_ITEMS:
             raise ValueError(f"{total} work items exceed the kernel's int32 index; split the call")
         grid = total if self.limit is None or total < self.limit else self.limit
+        k = self.compiled
+        if k is not None and _get_device() == self.index:  # the common case, kept short
+            # The call Triton's JIT makes after binding (runtime/jit.py), without launch
+            # metadata or hooks: (grid, stream, function, packed metadata, ..., all args).
+            k.run(grid, 1, 1, _raw_stream(self.index), k.function, k.packed_metadata, None,
+                  None, None, src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids, n,
+                  src_n, dst_n, total, errors, ready, stamps, call, op, *self.const_values)
+            return
         args = (src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids, n, src_n, dst_n,
                 total, errors, ready, stamps, call, op)
         if self.index is None:  # Triton's interpreter: no compiled kernel to keep
             _cr.kernel()[(grid,)](*args, **self.consts, num_warps=self.warps)
             return
         prev = _get_device()
-        if prev != self.index:
-            torch.cuda.set_device(self.index)
+        torch.cuda.set_device(self.index)
         try:
-            k = self.compiled
-            if k is not None:
-                # The call Triton's JIT makes after binding (runtime/jit.py), without launch
-                # metadata or hooks: (grid, stream, function, packed metadata, ..., all args).
-                k.run(grid, 1, 1, _raw_stream(self.index), k.function, k.packed_metadata,
-                      None, None, None, *args, *self.const_values)
-            else:
+            if self.compiled is None:
                 self.compiled = _cr.kernel()[(grid,)](*args, **self.consts, num_warps=self.warps)
+            else:
+                k = self.compiled
+                k.run(grid, 1, 1, _raw_stream(self.index), k.function, k.packed_metadata, None,
+                      None, None, *args, *self.const_values)
         finally:
-            if prev != self.index:
-                torch.cuda.set_device(prev)
+            torch.cuda.set_device(prev)
