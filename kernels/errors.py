@@ -79,7 +79,7 @@ class DeviceErrors:
         op, side, kind = code // 16, code % 16 // 4, code % 4
         name = _ARG.get((op, side), "block_ids")
         if kind == 2:
-            base, after = shared(value), f"pair {index} was skipped"
+            base, after = shared(value), f"the destination of pair {index} is undefined"
         elif kind == 1:
             base, after = repeated(name, value), "its content is undefined"
         else:

@@ -21,10 +21,12 @@ staging buffers, ids) and the pair count ``n`` are runtime int64/int32 values th
 specialised on, so a new request size or buffer never recompiles and one compiled kernel per
 launch plan (:mod:`.launch`) serves every call.
 
-Checks (``CHECK``): one work item per pair (tensor 0, chunk 0) records the first id outside
-``[-1, num_blocks)`` and, with ``DUP``, a destination id already stamped with this call's number
-(a per-cache int32 array, :func:`kvflow.kernels.tables.stamps`) into the device's error record
-(:mod:`kvflow.kernels.errors`); the pair itself is skipped like padding.
+Checks (``CHECK``): one work item per pair (tensor 0, chunk 0), after its copy so that the
+checks' memory traffic never delays it, records into the device's error record
+(:mod:`kvflow.kernels.errors`) an id outside ``[-1, num_blocks)`` (that pair was skipped like
+padding) and, with ``DUP``, a destination id already stamped with this call's number (a
+per-cache int32 array, :func:`kvflow.kernels.tables.stamps`), or with ``SHARED`` a source id
+stamped as a destination (copies within one cache; both leave undefined content).
 
 Under ``TRITON_INTERPRET=1`` the same kernel runs on CPU tensors (CI); the int64 -> pointer cast
 works in both the interpreter and the compiler.
@@ -51,8 +53,8 @@ def _copy_runs(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
     every pointer argument is an int64 address (so a new buffer never recompiles).
 
     Copies within one cache take two launches: ``STAMP_ONLY`` (one item per pair: check and
-    stamp the destination ids, copy nothing), then the copy with ``SHARED``, which skips and
-    reports a pair whose source block carries this call's stamp (it is also a destination)."""
+    stamp the destination ids, copy nothing), then the copy with ``SHARED``, which reports a
+    pair whose source block carries this call's stamp (it is also a destination)."""
     NCHUNK: tl.constexpr = (RUN + CHUNK - 1) // CHUNK
     ar = tl.arange(0, BLOCK)
     err = errors.to(tl.pointer_type(tl.int64))
@@ -69,33 +71,14 @@ def _copy_runs(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
             i = r % n
             j = r // n
         valid = i >= 0
-        first = (j == 0) & (c == 0)  # one work item per pair reports its ids
+        first = (j == 0) & (c == 0)  # one work item per pair checks and reports its ids
         if SRC_CACHE:
             if SRC_I64:
                 s = tl.load(src_ids.to(tl.pointer_type(tl.int64)) + i)
             else:
                 s = tl.load(src_ids.to(tl.pointer_type(tl.int32)) + i).to(tl.int64)
-            valid = valid & (s >= 0) & (s < src_n)
-            if CHECK:
-                if first & ((s < -1) | (s >= src_n)):
-                    if tl.atomic_cas(err, free, taken) == 0:
-                        tl.store(err + 1, op * 16)
-                        tl.store(err + 2, i)
-                        tl.store(err + 3, s)
-                        tl.store(err + 4, src_n)
-                        tl.store(ready.to(tl.pointer_type(tl.int64)), 1)
-            if SHARED:
-                inside = (s >= 0) & (s < src_n)
-                if inside:
-                    both = tl.load(stamps.to(tl.pointer_type(tl.int32)) + s) == call
-                    valid = valid & (both == 0)
-                    if first & both:
-                        if tl.atomic_cas(err, free, taken) == 0:
-                            tl.store(err + 1, op * 16 + 2)
-                            tl.store(err + 2, i)
-                            tl.store(err + 3, s)
-                            tl.store(err + 4, src_n)
-                            tl.store(ready.to(tl.pointer_type(tl.int64)), 1)
+            in_src = (s >= 0) & (s < src_n)
+            valid = valid & in_src
             base = tl.load(src_table.to(tl.pointer_type(tl.int64)) + j).to(tl.pointer_type(WORD))
             sp = base + s * RUN
         else:
@@ -105,22 +88,8 @@ def _copy_runs(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
                 d = tl.load(dst_ids.to(tl.pointer_type(tl.int64)) + i)
             else:
                 d = tl.load(dst_ids.to(tl.pointer_type(tl.int32)) + i).to(tl.int64)
-            inside = (d >= 0) & (d < dst_n)
-            valid = valid & inside
-            if CHECK:
-                if first:
-                    bad = (d < -1) | (d >= dst_n)
-                    if DUP:
-                        if inside:
-                            stamp = stamps.to(tl.pointer_type(tl.int32)) + d
-                            bad = bad | (tl.atomic_xchg(stamp, call) == call)
-                    if bad:
-                        if tl.atomic_cas(err, free, taken) == 0:
-                            tl.store(err + 1, op * 16 + 4 + inside.to(tl.int32))
-                            tl.store(err + 2, i)
-                            tl.store(err + 3, d)
-                            tl.store(err + 4, dst_n)
-                            tl.store(ready.to(tl.pointer_type(tl.int64)), 1)
+            in_dst = (d >= 0) & (d < dst_n)
+            valid = valid & in_dst
             base = tl.load(dst_table.to(tl.pointer_type(tl.int64)) + j).to(tl.pointer_type(WORD))
             dp = base + d * RUN
         else:
@@ -145,6 +114,32 @@ def _copy_runs(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
                         tl.store(dp + offs, v, mask=m, cache_modifier=".cs")
                     else:
                         tl.store(dp + offs, tl.load(sp + offs, mask=m), mask=m)
+        if CHECK:  # after the copy, so the checks' memory traffic never delays it
+            if first:
+                code = tl.full([], -1, tl.int32)  # op * 16 + side * 4 + kind (kernels/errors.py)
+                value = tl.full([], 0, tl.int64)
+                limit = tl.full([], 0, tl.int32)
+                if SRC_CACHE:
+                    if (s < -1) | (s >= src_n):
+                        code, value, limit = op * 16, s, src_n
+                    if SHARED:
+                        if in_src:
+                            if tl.load(stamps.to(tl.pointer_type(tl.int32)) + s) == call:
+                                code, value, limit = op * 16 + 2, s, src_n
+                if DST_CACHE:
+                    if (d < -1) | (d >= dst_n):
+                        code, value, limit = op * 16 + 4, d, dst_n
+                    if DUP:
+                        if in_dst:
+                            if tl.atomic_xchg(stamps.to(tl.pointer_type(tl.int32)) + d, call) == call:
+                                code, value, limit = op * 16 + 5, d, dst_n
+                if code >= 0:
+                    if tl.atomic_cas(err, free, taken) == 0:
+                        tl.store(err + 1, code)
+                        tl.store(err + 2, i)
+                        tl.store(err + 3, value)
+                        tl.store(err + 4, limit)
+                        tl.store(ready.to(tl.pointer_type(tl.int64)), 1)
 
 
 @dataclasses.dataclass
