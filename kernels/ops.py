@@ -84,6 +84,24 @@ def _relation(src_cache: PagedKVCache, dst_cache: PagedKVCache) -> str:
     return relation
 
 
+def _staged(cache: Any, block_ids: Any, name: str, buf: Any, layers: Any, backend: str,
+            validate: Any, unique: bool) -> tuple:
+    """The checks of gather and scatter (a cache, its ids, a staging buffer ``name``), written
+    for a short host path (issue #16): ``(cache, ids, buf, start, stop, backend, on_device)``."""
+    if type(cache) is not PagedKVCache:
+        cache = check_cache("cache", cache)
+    dev, spec = cache.device, cache.spec
+    _check_validate(validate, dev)
+    start, stop = (0, spec.num_layers) if layers is None else normalize_layers(layers, spec.num_layers)
+    be = get_backend(backend, dev)
+    ids, on_device = check_ids("block_ids", block_ids, cache.num_blocks, dev, validate,
+                               unique=unique, device_checks=getattr(be, "device_checks", False))
+    buf = check_buffer(name, buf, (stop - start, spec.tensors_per_layer, ids.shape[0],
+                                   *spec.block_shape), spec.dtype, dev)
+    _check_separate(name, buf, cache)
+    return cache, ids, buf, start, stop, be, on_device
+
+
 def gather_blocks(cache: PagedKVCache, block_ids: Any, out: Any, layers: Any = None, *,
                   backend: str = "auto", max_ctas: int | None = None,
                   validate: bool = True) -> torch.Tensor:
@@ -120,19 +138,9 @@ def gather_blocks(cache: PagedKVCache, block_ids: Any, out: Any, layers: Any = N
     TypeError, ValueError
         Bad argument, naming it and its value; RuntimeError for an unavailable backend.
     """
-    # Written for a short host path (issue #16): each step is one check, no helper layers.
-    if type(cache) is not PagedKVCache:
-        cache = check_cache("cache", cache)
-    dev, spec = cache.device, cache.spec
-    _check_validate(validate, dev)
-    start, stop = (0, spec.num_layers) if layers is None else normalize_layers(layers, spec.num_layers)
-    be = get_backend(backend, dev)
-    ids, on_device = check_ids("block_ids", block_ids, cache.num_blocks, dev, validate,
-                               device_checks=getattr(be, "device_checks", False))
+    cache, ids, out, start, stop, be, on_device = _staged(cache, block_ids, "out", out, layers,
+                                                          backend, validate, unique=False)
     n = ids.shape[0]
-    out = check_buffer("out", out, (stop - start, spec.tensors_per_layer, n, *spec.block_shape),
-                       spec.dtype, dev)
-    _check_separate("out", out, cache)
     if max_ctas is not None:
         max_ctas = _check_max_ctas(max_ctas)
     if n:
@@ -164,18 +172,9 @@ def scatter_blocks(src: Any, cache: PagedKVCache, block_ids: Any, layers: Any = 
     PagedKVCache
         ``cache``.
     """
-    if type(cache) is not PagedKVCache:
-        cache = check_cache("cache", cache)
-    dev, spec = cache.device, cache.spec
-    _check_validate(validate, dev)
-    start, stop = (0, spec.num_layers) if layers is None else normalize_layers(layers, spec.num_layers)
-    be = get_backend(backend, dev)
-    ids, on_device = check_ids("block_ids", block_ids, cache.num_blocks, dev, validate,
-                               unique=True, device_checks=getattr(be, "device_checks", False))
+    cache, ids, src, start, stop, be, on_device = _staged(cache, block_ids, "src", src, layers,
+                                                          backend, validate, unique=True)
     n = ids.shape[0]
-    src = check_buffer("src", src, (stop - start, spec.tensors_per_layer, n, *spec.block_shape),
-                       spec.dtype, dev)
-    _check_separate("src", src, cache)
     if max_ctas is not None:
         max_ctas = _check_max_ctas(max_ctas)
     if n:
