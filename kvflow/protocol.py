@@ -65,6 +65,7 @@ class Register(_Msg):
     fingerprint: dict[str, Any] = {}  # kvflow.serve.fingerprint (config, dtype, weights...)
     model: str = ""                 # the instance's --model
     tokenizer: str = ""             # its tokenizer's digest: the router's must be equal
+    connector_md: bytes = b""       # nixl: an encoded NixlAgentInfo (agent metadata, cache)
     version: int = PROTOCOL_VERSION
 
 
@@ -100,6 +101,7 @@ class Pair(_Msg):
     peer_pid: int = 0               # the peer's process id (one host: a liveness check)
     peer_host_id: str = ""          # the peer's Register.host_id: its pid is comparable when equal
     peer_fingerprint: dict[str, Any] = {}  # the peer's Register.fingerprint, checked too
+    peer_connector_md: bytes = b""  # the peer's Register.connector_md (nixl: NixlAgentInfo)
 
 
 class Unpair(_Msg):
@@ -264,6 +266,64 @@ class LeaseRenew(_Msg):
     ``req_ids``; P frees a sent request's blocks when neither a renewal nor an ack came within
     its lease (``--kv-lease-s``)."""
     req_ids: list[str]
+
+
+class NixlAgentInfo(msgspec.Struct, forbid_unknown_fields=True):
+    """What a ``nixl`` instance tells its peers at pairing (msgpack in
+    :attr:`Register.connector_md` / :attr:`Pair.peer_connector_md`; not a control message).
+
+    Attributes
+    ----------
+    agent : str
+        The NIXL agent's name (unique per instance).
+    metadata : bytes
+        ``nixl_agent.get_agent_metadata()``: the agent's backends and connection info (UCX
+        worker address) and its registered memory; a peer loads it with ``add_remote_agent``.
+    cache_addr, cache_bytes : int
+        D: address and size (bytes) of its whole registered KV cache (one allocation, laid out
+        as :class:`~kvflow.cache.PagedKVCache`); 0 for P.
+    num_blocks : int
+        Blocks of that cache.
+    staging_addr, staging_slots, slot_bytes : int
+        D in staged mode: its registered staging buffer of ``staging_slots`` slots of
+        ``slot_bytes`` bytes each (one per paired P); 0 otherwise.
+    mode : str
+        ``direct`` or ``staged``: P and D must agree.
+    """
+    agent: str
+    metadata: bytes
+    cache_addr: NonNeg = 0
+    cache_bytes: NonNeg = 0
+    num_blocks: NonNeg = 0
+    staging_addr: NonNeg = 0
+    staging_slots: NonNeg = 0
+    slot_bytes: NonNeg = 0
+    mode: str = "direct"
+
+
+_INFO_DECODER = msgspec.msgpack.Decoder(NixlAgentInfo)
+
+
+def encode_agent_info(info: NixlAgentInfo) -> bytes:
+    """``info`` as msgpack bytes (for ``Register.connector_md``)."""
+    return _ENCODER.encode(info)
+
+
+def decode_agent_info(data: bytes) -> NixlAgentInfo:
+    """The :class:`NixlAgentInfo` a peer sent.
+
+    Raises
+    ------
+    ProtocolError
+        ``data`` is empty or not a well-formed NixlAgentInfo.
+    """
+    if not data:
+        raise ProtocolError("no nixl agent info (connector_md is empty: is the peer running "
+                            "with --kv-connector nixl?)")
+    try:
+        return _INFO_DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"rejected nixl agent info ({len(data)} bytes): {exc}") from None
 
 
 Message = Union[Register, Registered, Reregister, Heartbeat, Pair, Unpair, PairResult, Allocate,

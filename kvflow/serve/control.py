@@ -38,18 +38,21 @@ from .errors import registration_refusal
 from kvflow.segments import DEAD, process_state
 from .placement import InstanceInfo, ReqState, pick_pair
 
+from .advertise import advertised_host
+
 log = logging.getLogger("kvflow.serve.router")
 
 
 class Controller:
-    """Parameters: ``host`` and ``port`` (0: a free port) to bind; ``mode`` "disagg" or
+    """Parameters: ``host`` and ``port`` (0: a free port) to bind (``advertise_host``: what
+    :attr:`addr` names instead of ``host``, :mod:`~kvflow.serve.advertise`); ``mode`` "disagg" or
     "colocated"; ``metrics`` (:class:`~kvflow.serve.metrics.Metrics`); ``proc_alive(pid)``
     for processes this server spawned (None: heartbeats only)."""
 
     def __init__(self, host: str = ServeConfig.host, port: int = 0, *, mode: str = "disagg",
                  metrics: Any = None, proc_alive: Callable[[int], bool | None] | None = None,
                  dead_after_s: float = ServeConfig.dead_after_s, model: str = "",
-                 tokenizer: str = "") -> None:
+                 tokenizer: str = "", advertise_host: str | None = None) -> None:
         self.mode, self.metrics, self.proc_alive = mode, metrics, proc_alive
         # the router encodes prompts and decodes tokens: an instance must share its vocabulary
         self.model, self.tokenizer = model, tokenizer
@@ -64,7 +67,7 @@ class Controller:
             self.sock.bind(f"tcp://{host}:{port}")
         else:
             port = self.sock.bind_to_random_port(f"tcp://{host}")
-        self.addr = f"tcp://{host}:{port}"
+        self.addr = f"tcp://{advertised_host(host, advertise_host)}:{port}"  # what peers dial
         self.instances: dict[str, InstanceInfo] = {}
         self.requests: dict[str, ReqState] = {}
         self.errors: list[str] = []
@@ -195,11 +198,13 @@ class Controller:
             await self.send(p, Pair(peer_id=d.id, peer_role="decode", peer_spec=d.reg.spec,
                                     peer_num_blocks=d.reg.num_blocks, data_addr=d.reg.data_addr,
                                     shm_name=d.reg.shm_name, peer_pid=d.reg.pid,
-                                    peer_host_id=d.reg.host_id, peer_fingerprint=d.reg.fingerprint))
+                                    peer_host_id=d.reg.host_id, peer_fingerprint=d.reg.fingerprint,
+                                    peer_connector_md=d.reg.connector_md))
             await self.send(d, Pair(peer_id=p.id, peer_role="prefill", peer_spec=p.reg.spec,
                                     peer_num_blocks=p.reg.num_blocks, shm_name=p.reg.shm_name,
                                     peer_pid=p.reg.pid, peer_host_id=p.reg.host_id,
-                                    peer_fingerprint=p.reg.fingerprint))
+                                    peer_fingerprint=p.reg.fingerprint,
+                                    peer_connector_md=p.reg.connector_md))
 
     # ---- liveness -------------------------------------------------------------------
     async def _monitor(self) -> None:

@@ -26,6 +26,7 @@ import zmq
 from kvflow.protocol import Abort, Allocate, KVPushed, LeaseRenew, Pair, PairResult
 from kvflow.blocks import DecodeState, PrefixCache
 
+from .advertise import advertised_host
 from .arrivals import Arrivals, InFlight
 from .instance import Instance
 from .lent import LentBlocks
@@ -51,14 +52,14 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
 
     # ---- start-up -------------------------------------------------------------------
     def setup(self) -> None:
-        from kvflow.connector import check_connector_config, make_receiver
+        from kvflow.connector import make_receiver
         from kvflow.engine import Engine
         from kvflow.blocks import BlockAllocator
         cfg = self.cfg
         try:
             self.receiver = make_receiver(cfg.kv_connector, self.spec, cfg.device,
-                                          backend=cfg.backend)
-            check_connector_config(self.receiver.name, cfg.kv_connector_config)
+                                          backend=cfg.backend, config=cfg.kv_connector_config,
+                                          max_model_len=self.max_model_len)
         except ValueError as exc:  # unknown connector or option: one line
             raise StartupError(str(exc)) from None
         self.cache = self.receiver.make_cache(self.num_blocks)
@@ -86,7 +87,7 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
         # new connection take over instead of being refused while the old one lingers
         self.data.setsockopt(zmq.ROUTER_HANDOVER, 1)
         port = self.data.bind_to_random_port(f"tcp://{self.cfg.host}")
-        self.data_addr = f"tcp://{self.cfg.host}:{port}"
+        self.data_addr = f"tcp://{advertised_host(self.cfg.host, self.cfg.advertise_host)}:{port}"
         self.sockets[self.data] = "prefill link"
 
     def connector_name(self) -> str:
