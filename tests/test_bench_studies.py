@@ -128,8 +128,9 @@ def test_committed_results_are_cited_and_pngs_regenerated():
 @pytest.mark.parametrize("study", ["transfer"])
 def test_unknown_connector_is_refused(study, tmp_path):
     from kvflow.bench.__main__ import main
-    with pytest.raises(SystemExit, match="--connectors: unknown nixl; known: ipc-pull, ipc-push, tcp"):
-        main([study, "--quick", "--connectors", "nixl", "--out-dir", str(tmp_path), "--no-progress"])
+    with pytest.raises(SystemExit, match="--connectors: unknown rdma; known: ipc-pull, ipc-push, "
+                                         "tcp, nixl, nixl-staged"):
+        main([study, "--quick", "--connectors", "rdma", "--out-dir", str(tmp_path), "--no-progress"])
     assert json.dumps(sorted(p.name for p in tmp_path.iterdir())) == "[]"
 
 

@@ -1,4 +1,5 @@
-"""P->D transfer through a connector (``ipc-pull``, ``ipc-push``, ``tcp``): one request's
+"""P->D transfer through a connector (``ipc-pull``, ``ipc-push``, ``tcp``, ``nixl`` and
+``nixl-staged``, :mod:`.nixl`): one request's
 blocks from a prefill (P) cache into a decode (D) cache, per request size.
 
 Both halves come from the connector factory (:func:`kvflow.connector.make_sender` /
@@ -19,7 +20,9 @@ Ceilings measured in the same run on the same payload bytes (:data:`CEILINGS`):
 - ``tcp``: a plain ZMQ send of one contiguous frame of the payload over the same kind of link
   (zero-copy on both ends), the loopback ceiling;
 - ``ipc-pull`` / ``ipc-push``: ``dst.copy_(src)`` of the payload bytes (what a copy between
-  the two caches' memory can reach).
+  the two caches' memory can reach);
+- ``nixl`` / ``nixl-staged``: one bulk NIXL WRITE of the payload bytes between two agents
+  (:func:`.nixl.write_ceiling`).
 
 Every size is checked once per connector: D's blocks (zeroed first) equal P's byte for byte.
 """
@@ -34,13 +37,19 @@ from typing import Any
 from kvflow.connector import CONNECTORS
 
 from . import cli
+from .nixl import KINDS as NIXL_KINDS
+from .nixl import connector_of, write_ceiling
 from .cases import LLAMA3_8B, blocks_equal, disjoint_ids, make_spec, scramble
 from .timing import copy_ceiling, median, percentile, time_calls
 
 #: connector -> the same-run ceiling its ratio is taken against (row ``backend``, description)
 CEILINGS = {"ipc-pull": ("copy_", "copy_ of the payload"),
             "ipc-push": ("copy_", "copy_ of the payload"),
-            "tcp": ("zmq-loopback", "zmq loopback send")}
+            "tcp": ("zmq-loopback", "zmq loopback send"),
+            "nixl": ("nixl-write", "bulk NIXL WRITE of the payload"),
+            "nixl-staged": ("nixl-write", "bulk NIXL WRITE of the payload")}
+#: what --connectors accepts
+KINDS = (*CONNECTORS, *[k for k in NIXL_KINDS if k not in CONNECTORS])
 
 
 def _link():
@@ -79,8 +88,11 @@ class _Pair:
     def __init__(self, connector: str, spec, num_blocks: int, device: str) -> None:
         from kvflow.connector import Peer, make_receiver, make_sender
         self.name = connector
-        self.sender = make_sender(connector, spec, device, instance_id="bench-p")
-        self.receiver = make_receiver(connector, spec, device)
+        kind, config = connector_of(connector)
+        longest = num_blocks * spec.block_size  # sizes nixl's staging buffers
+        self.sender = make_sender(kind, spec, device, config=config, instance_id="bench-p",
+                                  max_model_len=longest)
+        self.receiver = make_receiver(kind, spec, device, config=config, max_model_len=longest)
         self.p_sock, self.d_sock = _link()
         try:
             self.p_cache = self.sender.make_cache(num_blocks)
@@ -153,9 +165,10 @@ def run_transfer(opts: dict[str, Any], env: dict[str, Any], progress: bool = Tru
             src, dst = (ids.tolist() for ids in disjoint_ids(opts["num_blocks"], n, g))
             ceil_s = {}
             for name in dict.fromkeys(CEILINGS[c][0] for c in pairs):
-                ts = (loopback_ceiling(nbytes, warmup=opts["warmup"], reps=opts["reps"])
-                      if name == "zmq-loopback" else
-                      copy_ceiling(nbytes, device=opts["device"], warmup=opts["warmup"], reps=opts["reps"]))
+                w, r = opts["warmup"], opts["reps"]
+                ts = (loopback_ceiling(nbytes, warmup=w, reps=r) if name == "zmq-loopback" else
+                      write_ceiling(nbytes, warmup=w, reps=r) if name == "nixl-write" else
+                      copy_ceiling(nbytes, device=opts["device"], warmup=w, reps=r))
                 ceil_s[name] = median(ts)
                 rows.append(make_row(env, op="ceiling", backend=name, spec=spec, tokens=tokens,
                                      blocks=n, payload_bytes=nbytes, times_s=ts,
@@ -199,7 +212,7 @@ def format_table(rows: list[dict]) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     cli.add_common(p)
     p.add_argument("--connectors", type=cli.csv(),
-                   help=f"comma list of {','.join(CONNECTORS)} (default all)")
+                   help=f"comma list of {','.join(KINDS)} (default: the preset's)")
     p.add_argument("--tokens", type=cli.tokens, help="request sizes in tokens")
     p.add_argument("--num-blocks", type=int, help="blocks per cache (quick 16, full 2048)")
     p.add_argument("--warmup", type=int, help="untimed requests per size")
@@ -210,9 +223,9 @@ def run(args) -> int:
     from .schema import env_info
     cli.require("zmq", "transfer")
     opts = cli.resolve(args, "transfer")
-    unknown = [c for c in opts["connectors"] if c not in CONNECTORS]
+    unknown = [c for c in opts["connectors"] if c not in KINDS]
     if unknown:
-        raise SystemExit(f"--connectors: unknown {', '.join(unknown)}; known: {', '.join(CONNECTORS)}")
+        raise SystemExit(f"--connectors: unknown {', '.join(unknown)}; known: {', '.join(KINDS)}")
     env = env_info(opts["device"])
     t0 = time.perf_counter()
     rows, skipped = run_transfer(opts, env, progress=not args.no_progress)
