@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import importlib
 import itertools
-import os
 import secrets
 import time
 from typing import Any
@@ -80,15 +79,15 @@ class Agent:
     Parameters
     ----------
     role : str
-        Part of the agent's name (``prefill``, ``decode``, ``bench``...), which also carries the
-        pid and a random part (unique per instance).
+        Part of the agent's name (``prefill``, ``decode``, ``bench``...), which also carries a
+        random part (unique per instance).
     telemetry : bool
         Capture per-transfer telemetry (descriptor counts; tests).
     """
 
     def __init__(self, role: str, *, telemetry: bool = False) -> None:
         nixl = import_nixl()
-        self.name = f"kvflow-{role}-{os.getpid()}-{secrets.token_hex(4)}"
+        self.name = f"nixl-{role}-{secrets.token_hex(6)}"  # unique per instance, no segment
         conf = nixl.nixl_agent_config(backends=["UCX"], capture_telemetry=telemetry)
         self.agent = nixl.nixl_agent(self.name, conf)
         if "UCX" not in self.agent.backends:
