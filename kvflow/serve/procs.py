@@ -141,7 +141,8 @@ def instance_env(role: str, device: str, prefill_device: int, decode_device: int
     the child's ``cuda:0`` is its GPU (this process's ordinal ``prefill_device`` for prefill and
     colocated, ``decode_device`` for decode); prefill and decode also see the other one's GPU
     (second), since each may open the other's cache by CUDA IPC handle (push: P maps D's; pull:
-    D maps P's) and finds it by UUID. None (inherit) for other devices.
+    D maps P's) and finds it by UUID. On other devices, ``OMP_WAIT_POLICY=PASSIVE`` unless set
+    (:data:`CPU_ENV`).
 
     Raises
     ------
@@ -149,11 +150,19 @@ def instance_env(role: str, device: str, prefill_device: int, decode_device: int
         An ordinal this process cannot see (see :func:`kvflow.devices.parent_cards`).
     """
     if not str(device).startswith("cuda"):
-        return None
+        return {**CPU_ENV, **os.environ}
     from kvflow.devices import parent_cards, worker_env_for_cards
     p, d = parent_cards("cuda", [prefill_device]) + parent_cards("cuda", [decode_device])
     cards = {"decode": [d, p], "prefill": [p, d]}.get(role, [p])
     return worker_env_for_cards("cuda", cards)
+
+
+#: Environment defaults of CPU instances. ``OMP_WAIT_POLICY=PASSIVE``: torch's OpenMP workers
+#: sleep after a parallel region instead of spinning for milliseconds; on a few cores the
+#: spinning threads of one instance (P just after its prefill) held the CPU that the router
+#: and D needed, and a 512 KiB transfer inside the server took 1-9 ms instead of 1 ms
+#: (kvflow-tiny, 2 cores; docs/benchmarks.md). Set it yourself to override.
+CPU_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def _exit_text(code: int) -> str:
