@@ -88,6 +88,8 @@ class Arrivals:
             if not self._lease_ok(msg, seq):
                 raise TimeoutError(f"P's lease of {self.kv_lease_s:g} s on the sent blocks "
                                    f"expired before D could read them")
+            if faults.fails("receive", req.prompt_token_ids):
+                raise RuntimeError("injected fault: KVFLOW_FAULT_RECEIVE_FAIL")
             # logical blocks 0..num_cached_blocks-1 are D's prefix-cache hit; P sends the rest
             stats = self.receiver.receive(msg, frames, self.cache,
                                           req.block_table[seq.num_cached_blocks:n],
