@@ -96,6 +96,19 @@ def test_request_finished_on_ps_token_is_followed_until_d_is_done():
     asyncio.run(run())
 
 
+def test_d_done_before_ps_finishing_token_arrives_is_not_followed():
+    def script(ctl):
+        ctl.put(Tokens(req_id="", token_ids=[], index=1, finished=True, finish_reason="length"))
+        ctl.put(Tokens(req_id="", token_ids=[11], index=0, finished=True, finish_reason="length"))
+    async def run():
+        ctl = FakeCtl()
+        msgs = await drive(ctl, 1, script)
+        assert [m.token_ids for m in msgs] == [[11]] and msgs[0].finish_reason == "length"
+        await asyncio.sleep(0.01)
+        assert not ctl.requests  # nothing left to wait for: not followed
+    asyncio.run(run())
+
+
 def test_followed_request_whose_transfer_fails_is_aborted_on_p_and_d():
     async def run():
         ctl = FakeCtl()

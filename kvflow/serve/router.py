@@ -173,7 +173,8 @@ class Router:
                     st.stage, what = "transferring", "the KV transfer and the second token"
                 expect = msg.index + len(msg.token_ids)
                 done = msg.finished
-                followed = done and not colocated and msg.index == 0
+                followed = (done and not colocated and msg.index == 0  # D not done yet
+                            and not any(h.finished for h in held.values()))
                 if msg.index <= 1 and msg.token_ids:
                     clock.mark("first_token_out" if msg.index == 0 else "second_token_out")
                 if done:
