@@ -305,14 +305,15 @@ def run(args) -> int:
             raise SystemExit(f"ipc: {flag} must be >= 1, got {v}")
     gpus = torch.cuda.device_count()
     a._gpus, a._gpu_args = (0, 1), []
-    if a.serve_device == "cuda" and (not a.smoke or a.serve_only):
+    if a.serve_device == "cuda" and (not a.smoke or a.serve_only):  # GPUs this run needs
         if gpus < 1 or (gpus < 2 and not a.serve_only):
             raise SystemExit(f"ipc --full: needs 2 CUDA GPUs (--serve-only: 1), found {gpus}; "
-                             f"use --quick on a CPU")
+                             f"on a CPU use --quick, or --serve-only --device cpu")
         if gpus < 2:  # P and D share GPU 0 (each gets half of --gpu-memory-utilization)
             a._gpus, a._gpu_args = (0, 0), ["--decode-device", "0"]
     a._loop, a._ceilings = {}, {}
-    env, rows = env_info("cpu" if a.smoke or a.serve_device != "cuda" else "cuda:0"), []
+    on_gpu = a.serve_device == "cuda" and (not a.smoke or a.serve_only)
+    env, rows = env_info("cuda:0" if on_gpu else "cpu"), []
     t0 = time.perf_counter()
     if not a.serve_only:
         kb = KernelBench(a)

@@ -161,7 +161,7 @@ def instance_env(role: str, device: str, prefill_device: int, decode_device: int
 #: sleep after a parallel region instead of spinning for milliseconds; on a few cores the
 #: spinning threads of one instance (P just after its prefill) held the CPU that the router
 #: and D needed, and a 512 KiB transfer inside the server took 1-9 ms instead of 1 ms
-#: (kvflow-tiny, 2 cores; docs/benchmarks.md). Set it yourself to override.
+#: (kvflow-tiny, 2 cores; docs/gpu_serving.md, "Measuring"). Set it yourself to override.
 CPU_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
