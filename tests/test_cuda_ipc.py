@@ -107,7 +107,11 @@ def test_parent_cards_and_role_env(monkeypatch):
            for r in ("prefill", "decode", "colocated")}
     assert env == {"prefill": "6,7", "decode": "7,6", "colocated": "6"}  # own GPU first, peer's too
     assert instance_env("decode", "cuda", 1, 1)["CUDA_VISIBLE_DEVICES"] == "7"
-    assert instance_env("decode", "cpu", 0, 1) is None
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    cpu = instance_env("decode", "cpu", 0, 1)  # the inherited environment + OpenMP sleeping
+    assert cpu["OMP_WAIT_POLICY"] == "PASSIVE" and cpu["CUDA_VISIBLE_DEVICES"] == "6,7"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # one the user set wins
+    assert instance_env("prefill", "cpu", 0, 1)["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
 def test_serve_flags():

@@ -329,7 +329,8 @@ def run(args) -> int:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     if a.no_serve or (a.smoke and not a.serve_only):
-        print("end-to-end serve skipped" + (" (--full or --serve-only runs it)" if a.smoke else ""))
+        print("end-to-end serve on 2 GPUs skipped" + (" (needs 2 GPUs); --serve-only --device cpu "
+                                                        "serves on the CPU" if a.smoke else ""))
     else:
         cli.require("httpx", "ipc")
         try:

@@ -5,9 +5,9 @@ moved) -> ``Allocate`` to D (D's own block ids back; "busy" is retried until
 ``admit_timeout_s``, "capacity" is HTTP 400) -> ``Prefill`` to P with D's ids -> the first
 token from P as soon as P sampled it, then the others from D once the KV is in D's cache,
 streamed as server-sent events or gathered into one response. Each step is stamped
-(:mod:`kvflow.serve.timings`: ``kvflow.timings_ms`` and ``hops_ms`` of the response). Whatever ends the request early
-(error, timeout, client disconnect, a dead instance) sends ``Abort`` to P and D so both free
-the request's blocks.
+(:mod:`kvflow.serve.timings`: ``kvflow.timings_ms`` and ``hops_ms`` of the response).
+Whatever ends the request early (error, timeout, client disconnect, a dead instance) sends
+``Abort`` to P and D so both free the request's blocks.
 
 Reliability (docs/reliability.md): D out of free blocks answers "busy" and the router retries
 every 50 ms for at most ``admit_timeout_s`` (``--admit-timeout-s``), then HTTP 503 — a bounded
@@ -166,7 +166,7 @@ class Router:
                     continue
                 clock.merge(msg.kvflow)
                 if msg.index <= 1 and msg.token_ids:
-                    clock.mark("first_token_at_router" if msg.index == 0 else "second_token_at_router")
+                    clock.mark("second_token_at_router" if msg.index else "first_token_at_router")
                 if msg.index >= 1 or colocated:  # D has the KV: P is not needed any more
                     st.stage, timeout, what = "decoding", self.token_timeout_s, "the next token"
                 else:  # P's token: the KV may still be moving to D
@@ -176,7 +176,7 @@ class Router:
                 followed = (done and not colocated and msg.index == 0  # D not done yet
                             and not any(h.finished for h in held.values()))
                 if msg.index <= 1 and msg.token_ids:
-                    clock.mark("first_token_out" if msg.index == 0 else "second_token_out")
+                    clock.mark("second_token_out" if msg.index else "first_token_out")
                 if done:
                     msg.kvflow = clock.report()
                 if followed:  # P's token ended it: D still receives the KV, then frees
