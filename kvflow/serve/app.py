@@ -74,7 +74,7 @@ def create_app(router: Router) -> FastAPI:
         t0 = time.monotonic()
         try:
             token_ids = router.tokenize(body)
-            events = router.run(body, token_ids)
+            events = router.run(body, token_ids, t0)
             first = await _next_unless_gone(events, request)  # errors keep their status
         except RequestError as exc:
             return JSONResponse(error_body(exc.message, exc.param,
@@ -82,10 +82,14 @@ def create_app(router: Router) -> FastAPI:
                                 status_code=exc.status)
         ttft = time.monotonic() - t0
         metrics.ttft.observe(ttft)
-        metrics.observe_transfer(first.kvflow)
-        kv = dict(first.kvflow)
-        kv.pop("block_table", None)
-        kv["ttft_ms"] = round(ttft * 1e3, 3)
+
+        def report(last: Tokens) -> dict:
+            """The response's ``kvflow`` object: the router's report on the last message."""
+            metrics.observe_transfer(last.kvflow)
+            kv = dict(last.kvflow)
+            kv.pop("block_table", None)
+            kv["ttft_ms"] = round(ttft * 1e3, 3)
+            return kv
 
         def finish(ids: list[int]) -> None:
             if len(ids) > 1:
@@ -104,7 +108,7 @@ def create_app(router: Router) -> FastAPI:
             finish(ids)
             return completion_response(f"cmpl-{uuid.uuid4().hex[:24]}", router.model_name,
                                        router.tokenizer.decode(ids), ids, msg.finish_reason,
-                                       len(token_ids), kv)
+                                       len(token_ids), report(msg))
 
         opts = body.stream_options
         with_usage = opts is not None and bool(opts.include_usage)
@@ -122,7 +126,7 @@ def create_app(router: Router) -> FastAPI:
                         delta = ""
                     chunk = completion_chunk(rid, router.model_name, delta, msg.token_ids,
                                              msg.finish_reason or None if msg.finished else None,
-                                             kv if msg.finished else None)
+                                             report(msg) if msg.finished else None)
                     if every_chunk:
                         chunk["usage"] = usage(len(token_ids), len(ids))
                     yield "data: " + json.dumps(chunk) + "\n\n"
