@@ -92,3 +92,28 @@ def report(groups: list[dict[str, Any]], reference: str = "colocated",
             "every prompt and server start\n" + headline(groups, reference, key)
             + "\nper-hop medians (ms; kvflow.hops_ms: the TTFT hops add up to TTFT, the last four "
               "run from P's first token to the second token out)\n" + breakdown(groups, key))
+
+
+def markdown(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown of served result rows that carry ``hops_ms`` (medians per tokens and mode):
+    the headline (TTFT and TTST against the colocated row of the same length), then every hop.
+    """
+    ref = {r["tokens"]: r["hops_ms"] for r in rows if r["backend"] == "colocated"}
+    out = ["| tokens | mode | TTFT ms | TTFT / colocated | TTST ms | TTST / colocated | "
+           "token-identical |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        m, c = r["hops_ms"], ref.get(r["tokens"], {})
+        tt, ts = _ratio(m.get("ttft"), c.get("ttft")), _ratio(m.get("ttst"), c.get("ttst"))
+        out.append(f"| {r['tokens']} | {r['backend']} | {m.get('ttft', 0):.2f} | "
+                   f"{'-' if tt is None else f'{tt:.3f}'} | {m.get('ttst', 0):.2f} | "
+                   f"{'-' if ts is None else f'{ts:.3f}'} | {r.get('identical', '-')} |")
+    hops = TTFT_HOPS + TTST_HOPS
+    out += ["", "Per-hop medians (ms, `kvflow.hops_ms`): the first seven add up to TTFT; the "
+            "last four run from P's first token to the second token out.", "",
+            "| tokens | mode | " + " | ".join(SHORT[h] for h in hops) + " |",
+            "|---|---|" + "---|" * len(hops)]
+    for r in rows:
+        m = r["hops_ms"]
+        out.append(f"| {r['tokens']} | {r['backend']} | "
+                   + " | ".join("-" if m.get(h) is None else f"{m[h]:.3f}" for h in hops) + " |")
+    return out + [""]

@@ -129,11 +129,11 @@ class Router:
         try:
             deadline = time.monotonic() + self.admit_timeout_s
             while True:
+                clock.mark("allocate_sent")  # the last try's ("busy" retries drop it)
                 await self.ctl.send(d, Allocate(req_id=req_id, token_ids=token_ids,
                                                 max_tokens=body.max_tokens,
                                                 temperature=body.temperature, seed=seed,
                                                 ignore_eos=body.ignore_eos))
-                clock.mark("allocate_sent")  # the last try's ("busy" retries drop it)
                 msg = await self._wait(st, self.reply_timeout_s, f"decode instance {d.id} to allocate")
                 if isinstance(msg, Allocated):
                     break
@@ -144,13 +144,14 @@ class Router:
                 raise self._error(msg)
             clock.mark("allocated")
             st.prefill_id, st.stage = p.id, "prefilling"
+            # stamped before the send: awaiting it can resume after P has already received it
+            clock.mark("prefill_sent")
             await self.ctl.send(p, Prefill(req_id=req_id, token_ids=token_ids,
                                            temperature=body.temperature, seed=seed,
                                            decode_id=d.id, decode_block_ids=msg.block_ids,
                                            num_cached_blocks=msg.num_cached_blocks,
                                            max_tokens=body.max_tokens,
                                            ignore_eos=body.ignore_eos))
-            clock.mark("prefill_sent")
             clock.kvflow.update(prefill_instance=p.id, decode_instance=d.id)
             colocated = p is d
             expect, held = 0, {}  # output index of the next token; messages that came early
