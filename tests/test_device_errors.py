@@ -166,6 +166,14 @@ def test_first_finding_wins_and_unchecked_calls_record_nothing(triton_cpu):
     raises_exactly(range_error("gather_blocks", "cpu", "block_ids", 1, 99), check_errors)
 
 
+def test_check_errors_names_a_bad_device_and_is_quiet_for_an_unused_one():
+    with pytest.raises(ValueError, match=r"^device must be a torch\.device or a device string "
+                                         r"such as 'cuda:0', got 'gpu0'$"):
+        check_errors("gpu0")
+    check_errors("cpu")
+    check_errors("cuda:3")  # no kernel ever ran there: nothing to report, no CUDA call
+
+
 def test_capture_needs_cuda_and_a_positive_warmup():
     if CUDA:
         with pytest.raises(ValueError, match=r"^warmup must be an int >= 1, got 0$"):
