@@ -149,7 +149,8 @@ def create_app(router: Router) -> FastAPI:
 
 
 class _APIKeyMiddleware:
-    """HTTP 401 for ``/v1/*`` without the router's API key (``Router.authorized``)."""
+    """HTTP 401 for ``/v1/*`` without the router's API key (``Router.authorized``); HTTP 400 for
+    a ``/v1/*`` body sent with a Content-Encoding (even one whose bytes parse as JSON)."""
 
     def __init__(self, app: Any, router: Router) -> None:
         self.app, self.router = app, router
@@ -163,6 +164,13 @@ class _APIKeyMiddleware:
                                                "'Authorization: Bearer <key>'", "authorization",
                                                "authentication_error"), status_code=401)
                 await resp(scope, receive, send)
+                return
+            coding = next((v.decode("latin-1") for k, v in scope.get("headers", ())
+                           if k.lower() == b"content-encoding"), "identity")
+            if coding.strip().lower() not in ("identity", ""):
+                why = f"Content-Encoding: {clipped(coding)} is not supported; send the JSON as is"
+                await JSONResponse(error_body(f"body: {why}", "body"), status_code=400)(
+                    scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
