@@ -120,8 +120,10 @@ def check_errors(device: Any = None) -> None:
     Raises
     ------
     ValueError
-        ``<arg>[i]=<id> is out of range for a cache of N blocks (...)`` or ``<arg> repeats
-        destination block <id>; ...``, followed by where it was found.
+        ``an earlier <op> call on <device> (ids checked by the kernel): <arg>[i]=<id> is out of
+        range for a cache of N blocks (...)`` (or a repeated destination block, or a block
+        shared by the sources and destinations of a copy within one cache); also for a
+        ``device`` that is not a device.
     """
     keys = list(_RECORDS) if device is None else [_as_device(device)]
     for key in keys:
@@ -132,7 +134,14 @@ def check_errors(device: Any = None) -> None:
 
 
 def _as_device(device: Any) -> torch.device:
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
+    """``device`` as a ``torch.device`` with its index (a bare ``"cuda"`` is the current GPU).
+
+    Raises ValueError naming ``device`` when it is not a device."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch.device or a device string such as 'cuda:0', "
+                         f"got {device!r}") from None
+    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev

@@ -132,7 +132,7 @@ def check_buffer(name: str, buf: Any, shape: tuple[int, ...], dtype: torch.dtype
                  device: torch.device) -> torch.Tensor:
     """A staging buffer must match shape, dtype and device exactly and be contiguous."""
     if type(buf) is not torch.Tensor:
-        buf = to_torch(buf, name)
+        buf = to_torch(buf, name, writable=name == "out")
         if not isinstance(buf, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(buf).__name__}")
     if buf.dtype != dtype:

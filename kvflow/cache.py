@@ -63,6 +63,9 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         per_tensor = num_blocks * spec.block_bytes
         need = per_tensor * spec.num_tensors
+        if need >= 2 ** 63:
+            raise ValueError(f"num_blocks={num_blocks} makes a cache of {need} bytes, more than "
+                             f"a tensor can hold (2**63 - 1)")
         if buffer is None:
             try:
                 buffer = torch.zeros(need, dtype=torch.uint8, device=device)

@@ -12,17 +12,25 @@ from typing import Any
 import torch
 
 
-def to_torch(x: Any, name: str) -> Any:
+def to_torch(x: Any, name: str, *, writable: bool = False) -> Any:
     """Return ``x`` as a torch tensor sharing its memory when ``x`` is a DLPack producer;
     anything else (a torch tensor, None, a list) unchanged.
+
+    ``writable``: ``x`` will be written (an op's destination); a read-only array is refused.
 
     Raises
     ------
     TypeError
         ``x`` has a negative stride, or DLPack refused it (the producer's reason quoted).
+    ValueError
+        ``writable`` and ``x`` is a read-only array.
     """
     if isinstance(x, torch.Tensor) or not hasattr(x, "__dlpack__"):
         return x
+    flags = getattr(x, "flags", None)  # numpy: torch has no read-only tensors, so refuse here
+    if writable and flags is not None and getattr(flags, "writeable", True) is False:
+        raise ValueError(f"{name} is read-only (a numpy array with flags.writeable False); "
+                         f"kvflow writes into it")
     strides = getattr(x, "strides", None)  # numpy and cupy: bytes; paddle has none negative
     if strides is not None and any(s < 0 for s in strides):
         raise TypeError(f"{name} has a negative stride ({tuple(strides)}); pass a copy with "

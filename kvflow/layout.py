@@ -60,7 +60,10 @@ def as_torch_dtype(dtype: Any) -> torch.dtype:
         If ``dtype`` names no dtype kvflow can store, e.g. ``dtype='complex64'``.
     """
     if isinstance(dtype, torch.dtype):
-        return dtype
+        if dtype in _DTYPE_NAMES.values():
+            return dtype
+        raise TypeError(f"dtype={dtype!r} is not a dtype kvflow can store; use one of "
+                        f"{sorted({str(d) for d in _DTYPE_NAMES.values()})}")
     name = getattr(dtype, "name", None)  # numpy dtypes and numpy scalar types' dtype
     if name is None and isinstance(dtype, type):
         name = getattr(dtype, "__name__", None)  # np.float16 (a scalar type)

@@ -12,7 +12,11 @@ Flow of one disaggregated request (docs/design.md, "One request's path")::
     P --KVReady (ipc-pull: P's block ids) or KVData + payload frames (tcp)--> D --KVAck--> P
       (layerwise: KVLayer parts as layers are signalled, then a last KVLayer --> D --KVAck--> P)
     P --KVPushed (ipc-push: the KV is already in D's blocks)--> D
-    D --Tokens--> router   (first token, then one per decode step; ``finished`` ends it)
+    P --Tokens (index 0)--> router   (the first token, as soon as P sampled it; the router
+                                      streams it while the KV still moves)
+    D --Tokens (index 1..)--> router (one per decode step once the KV is in; ``finished``
+                                      ends it; a request P's token finished gets an empty
+                                      finished Tokens when D has the KV)
     router --Abort--> P, D (on done-by-error, timeout, client disconnect, peer death)
     router --Unpair--> P  (a paired D died: P drops only that D's link)
     D --LeaseRenew--> P   (every heartbeat: "I still mean to read these requests' blocks")
@@ -150,9 +154,11 @@ class Rejected(_Msg):
 
 class Prefill(_Msg):
     """Router -> P (disagg) or colocated instance: run the prefill of ``token_ids``, sample the
-    first token, and hand the KV to the D the router chose, ``decode_id`` (which allocated
-    ``decode_block_ids``). P refuses (:class:`Rejected`) a ``decode_id`` it is not paired with
-    and a ``req_id`` it already has queued or pending."""
+    first token, send it to the router at once (:class:`Tokens`, ``index`` 0; ``finished`` by
+    the stop rules of ``max_tokens`` and ``ignore_eos``, 0: never finished at P), and hand the
+    KV to the D the router chose, ``decode_id`` (which allocated ``decode_block_ids``). P
+    refuses (:class:`Rejected`) a ``decode_id`` it is not paired with and a ``req_id`` it
+    already has queued or pending."""
     req_id: str
     token_ids: list[TokenId]
     temperature: float = 0.0
@@ -160,16 +166,23 @@ class Prefill(_Msg):
     decode_id: str = ""
     decode_block_ids: list[NonNeg] = []
     num_cached_blocks: NonNeg = 0   # D holds logical blocks 0..k-1 (prefix hit): send the rest
+    max_tokens: NonNeg = 0          # the request's, for P's stop rule on the first token
+    ignore_eos: bool = False
 
 
 class Tokens(_Msg):
-    """D (or colocated) -> router: new tokens for requests; ``kvflow`` rides on the first."""
+    """P (the first token), D (the rest) or colocated -> router: new tokens of a request.
+    ``index``: the output position of ``token_ids[0]`` (the router streams in that order,
+    whichever instance's message comes first). ``kvflow`` rides on each instance's first
+    message; its ``clock`` holds that instance's ``time.monotonic()`` stamps
+    (:mod:`kvflow.serve.timings`)."""
     req_id: str
     token_ids: list[int]
     finished: bool = False
     finish_reason: str = ""         # "stop" | "length" | "abort" | "error"
     error: str = ""
     kvflow: dict[str, Any] = {}
+    index: NonNeg = 0
 
 
 class Abort(_Msg):

@@ -70,6 +70,7 @@ class PD:
                             peer_fingerprint=self.p.fingerprint), [], None)
         assert self.d.out[-1].ok, self.d.out[-1]
         self.n = 0
+        self.max_tokens: dict[str, int] = {}  # per request, for P's Prefill (its stop rule)
 
     def close(self) -> None:
         for inst in (self.p, self.d):
@@ -79,6 +80,20 @@ class PD:
         return self.p.allocator.num_free, self.d.free_blocks()
 
     def take(self, inst, kind):
+        """Messages of ``kind`` ``inst`` sent (taken). ``take(d, Tokens)`` is the router's view:
+        P's first tokens (``index`` 0, sent as soon as P sampled them) with D's, each request's
+        in output order."""
+        msgs = self.own(inst, kind)
+        if inst is self.d and kind.__name__ == "Tokens":
+            msgs = self.own(self.p, kind) + msgs
+            order = {}
+            for m in msgs:
+                order.setdefault(m.req_id, len(order))
+            msgs.sort(key=lambda m: (order[m.req_id], m.index))
+        return msgs
+
+    @staticmethod
+    def own(inst, kind):
         msgs = [m for m in inst.out if isinstance(m, kind)]
         inst.out[:] = [m for m in inst.out if not isinstance(m, kind)]
         return msgs
@@ -88,13 +103,16 @@ class PD:
         req_id = req_id or f"r{self.n}"
         self.d.on_allocate(Allocate(req_id=req_id, token_ids=token_ids, max_tokens=max_tokens,
                                     ignore_eos=True), [], None)
+        self.max_tokens[req_id] = max_tokens
         return req_id, self.d.out.pop()
 
     def prefill(self, req_id, token_ids, allocated):
         """P prefills and sends; returns (P's full block table, the sent frames decoded)."""
         self.p.on_prefill(Prefill(req_id=req_id, token_ids=token_ids, decode_id=self.d.instance_id,
                                   decode_block_ids=allocated.block_ids,
-                                  num_cached_blocks=allocated.num_cached_blocks), [], None)
+                                  num_cached_blocks=allocated.num_cached_blocks,
+                                  max_tokens=self.max_tokens.get(req_id, 0), ignore_eos=True),
+                          [], None)
         table = None
         real = self.p.allocator.allocate
         def spy(n):  # P's table, also when its sender frees the blocks at once (tcp)
@@ -149,7 +167,7 @@ def time_out_on_d(pd: PD, token_ids, timeout_s: float = 0.1):
     req, _ = pd.allocate(token_ids)
     time.sleep(1.5 * timeout_s)
     pd.d.heartbeat(force=True)
-    (end,) = [m for m in pd.take(pd.d, Tokens) if m.req_id == req]
+    (end,) = [m for m in pd.own(pd.d, Tokens) if m.req_id == req]
     return req, end
 
 

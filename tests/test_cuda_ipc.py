@@ -107,7 +107,15 @@ def test_parent_cards_and_role_env(monkeypatch):
            for r in ("prefill", "decode", "colocated")}
     assert env == {"prefill": "6,7", "decode": "7,6", "colocated": "6"}  # own GPU first, peer's too
     assert instance_env("decode", "cuda", 1, 1)["CUDA_VISIBLE_DEVICES"] == "7"
-    assert instance_env("decode", "cpu", 0, 1) is None
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME"):
+        monkeypatch.delenv(name, raising=False)
+    cpu = instance_env("decode", "cpu", 0, 1)  # the inherited environment + OpenMP sleeping
+    assert cpu["OMP_WAIT_POLICY"] == "PASSIVE" and cpu["CUDA_VISIBLE_DEVICES"] == "6,7"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # one the user set wins
+    assert instance_env("prefill", "cpu", 0, 1)["OMP_WAIT_POLICY"] == "ACTIVE"
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "10000")  # so does another way to choose the wait
+    assert "OMP_WAIT_POLICY" not in instance_env("prefill", "cpu", 0, 1)
 
 
 def test_serve_flags():

@@ -166,6 +166,14 @@ def test_first_finding_wins_and_unchecked_calls_record_nothing(triton_cpu):
     raises_exactly(range_error("gather_blocks", "cpu", "block_ids", 1, 99), check_errors)
 
 
+def test_check_errors_names_a_bad_device_and_is_quiet_for_an_unused_one():
+    with pytest.raises(ValueError, match=r"^device must be a torch\.device or a device string "
+                                         r"such as 'cuda:0', got 'gpu0'$"):
+        check_errors("gpu0")
+    check_errors("cpu")
+    check_errors("cuda:3")  # no kernel ever ran there: nothing to report, no CUDA call
+
+
 def test_capture_needs_cuda_and_a_positive_warmup():
     if CUDA:
         with pytest.raises(ValueError, match=r"^warmup must be an int >= 1, got 0$"):
@@ -254,3 +262,22 @@ def test_captured_gather_replays_with_new_ids_and_reports_bad_ones():
     graph.replay()
     raises_exactly(range_error("gather_blocks", str(src.device), "block_ids", 1, NB + 1),
                    lambda: check_errors("cuda"))
+
+
+def test_read_only_numpy_output_is_refused_and_not_written():
+    np = pytest.importorskip("numpy")
+    cache, _ = guarded_cache("cpu", 19)
+    ro = np.zeros(tuple(staging_buffer(SPEC, 2).shape), np.float16)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match=r"^out is read-only \(a numpy array with flags\.writeable "
+                                         r"False\); kvflow writes into it$"):
+        gather_blocks(cache, torch.tensor([1, 2]), ro)
+    assert not ro.any()
+
+
+def test_cache_too_large_and_unstorable_dtypes_name_the_argument():
+    with pytest.raises(ValueError, match=r"^num_blocks=4611686018427387904 makes a cache of "):
+        PagedKVCache(SPEC, 2 ** 62)
+    for dtype in (torch.bool, torch.complex64):
+        with pytest.raises(TypeError, match=rf"^dtype={dtype!r} is not a dtype kvflow can store"):
+            KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, dtype=dtype)

@@ -101,7 +101,7 @@ def test_push_writes_nothing_and_d_accepts_zero_blocks():
 def _request(h, rid: str, tokens: list[int], min_tokens: int):
     """As the router does: Allocate on D, Prefill on P with D's prefix hit as
     ``num_cached_blocks``;
-    returns (generated ids or the error message, the first Tokens' kvflow dict)."""
+    returns (generated ids or the error message, D's first Tokens' kvflow dict)."""
     from kvflow.protocol import Allocate, Allocated, Prefill, Rejected, Tokens
     h.p.connector.layerwise_min_tokens = min_tokens
     h.to(h.d, Allocate(req_id=rid, token_ids=tokens, max_tokens=5, ignore_eos=True))
@@ -113,10 +113,11 @@ def _request(h, rid: str, tokens: list[int], min_tokens: int):
         (msg,) = h.wait_for((Tokens, Rejected), req_id=rid)
         if isinstance(msg, Rejected) or msg.error:
             return msg.error, first
-        first = first if first is not None else msg.kvflow
-        out += msg.token_ids
-        if msg.finished:
-            return out, first
+        if first is None and "blocks" in msg.kvflow:  # D's (P's first token carries no blocks)
+            first = msg.kvflow
+        out.append((msg.index, msg.token_ids))  # P's token and D's may arrive either way round
+        if msg.finished and len(out) > 1:
+            return [t for _, ids in sorted(out) for t in ids], first
 
 
 @pytest.mark.parametrize("transfer, extra", [

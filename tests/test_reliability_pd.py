@@ -73,7 +73,8 @@ def test_prefix_hit_moves_exactly_the_missing_blocks_in_logical_order(pd):
     assert all(torch.equal(t[d_table[:2]], b) for t, b in zip(pd.d.cache.tensors(), before))
     pd.decode_all()
     toks = pd.take(pd.d, Tokens)
-    assert toks[0].kvflow["blocks"] == 3 and toks[0].kvflow["cached_blocks"] == 2
+    assert toks[0].index == 0 and "blocks" not in toks[0].kvflow  # P's first token
+    assert toks[1].kvflow["blocks"] == 3 and toks[1].kvflow["cached_blocks"] == 2
     assert tokens_of(toks) == colocated(pd, prompt)
 
 
@@ -84,10 +85,12 @@ def test_fully_cached_prompt_moves_nothing_and_completes_within_1s(pd):
     _, hdr, frames = pd.prefill(req, prompt, alloc)
     assert alloc.num_cached_blocks == 3 and hdr.src_block_ids == []
     t0 = time.monotonic()
-    pd.deliver(hdr, frames)                     # D gets its completion: the first token is out
-    first = pd.d.out[-1]
-    assert time.monotonic() - t0 < 1.0 and isinstance(first, Tokens) and first.req_id == req
-    assert first.kvflow["blocks"] == 0 and first.kvflow["payload_bytes"] == 0
+    pd.deliver(hdr, frames)                     # D gets its completion: it decodes at once
+    assert time.monotonic() - t0 < 1.0 and pd.d.has_work()
+    pd.d.work()
+    second = pd.d.out[-1]                       # D's first message: the second token
+    assert isinstance(second, Tokens) and second.req_id == req and second.index == 1
+    assert second.kvflow["blocks"] == 0 and second.kvflow["payload_bytes"] == 0
     pd.decode_all()
     assert tokens_of(pd.take(pd.d, Tokens)) == colocated(pd, prompt)
 
@@ -98,7 +101,7 @@ def test_prompt_shorter_than_a_block_moves_its_one_partial_block(pd):
     assert alloc.num_cached_blocks == 0 and len(hdr.src_block_ids) == 1
     t0 = time.monotonic()
     pd.deliver(hdr, frames)
-    assert time.monotonic() - t0 < 1.0 and pd.d.out[-1].req_id == req
+    assert time.monotonic() - t0 < 1.0 and pd.d.has_work()  # the KV is in: D decodes
     pd.decode_all()
     assert tokens_of(pd.take(pd.d, Tokens)) == colocated(pd, [256, 5, 6])
 
@@ -117,7 +120,7 @@ def test_abort_after_p_sent_holds_until_d_acks_then_late_transfer_is_ignored(pd)
     pd.abort(req)
     assert pd.p.pending[req].blocks == table      # D may be reading: P still holds them
     pd.deliver(hdr, frames)                        # the late KVReady reaches D
-    assert not pd.take(pd.d, Tokens)               # ignored: no token for an aborted request
+    assert not pd.own(pd.d, Tokens)                # ignored: no token for an aborted request
     assert req not in pd.p.pending                 # D's "not ok" ack freed P's blocks
 
 
@@ -166,7 +169,7 @@ def test_lease_expires_without_renewal_and_holds_with_it(pd):
         pd.p.heartbeat(force=True)
         assert req not in pd.p.pending
         pd.deliver(hdr, frames)                 # D would read reused blocks: refuses instead
-        (end,) = [m for m in pd.take(pd.d, Tokens) if m.req_id == req]
+        (end,) = [m for m in pd.own(pd.d, Tokens) if m.req_id == req]
         assert end.finish_reason == "error" and "lease of 0.3 s" in end.error
     finally:
         pd.p.kv_lease_s = pd.d.kv_lease_s = 5.0
@@ -248,7 +251,8 @@ def test_one_d_paired_with_two_p_reads_each_request_from_its_own_p():
             (ack,) = pd.take(pd.d, KVAck)
             p.on_kvack(ack, [], None)
             pd.decode_all()
-            assert tokens_of(pd.take(pd.d, Tokens)) == colocated(pd, prompt), p.instance_id
+            toks = pd.own(p, Tokens) + pd.own(pd.d, Tokens)  # this P's first token, then D's
+            assert tokens_of(toks) == colocated(pd, prompt), p.instance_id
         assert pd.free() == (pd.p.num_blocks, pd.d.num_blocks) and p2.allocator.num_used == 0
     finally:
         p2.close()

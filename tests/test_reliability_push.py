@@ -54,7 +54,7 @@ def test_push_is_token_identical_and_p_frees_its_blocks_at_send(pd, mode):
     pd.decode_all()
     msgs = pd.take(pd.d, Tokens)
     assert tokens_of(msgs) == colocated(pd, TEXT[:150])
-    kv = msgs[0].kvflow
+    kv = msgs[1].kvflow  # D's first message (token 2); msgs[0] is P's token
     assert (kv["kv_connector"], kv["layerwise"], kv["blocks"]) == ("ipc-push", mode == "layerwise", 10)
     assert kv["exposed_ms"] >= 0 and kv["prefill_ms"] > 0
 
@@ -84,7 +84,7 @@ def test_d_keeps_blocks_of_an_aborted_request_until_p_has_pushed(pd):
     _, hdr, _ = pd.prefill(req, TEXT[:40], alloc)  # P did not hear of the abort yet: it writes
     assert hdr.ok
     pd.deliver(hdr)
-    assert req not in pd.d.lent and not pd.take(pd.d, Tokens)
+    assert req not in pd.d.lent and not pd.own(pd.d, Tokens)  # D sent nothing for it
 
 
 def test_abort_while_queued_on_p_tells_d_to_free(pd):
@@ -139,7 +139,7 @@ def test_receive_timeout_keeps_the_blocks_lent_until_p_is_done_or_dead(pd):
 def test_kvpushed_not_ok_fails_the_request_and_frees_at_once(pd):
     req, alloc = pd.allocate(TEXT[:40])
     pd.deliver(KVPushed(req_id=req, ok=False, error="GPU on fire"))
-    (end,) = [m for m in pd.take(pd.d, Tokens) if m.req_id == req]
+    (end,) = [m for m in pd.own(pd.d, Tokens) if m.req_id == req]
     assert end.error == "KV transfer failed: prefill could not push the KV: GPU on fire"
     assert req not in pd.d.lent
 
@@ -158,7 +158,7 @@ def test_bad_decode_block_ids_fail_on_p_and_write_nothing(pd):
     assert pd.p.allocator.num_used == 0
     assert all(torch.equal(a, b) for a, b in zip(snap, pd.d.cache.tensors()))
     pd.deliver(done)
-    (end,) = [m for m in pd.take(pd.d, Tokens) if m.req_id == req]
+    (end,) = [m for m in pd.own(pd.d, Tokens) if m.req_id == req]
     assert end.error == f"KV transfer failed: prefill could not push the KV: {want}"
 
 
@@ -279,7 +279,7 @@ def test_kv_digest_diagnostic_matches_the_pushed_bytes(pd, monkeypatch):
     assert faults.kv_digest(pd.d.cache, [0, 1], 40) is None  # off unless asked for
     monkeypatch.setenv("KVFLOW_DEBUG_KV_DIGEST", "1")
     alloc, p_table, hdr, toks = pd.run(TEXT[:40])
-    got = toks[0].kvflow["kv_digest"]
+    got = toks[1].kvflow["kv_digest"]  # D's first message (toks[0] is P's token)
     assert got == faults.kv_digest(pd.p.cache, p_table, 40) and got != [0, 0]
     assert all(0 <= v < 2**61 for v in got)
 

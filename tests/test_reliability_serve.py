@@ -60,15 +60,21 @@ def test_prefix_hit_moves_only_missing_blocks(server):
 
 
 def _disconnect_after(server, seconds, prompt, max_tokens=8):
-    """A streaming client that closes its connection after ``seconds``."""
-    with httpx.Client(base_url=server.url, timeout=seconds) as c:
-        try:
-            with c.stream("POST", "/v1/completions", json={"prompt": prompt, "stream": True,
-                                                           "max_tokens": max_tokens}) as r:
-                for _ in r.iter_lines():
+    """A streaming client that closes its connection ``seconds`` after it sent the request
+    (True), or False if the stream ended before. A wall-clock deadline, not a read timeout:
+    P's first token is streamed before the transfer ends, so the stream is not silent then."""
+    import asyncio
+
+    async def read() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=seconds + 30) as c:
+            async with c.stream("POST", "/v1/completions", json={
+                    "prompt": prompt, "stream": True, "max_tokens": max_tokens}) as r:
+                async for _ in r.aiter_lines():
                     pass
-        except httpx.TimeoutException:
-            return True
+    try:
+        asyncio.run(asyncio.wait_for(read(), seconds))  # cancelled: the connection closes
+    except asyncio.TimeoutError:
+        return True
     return False
 
 

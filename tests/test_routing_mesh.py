@@ -67,15 +67,16 @@ class Mesh(FakeRouter):
                            decode_block_ids=alloc.block_ids))
 
     def collect(self, rid: str) -> tuple[list[int], dict]:
-        """(generated tokens, the first Tokens' kvflow dict); raises on an error."""
+        """(generated tokens, D's first Tokens' kvflow dict); raises on an error."""
         out, kv = [], None
         while True:
             (msg,) = self.wait_for((Tokens, Rejected), req_id=rid)
             assert isinstance(msg, Tokens) and not msg.error, msg
-            kv = kv if kv is not None else msg.kvflow
-            out += msg.token_ids
-            if msg.finished:
-                return out, kv
+            if kv is None and "blocks" in msg.kvflow:  # D's (P's first token carries no blocks)
+                kv = msg.kvflow
+            out.append((msg.index, msg.token_ids))  # P's token and D's, either way round
+            if msg.finished and len(out) > 1:
+                return [t for _, ids in sorted(out) for t in ids], kv
 
     def free(self) -> list[int]:
         return [i.allocator.num_free for i in self.ps + self.ds]

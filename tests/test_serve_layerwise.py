@@ -66,7 +66,7 @@ class Harness(FakeRouter):
         return [self.p, self.d]
 
     def request(self, rid: str, tokens: list[int], min_tokens: int = ALWAYS):
-        """(generated token ids, kvflow dict of the first Tokens, D's prompt KV bytes)."""
+        """(generated token ids, kvflow dict of D's first Tokens, D's prompt KV bytes)."""
         self.p.connector.layerwise_min_tokens = min_tokens
         self.to(self.d, Allocate(req_id=rid, token_ids=tokens, max_tokens=MAX_TOKENS, ignore_eos=True))
         (alloc,) = self.wait_for((Allocated, Rejected), req_id=rid)
@@ -78,11 +78,11 @@ class Harness(FakeRouter):
             (msg,) = self.wait_for((Tokens, Rejected), req_id=rid)
             if isinstance(msg, Rejected) or msg.error:
                 return msg, None, None
-            if first is None:
+            if first is None and "blocks" in msg.kvflow:  # D's (P's token carries no blocks)
                 first, kv = msg.kvflow, prompt_kv(self.d.cache, alloc.block_ids, len(tokens))
-            out += msg.token_ids
-            if msg.finished:
-                return out, first, kv
+            out.append((msg.index, msg.token_ids))  # P's token and D's, either way round
+            if msg.finished and len(out) > 1:
+                return [t for _, ids in sorted(out) for t in ids], first, kv
 
     def blocks_back(self, timeout: float = 10.0) -> tuple[int, int]:
         deadline = time.monotonic() + timeout

@@ -169,6 +169,9 @@ def test_nan_temperature_and_bodies_that_are_not_json(server):
     r = post("/v1/completions", content=gzip.compress(b'{"prompt": "hi"}'),
              headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
     assert _error(r) == (400, "body", "body: Content-Encoding: gzip is not supported; send the JSON as is")
+    r = post("/v1/completions", content=b'{"prompt": "hi"}',  # labelled gzip, bytes plain JSON
+             headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert _error(r) == (400, "body", "body: Content-Encoding: gzip is not supported; send the JSON as is")
     r = post("/v1/completions", content=b'{"prompt": "hi", "\\ud800": 1}',
              headers={"Content-Type": "application/json"})
     assert _error(r) == (400, "body", 'body: a key or text is not valid Unicode, got "\\ud800"')

@@ -20,11 +20,14 @@ ceiling buffers rotated past 2 x L2):
 Every method's result is checked byte for byte against P once per size. Then end to end
 (:data:`SERVE_MODES`): ``python -m kvflow.serve --device cuda --model kvflow-llama-32l``
 disaggregated on two GPUs (``--kv-connector ipc-push`` / ``ipc-pull``, layerwise or not) and
-colocated on one; prompts of ``--serve-tokens`` with ``--max-tokens`` outputs; TTFT, TPOT,
-transfer ms and its share of TTFT; token identity with colocated.
+colocated on one; prompts of ``--serve-tokens`` with ``--max-tokens`` outputs, each mode
+started ``--serve-starts`` times: TTFT(disagg) / TTFT(colocated) and TTST with the per-hop
+breakdown (:mod:`kvflow.bench.hops`), TPOT, transfer ms and its share of TTFT; token identity
+with colocated.
 
 ``--quick``: CPU, tiny shapes, seconds (the GPU-only parts are skipped). ``--full``: 2 GPUs,
-kernels + cross-process + served (about 4 minutes).
+kernels + cross-process + served (about 4 minutes). ``--serve-only``: only the served runs,
+on 2 GPUs, one (P and D share it), or ``--device cpu``.
 """
 
 from __future__ import annotations
@@ -272,11 +275,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serve-only", action="store_true", help="only the end-to-end serve runs")
     p.add_argument("--serve-tokens", type=cli.tokens, default=[1024, 4096, 8192],
                    help="prompt lengths served (default 1K,4K,8K)")
-    p.add_argument("--serve-device", default="cuda", help=argparse.SUPPRESS)  # cpu: a test
-    p.add_argument("--serve-dtype", default="bfloat16", help=argparse.SUPPRESS)
+    p.add_argument("--device", "--serve-device", dest="serve_device", default="cuda",
+                   choices=("cuda", "cpu"), help="device of the served runs: cuda (P on GPU 0, "
+                   "D on GPU 1; both on GPU 0 with one GPU) or cpu")
+    p.add_argument("--serve-dtype", default="bfloat16", help="--dtype of the served model "
+                   "(float32 for token identity with colocated)")
     p.add_argument("--serve-modes", default="push-layerwise,push-request,pull-request,colocated",
                    help=f"comma list of {', '.join(SERVE_MODES)}")
-    p.add_argument("--serve-reps", type=int, default=3, help="prompts per length and mode")
+    p.add_argument("--serve-reps", type=int,
+                   default=8, help="prompts per length, mode and server start")
+    p.add_argument("--serve-starts", type=int, default=2,
+                   help="server starts per mode (medians pool every start)")
     p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per prompt")
     p.add_argument("--chunk", type=int, default=8192, help="--max-num-batched-tokens of the server")
     p.add_argument("--model", default="kvflow-llama-32l", help="served model")
@@ -291,11 +300,20 @@ def run(args) -> int:
                               **{k: v for k, v in vars(args).items() if v is not None}})
     if a.p_child:
         return p_child(a)
-    if not a.smoke and a.serve_device == "cuda" and torch.cuda.device_count() < 2:
-        raise SystemExit(f"ipc --full: needs 2 CUDA GPUs, found {torch.cuda.device_count()}; "
-                         f"use --quick on a CPU")
+    for flag, v in (("--serve-reps", a.serve_reps), ("--serve-starts", a.serve_starts)):
+        if v < 1:
+            raise SystemExit(f"ipc: {flag} must be >= 1, got {v}")
+    gpus = torch.cuda.device_count()
+    a._gpus, a._gpu_args = (0, 1), []
+    if a.serve_device == "cuda" and (not a.smoke or a.serve_only):  # GPUs this run needs
+        if gpus < 1 or (gpus < 2 and not a.serve_only):
+            raise SystemExit(f"ipc --full: needs 2 CUDA GPUs (--serve-only: 1), found {gpus}; "
+                             f"on a CPU use --quick, or --serve-only --device cpu")
+        if gpus < 2:  # P and D share GPU 0 (each gets half of --gpu-memory-utilization)
+            a._gpus, a._gpu_args = (0, 0), ["--decode-device", "0"]
     a._loop, a._ceilings = {}, {}
-    env, rows = env_info("cpu" if a.smoke or a.serve_device != "cuda" else "cuda:0"), []
+    on_gpu = a.serve_device == "cuda" and (not a.smoke or a.serve_only)
+    env, rows = env_info("cuda:0" if on_gpu else "cpu"), []
     t0 = time.perf_counter()
     if not a.serve_only:
         kb = KernelBench(a)
@@ -310,8 +328,9 @@ def run(args) -> int:
         del kb
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    if a.smoke or a.no_serve:
-        print("end-to-end serve on 2 GPUs skipped" + (" (needs 2 GPUs)" if a.smoke else ""))
+    if a.no_serve or (a.smoke and not a.serve_only):
+        print("end-to-end serve on 2 GPUs skipped" + (" (needs 2 GPUs); --serve-only --device cpu "
+                                                        "serves on the CPU" if a.smoke else ""))
     else:
         cli.require("httpx", "ipc")
         try:

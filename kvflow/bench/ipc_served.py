@@ -1,8 +1,11 @@
 """The served half of the ``ipc`` study: the same prompts served in every mode of
 :data:`SERVE_MODES` (``python -m kvflow.serve`` on two GPUs, P on GPU 0 and D on GPU 1, and
-colocated on GPU 0): the router's TTFT, TPOT, P's prefill time, transfer and exposed transfer
-(push: P's wait for its copies after the first token + the ``KVPushed`` message; pull: D's whole
-transfer), the exposed share of TTFT, and token identity with colocated.
+colocated on GPU 0; on one GPU both on GPU 0; ``--device cpu`` on the CPU), each mode started
+``--serve-starts`` times. Headline: TTFT(disagg) / TTFT(colocated) and the time to the second
+token (TTST), medians over every prompt and start, with the per-hop breakdown of the responses'
+``kvflow.hops_ms`` (:mod:`kvflow.bench.hops`); then TPOT, P's prefill time, transfer and exposed
+transfer (push: P's wait for its copies after the first token + the ``KVPushed`` message; pull:
+D's whole transfer), and token identity with colocated.
 """
 
 from __future__ import annotations
@@ -57,22 +60,46 @@ for _m in ("push-layerwise", "push-request", "pull-request", "colocated"):
     SERVE_MODES[f"{_m}-digest"] = SERVE_MODES[_m]
 
 
-def run_serve(a, env, rows) -> None:
-    """Serve the same prompts in every ``--serve-modes`` configuration; TTFT, TPOT, transfer
-    and exposed transfer (push: P's wait for its copies after the first token + the KVPushed
-    message; pull: D's whole transfer), token identity with colocated."""
-    import random
-
+def _serve_once(name: str, common: list[str], prompts: dict, a) -> dict:
+    """One server start of mode ``name``: warm-up, then every prompt; {tokens: [results]}."""
     import httpx
 
-    from .schema import make_row
     from .server import started_server
+    mode, extra = SERVE_MODES[name]
+    os.environ.pop("KVFLOW_DEBUG_KV_DIGEST", None)
+    if name.endswith("-digest"):
+        os.environ["KVFLOW_DEBUG_KV_DIGEST"] = "1"
+    try:
+        with started_server(mode, common + extra, timeout=240) as url:
+            async def go():
+                async with httpx.AsyncClient() as c:
+                    first = a.serve_tokens[0]
+                    for w in (256, first):  # warm-up (kernels, allocator)
+                        await _complete(c, url, prompts[first][0][:w], 2)
+                    return {T: [await _complete(c, url, p, a.max_tokens) for p in ps]
+                            for T, ps in prompts.items()}
+            return asyncio.run(go())
+    finally:
+        os.environ.pop("KVFLOW_DEBUG_KV_DIGEST", None)
+
+
+def run_serve(a, env, rows) -> None:
+    """Serve the same prompts in every ``--serve-modes`` configuration, each started
+    ``--serve-starts`` times (modes interleaved); headline TTFT(disagg) / TTFT(colocated) and
+    TTST with a per-hop breakdown (:mod:`kvflow.bench.hops`), transfer and exposed transfer
+    (push: P's wait for its copies after the first token + the KVPushed message; pull: D's
+    whole transfer), token identity with colocated."""
+    import random
+
+    from . import hops
+    from .schema import make_row
     from .timing import median
     maxlen = max(a.serve_tokens) + a.max_tokens + 64
     nb = 2 * (-(-maxlen // 64)) + 8
     common = ["--device", a.serve_device, "--model", a.model, "--dtype", a.serve_dtype,
               "--block-size", "64", "--num-blocks", str(nb), "--max-model-len", str(maxlen),
-              "--max-num-batched-tokens", str(a.chunk), *shlex.split(a.server_args)]
+              "--max-num-batched-tokens", str(a.chunk), *getattr(a, "_gpu_args", []),
+              *shlex.split(a.server_args)]
     rng = random.Random(0)
     prompts = {T: [[rng.randint(32, 126) for _ in range(T)] for _ in range(a.serve_reps)]
                for T in a.serve_tokens}
@@ -81,66 +108,68 @@ def run_serve(a, env, rows) -> None:
         modes.append("colocated")
     if any(m.endswith("-digest") for m in modes) and "colocated-digest" not in modes:
         modes.append("colocated-digest")
-    outs = {}
     for name in modes:
         if name not in SERVE_MODES:
             raise SystemExit(f"--serve-modes: unknown mode {name!r}; known: {', '.join(SERVE_MODES)}")
-        mode, extra = SERVE_MODES[name]
-        digest = name.endswith("-digest")
-        os.environ.pop("KVFLOW_DEBUG_KV_DIGEST", None)
-        if digest:
-            os.environ["KVFLOW_DEBUG_KV_DIGEST"] = "1"
-        try:
-            with started_server(mode, common + extra, timeout=240) as url:
-                async def go():
-                    async with httpx.AsyncClient() as c:
-                        for w in (256, a.serve_tokens[0]):  # warm-up (kernels, allocator)
-                            await _complete(c, url, prompts[a.serve_tokens[0]][0][:w], 2)
-                        return {T: [await _complete(c, url, p, a.max_tokens) for p in ps]
-                                for T, ps in prompts.items()}
-                outs[name] = asyncio.run(go())
-        except Exception as exc:  # report and go on with the other modes
-            print(f"serve mode {name} FAILED: {type(exc).__name__}: {exc}")
-        finally:
-            os.environ.pop("KVFLOW_DEBUG_KV_DIGEST", None)
-    print(f"\nserved {a.model} ({a.serve_dtype}, block 64, chunk {a.chunk}): disagg P=GPU0 D=GPU1 vs colocated GPU0")
-    print("  TTFT: the router's (request in -> first token out, kvflow.ttft_ms); client: as httpx saw "
-          "it\n  (its streaming POST adds ~45 ms on loopback that curl does not see, so the share "
-          "uses the router's)")
-    print(f"  {'tokens':>6} {'mode':19} {'TTFT ms':>9} {'client':>8} {'TPOT ms':>8} {'prefill':>8} "
-          f"{'xfer ms':>8} {'exposed':>8} {'exp/TTFT':>8} {'identical':>9}")
+    outs: dict[str, dict[int, list]] = {}
+    starts: dict[str, int] = {}
+    for start in range(a.serve_starts):
+        for name in modes:
+            try:
+                got = _serve_once(name, common, prompts, a)
+            except Exception as exc:  # report and go on with the other modes
+                print(f"serve mode {name} (start {start + 1}) FAILED: {type(exc).__name__}: {exc}")
+                continue
+            starts[name] = starts.get(name, 0) + 1
+            for T, rs in got.items():
+                outs.setdefault(name, {}).setdefault(T, []).extend(rs)
+    where = (f"P=GPU{a._gpus[0]} D=GPU{a._gpus[1]} vs colocated GPU{a._gpus[0]}"
+             if a.serve_device == "cuda" else "on the CPU")
+    print(f"\nserved {a.model} ({a.serve_dtype}, block 64, chunk {a.chunk}): disagg {where}; "
+          f"{a.serve_reps} prompts x {a.serve_starts} server starts per length")
+    groups = []
     for T in a.serve_tokens:
         for name in [m for m in modes if m in outs]:
             rs = outs[name][T]
             ref = outs.get("colocated-digest" if name.endswith("-digest") else "colocated")
-            same = ref is not None and all(x["text"] == y["text"] for x, y in zip(rs, ref[T]))
+            n = len(prompts[T])  # results of each start follow one another: prompt i % n
+            pairs = [(x, ref[T][i % n]) for i, x in enumerate(rs)] if ref is not None else []
+            same = ref is not None and all(x["text"] == y["text"] for x, y in pairs)
             first_diff = [next((i for i, (u, v) in enumerate(zip(x["text"], y["text"])) if u != v),
-                               None) for x, y in zip(rs, ref[T])] if ref is not None else []
+                               None) for x, y in pairs]
+            kvs = [r["kvflow"] for r in rs]
+            groups.append({"tokens": T, "mode": name, "kvflows": kvs, "starts": starts[name],
+                           "identical": same})
 
             def med(key):
-                return median([float(r["kvflow"].get(key) or 0) for r in rs])
+                return median([float(kv.get(key) or 0) for kv in kvs])
+            m = hops.hop_medians(kvs)
             client, tpot = median([r["ttft"] for r in rs]), median([r["tpot"] for r in rs])
-            ttft = med("ttft_ms") / 1e3
             xfer = med("transfer_ms")
             exposed = med("exposed_ms") if name.startswith("push") else xfer
-            share = exposed / (ttft * 1e3)
-            print(f"  {T:>6} {name:19} {ttft * 1e3:9.2f} {client * 1e3:8.2f} {tpot * 1e3:8.3f} "
-                  f"{med('prefill_ms'):8.2f} "
-                  f"{xfer:8.3f} {exposed:8.3f} {share:8.2%} {str(same):>9}"
-                  + ("" if same else f"  first differing token per prompt: {first_diff}")
-                  + (f"  kv digest equal: {[r['kvflow'].get('kv_digest') == q['kvflow'].get('kv_digest') for r, q in zip(rs, ref[T])]}"
-                     if name.endswith("-digest") and ref is not None else ""))
+            ttft = m.get("ttft") or med("ttft_ms")
             rows.append(make_row(env, op="serve_ipc_gpu", backend=name, spec=None, tokens=T, blocks=0,
-                                 payload_bytes=int(rs[0]["kvflow"].get("payload_bytes") or 0),
-                                 times_s=[float(r["kvflow"]["ttft_ms"]) / 1e3 for r in rs],
+                                 payload_bytes=int(kvs[0].get("payload_bytes") or 0),
+                                 times_s=[float((kv.get("hops_ms") or {}).get("ttft", kv["ttft_ms"]))
+                                          / 1e3 for kv in kvs],
                                  ceiling_s=None, client_ttft_ms=client * 1e3,
-                                 config={"model": a.model,
+                                 config={"model": a.model, "starts": a.serve_starts,
                                          "server_args": shlex.join(common + SERVE_MODES[name][1])},
-                                 ttft_ms=ttft * 1e3, tpot_ms=tpot * 1e3, transfer_ms=xfer,
+                                 ttft_ms=ttft, ttst_ms=m.get("ttst"), hops_ms=m,
+                                 tpot_ms=tpot * 1e3, transfer_ms=xfer,
                                  exposed_ms=exposed, prefill_ms=med("prefill_ms"),
-                                 copy_ms=med("copy_ms"), transfer_share=share, identical=same,
+                                 copy_ms=med("copy_ms"), transfer_share=exposed / ttft if ttft else None,
+                                 identical=same,
                                  client_ttfts_ms=[r["ttft"] * 1e3 for r in rs],
                                  token_ids=[r["text"] for r in rs], first_diff=first_diff,
-                                 kvflow=[r["kvflow"] for r in rs]))
-
-
+                                 kvflow=kvs))
+            if not same:
+                print(f"  {T} {name}: NOT token-identical to colocated; first differing token "
+                      f"per prompt: {first_diff}")
+    print(hops.report(groups))
+    print(f"  {'tokens':>6} {'mode':22} {'client':>8} {'TPOT ms':>8} {'xfer ms':>8} "
+          f"{'exposed':>8}   (client: TTFT as httpx saw it)")
+    for r in rows:
+        if r.get("op") == "serve_ipc_gpu":
+            print(f"  {r['tokens']:>6} {r['backend']:22} {r['client_ttft_ms']:8.2f} "
+                  f"{r['tpot_ms']:8.3f} {r['transfer_ms']:8.3f} {r['exposed_ms']:8.3f}")

@@ -101,7 +101,8 @@ MOVED = {"python bench/ipc_gpu.py": "ipc", "python bench/layerwise_gpu.py": "lay
 def current_command(cmd: str) -> str:
     """The ``python -m kvflow.bench`` command of today that reruns a recorded ``cmd`` (``cmd``
     itself when it still parses): a moved script becomes its study (``--smoke`` -> ``--quick``,
-    no flag -> ``--full``), and ``--out PATH`` is dropped (studies write to ``--out-dir``)."""
+    no flag -> ``--full``), and ``--out`` / ``--out-dir PATH`` and ``--no-progress`` are dropped
+    (where a run wrote its file and whether it drew a progress bar do not change a figure)."""
     import shlex
     prefix = "python -m kvflow.bench "
     for old, study in MOVED.items():
@@ -119,9 +120,9 @@ def current_command(cmd: str) -> str:
     for a in argv:
         if skip:
             skip = False
-        elif a == "--out":
+        elif a in ("--out", "--out-dir"):
             skip = True
-        elif a != "--smoke":
+        elif a not in ("--smoke", "--no-progress") and not a.startswith("--out-dir="):
             keep.append(a)
     return shlex.join(["python", "-m", "kvflow.bench", *head, *keep])
 
@@ -143,6 +144,9 @@ def file_section(path: Path, data: dict, md_dir: Path, img_dir: Path) -> list[st
         if "host_us" in r:
             kinds["calls"].append(r)
             continue
+        if r.get("hops_ms"):
+            kinds["served"].append(r)
+            continue
         kinds[r["op"] if r["op"] in ("contention", "serve", "transfer", "ceiling") else
               ("kernels" if r["op"] in KERNEL_OPS else "other")].append(r)
     if kinds["kernels"]:
@@ -156,6 +160,9 @@ def file_section(path: Path, data: dict, md_dir: Path, img_dir: Path) -> list[st
         out += transfer_table(kinds["ceiling"] + kinds["transfer"])
     if kinds["serve"]:
         out += serve_table(kinds["serve"])
+    if kinds["served"]:
+        from .hops import markdown
+        out += markdown(kinds["served"])
     if kinds["other"]:
         out += generic_table(kinds["other"])
     for png in plots.plot_file(path.stem, kinds, img_dir, env):

@@ -2,9 +2,13 @@
 (``python -m kvflow.serve --mode M`` as a subprocess), for one mode or disagg vs colocated
 (``--compare``), at one or several request rates; one row per (mode, rate).
 
-Rows are :func:`kvflow.bench.schema.make_row` rows with ``op="serve"``, ``backend`` = the mode,
-``time_s`` = the median E2E latency, plus the keys of :func:`kvflow.bench.loadgen.summarize` and
-the per-request ``ttft_ms`` / ``tpot_ms`` lists (for the CDF plots of the report).
+Each mode is started ``--starts`` times (default 2, modes interleaved) and a row pools every
+start. Rows are :func:`kvflow.bench.schema.make_row` rows with ``op="serve"``, ``backend`` = the
+mode, ``time_s`` = the median E2E latency, plus the keys of :func:`kvflow.bench.loadgen.summarize`,
+the per-request ``ttft_ms`` / ``tpot_ms`` lists (for the CDF plots of the report), ``hops_ms``
+(the per-hop medians) and every response's ``kvflow``. The printed headline is
+TTFT(disagg) / TTFT(colocated) with the time to the second token (TTST) and the per-hop
+breakdown (:mod:`kvflow.bench.hops`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ def add_arguments(p) -> None:
     p.add_argument("--compare", action="store_true", help="run disagg and colocated side by side")
     p.add_argument("--server-args", default="", help="extra flags for python -m kvflow.serve, e.g. '--kv-connector tcp'")
     p.add_argument("--server-timeout", type=float, default=120.0, help="seconds to wait for /health")
+    p.add_argument("--starts", type=int, default=2,
+                   help="server starts per mode, modes interleaved (ignored with --url); the "
+                        "rows pool every start")
     p.add_argument("--num-requests", type=int)
     p.add_argument("--rate", type=lambda s: [float(x) for x in s.split(",")],
                    help="requests/s (comma list sweeps; inf = all at once)")
@@ -56,24 +63,38 @@ def measure(url: str, opts: dict[str, Any], rate: float, progress: bool = True) 
     bar.close()
     summary = loadgen.summarize(results, dur, slo_ttft_ms=opts["slo_ttft_ms"],
                                 slo_tpot_ms=opts["slo_tpot_ms"])
-    return {"summary": summary, "results": results}
+    return {"summary": summary, "results": results, "duration_s": dur}
 
 
 def run_serve(opts: dict[str, Any], env: dict[str, Any], progress: bool = True) -> list[dict]:
-    """Rows for every (mode, rate) asked for; see the module docstring."""
+    """Rows for every (mode, rate) asked for, each pooled over ``starts`` server starts (one
+    with ``url``); see the module docstring."""
     modes = ["disagg", "colocated"] if opts.get("compare") else [opts["mode"]]
+    rates = opts["rate"] if isinstance(opts["rate"], list) else [opts["rate"]]
+    own = not (opts.get("url") and not opts.get("compare"))
+    starts = int(opts.get("starts") or 2) if own else 1
+    if starts < 1:
+        raise SystemExit(f"serve: --starts must be >= 1, got {starts}")
+    got: dict[tuple[str, float], list] = {}
+    for _ in range(starts):
+        for mode in modes:
+            ctx = started_server(mode, opts.get("server_args", ""), opts["server_timeout"]) \
+                if own else contextlib.nullcontext(opts["url"])
+            with ctx as url:
+                for rate in rates:
+                    m = measure(url, opts, rate, progress)
+                    got.setdefault((mode, rate), []).append(m)
     rows = []
-    for mode in modes:
-        ctx = contextlib.nullcontext(opts["url"]) if opts.get("url") and not opts.get("compare") \
-            else started_server(mode, opts.get("server_args", ""), opts["server_timeout"])
-        with ctx as url:
-            for rate in opts["rate"] if isinstance(opts["rate"], list) else [opts["rate"]]:
-                m = measure(url, opts, rate, progress)
-                rows.append(_row(env, opts, mode, rate, m["summary"], m["results"]))
+    for (mode, rate), ms in got.items():
+        results = [r for m in ms for r in m["results"]]
+        summary = loadgen.summarize(results, sum(m["duration_s"] for m in ms),
+                                    slo_ttft_ms=opts["slo_ttft_ms"], slo_tpot_ms=opts["slo_tpot_ms"])
+        rows.append(_row(env, opts, mode, rate, summary, results, starts))
     return rows
 
 
-def _row(env, opts, mode, rate, summary, results) -> dict:
+def _row(env, opts, mode, rate, summary, results, starts: int = 1) -> dict:
+    from .hops import hop_medians
     ok = [r for r in results if r.ok]
     moved = [r.kvflow for r in ok if r.kvflow]
     prompt = [r.prompt_tokens for r in ok if r.prompt_tokens]
@@ -86,6 +107,7 @@ def _row(env, opts, mode, rate, summary, results) -> dict:
         ttft_ms=[round(r.ttft_s * 1e3, 3) for r in ok],
         tpot_ms=[round(r.tpot_s * 1e3, 3) for r in ok if r.tpot_s is not None],
         transfer_ms=[k.get("transfer_ms") for k in moved if k.get("transfer_ms") is not None],
+        hops_ms=hop_medians(moved), starts=starts, kvflow=moved,
         config={k: opts.get(k) for k in ("num_requests", "prompt_len", "output_len", "dataset",
                                          "concurrency", "model", "server_args", "url")})
 
@@ -107,6 +129,15 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_hops(rows: list[dict]) -> str:
+    """Headline TTFT(disagg) / TTFT(colocated) and TTST per rate, with the per-hop breakdown
+    (:func:`kvflow.bench.hops.report`)."""
+    from .hops import report
+    groups = [{"rate": "inf" if r["rate"] is None else r["rate"], "mode": r["backend"],
+               "kvflows": r.get("kvflow") or [], "starts": r.get("starts", 1)} for r in rows]
+    return report(groups, key="rate")
+
+
 def run(args) -> int:
     from .schema import env_info
     cli.require("httpx", "serve")
@@ -116,5 +147,6 @@ def run(args) -> int:
     t0 = time.perf_counter()
     rows = run_serve(opts, env, progress=not args.no_progress)
     print(format_table(rows))
+    print(format_hops(rows))
     cli.finish(args, opts, env, rows, t0=t0)
     return 0

@@ -16,7 +16,8 @@ run beside the next layers' compute on a capped grid (``max_ctas`` programs, so 
 keeps its SMs), except the last group of the last chunk, which nothing overlaps any more: it
 takes the whole GPU. On CPU the hook copies at once. Shorter prompts are copied after the
 prefill. Either way P waits for its copies, then sends one :class:`~kvflow.protocol.KVPushed`
-(``ok``, first token, timings); D starts decoding on it.
+(``ok``, first token, timings); D starts decoding on it (the served P sent the first token to
+the router already, before waiting for its copies).
 
 Ownership: D's blocks of a request are written by P until P's ``KVPushed`` (ok or not) for it,
 so D keeps them allocated until then even if the request ends early (``lent`` blocks,

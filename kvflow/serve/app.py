@@ -74,7 +74,7 @@ def create_app(router: Router) -> FastAPI:
         t0 = time.monotonic()
         try:
             token_ids = router.tokenize(body)
-            events = router.run(body, token_ids)
+            events = router.run(body, token_ids, t0)
             first = await _next_unless_gone(events, request)  # errors keep their status
         except RequestError as exc:
             return JSONResponse(error_body(exc.message, exc.param,
@@ -82,10 +82,14 @@ def create_app(router: Router) -> FastAPI:
                                 status_code=exc.status)
         ttft = time.monotonic() - t0
         metrics.ttft.observe(ttft)
-        metrics.observe_transfer(first.kvflow)
-        kv = dict(first.kvflow)
-        kv.pop("block_table", None)
-        kv["ttft_ms"] = round(ttft * 1e3, 3)
+
+        def report(last: Tokens) -> dict:
+            """The response's ``kvflow`` object: the router's report on the last message."""
+            metrics.observe_transfer(last.kvflow)
+            kv = dict(last.kvflow)
+            kv.pop("block_table", None)
+            kv["ttft_ms"] = round(ttft * 1e3, 3)
+            return kv
 
         def finish(ids: list[int]) -> None:
             if len(ids) > 1:
@@ -104,7 +108,7 @@ def create_app(router: Router) -> FastAPI:
             finish(ids)
             return completion_response(f"cmpl-{uuid.uuid4().hex[:24]}", router.model_name,
                                        router.tokenizer.decode(ids), ids, msg.finish_reason,
-                                       len(token_ids), kv)
+                                       len(token_ids), report(msg))
 
         opts = body.stream_options
         with_usage = opts is not None and bool(opts.include_usage)
@@ -122,7 +126,7 @@ def create_app(router: Router) -> FastAPI:
                         delta = ""
                     chunk = completion_chunk(rid, router.model_name, delta, msg.token_ids,
                                              msg.finish_reason or None if msg.finished else None,
-                                             kv if msg.finished else None)
+                                             report(msg) if msg.finished else None)
                     if every_chunk:
                         chunk["usage"] = usage(len(token_ids), len(ids))
                     yield "data: " + json.dumps(chunk) + "\n\n"
@@ -145,7 +149,8 @@ def create_app(router: Router) -> FastAPI:
 
 
 class _APIKeyMiddleware:
-    """HTTP 401 for ``/v1/*`` without the router's API key (``Router.authorized``)."""
+    """HTTP 401 for ``/v1/*`` without the router's API key (``Router.authorized``); HTTP 400 for
+    a ``/v1/*`` body sent with a Content-Encoding (even one whose bytes parse as JSON)."""
 
     def __init__(self, app: Any, router: Router) -> None:
         self.app, self.router = app, router
@@ -159,6 +164,13 @@ class _APIKeyMiddleware:
                                                "'Authorization: Bearer <key>'", "authorization",
                                                "authentication_error"), status_code=401)
                 await resp(scope, receive, send)
+                return
+            coding = next((v.decode("latin-1") for k, v in scope.get("headers", ())
+                           if k.lower() == b"content-encoding"), "identity")
+            if coding.strip().lower() not in ("identity", ""):
+                why = f"Content-Encoding: {clipped(coding)} is not supported; send the JSON as is"
+                await JSONResponse(error_body(f"body: {why}", "body"), status_code=400)(
+                    scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

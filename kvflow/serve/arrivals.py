@@ -1,7 +1,8 @@
 """D's side of a transfer's arrival: the connector's messages (``KVReady``, ``KVData``,
 ``KVLayer`` parts, ``KVPushed``) for a request D allocated, put into D's blocks by the
 connector's receiver, checked against P's lease first when the receiver reads P's memory, then
-acknowledged (when the connector acks) and the first token emitted.
+acknowledged (when the connector acks); the first token (P's, already streamed by the router)
+is appended and decoding starts (``kv_done`` stamped, :mod:`kvflow.serve.timings`).
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ class Arrivals:
             if not self._lease_ok(msg, seq):
                 raise TimeoutError(f"P's lease of {self.kv_lease_s:g} s on the sent blocks "
                                    f"expired before D could read them")
+            if faults.fails("receive", req.prompt_token_ids):
+                raise RuntimeError("injected fault: KVFLOW_FAULT_RECEIVE_FAIL")
             # logical blocks 0..num_cached_blocks-1 are D's prefix-cache hit; P sends the rest
             stats = self.receiver.receive(msg, frames, self.cache,
                                           req.block_table[seq.num_cached_blocks:n],
@@ -101,9 +104,10 @@ class Arrivals:
             return
         if stats is None:  # a layerwise part: more layers to come
             return
-        now = time.time()
+        t_done, now = time.monotonic(), time.time()
         self._ack(msg.req_id, ident)
-        seq.kvflow = {"prefill_instance": ident.decode() if ident else self.peer_id,
+        seq.kvflow = {"clock": {"kv_done": t_done},
+                      "prefill_instance": ident.decode() if ident else self.peer_id,
                       "decode_instance": self.instance_id, **self.receiver.describe(),
                       "blocks": stats.blocks, "payload_bytes": stats.payload_bytes,
                       "transfer_ms": round((now - msg.t_start) * 1e3 if msg.t_start else 0.0, 3),
@@ -120,5 +124,4 @@ class Arrivals:
             seq.kvflow["prefill_ms"] = round(msg.prefill_ms, 3)
         if self.prefix is not None:  # the prompt's full blocks now hold their KV
             self.prefix.insert(req.prompt_token_ids, req.block_table[:n])
-        req.transition(DecodeState.DECODING)
-        self.loop.emit(seq, msg.first_token)
+        self.loop.take_first(seq, msg.first_token)  # P sent it to the router already

@@ -8,6 +8,7 @@ It composes the engine, an allocator and the decode loop
 from __future__ import annotations
 
 import logging
+import time
 
 from kvflow.protocol import Abort, Allocate, Prefill, Rejected
 from kvflow.blocks import ColocatedState
@@ -16,6 +17,7 @@ from . import faults
 from .instance import Instance
 from .sampling import sample_token
 from .sequences import DecodeLoop, DecodesWithLoop
+from .timings import stamp
 
 log = logging.getLogger("kvflow.serve.colocated")
 
@@ -48,7 +50,7 @@ class ColocatedInstance(DecodesWithLoop, Instance):
             self.send_ctrl(Rejected(req_id=msg.req_id, kind="error",
                                     error=f"prefill of unknown request {msg.req_id}"))
             return
-        req = seq.req
+        req, t_start = seq.req, time.monotonic()  # prefilled at once: received = started
         req.transition(ColocatedState.PREFILLING)
         try:
             logits = self.engine.prefill(req.prompt_token_ids, req.block_table,
@@ -59,9 +61,12 @@ class ColocatedInstance(DecodesWithLoop, Instance):
             return
         seq.kvflow = {"prefill_instance": self.instance_id, "decode_instance": self.instance_id,
                       "kv_connector": "none", "layerwise": False, "blocks": 0,
-                      "payload_bytes": 0, "transfer_ms": 0.0, "block_table": list(req.block_table)}
+                      "payload_bytes": 0, "transfer_ms": 0.0, "block_table": list(req.block_table),
+                      "clock": {"prefill_received": t_start, "prefill_started": t_start}}
         digest = faults.kv_digest(self.cache, req.block_table, len(req.prompt_token_ids))
         if digest is not None:
             seq.kvflow["kv_digest"] = digest
         req.transition(ColocatedState.DECODING)
-        self.loop.emit(seq, sample_token(logits, req.temperature, seq.seed, 0))
+        token = sample_token(logits, req.temperature, seq.seed, 0)
+        stamp(seq.kvflow, "first_token_sampled")
+        self.loop.emit(seq, token)

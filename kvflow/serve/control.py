@@ -85,7 +85,9 @@ class Controller:
         for t in self._tasks:
             t.cancel()
         self.sock.close(0)
-        self.ctx.term()
+        # destroy, not term: term() waits for every socket of the context to close, so one
+        # left open anywhere would hold a stopping router forever (a Ctrl-C once seemed lost)
+        self.ctx.destroy(linger=0)
 
     # ---- state ----------------------------------------------------------------------
     def by_role(self, role: str) -> list[InstanceInfo]:

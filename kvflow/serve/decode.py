@@ -5,7 +5,8 @@ Per request: ``Allocate`` -> ALLOCATED (:class:`~kvflow.serve.sequences.DecodeLo
 D's *own* block table, prefix-cache hit ``num_cached_blocks``) -> the KV arrives from P
 (``KVReady`` / ``KVData`` / ``KVLayer`` parts / ``KVPushed``, by connector) into the prompt's
 blocks of D's table after the prefix hit -> RECEIVING -> DECODING: the first token (sampled by
-P) is emitted, then one token per decode step -> DONE. Abort, transfer error and timeout
+P, which already sent it to the router) is appended, then one token per decode step is sent,
+from the second on -> DONE. Abort, transfer error and timeout
 (``receive_timeout_s`` without KV) end the request too; every end frees its blocks, except
 blocks P may still write (:mod:`kvflow.serve.lent`).
 

@@ -11,6 +11,9 @@ variable                           effect
                                    before copying it (a slow transfer: abort or kill D now)
 ``KVFLOW_FAULT_MATCH``             comma-separated token ids: faults apply only to requests
                                    whose prompt contains this run of ids (unset: to every one)
+``KVFLOW_FAULT_RECEIVE_FAIL``      comma-separated token ids: D fails the arrived transfer of
+                                   requests whose prompt contains this run (after P's first
+                                   token went out), as a broken copy would
 ``KVFLOW_DEBUG_KV_DIGEST``         (a diagnostic, not a fault) D and colocated add
                                    ``kv_digest`` to the ``kvflow`` object: a digest of the
                                    prompt's full blocks, equal across modes iff their bytes are
@@ -42,6 +45,13 @@ def delay_s(kind: str, token_ids: Sequence[int]) -> float:
     if match and not _contains(token_ids, [int(x) for x in match.split(",")]):
         return 0.0
     return float(value)
+
+
+def fails(kind: str, token_ids: Sequence[int]) -> bool:
+    """Whether fault ``kind`` ("receive": ``KVFLOW_FAULT_RECEIVE_FAIL``) fails the request
+    with prompt ``token_ids``: its variable names a run of token ids the prompt contains."""
+    value = os.environ.get({"receive": "KVFLOW_FAULT_RECEIVE_FAIL"}[kind], "")
+    return bool(value) and _contains(token_ids, [int(x) for x in value.split(",")])
 
 
 def kv_digest(cache, block_ids: Sequence[int], num_tokens: int) -> list[int] | None:

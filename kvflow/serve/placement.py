@@ -50,7 +50,8 @@ class ReqState:
     queue: asyncio.Queue
     prefill_id: str = ""
     decode_id: str = ""
-    stage: str = "allocating"   # allocating -> prefilling -> decoding
+    stage: str = "allocating"   # allocating -> prefilling -> transferring (P's token out,
+                                # the KV still moving: P still needed) -> decoding
 
 
 def pick_pair(instances: Iterable[InstanceInfo], requests: Iterable[ReqState], mode: str,

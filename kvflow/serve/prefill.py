@@ -8,7 +8,8 @@ refused (:class:`~kvflow.protocol.Rejected`; nothing is allocated or sent). ``Un
 new pairing with the same D detach only that D.
 
 Per request: queued -> prefill (the connector runs :meth:`Engine.prefill`, chunked by
-``max_num_batched_tokens``) -> :class:`Held` until D's :class:`~kvflow.protocol.KVAck`. An
+``max_num_batched_tokens``; the first token goes to the router as soon as it is sampled,
+:mod:`kvflow.serve.first_token`) -> :class:`Held` until D's :class:`~kvflow.protocol.KVAck`. An
 Abort, a failed prefill or transfer (also a layerwise one reported after the prefill), or a
 lease that ends without D's renewal (``kv_lease_s``, docs/reliability.md) frees the blocks.
 """
@@ -27,7 +28,7 @@ from kvflow.blocks import NoFreeBlocksError
 from . import faults
 from .instance import Instance
 from .pairing import check_peer, peer_of
-from .sampling import sample_token
+from .first_token import first_token_sampler
 from .startup import StartupError
 
 log = logging.getLogger("kvflow.serve.prefill")
@@ -59,6 +60,7 @@ class PrefillInstance(Instance):
         self.kv_lease_s = cfg.kv_lease_s  # sent blocks held this long without D's renewal
         self.queue: collections.deque[Prefill] = collections.deque()
         self.pending: dict[str, Held] = {}
+        self.received: dict[str, float] = {}  # queued request -> time.monotonic() of its Prefill
         self.connector = None  # kvflow.connector.KVSender, built by setup()
 
     # ---- start-up -------------------------------------------------------------------
@@ -151,11 +153,13 @@ class PrefillInstance(Instance):
             self.send_ctrl(Rejected(req_id=msg.req_id, kind="capacity", error=error, param="prompt"))
             return
         self.queue.append(msg)
+        self.received[msg.req_id] = time.monotonic()
 
     def on_abort(self, msg: Abort, frames, ident) -> None:
         queued = [m for m in self.queue if m.req_id == msg.req_id]
         self.queue = collections.deque(m for m in self.queue if m.req_id != msg.req_id)
         for m in queued:
+            self.received.pop(m.req_id, None)
             self.connector.fail(m.req_id, m.decode_id, msg.reason or "aborted")
         self.connector.release(msg.req_id)  # no further part goes
         held = self.pending.get(msg.req_id)
@@ -197,6 +201,7 @@ class PrefillInstance(Instance):
         msg = self.queue[0]
         if msg.decode_id not in self.connector.links:  # its D was unpaired while it waited
             self.queue.popleft()
+            self.received.pop(msg.req_id, None)
             self.send_ctrl(Rejected(req_id=msg.req_id, kind="error",
                                     error=self._not_paired(msg.decode_id)))
             return
@@ -205,15 +210,17 @@ class PrefillInstance(Instance):
         except NoFreeBlocksError:
             return  # wait for acks to free blocks
         self.queue.popleft()
-        job = PrefillJob(msg.req_id, msg.token_ids, blocks, msg.decode_id, msg.decode_block_ids,
-                         msg.num_cached_blocks, self.cfg.max_num_batched_tokens,
-                         lambda logits: sample_token(logits, msg.temperature, msg.seed, 0))
+        t_received = self.received.pop(msg.req_id, time.monotonic())
         try:
             delay = faults.delay_s("prefill", msg.token_ids)
             end = time.monotonic() + delay
             while time.monotonic() < end:  # test fault: a slow prefill (heartbeats go on, as
                 time.sleep(0.05)           # between the chunks of a long one)
                 self.heartbeat()
+            job = PrefillJob(msg.req_id, msg.token_ids, blocks, msg.decode_id,
+                             msg.decode_block_ids, msg.num_cached_blocks,
+                             self.cfg.max_num_batched_tokens,
+                             first_token_sampler(self, msg, t_received, time.monotonic()))
             handoff = self.connector.prefill(self.engine, job)
         except Exception as exc:
             log.exception("%s: prefill of %s failed", self.instance_id, msg.req_id)

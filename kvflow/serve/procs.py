@@ -141,7 +141,8 @@ def instance_env(role: str, device: str, prefill_device: int, decode_device: int
     the child's ``cuda:0`` is its GPU (this process's ordinal ``prefill_device`` for prefill and
     colocated, ``decode_device`` for decode); prefill and decode also see the other one's GPU
     (second), since each may open the other's cache by CUDA IPC handle (push: P maps D's; pull:
-    D maps P's) and finds it by UUID. None (inherit) for other devices.
+    D maps P's) and finds it by UUID. On other devices, the inherited environment with
+    ``OMP_WAIT_POLICY=PASSIVE`` unless one of :data:`OPENMP_WAIT_VARS` is set (:data:`CPU_ENV`).
 
     Raises
     ------
@@ -149,11 +150,25 @@ def instance_env(role: str, device: str, prefill_device: int, decode_device: int
         An ordinal this process cannot see (see :func:`kvflow.devices.parent_cards`).
     """
     if not str(device).startswith("cuda"):
-        return None
+        mine = any(name in os.environ for name in OPENMP_WAIT_VARS)  # the user chose a wait
+        return dict(os.environ) if mine else {**CPU_ENV, **os.environ}
     from kvflow.devices import parent_cards, worker_env_for_cards
     p, d = parent_cards("cuda", [prefill_device]) + parent_cards("cuda", [decode_device])
     cards = {"decode": [d, p], "prefill": [p, d]}.get(role, [p])
     return worker_env_for_cards("cuda", cards)
+
+
+#: Environment defaults of CPU instances. ``OMP_WAIT_POLICY=PASSIVE``: torch's OpenMP workers
+#: sleep after a parallel region instead of spinning for milliseconds. On a few cores the
+#: spinning threads of one instance (P just after its prefill) held the cores that the router
+#: and D needed: a 512 KiB transfer inside the server took 1-10 ms instead of 1 ms, and under
+#: load from other processes TTFT swung 5x. Sleeping costs a quiet machine's prefill ~30%
+#: (kvflow-tiny, 2 cores; docs/gpu_serving.md, "Measuring"). Setting any of
+#: :data:`OPENMP_WAIT_VARS` yourself (e.g. ``GOMP_SPINCOUNT=10000`` on a dedicated machine)
+#: replaces this default.
+CPU_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+#: OpenMP variables that choose how idle workers wait (libgomp's, Intel OpenMP's)
+OPENMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
 
 def _exit_text(code: int) -> str:

@@ -2,10 +2,12 @@
 
 One request (disaggregated): tokenize -> check it fits ``max_model_len`` (else HTTP 400, nothing
 moved) -> ``Allocate`` to D (D's own block ids back; "busy" is retried until
-``admit_timeout_s``, "capacity" is HTTP 400) -> ``Prefill`` to P with D's ids -> tokens from D,
-streamed as server-sent events or gathered into one response. Whatever ends the request early
-(error, timeout, client disconnect, a dead instance) sends ``Abort`` to P and D so both free
-the request's blocks.
+``admit_timeout_s``, "capacity" is HTTP 400) -> ``Prefill`` to P with D's ids -> the first
+token from P as soon as P sampled it, then the others from D once the KV is in D's cache,
+streamed as server-sent events or gathered into one response. Each step is stamped
+(:mod:`kvflow.serve.timings`: ``kvflow.timings_ms`` and ``hops_ms`` of the response).
+Whatever ends the request early (error, timeout, client disconnect, a dead instance) sends
+``Abort`` to P and D so both free the request's blocks.
 
 Reliability (docs/reliability.md): D out of free blocks answers "busy" and the router retries
 every 50 ms for at most ``admit_timeout_s`` (``--admit-timeout-s``), then HTTP 503 — a bounded
@@ -37,6 +39,7 @@ from .control import Controller
 from .placement import ReqState
 from .errors import RequestError
 from .metrics import Metrics
+from .timings import RequestClock
 
 log = logging.getLogger("kvflow.serve.router")
 
@@ -92,8 +95,21 @@ class Router:
         except asyncio.TimeoutError:
             raise RequestError(504, f"timed out after {timeout:.0f} s waiting for {what}") from None
 
-    async def run(self, body: CompletionRequest, token_ids: list[int]) -> AsyncIterator[Tokens]:
-        """Yield the :class:`Tokens` messages of one request; raise :class:`RequestError`."""
+    async def run(self, body: CompletionRequest, token_ids: list[int],
+                  t_received: float | None = None) -> AsyncIterator[Tokens]:
+        """Yield the :class:`Tokens` messages of one request in output order; the finishing
+        one carries the request's ``kvflow`` object (:meth:`RequestClock.report`, with
+        ``timings_ms`` and ``hops_ms`` since ``t_received``, ``time.monotonic()`` s, default
+        now). Raise :class:`RequestError`.
+
+        Disaggregated, the first token is P's (``index`` 0), streamed as soon as it arrives;
+        D's tokens (``index`` 1..) follow once the KV is in D's cache (a D message that
+        overtakes P's is held back). Until D's first message P is still needed (the transfer):
+        its death fails the request. A request P's token finished (``max_tokens`` 1, a stop
+        token) is followed in the background until D reports the KV in and the blocks freed
+        (:meth:`_follow`); a failure there aborts it on P and D.
+        """
+        clock = RequestClock(time.monotonic() if t_received is None else t_received)
         pair = self.ctl.pick()
         if pair is None:
             raise RequestError(503, "no prefill/decode pair is ready (see GET /health)")
@@ -109,10 +125,11 @@ class Router:
         seed = body.seed if body.seed is not None else secrets.randbelow(1 << 62)  # as vLLM
         st = ReqState(asyncio.Queue(), decode_id=d.id)
         self.ctl.requests[req_id] = st
-        done, outcome = False, "error"  # outcome None: a 4xx, not counted
+        done, followed, outcome = False, False, "error"  # outcome None: a 4xx, not counted
         try:
             deadline = time.monotonic() + self.admit_timeout_s
             while True:
+                clock.mark("allocate_sent")  # the last try's ("busy" retries drop it)
                 await self.ctl.send(d, Allocate(req_id=req_id, token_ids=token_ids,
                                                 max_tokens=body.max_tokens,
                                                 temperature=body.temperature, seed=seed,
@@ -122,20 +139,49 @@ class Router:
                     break
                 if isinstance(msg, Rejected) and msg.kind == "busy" and time.monotonic() < deadline:
                     await asyncio.sleep(0.05)
+                    clock.stamps.pop("allocate_sent", None)
                     continue
                 raise self._error(msg)
+            clock.mark("allocated")
             st.prefill_id, st.stage = p.id, "prefilling"
+            # stamped before the send: awaiting it can resume after P has already received it
+            clock.mark("prefill_sent")
             await self.ctl.send(p, Prefill(req_id=req_id, token_ids=token_ids,
                                            temperature=body.temperature, seed=seed,
                                            decode_id=d.id, decode_block_ids=msg.block_ids,
-                                           num_cached_blocks=msg.num_cached_blocks))
+                                           num_cached_blocks=msg.num_cached_blocks,
+                                           max_tokens=body.max_tokens,
+                                           ignore_eos=body.ignore_eos))
+            clock.kvflow.update(prefill_instance=p.id, decode_instance=d.id)
+            colocated = p is d
+            expect, held = 0, {}  # output index of the next token; messages that came early
             timeout, what = self.first_token_timeout_s, "the first token"
             while True:
-                msg = await self._wait(st, timeout, what)
+                msg = held.pop(expect, None)
+                if msg is None:
+                    msg = await self._wait(st, timeout, what)
                 if not isinstance(msg, Tokens) or msg.error:
                     raise self._error(msg)
-                st.stage, timeout, what = "decoding", self.token_timeout_s, "the next token"
+                if msg.index > expect:  # D's token overtook P's: keep it for its turn
+                    held[msg.index] = msg
+                    continue
+                clock.merge(msg.kvflow)
+                if msg.index <= 1 and msg.token_ids:
+                    clock.mark("second_token_at_router" if msg.index else "first_token_at_router")
+                if msg.index >= 1 or colocated:  # D has the KV: P is not needed any more
+                    st.stage, timeout, what = "decoding", self.token_timeout_s, "the next token"
+                else:  # P's token: the KV may still be moving to D
+                    st.stage, what = "transferring", "the KV transfer and the second token"
+                expect = msg.index + len(msg.token_ids)
                 done = msg.finished
+                followed = (done and not colocated and msg.index == 0  # D not done yet
+                            and not any(h.finished for h in held.values()))
+                if msg.index <= 1 and msg.token_ids:
+                    clock.mark("second_token_out" if msg.index else "first_token_out")
+                if done:
+                    msg.kvflow = clock.report()
+                if followed:  # P's token ended it: D still receives the KV, then frees
+                    asyncio.ensure_future(self._follow(req_id, st))
                 yield msg
                 if done:
                     return
@@ -146,20 +192,42 @@ class Router:
             outcome = "error" if exc.status >= 500 else None
             raise
         finally:
-            self.ctl.requests.pop(req_id, None)
+            if not followed:
+                self.ctl.requests.pop(req_id, None)
             if not done:
                 if outcome is not None:
                     self.metrics.requests.labels(outcome).inc()
-                ids = {st.prefill_id, st.decode_id} - {""}
-                dead = sorted(i for i in ids if i not in self.ctl.instances)
-                for inst_id in ids - set(dead):
-                    asyncio.ensure_future(self.ctl.send(self.ctl.instances[inst_id], Abort(
-                        req_id=req_id, reason="router ended the request",
-                        peer_dead=dead[0] if dead else "", prefill_sent=bool(st.prefill_id),
-                        prefill_id=st.prefill_id,
-                        peer_exited=bool(dead) and dead[0] in getattr(self.ctl, "exited", ()))))
+                self._abort(req_id, st)
             else:
                 self.metrics.requests.labels("ok").inc()
+
+    async def _follow(self, req_id: str, st: ReqState) -> None:
+        """After P's token finished a request: wait (at most ``first_token_timeout_s``) for D's
+        word that the KV arrived and the request ended there (an empty finished
+        :class:`Tokens`); on an error, a timeout or a dead instance, abort it on P and D."""
+        try:
+            while True:
+                msg = await self._wait(st, self.first_token_timeout_s, "the KV transfer")
+                if not isinstance(msg, Tokens) or msg.error:
+                    raise self._error(msg)
+                if msg.finished:
+                    return
+        except RequestError as exc:
+            log.error("request %s (finished on P's token): %s; aborted", req_id, exc.message)
+            self._abort(req_id, st)
+        finally:
+            self.ctl.requests.pop(req_id, None)
+
+    def _abort(self, req_id: str, st: ReqState) -> None:
+        """Send :class:`Abort` to the request's live instances (naming a dead one)."""
+        ids = {st.prefill_id, st.decode_id} - {""}
+        dead = sorted(i for i in ids if i not in self.ctl.instances)
+        for inst_id in ids - set(dead):
+            asyncio.ensure_future(self.ctl.send(self.ctl.instances[inst_id], Abort(
+                req_id=req_id, reason="router ended the request",
+                peer_dead=dead[0] if dead else "", prefill_sent=bool(st.prefill_id),
+                prefill_id=st.prefill_id,
+                peer_exited=bool(dead) and dead[0] in getattr(self.ctl, "exited", ()))))
 
     @staticmethod
     def _error(msg: Any) -> RequestError:

@@ -7,7 +7,9 @@ first in the new table and answers ``Allocated(num_cached_blocks=k)``. Evictable
 count as free (:meth:`DecodeLoop.free_blocks`) and are evicted, least recently used first, when
 needed. Then every running request steps together (continuous batching): one token per step,
 until a stop reason (:func:`~kvflow.serve.sampling.stop_reason`); every end frees its blocks
-unless the caller keeps them (D's lent blocks).
+unless the caller keeps them (D's lent blocks). On D the first token is P's: D appends it
+without sending it (:meth:`DecodeLoop.take_first`; P sent it to the router) and streams from
+the second on.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from kvflow.protocol import Allocate, Allocated, Rejected, Tokens
 from kvflow.blocks import AdmissionError, NoFreeBlocksError, PrefixCache, Request, admission_check
 
 from .sampling import sample_token, stop_reason
+from .timings import stamp
 
 log = logging.getLogger("kvflow.serve.sequences")
 
@@ -35,6 +38,7 @@ class Seq:
     t_alloc: float = dataclasses.field(default_factory=time.monotonic)
     num_cached_blocks: int = 0      # logical blocks 0..k-1 came from the prefix cache
     t_renewed: float = 0.0          # time.time() of the last LeaseRenew that named it
+    reported: bool = False          # this instance sent the router its kvflow block
 
 
 class DecodesWithLoop:
@@ -124,17 +128,41 @@ class DecodeLoop:
 
     # ---- decoding -------------------------------------------------------------------
     def emit(self, seq: Seq, token: int) -> None:
-        """Append ``token`` to ``seq``, send it (with the ``kvflow`` block on the first), end
-        the request on a stop reason."""
+        """Append ``token`` to ``seq``, send it (with the ``kvflow`` block on this instance's
+        first message, and the ``second_token_emitted`` stamp on the second token), end the
+        request on a stop reason."""
         inst, req = self.inst, seq.req
         req.append_token(token)
-        reason = stop_reason(token, len(req.output_token_ids), req.max_tokens, req.num_tokens,
-                             inst.max_model_len, inst.tokenizer.eos_token_id, seq.ignore_eos)
-        first = len(req.output_token_ids) == 1
+        reason = self._stop(seq, token)
+        index = len(req.output_token_ids) - 1
+        kvflow = {} if seq.reported else seq.kvflow
+        if index == 1:
+            stamp(kvflow, "second_token_emitted")
+        seq.reported = True
         inst.send_ctrl(Tokens(req_id=req.request_id, token_ids=[token], finished=bool(reason),
-                              finish_reason=reason, kvflow=seq.kvflow if first else {}))
+                              finish_reason=reason, kvflow=kvflow, index=index))
         if reason:
             self.end(req.request_id, self.states.DONE, "", notify=False)
+
+    def take_first(self, seq: Seq, token: int) -> None:
+        """D: the KV is in; append the first token, which P sampled and already sent the
+        router, without sending it, and start decoding -- or, when it ends the request (P
+        said so too), end it with an empty finished :class:`Tokens` (``index`` 1) that tells
+        the router D is done with it."""
+        req = seq.req
+        req.append_token(token)
+        req.transition(self.states.DECODING)
+        reason = self._stop(seq, token)
+        if reason:
+            seq.reported = True
+            self.inst.send_ctrl(Tokens(req_id=req.request_id, token_ids=[], finished=True,
+                                       finish_reason=reason, kvflow=seq.kvflow, index=1))
+            self.end(req.request_id, self.states.DONE, "", notify=False)
+
+    def _stop(self, seq: Seq, token: int) -> str:
+        inst, req = self.inst, seq.req
+        return stop_reason(token, len(req.output_token_ids), req.max_tokens, req.num_tokens,
+                           inst.max_model_len, inst.tokenizer.eos_token_id, seq.ignore_eos)
 
     def end(self, req_id: str, state: Any, error: str, *, notify: bool = True,
             free: bool = True) -> Seq | None:
