@@ -1,7 +1,8 @@
 """Served on CPU with ``--kv-connector nixl`` (direct and staged) over UCX's TCP transport
 (``UCX_TLS=tcp``): greedy outputs equal colocated serving token for token, every block comes
-back on P and D, ``--host 0.0.0.0`` advertises a dialable address, and a P killed mid-prefill
-or a D killed mid-request is an HTTP 502 after which the survivor holds no block.
+back on P and D, ``--host 0.0.0.0`` advertises a dialable address (the direct server's, which
+every direct test then dials), P's first token streams before D has the KV, and a P killed
+mid-prefill or a D killed mid-request is an HTTP 502 after which the survivor holds no block.
 Skipped where NIXL is not installed."""
 
 from __future__ import annotations
@@ -16,19 +17,23 @@ import pytest
 from kvflow.connector.nixl_agent import nixl_available
 
 from .serve_server import Server
+from .test_serve_first_token import stream, tokens
 from .test_serve import MAX_TOKENS, prompt_of
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")
 UCX = {"UCX_TLS": "tcp"}
 LENGTHS = [1, 15, 16, 17, 150, 300]
 MARK = "\x07\x07\x07"  # prompts holding token ids 7,7,7 get the fault delays
+#: the direct server holds an arrived marked transfer 1.5 s on D (P's token goes out first)
+SLOW_D = {"KVFLOW_FAULT_RECEIVE_DELAY_S": "1.5", "KVFLOW_FAULT_MATCH": "7,7,7"}
 
 
 @pytest.fixture(scope="module")
 def servers():
     s = {"colocated": Server("--mode", "colocated"),
          "direct": Server("--kv-connector", "nixl", "--block-size", "8",
-                          "--max-num-batched-tokens", "64", env=UCX),
+                          "--max-num-batched-tokens", "64", "--host", "0.0.0.0",
+                          "--advertise-host", "127.0.0.2", env=dict(UCX, **SLOW_D)),
          "staged": Server("--kv-connector", "nixl", "--kv-connector-config",
                           '{"mode": "staged", "layers_per_copy": 1}', env=UCX)}
     try:
@@ -61,19 +66,27 @@ def test_nixl_is_token_identical_to_colocated_and_gives_every_block_back(servers
     assert srv.wait_free_blocks(start) == start
 
 
-def test_wildcard_host_advertises_a_dialable_address():
-    srv = Server("--kv-connector", "nixl", "--host", "0.0.0.0", "--advertise-host", "127.0.0.2",
-                 env=UCX)
-    try:
-        srv.wait_healthy()
-        h = srv.health()
-        assert h["control_addr"].startswith("tcp://127.0.0.2:")
-        d = srv.instance("decode")
-        assert d["data_addr"].startswith("tcp://127.0.0.2:")
-        r = srv.complete(prompt="Across hosts, the address must be dialable.", max_tokens=4)
-        assert r.status_code == 200, r.text
-    finally:
-        srv.stop()
+def test_wildcard_host_advertises_a_dialable_address(servers):
+    srv = servers["direct"]  # --host 0.0.0.0 --advertise-host 127.0.0.2
+    assert srv.health()["control_addr"].startswith("tcp://127.0.0.2:")
+    assert srv.instance("decode")["data_addr"].startswith("tcp://127.0.0.2:")
+
+
+def test_first_token_streams_before_the_kv_is_in(servers):
+    """P sends its first token before waiting for its WRITEs; D holds the arrived KVPushed
+    1.5 s (``KVFLOW_FAULT_RECEIVE_DELAY_S``), so token 1 reaches the client that much before
+    token 2."""
+    srv, ref = servers["direct"], servers["colocated"]
+    start = srv.total_blocks()
+    prompt = MARK + " the decode instance holds this transfer"
+    events = stream(srv, prompt, 4)
+    want = ref.complete(prompt=prompt, max_tokens=4, ignore_eos=True)
+    assert tokens(events) == want.json()["choices"][0]["token_ids"]
+    (t1, _), (t2, _) = events[0], events[1]
+    assert t2 - t1 >= 1.2, (t1, t2)
+    t = events[-1][1]["kvflow"]["timings_ms"]
+    assert t["kv_done"] - t["first_token_out"] >= 1200, t
+    assert srv.wait_free_blocks(start) == start
 
 
 @pytest.mark.parametrize("victim", ["prefill", "decode"])
