@@ -25,6 +25,11 @@ Ceilings measured in the same run on the same payload bytes (:data:`CEILINGS`):
   (:func:`.nixl.write_ceiling`).
 
 Every size is checked once per connector: D's blocks (zeroed first) equal P's byte for byte.
+
+Memory: one connector's pair of caches lives at a time (each cache ``--num-blocks`` blocks; a
+Llama-3-8B block of 64 tokens is 8 MiB, so 512 blocks are 4 GiB), nixl-staged's staging
+buffers hold the largest request measured, and a ceiling (two payload buffers at most) is
+measured when a connector first needs it at that size.
 """
 
 from __future__ import annotations
@@ -85,11 +90,13 @@ class _Pair:
     """P's half (with its cache and link end) and D's half (with its cache and link end) of one
     connector, built by the factory and paired as the server pairs them."""
 
-    def __init__(self, connector: str, spec, num_blocks: int, device: str) -> None:
+    def __init__(self, connector: str, spec, num_blocks: int, device: str,
+                 longest: int | None = None) -> None:
         from kvflow.connector import Peer, make_receiver, make_sender
         self.name = connector
         kind, config = connector_of(connector)
-        longest = num_blocks * spec.block_size  # sizes nixl's staging buffers
+        # the largest request in tokens (default: the whole cache) sizes nixl-staged's staging
+        longest = longest or num_blocks * spec.block_size
         self.sender = make_sender(kind, spec, device, config=config, instance_id="bench-p",
                                   max_model_len=longest)
         self.receiver = make_receiver(kind, spec, device, config=config, max_model_len=longest)
@@ -140,10 +147,6 @@ def run_transfer(opts: dict[str, Any], env: dict[str, Any], progress: bool = Tru
     P's copy into D's cache for ipc-push), ``ceiling`` (what the ratio is to) and ``verified``.
     """
     import torch
-
-    from kvflow.kernels import payload_bytes
-
-    from .schema import make_row
     spec = make_spec(LLAMA3_8B, "NHD", "bfloat16")
     g = torch.Generator().manual_seed(opts["seed"])
     rows, skipped = [], []
@@ -151,49 +154,71 @@ def run_transfer(opts: dict[str, Any], env: dict[str, Any], progress: bool = Tru
     for t in sorted(set(opts["tokens"]) - set(sizes)):
         skipped.append({"connector": "*", "reason": f"{t} tokens need more than --num-blocks "
                                                     f"{opts['num_blocks']} / 2 blocks"})
-    pairs = {}
-    for c in opts["connectors"]:
-        try:
-            pairs[c] = _Pair(c, spec, opts["num_blocks"], opts["device"])
-        except Exception as exc:  # noqa: BLE001 - a connector that cannot run is reported
-            skipped.append({"connector": c, "reason": f"{type(exc).__name__}: {exc}"})
-    bar = cli.progress(len(sizes) * len(pairs), "transfer", progress)
+    ids = {t: [i.tolist() for i in disjoint_ids(opts["num_blocks"], spec.num_blocks_for(t), g)]
+           for t in sizes}  # the same blocks for every connector
+    ceil_s: dict[tuple[str, int], float] = {}
+    bar = cli.progress(len(sizes) * len(opts["connectors"]), "transfer", progress)
     try:
-        for tokens in sizes:
-            n = spec.num_blocks_for(tokens)
-            nbytes = payload_bytes(spec, n)
-            src, dst = (ids.tolist() for ids in disjoint_ids(opts["num_blocks"], n, g))
-            ceil_s = {}
-            for name in dict.fromkeys(CEILINGS[c][0] for c in pairs):
-                w, r = opts["warmup"], opts["reps"]
-                ts = (loopback_ceiling(nbytes, warmup=w, reps=r) if name == "zmq-loopback" else
-                      write_ceiling(nbytes, warmup=w, reps=r) if name == "nixl-write" else
-                      copy_ceiling(nbytes, device=opts["device"], warmup=w, reps=r))
-                ceil_s[name] = median(ts)
-                rows.append(make_row(env, op="ceiling", backend=name, spec=spec, tokens=tokens,
-                                     blocks=n, payload_bytes=nbytes, times_s=ts,
-                                     ceiling_s=ceil_s[name], seed=opts["seed"]))
-            for c, pair in pairs.items():
-                ok = pair.check(src, dst)
-                stats: list = []
-                times = time_calls([lambda: stats.append(pair.request(src, dst))],
-                                   warmup=opts["warmup"], reps=opts["reps"])
-                d_ms = median([s.copy_ms for s in stats[-len(times):]])
-                ceiling, what = CEILINGS[c]
-                rows.append(make_row(
-                    env, op="transfer", backend=c, spec=spec, tokens=tokens, blocks=n,
-                    payload_bytes=nbytes, times_s=times, ceiling_s=ceil_s[ceiling], seed=opts["seed"],
-                    latency_ms_p50=percentile(times, 0.5) * 1e3,
-                    latency_ms_p99=percentile(times, 0.99) * 1e3,
-                    d_copy_ms=d_ms, verified=ok, ceiling=what,
-                    config={"num_blocks": opts["num_blocks"], "reps": opts["reps"],
-                            "device": opts["device"], "preset": opts.get("preset")}))
-                bar.update(1)
+        # One connector's pair of caches at a time: with Llama-3-8B's 8 MiB blocks, every pair
+        # held at once (each cache --num-blocks x 8 MiB) outgrows a host's memory.
+        for c in opts["connectors"]:
+            try:
+                pair = _Pair(c, spec, opts["num_blocks"], opts["device"], max(sizes, default=1))
+            except Exception as exc:  # noqa: BLE001 - a connector that cannot run is reported
+                skipped.append({"connector": c, "reason": f"{type(exc).__name__}: {exc}"})
+                bar.update(len(sizes))
+                continue
+            try:
+                for tokens in sizes:
+                    name = CEILINGS[c][0]
+                    if (name, tokens) not in ceil_s:  # first use: measure it (same run)
+                        rows.append(_ceiling(name, spec, tokens, opts, env))
+                        ceil_s[name, tokens] = rows[-1]["time_s"]
+                    rows.append(_measure(pair, c, spec, tokens, *ids[tokens], opts, env,
+                                         ceil_s[name, tokens]))
+                    bar.update(1)
+            finally:
+                pair.close()
     finally:
         bar.close()
-        for pair in pairs.values():
-            pair.close()
     return rows, skipped
+
+
+def _ceiling(name: str, spec, tokens: int, opts: dict[str, Any], env: dict[str, Any]) -> dict:
+    """The ceiling row ``name`` (:data:`CEILINGS`) of the payload of ``tokens``."""
+    from kvflow.kernels import payload_bytes
+
+    from .schema import make_row
+    n = spec.num_blocks_for(tokens)
+    nbytes = payload_bytes(spec, n)
+    w, r = opts["warmup"], opts["reps"]
+    ts = (loopback_ceiling(nbytes, warmup=w, reps=r) if name == "zmq-loopback" else
+          write_ceiling(nbytes, warmup=w, reps=r) if name == "nixl-write" else
+          copy_ceiling(nbytes, device=opts["device"], warmup=w, reps=r))
+    return make_row(env, op="ceiling", backend=name, spec=spec, tokens=tokens, blocks=n,
+                    payload_bytes=nbytes, times_s=ts, ceiling_s=median(ts), seed=opts["seed"])
+
+
+def _measure(pair: _Pair, c: str, spec, tokens: int, src: list[int], dst: list[int],
+             opts: dict[str, Any], env: dict[str, Any], ceiling_s: float) -> dict:
+    """The transfer row of connector ``c`` at ``tokens`` (checked once, then timed)."""
+    from kvflow.kernels import payload_bytes
+
+    from .schema import make_row
+    n = spec.num_blocks_for(tokens)
+    ok = pair.check(src, dst)
+    stats: list = []
+    times = time_calls([lambda: stats.append(pair.request(src, dst))],
+                       warmup=opts["warmup"], reps=opts["reps"])
+    return make_row(
+        env, op="transfer", backend=c, spec=spec, tokens=tokens, blocks=n,
+        payload_bytes=payload_bytes(spec, n), times_s=times, ceiling_s=ceiling_s,
+        seed=opts["seed"], latency_ms_p50=percentile(times, 0.5) * 1e3,
+        latency_ms_p99=percentile(times, 0.99) * 1e3,
+        d_copy_ms=median([s.copy_ms for s in stats[-len(times):]]), verified=ok,
+        ceiling=CEILINGS[c][1],
+        config={"num_blocks": opts["num_blocks"], "reps": opts["reps"],
+                "device": opts["device"], "preset": opts.get("preset")})
 
 
 def format_table(rows: list[dict]) -> str:
