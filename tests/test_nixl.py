@@ -70,6 +70,15 @@ def test_unknown_mode_is_refused_naming_the_value():
     assert str(e.value) == "kv_connector_config mode must be one of direct, staged; got 'bulk'"
 
 
+def test_write_timeout_is_a_config_key_of_p_that_d_ignores():
+    assert make_sender("nixl", SPEC, config={"write_timeout_s": 7}).timeout_s == 7.0
+    assert make_sender("nixl", SPEC).timeout_s == 30.0
+    make_receiver("nixl", SPEC, config={"write_timeout_s": 7})  # one config for P and D
+    with pytest.raises(ValueError) as e:
+        make_sender("nixl", SPEC, config={"write_timeout_s": 0})
+    assert str(e.value) == "kv_connector_config write_timeout_s must be > 0 seconds; got 0"
+
+
 # ---- two halves in one process, then in two -------------------------------------------------
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """Random bytes as float32 hold NaNs: compare the bits."""

@@ -35,7 +35,10 @@ CONFIG_KEYS: dict[str, dict[str, str]] = {
                      "scatters), default direct",
              "layers_per_copy": "layers per layerwise WRITE, default 4",
              "staging_slots": "staged: paired P's a D can serve (one staging slot each), "
-                              "default 4"},
+                              "default 4",
+             "write_timeout_s": "seconds P waits for a request's WRITEs before it fails the "
+                                "request (KVPushed ok=false, HTTP 502), default 30; raise it "
+                                "for long prompts over a slow link"},
 }
 #: Keys whose value is one of a few strings (the other keys take an int >= 1).
 CONFIG_CHOICES: dict[str, dict[str, tuple[str, ...]]] = {"nixl": {"mode": ("direct", "staged")}}
@@ -145,6 +148,7 @@ def make_receiver(name: str, spec: Any = None, device: Any = "cpu", *,
     options = check_connector_config(kind, config)
     if kind == "nixl":
         from .nixl import NixlReceiver
+        options.pop("write_timeout_s", None)  # P's setting
         return NixlReceiver(spec, device, backend=backend, max_model_len=max_model_len,
                             **options)
     if kind == "ipc-push":

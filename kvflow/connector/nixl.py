@@ -39,6 +39,8 @@ from .nixl_writer import NixlPeer, NixlWriter
 MODES = ("direct", "staged")
 #: Staging slots of a staged D (paired P's it can serve).
 STAGING_SLOTS = 4
+#: Default bound (seconds) on P's wait for a request's WRITEs (``write_timeout_s``).
+WRITE_TIMEOUT_S = 30.0
 
 
 def _check_mode(mode: Any, device: torch.device) -> None:
@@ -57,22 +59,27 @@ def staging_blocks(spec: Any, num_blocks: int, max_model_len: int) -> int:
 
 class NixlSender(PushSender):
     """P's half. Parameters as :class:`~kvflow.connector.ipc_push.PushSender`, plus ``mode``
-    (``direct`` | ``staged``) and ``timeout_s`` (bound on a request's WRITEs, seconds).
+    (``direct`` | ``staged``) and ``write_timeout_s`` (bound on waiting for a request's WRITEs,
+    seconds; ``kv_connector_config`` key, default :data:`WRITE_TIMEOUT_S`).
 
     Raises
     ------
     ValueError
-        Unknown ``mode``, a device other than CPU, ``layers_per_copy`` < 1.
+        Unknown ``mode``, a device other than CPU, ``layers_per_copy`` < 1,
+        ``write_timeout_s`` <= 0.
     """
 
     name = "nixl"
 
     def __init__(self, spec, device: Any = "cpu", *, mode: str = "direct",
-                 layers_per_copy: int = LAYERS_PER_COPY, timeout_s: float = 30.0,
-                 **kw: Any) -> None:
+                 layers_per_copy: int = LAYERS_PER_COPY,
+                 write_timeout_s: float = WRITE_TIMEOUT_S, **kw: Any) -> None:
         super().__init__(spec, device, layers_per_copy=layers_per_copy, **kw)
         _check_mode(mode, self.device)
-        self.mode, self.timeout_s = mode, timeout_s
+        if not write_timeout_s > 0:
+            raise ValueError(f"kv_connector_config write_timeout_s must be > 0 seconds; got "
+                             f"{write_timeout_s!r}")
+        self.mode, self.timeout_s = mode, float(write_timeout_s)
         self.agent: Agent | None = None
         self.peers: dict[str, NixlPeer] = {}
 
