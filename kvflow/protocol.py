@@ -110,9 +110,13 @@ class Pair(_Msg):
 
 class Unpair(_Msg):
     """Router -> P: forget decode instance ``peer_id`` (it died or left): drop the link to it
-    (and whatever P's connector holds for it); links to other D's stay."""
+    (and whatever P's connector holds for it); links to other D's stay. Router -> D: prefill
+    instance ``peer_id`` died; ``exited``: the router saw its process exit (D then frees at
+    once what it kept for it: blocks lent to it, a nixl staging slot; else only ``kv_lease_s``
+    later, as a silent P may still write)."""
     peer_id: str
     reason: str = ""
+    exited: bool = False
 
 
 class PairResult(_Msg):

@@ -9,7 +9,8 @@ with the other's KV cache spec and model fingerprint, checks them and answers
 :class:`~kvflow.protocol.PairResult`; ``ready`` is true only when a pair has been accepted by
 both (colocated: one instance). Every P is paired with every D (N x M); :meth:`Controller.pick`
 chooses a (P, D) per request and the Prefill names that D, so a P with several D's sends each
-request to its own D. When a D dies its P's get :class:`~kvflow.protocol.Unpair`.
+request to its own D. When a D dies its P's get :class:`~kvflow.protocol.Unpair`; when a P
+dies, its D's do.
 A remote instance that misses heartbeats for ``dead_after_s``, one on this host whose process
 has exited (:mod:`kvflow.segments`), or a child process of this server that has exited
 (or sent nothing for ``hung_after_s``), is dead: every request that
@@ -237,8 +238,11 @@ class Controller:
         self.errors.append(f"{info.role} instance {info.id} (pid {info.reg.pid}) {why}")
         log.error("%s", self.errors[-1])
         for other in self.instances.values():
-            if info.id in other.pair_ok and other.role == "prefill":  # P drops only this D's link
-                asyncio.ensure_future(self.send(other, Unpair(peer_id=info.id, reason=why)))
+            # a P drops only this D's link; a D frees what it keeps for this P (lent blocks, a
+            # staging slot): at once if it exited, else kv_lease_s later
+            if info.id in other.pair_ok:
+                asyncio.ensure_future(self.send(other, Unpair(peer_id=info.id, reason=why,
+                                                              exited=exited)))
             other.pair_ok.discard(info.id)
         if self.metrics is not None:
             self.metrics.forget(info.id, info.role)

@@ -24,7 +24,7 @@ import time
 
 import zmq
 
-from kvflow.protocol import Abort, Allocate, KVPushed, LeaseRenew, Pair, PairResult
+from kvflow.protocol import Abort, Allocate, KVPushed, LeaseRenew, Pair, PairResult, Unpair
 from kvflow.blocks import DecodeState, PrefixCache
 
 from .advertise import advertised_host
@@ -50,6 +50,7 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
         self.peer_id = ""  # the last paired P
         self.receiver = None  # kvflow.connector.KVReceiver, built by setup()
         self._last_peer_check = 0.0
+        self.unpaired: dict[str, float] = {}  # P declared dead, not seen exit -> when (monotonic)
 
     # ---- start-up -------------------------------------------------------------------
     def setup(self) -> None:
@@ -105,6 +106,7 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
                 self.receiver.attach(peer_of(msg, self.spec))
                 self.peer_id = msg.peer_id
                 self.lent.meet(msg.peer_id, msg.peer_pid, msg.peer_host_id)
+                self.unpaired.pop(msg.peer_id, None)
                 self._check_peers()
             except Exception as exc:
                 error = f"cannot attach to {msg.peer_id}'s cache: {exc}"
@@ -112,6 +114,25 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
             log.error("%s: %s", self.instance_id, error)
         self.send_ctrl(PairResult(instance_id=self.instance_id, peer_id=msg.peer_id,
                                   ok=not error, error=error))
+
+    def on_unpair(self, msg: Unpair, frames, ident) -> None:
+        """Prefill instance ``msg.peer_id`` died. The router saw it exit: forget it now (the
+        connector's state for it, e.g. a nixl staging slot and agent, and every block lent to
+        it). Only silent (it may still write): a connector whose P's may live on other hosts
+        forgets it ``kv_lease_s`` later unless it pairs again; lent blocks follow
+        :mod:`kvflow.serve.lent`."""
+        log.warning("%s: prefill instance %s died (%s)", self.instance_id, msg.peer_id,
+                    msg.reason or "no reason given")
+        if msg.exited:
+            self._forget_peer(msg.peer_id)
+        elif not self.receiver.host_local:
+            self.unpaired.setdefault(msg.peer_id, time.monotonic())
+
+    def _forget_peer(self, peer_id: str) -> None:
+        self.unpaired.pop(peer_id, None)
+        self.receiver.detach(peer_id)
+        self.lent.forget(peer_id)
+        self.report_blocks()
 
     def on_allocate(self, msg: Allocate, frames, ident) -> None:
         if msg.req_id in self.lent:  # its blocks are still lent
@@ -161,6 +182,9 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
         if now - self._last_peer_check >= (0.1 if self.lent else 1.0):
             self._last_peer_check = now
             self._check_peers()
+            for peer, t in list(self.unpaired.items()):
+                if now - t >= self.kv_lease_s:  # declared dead a lease ago, not paired again
+                    self._forget_peer(peer)
         self.lent.warn_overdue(self.instance_id, self.receive_timeout_s)
         for req_id, held in list(self.inflight.items()):
             if now >= held.due:
