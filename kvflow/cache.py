@@ -198,8 +198,7 @@ def memory_relation(a: PagedKVCache, b: PagedKVCache) -> str:
 def overlaps(cache: PagedKVCache, t: torch.Tensor) -> bool:
     """True when any byte of ``t``'s span (``data_ptr`` .. + ``numel * element_size``) lies in
     ``cache``'s memory."""
-    span = cache.backend_state.get("memory_span") or cache.memory_span()
-    lo, hi, _, starts, reach = span
+    lo, hi, _, starts, reach = cache.memory_span()
     p = t.data_ptr()
     end = p + t.nbytes
     if end <= lo or hi <= p or end == p:

@@ -25,7 +25,7 @@ import torch
 from ..errors import OP_CODES, record_for
 from ..graphs import no_repeat_check
 from ..registry import register_backend
-from ..tables import alignment, stamps, table_addr
+from ..tables import alignment, device_table, stamps
 
 try:
     from . import launch as _launch
@@ -133,7 +133,8 @@ class _Info:
     __slots__ = ("table", "layer_bytes", "align", "plans", "errors", "ready")
 
     def __init__(self, cache, device: torch.device) -> None:
-        self.table, base_align = table_addr(cache, device)
+        table, base_align = device_table(cache, device)
+        self.table = table.data_ptr()
         self.layer_bytes = cache.spec.tensors_per_layer * 8
         self.align = alignment(base_align, cache.spec.block_bytes)
         self.plans: dict = {}
