@@ -44,8 +44,6 @@ def _check_validate(validate: Any, *devices: torch.device) -> None:
         raise TypeError(f"validate must be True or False, got {validate!r}")
 
 
-
-
 def _check_separate(name: str, buf: torch.Tensor, cache: PagedKVCache) -> None:
     if overlaps(cache, buf):
         raise ValueError(f"{name} lies in the cache's memory; the staging buffer must be "

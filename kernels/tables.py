@@ -31,15 +31,6 @@ def device_table(cache, device: torch.device) -> tuple[torch.Tensor, int]:
     return state[device]
 
 
-def table_addr(cache, device: torch.device) -> tuple[int, int]:
-    """``(address, align)`` of :func:`device_table` (the address an int, for kernels that take
-    addresses); one dict lookup per call."""
-    hit = cache.backend_state.get(("table_addr", device))
-    if hit is None:
-        table, align = device_table(cache, device)
-        hit = cache.backend_state[("table_addr", device)] = (table.data_ptr(), align)
-    return hit
-
 
 class Stamps:
     """Per-block int32 stamps of one cache on one device, for the device-side repeat check.

@@ -200,8 +200,8 @@ def overlaps(cache: PagedKVCache, t: torch.Tensor) -> bool:
     ``cache``'s memory."""
     lo, hi, _, starts, reach = cache.memory_span()
     p = t.data_ptr()
-    end = p + t.numel() * t.element_size()
-    if end <= lo or hi <= p or t.numel() == 0:
+    end = p + t.nbytes
+    if end <= lo or hi <= p or end == p:
         return False
     # the last tensor of the cache starting before t's end; overlap if any up to it reaches t
     i = int(np.searchsorted(starts, np.uint64(end))) - 1

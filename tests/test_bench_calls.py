@@ -120,6 +120,7 @@ def test_calls_tiny_cpu_run_and_report(workdir, capsys):
                               ("defaults", "Python list"))}
     want |= {(op, "torch", "backend='torch'", "device tensor") for op in ("gather", "scatter", "copy")}
     want.add(("copy_", "torch", "dst.copy_(src), payload bytes", "-"))
+    want.add(("copy", "numba", "defaults, one cache", "device tensor"))  # the stamping case
     assert got == want
     for r in rows:
         assert set(ROW_FIELDS) <= set(r)

@@ -34,7 +34,7 @@ def test_factory_names_and_auto():
 
 
 def test_layerwise_threshold_defaults_and_the_max_model_len_cutoff():
-    assert make_sender("ipc-push", SPEC).layerwise_min_tokens == 0
+    assert make_sender("ipc-push", SPEC).layerwise_min_tokens == 16384
     assert make_sender("ipc-pull", SPEC).layerwise_min_tokens == 16384
     assert make_sender("tcp", SPEC).layerwise_min_tokens == 16384
     tx = make_sender("tcp", SPEC, layerwise_min_tokens=100, max_model_len=2048)

@@ -304,7 +304,7 @@ def test_served_disagg_cuda_token_identical_to_colocated(gpus):
             return out
 
     got = {}
-    configs = {"colocated": ("colocated", ""), "push": ("disagg", ""),  # auto: push on cuda
+    configs = {"colocated": ("colocated", ""), "push": ("disagg", "--layerwise-min-tokens 0"),  # auto: push on cuda
                "push-request": ("disagg", "--layerwise-min-tokens 100000"),
                "pull-request": ("disagg", "--kv-connector ipc-pull --layerwise-min-tokens 100000")}
     for name, (mode, extra) in configs.items():

@@ -205,7 +205,7 @@ def test_direction_resolution_and_pairing_names():
     assert instance_config(parent, "prefill", "tcp://127.0.0.1:1").kv_connector == "ipc-push"
     assert ColocatedInstance.connector_name(None) == "none"                 # no connector
     spec = pd_spec()
-    assert make_sender("ipc-push", spec).layerwise_min_tokens == 0
+    assert make_sender("ipc-push", spec).layerwise_min_tokens == 16384
     assert make_sender("auto", spec).layerwise_min_tokens == 16384
     assert make_sender("ipc-push", spec, layerwise_min_tokens=7).layerwise_min_tokens == 7
     with pytest.raises(ValueError, match="kv_connector must be 'auto' or one of ipc-pull, "

@@ -25,7 +25,7 @@ import torch
 from ..errors import OP_CODES, record_for
 from ..graphs import no_repeat_check
 from ..registry import register_backend
-from ..tables import alignment, stamps, table_addr
+from ..tables import alignment, device_table, stamps
 
 try:
     from . import launch as _launch
@@ -57,35 +57,31 @@ class TritonBackend:
 
     def gather(self, cache, ids, out, start, stop, max_ctas=None, check=False):
         dev, n, ptr = cache.device, ids.shape[0], out.data_ptr()
-        table, align = table_addr(cache, dev)
-        T, bb = cache.spec.tensors_per_layer, cache.spec.block_bytes
-        a = alignment(align, bb, ptr)
+        info = _info(cache, dev)
+        a = alignment(info.align, ptr)
         i64 = ids.dtype == torch.int64
         key = ("gather", start, stop, max_ctas, i64, check, a)
-        plan = _plans(cache).get(key)
+        plan = info.plans.get(key)
         if plan is None or plan.config is not _launch.current_config():
-            plan = _plan(cache, key, dev, bb, a, (stop - start) * T, True, False, i64, False,
-                         check, False, max_ctas)
-        rec = record_for(dev)
-        plan.launch(table + start * T * 8, 0, 0, ptr, ids.data_ptr(), 0, n, cache.num_blocks, n,
-                    rec.record_addr, rec.ready_addr, 0, 0, _GATHER)
+            plan = info.plans[key] = _new_plan(cache, dev, a, stop - start, True, False, i64,
+                                               False, check, False, max_ctas)
+        plan.launch(info.table + start * info.layer_bytes, 0, 0, ptr, ids.data_ptr(), 0, n,
+                    cache.num_blocks, n, info.errors, info.ready, 0, 0, _GATHER)
 
     def scatter(self, src, cache, ids, start, stop, max_ctas=None, check=False):
         dev, n, ptr = cache.device, ids.shape[0], src.data_ptr()
-        table, align = table_addr(cache, dev)
-        T, bb = cache.spec.tensors_per_layer, cache.spec.block_bytes
-        a = alignment(align, bb, ptr)
+        info = _info(cache, dev)
+        a = alignment(info.align, ptr)
         i64 = ids.dtype == torch.int64
         dup = check and not _capturing(dev)
         key = ("scatter", start, stop, max_ctas, i64, check, dup, a)
-        plan = _plans(cache).get(key)
+        plan = info.plans.get(key)
         if plan is None or plan.config is not _launch.current_config():
-            plan = _plan(cache, key, dev, bb, a, (stop - start) * T, False, True, False, i64,
-                         check, dup, max_ctas)
-        rec = record_for(dev)
+            plan = info.plans[key] = _new_plan(cache, dev, a, stop - start, False, True, False,
+                                               i64, check, dup, max_ctas)
         st = stamps(cache, dev) if dup else None
-        plan.launch(0, table + start * T * 8, ptr, 0, 0, ids.data_ptr(), n, n, cache.num_blocks,
-                    rec.record_addr, rec.ready_addr, st.addr if st else 0,
+        plan.launch(0, info.table + start * info.layer_bytes, ptr, 0, 0, ids.data_ptr(), n, n,
+                    cache.num_blocks, info.errors, info.ready, st.addr if st else 0,
                     st.next() if st else 0, _SCATTER)
 
     def copy(self, src_cache, dst_cache, src_ids, dst_ids, start, stop, max_ctas=None,
@@ -99,26 +95,29 @@ class TritonBackend:
             src_ids = src_ids.to(dev, non_blocking=True)
         if dst_ids.device != dev:
             dst_ids = dst_ids.to(dev, non_blocking=True)
-        T, bb = src_cache.spec.tensors_per_layer, src_cache.spec.block_bytes
-        s_table, s_align = table_addr(src_cache, dev)
-        d_table, d_align = table_addr(dst_cache, dev)
-        a = alignment(s_align, d_align, bb)
+        si, di = _info(src_cache, dev), _info(dst_cache, dev)
+        a = alignment(si.align, di.align)
         s64, d64 = src_ids.dtype == torch.int64, dst_ids.dtype == torch.int64
         dup = check and not _capturing(dev)
         shared = same and dup  # one cache: stamp the destinations first, in their own launch
-        plan = _plan(dst_cache, ("copy", dev, start, stop, max_ctas, s64, d64, check, dup,
-                                 shared, a),
-                     dev, bb, a, (stop - start) * T, True, True, s64, d64, check,
-                     dup and not shared, max_ctas, shared=shared)
-        rec = record_for(dev)
+        plans = di.plans
+        key = ("copy", start, stop, max_ctas, s64, d64, check, dup, shared, a)
+        plan = plans.get(key)
+        if plan is None or plan.config is not _launch.current_config():
+            plan = plans[key] = _new_plan(dst_cache, dev, a, stop - start, True, True, s64, d64,
+                                          check, dup and not shared, max_ctas, shared=shared)
         st = stamps(dst_cache, dev) if dup else None
-        args = (s_table + start * T * 8, d_table + start * T * 8, 0, 0, src_ids.data_ptr(),
-                dst_ids.data_ptr(), src_ids.shape[0], src_cache.num_blocks,
-                dst_cache.num_blocks, rec.record_addr, rec.ready_addr, st.addr if st else 0,
+        args = (si.table + start * si.layer_bytes, di.table + start * di.layer_bytes, 0, 0,
+                src_ids.data_ptr(), dst_ids.data_ptr(), src_ids.shape[0], src_cache.num_blocks,
+                dst_cache.num_blocks, di.errors, di.ready, st.addr if st else 0,
                 st.next() if st else 0, _COPY)
         if shared:
-            _plan(dst_cache, ("stamp", dev, s64, d64), dev, bb, a, 1, True, True, s64, d64,
-                  True, True, None, stamp_only=True).launch(*args)
+            key = ("stamp", s64, d64, a)
+            stamp = plans.get(key)
+            if stamp is None or stamp.config is not _launch.current_config():
+                stamp = plans[key] = _new_plan(dst_cache, dev, a, 1, True, True, s64, d64, True,
+                                               True, None, stamp_only=True)
+            stamp.launch(*args)
         plan.launch(*args)
 
 
@@ -126,28 +125,39 @@ _GATHER, _SCATTER, _COPY = (OP_CODES[k] for k in ("gather_blocks", "scatter_bloc
                                                   "copy_blocks"))
 
 
-def _plans(cache) -> dict:
-    """The plans of ``cache`` (made on first use)."""
-    plans = cache.backend_state.get("triton_plans")
-    if plans is None:
-        plans = cache.backend_state["triton_plans"] = {}
-    return plans
+class _Info:
+    """What every gather / scatter launch of one cache on one device reads: its table's address,
+    the bytes of one layer's table entries, the alignment of its bases and block bytes, its
+    plans and the device's error record."""
+
+    __slots__ = ("table", "layer_bytes", "align", "plans", "errors", "ready")
+
+    def __init__(self, cache, device: torch.device) -> None:
+        table, base_align = device_table(cache, device)
+        self.table = table.data_ptr()
+        self.layer_bytes = cache.spec.tensors_per_layer * 8
+        self.align = alignment(base_align, cache.spec.block_bytes)
+        self.plans: dict = {}
+        rec = record_for(device)
+        self.errors, self.ready = rec.record_addr, rec.ready_addr
 
 
-def _plan(cache, key, device, run_bytes, align, num_tensors, src_cache, dst_cache, src_i64,
-          dst_i64, check, dup, max_ctas, shared=False, stamp_only=False):
-    """The launch plan for ``key``, kept in ``cache.backend_state``. A plan holds no address:
-    the cache tables, ids and buffers are passed per call, so a peer cache never lives in it."""
-    plans = _plans(cache)
-    plan = plans.get(key)
-    if plan is not None and plan.config is _launch.current_config():
-        return plan
-    plan = plans[key] = _launch.Plan(device=device, run_bytes=run_bytes, align=align,
-                                     num_tensors=num_tensors, src_cache=src_cache,
-                                     dst_cache=dst_cache, src_i64=src_i64, dst_i64=dst_i64,
-                                     check=check, dup=dup, max_ctas=max_ctas,
-                                     shared=shared, stamp_only=stamp_only)
-    return plan
+def _info(cache, device: torch.device) -> _Info:
+    info = cache.backend_state.get(("triton", device))
+    if info is None:
+        info = cache.backend_state[("triton", device)] = _Info(cache, device)
+    return info
+
+
+def _new_plan(cache, device, align, layers, src_cache, dst_cache, src_i64, dst_i64, check, dup,
+              max_ctas, **modes) -> "_launch.Plan":
+    """A launch plan over ``layers`` layers of ``cache`` (see :class:`.launch.Plan`). Plans are
+    kept in the destination's (gather: the source's) :class:`_Info`; they hold no address, so a
+    peer cache never lives in one."""
+    return _launch.Plan(device=device, run_bytes=cache.spec.block_bytes, align=align,
+                        num_tensors=layers * cache.spec.tensors_per_layer, src_cache=src_cache,
+                        dst_cache=dst_cache, src_i64=src_i64, dst_i64=dst_i64, check=check,
+                        dup=dup, max_ctas=max_ctas, **modes)
 
 
 def _capturing(device: torch.device) -> bool:

@@ -84,10 +84,11 @@ def cases(opts: dict, device, skipped: list) -> list[tuple[dict, Callable[[], ob
     ids = torch.randperm(cache.num_blocks, generator=torch.Generator().manual_seed(opts["seed"]))
     src, dst = ids[:n].to(device), ids[n:2 * n].to(device)
     buf = scramble(staging_buffer(spec, n, device=device))
+    other = PagedKVCache(spec, cache.num_blocks, device)  # copy_blocks' destination: P -> D
     # each case is one C-level partial of the op: no Python frame between the loop and the op
     ops = {"gather": lambda s, d, **kw: functools.partial(gather_blocks, cache, s, buf, **kw),
            "scatter": lambda s, d, **kw: functools.partial(scatter_blocks, buf, cache, s, **kw),
-           "copy": lambda s, d, **kw: functools.partial(copy_blocks, cache, cache, s, d, **kw)}
+           "copy": lambda s, d, **kw: functools.partial(copy_blocks, cache, other, s, d, **kw)}
     # host ids: a CPU tensor for a GPU cache (the wrapper copies it over), a list on a CPU
     host = {"cuda": lambda t: t.cpu(), "cpu": lambda t: t.tolist()}[device.type]
     hsrc, hdst = host(src), host(dst)
@@ -108,6 +109,13 @@ def cases(opts: dict, device, skipped: list) -> list[tuple[dict, Callable[[], ob
             out.append((dict(base, op=op, backend=backend, call=args,
                              ids="host tensor" if device.type == "cuda" else "Python list"),
                         f(hsrc, hdst, **kw)))
+    if "copy" in opts["ops"]:  # within one cache: a second, stamping launch checks the pairs
+        be = next((b for b in opts["backends"] if b != "torch"), auto)
+        kw = {} if be == auto else {"backend": be}
+        out.append((dict(base, op="copy", backend=be, call=("defaults" if not kw else
+                                                              f"backend={be!r}") + ", one cache",
+                         ids="device tensor"),
+                    functools.partial(copy_blocks, cache, cache, src, dst, **kw)))
     a = torch.empty(spec.bytes_per_block * n, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     out.append((dict(base, op="copy_", backend="torch", call="dst.copy_(src), payload bytes",

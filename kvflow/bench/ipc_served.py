@@ -42,7 +42,7 @@ async def _complete(client, url, prompt, max_tokens):
 
 #: name -> (server mode, extra ``python -m kvflow.serve`` flags)
 SERVE_MODES = {
-    "push-layerwise": ("disagg", ["--kv-connector", "ipc-push"]),
+    "push-layerwise": ("disagg", ["--kv-connector", "ipc-push", "--layerwise-min-tokens", "0"]),
     "push-request": ("disagg", ["--kv-connector", "ipc-push", *NO_LAYERWISE]),
     "pull-request": ("disagg", ["--kv-connector", "ipc-pull", *NO_LAYERWISE]),
     "pull-layerwise": ("disagg", ["--kv-connector", "ipc-pull", "--layerwise-min-tokens", "0"]),
@@ -51,10 +51,12 @@ SERVE_MODES = {
 }
 for _c in (4, 8, 32):  # the grid cap of the copies beside P's compute
     SERVE_MODES[f"push-layerwise-c{_c}"] = ("disagg", [
-        "--kv-connector", "ipc-push", "--kv-connector-config", f'{{"max_ctas": {_c}}}'])
+        "--kv-connector", "ipc-push", "--layerwise-min-tokens", "0", "--kv-connector-config",
+        f'{{"max_ctas": {_c}}}'])
 for _g in (1, 2, 8):  # layers per copy launch
     SERVE_MODES[f"push-layerwise-g{_g}"] = ("disagg", [
-        "--kv-connector", "ipc-push", "--kv-connector-config", f'{{"layers_per_copy": {_g}}}'])
+        "--kv-connector", "ipc-push", "--layerwise-min-tokens", "0", "--kv-connector-config",
+        f'{{"layers_per_copy": {_g}}}'])
 for _m in ("push-layerwise", "push-request", "pull-request", "colocated"):
     # KVFLOW_DEBUG_KV_DIGEST: D's prompt KV digest in the kvflow object (timings are off)
     SERVE_MODES[f"{_m}-digest"] = SERVE_MODES[_m]

@@ -71,8 +71,10 @@ class ServeConfig:
     layerwise_min_tokens: int | None = field(default=None, metadata=_flag(
         "prompts of at least this many tokens move layer by layer while P still prefills; "
         "shorter ones move after the prefill (above --max-model-len: every one)",
-        default_text="the connector's: 0 for ipc-push; 16384 otherwise, as on one H200 the "
-                     "host-signalled path beat moving after the prefill only from 16K tokens"))
+        default_text="the connector's: 16384 (ipc-pull and tcp: on one H200 the host-signalled "
+                     "path beat moving after the prefill only from 16K tokens; ipc-push: with "
+                     "P's first token sent at once, its copies beside P's compute only slowed "
+                     "the prefill up to 8K tokens, docs/gpu_serving.md)"))
     device: str = field(default="cpu", metadata=_flag(
         "torch device of the model and caches; with cuda and --role all each instance gets its "
         "own GPU (see --prefill-device)", choices=("cpu", "cuda")))
