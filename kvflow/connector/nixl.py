@@ -70,6 +70,9 @@ class NixlSender(PushSender):
     """
 
     name = "nixl"
+    #: Every prompt goes layerwise: a WRITE crosses a network, slower than P's compute of a
+    #: layer group, so overlapping them pays from the first block (ipc-push's copy does not).
+    default_layerwise_min_tokens = 0
 
     def __init__(self, spec, device: Any = "cpu", *, mode: str = "direct",
                  layers_per_copy: int = LAYERS_PER_COPY,
