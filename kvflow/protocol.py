@@ -32,7 +32,7 @@ are never msgpack-encoded.
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
@@ -306,6 +306,9 @@ class NixlAgentInfo(msgspec.Struct, forbid_unknown_fields=True):
         ``slot_bytes`` bytes each (one per paired P); 0 otherwise.
     mode : str
         ``direct`` or ``staged``: P and D must agree.
+    mem_type, device_id : str, int
+        Where that memory lives, as NIXL names it: ``DRAM`` (host, device 0) or ``VRAM`` (GPU
+        ``device_id``, the CUDA ordinal on the sender's host).
     """
     agent: str
     metadata: bytes
@@ -316,6 +319,8 @@ class NixlAgentInfo(msgspec.Struct, forbid_unknown_fields=True):
     staging_slots: NonNeg = 0
     slot_bytes: NonNeg = 0
     mode: str = "direct"
+    mem_type: Literal["DRAM", "VRAM"] = "DRAM"
+    device_id: NonNeg = 0
 
 
 _INFO_DECODER = msgspec.msgpack.Decoder(NixlAgentInfo)

@@ -11,18 +11,22 @@ request is :meth:`KVSender.send_prefilled <kvflow.connector.base.KVSender.send_p
 ``recv_multipart``, header decode and :meth:`KVReceiver.receive` into D's own block ids
 (random, seeded; distinct from P's). Per kind that is: ipc-pull, a ``KVReady`` and D's copy out
 of P's exported cache; ipc-push, P's copy into D's exported cache and a ``KVPushed``; tcp, P's
-gather, zero-copy frames and D's scatter. On CUDA the factory's halves export and map over CUDA
-IPC, which refuses a handle exported by its own process: the ipc kinds are then reported as
-skipped, with that reason.
+gather, zero-copy frames and D's scatter; nixl, P's WRITEs and a ``KVPushed``.
+
+``--peer-process`` (the default on CUDA) runs D in its own process
+(:mod:`.remote_pair`) on ``--d-device`` (default: the second GPU when there are two, else P's):
+CUDA IPC and NIXL's ``cuda_ipc`` map only another process's memory. A request then also
+counts D's reply to P (a ZMQ round trip on 127.0.0.1).
 
 Ceilings measured in the same run on the same payload bytes (:data:`CEILINGS`):
 
 - ``tcp``: a plain ZMQ send of one contiguous frame of the payload over the same kind of link
   (zero-copy on both ends), the loopback ceiling;
 - ``ipc-pull`` / ``ipc-push``: ``dst.copy_(src)`` of the payload bytes (what a copy between
-  the two caches' memory can reach);
-- ``nixl`` / ``nixl-staged``: one bulk NIXL WRITE of the payload bytes between two agents
-  (:func:`.nixl.write_ceiling`).
+  the two caches' memory can reach; P's device to D's, a peer copy between two GPUs);
+- ``nixl`` / ``nixl-staged``: the fastest bulk NIXL WRITE of the payload bytes between two
+  agents, over several descriptor sizes (:func:`.nixl.write_ceiling`; the row's
+  ``chunk_bytes``).
 
 Every size is checked once per connector: D's blocks (zeroed first) equal P's byte for byte.
 
@@ -44,6 +48,7 @@ from kvflow.connector import CONNECTORS
 from . import cli
 from .nixl import KINDS as NIXL_KINDS
 from .nixl import connector_of, write_ceiling
+from .remote_pair import RemotePair, remote_write_ceiling
 from .cases import LLAMA3_8B, blocks_equal, disjoint_ids, make_spec, scramble
 from .timing import copy_ceiling, median, percentile, time_calls
 
@@ -147,6 +152,7 @@ def run_transfer(opts: dict[str, Any], env: dict[str, Any], progress: bool = Tru
     P's copy into D's cache for ipc-push), ``ceiling`` (what the ratio is to) and ``verified``.
     """
     import torch
+    _peer_opts(opts)
     spec = make_spec(LLAMA3_8B, "NHD", "bfloat16")
     g = torch.Generator().manual_seed(opts["seed"])
     rows, skipped = [], []
@@ -162,18 +168,22 @@ def run_transfer(opts: dict[str, Any], env: dict[str, Any], progress: bool = Tru
         # One connector's pair of caches at a time: with Llama-3-8B's 8 MiB blocks, every pair
         # held at once (each cache --num-blocks x 8 MiB) outgrows a host's memory.
         for c in opts["connectors"]:
+            name = CEILINGS[c][0]
+            for tokens in sizes:  # before the pair: its agents' progress threads share the cores
+                if (name, tokens) not in ceil_s:  # first use: measure it (same run)
+                    rows.append(_ceiling(name, spec, tokens, opts, env))
+                    ceil_s[name, tokens] = rows[-1]["time_s"]
             try:
-                pair = _Pair(c, spec, opts["num_blocks"], opts["device"], max(sizes, default=1))
+                pair = (RemotePair(c, spec, LLAMA3_8B, opts["num_blocks"], opts["device"],
+                                   opts["d_device"], max(sizes, default=1))
+                        if opts["peer_process"] else
+                        _Pair(c, spec, opts["num_blocks"], opts["device"], max(sizes, default=1)))
             except Exception as exc:  # noqa: BLE001 - a connector that cannot run is reported
                 skipped.append({"connector": c, "reason": f"{type(exc).__name__}: {exc}"})
                 bar.update(len(sizes))
                 continue
             try:
                 for tokens in sizes:
-                    name = CEILINGS[c][0]
-                    if (name, tokens) not in ceil_s:  # first use: measure it (same run)
-                        rows.append(_ceiling(name, spec, tokens, opts, env))
-                        ceil_s[name, tokens] = rows[-1]["time_s"]
                     rows.append(_measure(pair, c, spec, tokens, *ids[tokens], opts, env,
                                          ceil_s[name, tokens]))
                     bar.update(1)
@@ -192,11 +202,20 @@ def _ceiling(name: str, spec, tokens: int, opts: dict[str, Any], env: dict[str, 
     n = spec.num_blocks_for(tokens)
     nbytes = payload_bytes(spec, n)
     w, r = opts["warmup"], opts["reps"]
-    ts = (loopback_ceiling(nbytes, warmup=w, reps=r) if name == "zmq-loopback" else
-          write_ceiling(nbytes, warmup=w, reps=r) if name == "nixl-write" else
-          copy_ceiling(nbytes, device=opts["device"], warmup=w, reps=r))
+    extra = {}
+    if name == "zmq-loopback":
+        ts = loopback_ceiling(nbytes, warmup=w, reps=r)
+    elif name == "nixl-write":
+        ts, chunk = (remote_write_ceiling(nbytes, device=opts["device"], d_device=opts["d_device"],
+                                          warmup=w, reps=r) if opts["peer_process"] else
+                     write_ceiling(nbytes, warmup=w, reps=r, device=opts["device"]))
+        extra["chunk_bytes"] = chunk or nbytes
+    else:
+        ts = copy_ceiling(nbytes, device=opts["device"], dst_device=opts["d_device"],
+                          warmup=w, reps=r)
     return make_row(env, op="ceiling", backend=name, spec=spec, tokens=tokens, blocks=n,
-                    payload_bytes=nbytes, times_s=ts, ceiling_s=median(ts), seed=opts["seed"])
+                    payload_bytes=nbytes, times_s=ts, ceiling_s=median(ts), seed=opts["seed"],
+                    **extra)
 
 
 def _measure(pair: _Pair, c: str, spec, tokens: int, src: list[int], dst: list[int],
@@ -213,7 +232,8 @@ def _measure(pair: _Pair, c: str, spec, tokens: int, src: list[int], dst: list[i
     return make_row(
         env, op="transfer", backend=c, spec=spec, tokens=tokens, blocks=n,
         payload_bytes=payload_bytes(spec, n), times_s=times, ceiling_s=ceiling_s,
-        seed=opts["seed"], latency_ms_p50=percentile(times, 0.5) * 1e3,
+        seed=opts["seed"], d_device=opts["d_device"], peer_process=opts["peer_process"],
+        latency_ms_p50=percentile(times, 0.5) * 1e3,
         latency_ms_p99=percentile(times, 0.99) * 1e3,
         d_copy_ms=median([s.copy_ms for s in stats[-len(times):]]), verified=ok,
         ceiling=CEILINGS[c][1],
@@ -242,6 +262,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, help="blocks per cache (quick 16, full 2048)")
     p.add_argument("--warmup", type=int, help="untimed requests per size")
     p.add_argument("--reps", type=int, help="timed requests per size")
+    p.add_argument("--peer-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="run D in its own process (default: on CUDA)")
+    p.add_argument("--d-device", help="D's device (default: the second GPU when there are two, "
+                                      "else P's device)")
+
+
+def _peer_opts(opts: dict[str, Any]) -> None:
+    """Fill ``peer_process`` and ``d_device`` (their defaults depend on the device)."""
+    import torch
+    dev = torch.device(opts["device"])
+    if opts.get("peer_process") is None:
+        opts["peer_process"] = dev.type == "cuda"
+    if not opts.get("d_device"):
+        two = dev.type == "cuda" and torch.cuda.device_count() > 1
+        opts["d_device"] = "cuda:1" if two else (
+            f"cuda:{dev.index or 0}" if dev.type == "cuda" else "cpu")
+    if dev.type == "cuda" and opts["device"] == "cuda":
+        opts["device"] = "cuda:0"
 
 
 def run(args) -> int:
@@ -251,6 +289,7 @@ def run(args) -> int:
     unknown = [c for c in opts["connectors"] if c not in KINDS]
     if unknown:
         raise SystemExit(f"--connectors: unknown {', '.join(unknown)}; known: {', '.join(KINDS)}")
+    _peer_opts(opts)
     env = env_info(opts["device"])
     t0 = time.perf_counter()
     rows, skipped = run_transfer(opts, env, progress=not args.no_progress)

@@ -1,5 +1,7 @@
 """``nixl``: P writes each request's KV into D's registered memory with one-sided NIXL WRITEs;
-P and D may be on different hosts (CPU caches; UCX over TCP or RDMA).
+P and D may be on different hosts. Caches on the host (``DRAM``: UCX over TCP, RDMA or shared
+memory) or on CUDA GPUs (``VRAM``: UCX's cuda_ipc between processes of one host, RDMA across
+hosts where the NIC can reach GPU memory).
 
 D registers its whole cache once (one allocation: block ``b`` of tensor ``t`` is at
 ``cache_addr + (t * num_blocks + b) * block_bytes``) and publishes its agent's metadata and
@@ -33,7 +35,7 @@ from kvflow.protocol import (KVPushed, NixlAgentInfo, ProtocolError, decode_agen
 from .base import KVReceiver, KVSender, Peer, PrefillJob, TransferError, TransferStats
 from .ipc_push import PushSender
 from .layer_copy import LAYERS_PER_COPY
-from .nixl_agent import Agent, block_descs
+from .nixl_agent import Agent, block_descs, mem_type
 from .nixl_writer import NixlPeer, NixlWriter
 
 MODES = ("direct", "staged")
@@ -47,9 +49,9 @@ def _check_mode(mode: Any, device: torch.device) -> None:
     if mode not in MODES:
         raise ValueError(f"kv_connector_config mode must be one of {', '.join(MODES)}; got "
                          f"{mode!r}")
-    if device.type != "cpu":
-        raise ValueError(f"the nixl connector moves CPU caches here; got device {device} "
-                         f"(use ipc-push between GPUs of one host)")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"the nixl connector moves host (cpu) or CUDA caches; got device "
+                         f"{device}")
 
 
 def staging_blocks(spec: Any, num_blocks: int, max_model_len: int) -> int:
@@ -92,15 +94,16 @@ class NixlSender(PushSender):
         spec = self.spec
         self.agent = Agent("prefill")
         self.agent.register(cache.buffer)
+        mem, dev = mem_type(cache.buffer)
         local = self.agent.prep("", block_descs(cache.buffer.data_ptr(), spec.num_tensors,
-                                                num_blocks, spec.block_bytes))
+                                                num_blocks, spec.block_bytes, dev), mem)
         staging = local_staging = None
         if self.mode == "staged":
             n = staging_blocks(spec, num_blocks, self.max_model_len) * spec.num_tensors
-            staging = torch.zeros(n * spec.block_bytes, dtype=torch.uint8)
+            staging = torch.zeros(n * spec.block_bytes, dtype=torch.uint8, device=self.device)
             self.agent.register(staging)
             local_staging = self.agent.prep("", block_descs(staging.data_ptr(), 1, n,
-                                                            spec.block_bytes))
+                                                            spec.block_bytes, dev), mem)
         self.copier = NixlWriter(self.agent, cache, local, self.mode, self.layers_per_copy,
                                  staging=staging, local_staging=local_staging,
                                  backend=self.backend, timeout_s=self.timeout_s)
@@ -111,7 +114,8 @@ class NixlSender(PushSender):
         if self.mode == "staged":
             a = PagedKVCache(self.spec, 2, device=self.device)
             gather_blocks(a, [1], torch.empty((self.spec.num_layers, self.spec.tensors_per_layer,
-                                               1, *self.spec.block_shape), dtype=self.spec.dtype),
+                                               1, *self.spec.block_shape), dtype=self.spec.dtype,
+                                              device=self.device),
                           backend=self.backend)
         self.dummy_run(engine, chunk_size)
 
@@ -144,12 +148,14 @@ class NixlSender(PushSender):
         agent = self.agent.add_peer(peer.id, info.metadata)
         p = NixlPeer(peer.id, agent, peer.num_blocks)
         if self.mode == "direct":
-            p.remote = self.agent.prep(agent, block_descs(info.cache_addr, spec.num_tensors,
-                                                          info.num_blocks, spec.block_bytes))
+            p.remote = self.agent.prep(agent, block_descs(
+                info.cache_addr, spec.num_tensors, info.num_blocks, spec.block_bytes,
+                info.device_id), info.mem_type)
         else:
             p.slot_descs = info.slot_bytes // spec.block_bytes
             p.remote = self.agent.prep(agent, block_descs(
-                info.staging_addr, 1, info.staging_slots * p.slot_descs, spec.block_bytes))
+                info.staging_addr, 1, info.staging_slots * p.slot_descs, spec.block_bytes,
+                info.device_id), info.mem_type)
         self.peers[peer.id] = p
 
     def detach(self, peer_id: str) -> None:
@@ -225,25 +231,29 @@ class NixlReceiver(KVReceiver):
         if self.mode == "staged":
             self.slot_bytes = (staging_blocks(self.spec, num_blocks, self.max_model_len)
                                * self.spec.bytes_per_block)
-            self.staging = torch.zeros(self.staging_slots * self.slot_bytes, dtype=torch.uint8)
+            self.staging = torch.zeros(self.staging_slots * self.slot_bytes, dtype=torch.uint8,
+                                       device=self.device)
             self.agent.register(self.staging)
         return cache
 
     def warmup(self) -> None:
         if self.mode == "staged":
             src = torch.zeros((self.spec.num_layers, self.spec.tensors_per_layer, 1,
-                               *self.spec.block_shape), dtype=self.spec.dtype)
+                               *self.spec.block_shape), dtype=self.spec.dtype,
+                              device=self.device)
             scatter_blocks(src, PagedKVCache(self.spec, 2, device=self.device), [1],
                            backend=self.backend)
 
     def export(self) -> dict[str, Any]:
         staged = self.staging is not None
+        mem, dev = mem_type(self.cache.buffer)
         return {"shm_name": "", "connector_md": encode_agent_info(NixlAgentInfo(
             agent=self.agent.name, metadata=self.agent.metadata(),
             cache_addr=self.cache.buffer.data_ptr(), cache_bytes=self.cache.nbytes,
             num_blocks=self.cache.num_blocks, mode=self.mode,
             staging_addr=self.staging.data_ptr() if staged else 0,
-            staging_slots=self.staging_slots if staged else 0, slot_bytes=self.slot_bytes))}
+            staging_slots=self.staging_slots if staged else 0, slot_bytes=self.slot_bytes,
+            mem_type=mem, device_id=dev))}
 
     def attach(self, peer: Peer) -> None:
         """Staged: load P's agent and give it a free slot (notification ``slot K``).
@@ -305,6 +315,8 @@ class NixlReceiver(KVReceiver):
         src = src.view(spec.dtype).view(spec.num_layers, spec.tensors_per_layer, n,
                                         *spec.block_shape)
         scatter_blocks(src, cache, list(dst_ids), backend=self.backend)
+        if src.is_cuda:  # the slot is read until the scatter ran: only then may P reuse it
+            torch.cuda.current_stream(src.device).synchronize()
 
     def forget(self, req_id: str) -> None:
         """Staged: a request that ends before its KV was scattered frees its slot (every paired

@@ -62,15 +62,35 @@ def nixl_available() -> bool:
     return True
 
 
-def block_descs(base: int, num_tensors: int, num_blocks: int, block_bytes: int) -> np.ndarray:
-    """Descriptors ``(address, bytes, device 0)`` of every block of every tensor of a cache laid
-    out as :class:`~kvflow.cache.PagedKVCache` from ``base``: row ``t * num_blocks + b`` is
-    block ``b`` of tensor ``t`` (``num_tensors * num_blocks`` rows, uint64)."""
+def block_descs(base: int, num_tensors: int, num_blocks: int, block_bytes: int,
+                device_id: int = 0) -> np.ndarray:
+    """Descriptors ``(address, bytes, device_id)`` of every block of every tensor of a cache
+    laid out as :class:`~kvflow.cache.PagedKVCache` from ``base``: row ``t * num_blocks + b``
+    is block ``b`` of tensor ``t`` (``num_tensors * num_blocks`` rows, uint64; ``device_id``:
+    0 for host memory, the CUDA ordinal for GPU memory)."""
     offs = np.arange(num_tensors * num_blocks, dtype=np.uint64) * np.uint64(block_bytes)
     out = np.zeros((offs.size, 3), dtype=np.uint64)
     out[:, 0] = np.uint64(base) + offs
     out[:, 1] = block_bytes
+    out[:, 2] = device_id
     return out
+
+
+def mem_type(tensor: Any) -> tuple[str, int]:
+    """NIXL's memory type and device id of ``tensor``: ``("DRAM", 0)`` on the host,
+    ``("VRAM", ordinal)`` on a CUDA GPU.
+
+    Raises
+    ------
+    TransferError
+        Another device type (NIXL's UCX backend moves host and CUDA memory).
+    """
+    dev = tensor.device
+    if dev.type == "cpu":
+        return "DRAM", 0
+    if dev.type == "cuda":
+        return "VRAM", dev.index if dev.index is not None else 0
+    raise TransferError(f"NIXL moves host (cpu) or CUDA memory; got a tensor on {dev}")
 
 
 class Agent:
@@ -100,7 +120,8 @@ class Agent:
 
     # ---- memory and peers ------------------------------------------------------------------
     def register(self, tensor: Any) -> None:
-        """Register a contiguous CPU tensor (the whole cache, or a staging buffer) once."""
+        """Register a contiguous host or CUDA tensor (the whole cache, or a staging buffer)
+        once (NIXL takes its memory type from the tensor: :func:`mem_type`)."""
         self.regs.append(self.agent.register_memory(tensor))
 
     def metadata(self) -> bytes:
@@ -136,10 +157,10 @@ class Agent:
             except Exception:  # already gone inside NIXL
                 pass
 
-    def prep(self, agent: str, descs: np.ndarray) -> Any:
+    def prep(self, agent: str, descs: np.ndarray, mem: str = "DRAM") -> Any:
         """A prepared descriptor list (``prep_xfer_dlist``) of ``descs`` on ``agent``'s memory
-        ('' : this agent's own)."""
-        return self.agent.prep_xfer_dlist(agent or "NIXL_INIT_AGENT", descs, "DRAM")
+        ('' : this agent's own) of NIXL memory type ``mem`` (``DRAM`` or ``VRAM``)."""
+        return self.agent.prep_xfer_dlist(agent or "NIXL_INIT_AGENT", descs, mem)
 
     # ---- transfers ---------------------------------------------------------------------
     def write(self, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray,

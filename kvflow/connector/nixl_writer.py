@@ -15,7 +15,13 @@ Two data modes (``kv_connector_config`` ``mode``):
   for D's ``free`` notification of the previous one (the slot is then unread).
 
 Every WRITE is posted at once and waited for (``check_xfer_state``, bounded by
-``timeout_s``) in :meth:`NixlWriter.finish`, before P sends ``KVPushed``.
+``timeout_s``) in :meth:`NixlWriter.finish`, before P sends ``KVPushed``. A prompt that moves
+after its prefill (``send_prefilled``) is written per layer group too in staged mode: the
+gather of one group runs while the WRITE of the one before is on the wire (NIXL's progress
+thread moves it).
+
+On a GPU, NIXL reads P's memory outside the CUDA stream, so P waits for its stream before it
+posts a WRITE (the prefill's layers or the gather).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import time
 from typing import Any
 
 import numpy as np
+import torch
 
 from kvflow.cache import staging_shape
 from kvflow.kernels import gather_blocks
@@ -178,7 +185,10 @@ class NixlWriter:
         try:
             if stats is not None and stats.pending is not None:
                 pending, stats.pending = stats.pending, None
-                self._write(pending, range(self.cache.spec.num_layers), stats)
+                L = self.cache.spec.num_layers
+                step = self.layers_per_copy if self.mode == "staged" else L
+                for lo in range(0, L, step):
+                    self._write(pending, range(lo, min(lo + step, L)), stats)
                 handles, self.handles = handles + self.handles, []
             if handles:
                 self.agent.wait(handles, self.timeout_s, f"{len(handles)} layer groups")
@@ -206,6 +216,7 @@ class NixlWriter:
         what = f"layers [{layers.start}, {layers.stop}) to {peer.id}"
         if self.mode == "direct":
             src, dst = pairs
+            self._settle()
             self.handles.append(self.agent.write(
                 self.local, desc_indices(src, tensors, self.cache.num_blocks), peer.remote,
                 desc_indices(dst, tensors, peer.num_blocks), what))
@@ -215,6 +226,12 @@ class NixlWriter:
                 self.handles.append(handle)
             peer.last_req = self.job.req_id
         stats.copy_ms += (time.perf_counter() - t0) * 1e3
+
+    def _settle(self) -> None:
+        """On a GPU, wait for P's stream: what it computed or gathered is in memory before NIXL
+        reads it."""
+        if self.cache.buffer.is_cuda:
+            torch.cuda.current_stream(self.cache.buffer.device).synchronize()
 
     def _write_staged(self, peer: NixlPeer, layers: range, tensors: range, what: str):
         """Gather ``layers`` of the request's blocks into the staging buffer at their place in
@@ -230,6 +247,7 @@ class NixlWriter:
         out = self.staging[lo * spec.block_bytes:hi * spec.block_bytes]
         out = out.view(spec.dtype).view(staging_shape(spec, n, layers))
         gather_blocks(self.cache, ids, out, layers, backend=self.backend)
+        self._settle()
         base = peer.slot * peer.slot_descs
         idx = np.arange(lo, hi, dtype=np.int32)
         return self.agent.write(self.local_staging, idx, peer.remote, base + idx, what)
