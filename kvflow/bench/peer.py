@@ -11,8 +11,10 @@ Commands (``{"op": ..., ...}`` -> reply):
 - ``make`` (``kind``, ``config``, ``geometry``, ``layout``, ``dtype``, ``num_blocks``,
   ``device``, ``longest``) -> ``{"export": D's export}``: the receiver and its cache;
 - ``attach`` (``export``: P's) -> ``{}``;
-- ``recv`` (``ids``) -> ``{"copy_ms"}``: the next connector message is a request into D's
-  blocks ``ids``; replies after :meth:`~kvflow.connector.base.KVReceiver.receive`;
+- ``recv`` (``ids``) -> ``{"copy_ms", "receive_ms"}``: the next connector message is a
+  request into D's blocks ``ids``; replies after
+  :meth:`~kvflow.connector.base.KVReceiver.receive` (``receive_ms``: its wall time, D's copy
+  or scatter included; ``copy_ms``: the connector's, from its stats);
 - ``zero`` -> ``{}``; ``digest`` (``ids``) -> ``{"sha256"}`` of those blocks
   (:func:`~kvflow.bench.cases.blocks_digest`);
 - ``buffer`` (``nbytes``, ``device``) -> ``{"addr", "metadata", "mem", "device_id"}``: a
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from typing import Any
 
 import msgspec
@@ -61,11 +64,12 @@ class _Peer:
     def recv(self, ids: list[int]) -> dict:
         from kvflow.protocol import decode
         _, head, *frames = self.data.recv_multipart(copy=False)
+        t0 = time.perf_counter()
         stats = self.receiver.receive(decode(head), frames, self.cache, ids, "bench-p")
         if self.cache.buffer.is_cuda:
             import torch
             torch.cuda.synchronize(self.cache.buffer.device)
-        return {"copy_ms": stats.copy_ms}
+        return {"copy_ms": stats.copy_ms, "receive_ms": (time.perf_counter() - t0) * 1e3}
 
     def zero(self) -> dict:
         self.cache.buffer.zero_()

@@ -118,7 +118,7 @@ class RemotePair:
         handoff = self.sender.send_prefilled(job, 0)
         out = self.d.reply()
         del handoff
-        return _Stats(out["copy_ms"])
+        return _Stats(out["copy_ms"], out["receive_ms"])
 
     def check(self, src_ids: list[int], dst_ids: list[int]) -> bool:
         """One request into zeroed D blocks; D's blocks equal P's byte for byte (SHA-256)."""
@@ -136,8 +136,8 @@ class RemotePair:
 
 
 class _Stats:
-    def __init__(self, copy_ms: float) -> None:
-        self.copy_ms = copy_ms
+    def __init__(self, copy_ms: float, receive_ms: float) -> None:
+        self.copy_ms, self.receive_ms = copy_ms, receive_ms
 
 
 def remote_write_ceiling(nbytes: int, *, device: str, d_device: str, warmup: int,

@@ -227,8 +227,11 @@ def _measure(pair: _Pair, c: str, spec, tokens: int, src: list[int], dst: list[i
     n = spec.num_blocks_for(tokens)
     ok = pair.check(src, dst)
     stats: list = []
+    extra = {}
     times = time_calls([lambda: stats.append(pair.request(src, dst))],
                        warmup=opts["warmup"], reps=opts["reps"])
+    if hasattr(stats[-1], "receive_ms"):  # D in its own process: its receive's wall time
+        extra["d_receive_ms"] = median([s.receive_ms for s in stats[-len(times):]])
     return make_row(
         env, op="transfer", backend=c, spec=spec, tokens=tokens, blocks=n,
         payload_bytes=payload_bytes(spec, n), times_s=times, ceiling_s=ceiling_s,
@@ -238,7 +241,7 @@ def _measure(pair: _Pair, c: str, spec, tokens: int, src: list[int], dst: list[i
         d_copy_ms=median([s.copy_ms for s in stats[-len(times):]]), verified=ok,
         ceiling=CEILINGS[c][1],
         config={"num_blocks": opts["num_blocks"], "reps": opts["reps"],
-                "device": opts["device"], "preset": opts.get("preset")})
+                "device": opts["device"], "preset": opts.get("preset")}, **extra)
 
 
 def format_table(rows: list[dict]) -> str:
