@@ -156,6 +156,20 @@ def test_transfer_quick_moves_every_connector_byte_exact(tmp_path, capsys):
     assert ceilings == {(c, t) for c in ("copy_", "zmq-loopback") for t in (64, 256)}
 
 
+def test_transfer_with_d_in_its_own_process_is_byte_exact(tmp_path):
+    """--peer-process runs D in a child (the default on CUDA): ipc-push maps D's exported
+    cache across processes, tcp sends frames; every size is verified, D's receive is timed."""
+    from kvflow.bench.__main__ import main
+    assert main(["transfer", "--quick", "--device", "cpu", "--peer-process", "--connectors",
+                 "ipc-push,tcp", "--tokens", "64", "--out-dir", str(tmp_path),
+                 "--no-progress", "--threads", "1"]) == 0
+    (result,) = tmp_path.glob("transfer-cpu-*.json")
+    moved = [r for r in json.loads(result.read_text())["rows"] if r["op"] == "transfer"]
+    assert [(r["backend"], r["verified"], r["peer_process"], r["d_device"]) for r in moved] == [
+        ("ipc-push", True, True, "cpu"), ("tcp", True, True, "cpu")]
+    assert all(r["d_receive_ms"] > 0 for r in moved)
+
+
 @pytest.mark.parametrize("connector", ["ipc-pull", "ipc-push", "tcp"])
 def test_transfer_pair_writes_only_d_blocks(connector):
     """One request of the study's pair writes P's blocks into exactly D's ids."""

@@ -242,3 +242,91 @@ def test_mode_mismatch_refuses_the_pairing_naming_both_values():
 class _NullLink:
     def close(self, linger=None):
         pass
+
+
+# ---- memory types, descriptors, staged slot notices ------------------------------------------
+def test_descriptors_carry_the_device_id_and_the_memory_type_follows_the_tensor():
+    from kvflow.bench.nixl import chunk_descs
+    from kvflow.connector.nixl_agent import block_descs, mem_type
+    d = block_descs(1000, 2, 3, 16, device_id=1)
+    assert d.tolist() == [[1000 + 16 * i, 16, 1] for i in range(6)]
+    assert chunk_descs(64, 40, 16, 2).tolist() == [[64, 16, 2], [80, 16, 2], [96, 8, 2]]
+    assert chunk_descs(64, 40, 0).tolist() == [[64, 40, 0]]
+    assert mem_type(torch.zeros(1)) == ("DRAM", 0)
+    with pytest.raises(TransferError) as e:
+        mem_type(torch.zeros(1, device="meta"))
+    assert str(e.value) == "NIXL moves host (cpu) or CUDA memory; got a tensor on meta"
+
+
+def test_agent_info_says_where_the_memory_is():
+    info = NixlAgentInfo(agent="a", metadata=b"m", mem_type="VRAM", device_id=3)
+    assert decode_agent_info(encode_agent_info(info)) == info
+    assert NixlAgentInfo(agent="a", metadata=b"m").mem_type == "DRAM"
+    with pytest.raises(ProtocolError, match=r"Invalid enum value 'HBM'"):
+        decode_agent_info(encode_agent_info(NixlAgentInfo(agent="a", metadata=b"m",
+                                                          mem_type="HBM")))
+
+
+def test_a_device_nixl_cannot_move_is_refused_naming_it():
+    with pytest.raises(ValueError) as e:
+        make_sender("nixl", SPEC, "meta")
+    assert str(e.value) == "the nixl connector moves host (cpu) or CUDA caches; got device meta"
+
+
+class _Notices:
+    """An Agent stand-in holding D's notices to this P."""
+
+    def __init__(self, *msgs: bytes) -> None:
+        self.msgs = list(msgs)
+
+    def take(self, peer_id: str, prefix: bytes):
+        for i, m in enumerate(self.msgs):
+            if m.startswith(prefix):
+                return self.msgs.pop(i)
+        return None
+
+
+def test_staged_p_frees_its_slot_on_its_own_notice_and_drops_the_others():
+    """D tells every paired P of a request that ended before its KV came: P keeps none of the
+    notices meant for other P's, and its slot is free once its own request's notice came."""
+    from kvflow.connector.nixl_writer import NixlPeer, NixlWriter
+    w = NixlWriter(_Notices(b"free r-other", b"free r-mine", b"free r-old"), None, None,
+                   "staged", 1)
+    peer = NixlPeer("d", "agent-d", 8, slot=0, last_req="r-mine")
+    w.begin(object(), peer)
+    assert peer.last_req == "" and w.agent.msgs == []
+    w.agent.msgs = [b"free r-x"]
+    peer.last_req = "r-y"
+    import kvflow.connector.nixl_writer as nw
+    old, nw.SLOT_TIMEOUT_S = nw.SLOT_TIMEOUT_S, 0.05
+    try:
+        with pytest.raises(TransferError) as e:
+            w.begin(object(), peer)
+    finally:
+        nw.SLOT_TIMEOUT_S = old
+    assert str(e.value) == ("decode instance d did not free its staging slot of request r-y "
+                            "within 0.05 s")
+    assert w.agent.msgs == []
+
+
+@needs_nixl
+@pytest.mark.parametrize("kind", ["nixl", "nixl-staged"])
+def test_bench_pair_with_d_in_its_own_process_moves_the_blocks(kind, monkeypatch):
+    """The transfer bench's two-process pair (what CUDA IPC and NIXL's cuda_ipc need) writes
+    P's blocks into D's ids; a digest of other blocks differs (the check can fail)."""
+    from kvflow.bench.cases import blocks_digest
+    from kvflow.bench.remote_pair import RemotePair
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    geometry = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "block_size": 4}
+    spec = KVCacheSpec(**geometry, dtype=torch.bfloat16)
+    pair = RemotePair(kind, spec, geometry, 8, "cpu", "cpu", longest=16)
+    try:
+        assert pair.check([5, 1, 6], [0, 7, 3]) is True
+        assert pair.d.call("digest", ids=[0, 7, 3])["sha256"] != blocks_digest(pair.p_cache,
+                                                                                [5, 6, 1])
+        stats = pair.request([2], [4])
+        assert stats.receive_ms > 0
+        assert pair.d.call("digest", ids=[4])["sha256"] == blocks_digest(pair.p_cache, [2])
+    finally:
+        pair.close()
+    assert pair.d.proc.returncode == 0

@@ -128,14 +128,21 @@ class NixlWriter:
                                     f"no staging slot within {SLOT_TIMEOUT_S:g} s")
             else:
                 time.sleep(1e-3)
-        while peer.last_req:
-            if self.agent.take(peer.id, b"free " + peer.last_req.encode()) is not None:
-                peer.last_req = ""
-            elif time.monotonic() > deadline:
+        while self._drain_free(peer):
+            if time.monotonic() > deadline:
                 raise TransferError(f"decode instance {peer.id} did not free its staging slot "
                                     f"of request {peer.last_req} within {SLOT_TIMEOUT_S:g} s")
             else:
                 time.sleep(1e-4)
+
+    def _drain_free(self, peer: NixlPeer) -> bool:
+        """Take every ``free`` notice D sent: the one of ``peer.last_req`` frees the slot; the
+        rest are dropped (D tells every paired P of a request that ended before its KV came,
+        as it does not know which P prefilled it). True while the slot is still taken."""
+        while (got := self.agent.take(peer.id, b"free ")) is not None:
+            if got[len(b"free "):].decode() == peer.last_req:
+                peer.last_req = ""
+        return bool(peer.last_req)
 
     def pairs(self, blocks, dst_ids, first: int, stop: int, skip: int, peer: NixlPeer | None):
         """P's and D's ids of logical blocks ``[max(first, skip), stop)`` (lists), or None
