@@ -18,7 +18,8 @@ Commands (``{"op": ..., ...}`` -> reply):
 - ``zero`` -> ``{}``; ``digest`` (``ids``) -> ``{"sha256"}`` of those blocks
   (:func:`~kvflow.bench.cases.blocks_digest`);
 - ``buffer`` (``nbytes``, ``device``) -> ``{"addr", "metadata", "mem", "device_id"}``: a
-  buffer on ``device`` registered with a new NIXL agent (the bulk WRITE ceiling's target); ``free`` drops it;
+  buffer on ``device`` registered with a new NIXL agent (the bulk WRITE ceiling's target);
+  ``free`` drops it;
 - ``close`` -> ``{}``, then the process exits.
 """
 
