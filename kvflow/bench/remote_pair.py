@@ -21,6 +21,14 @@ from .nixl import best_of_chunks, connector_of
 REPLY_TIMEOUT_S = 120.0
 
 
+def bench_job(spec, src_ids: list[int], dst_ids: list[int]):
+    """The :class:`~kvflow.connector.PrefillJob` of one bench request: P's blocks ``src_ids``
+    full of computed KV (no model runs), for D's blocks ``dst_ids``."""
+    from kvflow.connector import PrefillJob
+    return PrefillJob("bench", [0] * (len(src_ids) * spec.block_size), src_ids, "bench-d",
+                      dst_ids)
+
+
 class RemoteD:
     """The child process running :mod:`.peer` and P's sockets to it.
 
@@ -111,11 +119,8 @@ class RemotePair:
 
     def request(self, src_ids: list[int], dst_ids: list[int]):
         """One request end to end (P's send, D's receive and reply); returns D's copy ms."""
-        from kvflow.connector import PrefillJob
-        job = PrefillJob("bench", [0] * (len(src_ids) * self.p_cache.spec.block_size), src_ids,
-                         "bench-d", dst_ids)
         self.d.send("recv", ids=list(dst_ids))
-        handoff = self.sender.send_prefilled(job, 0)
+        handoff = self.sender.send_prefilled(bench_job(self.p_cache.spec, src_ids, dst_ids), 0)
         out = self.d.reply()
         del handoff
         return _Stats(out["copy_ms"], out["receive_ms"])

@@ -48,7 +48,7 @@ from kvflow.connector import CONNECTORS
 from . import cli
 from .nixl import KINDS as NIXL_KINDS
 from .nixl import connector_of, write_ceiling
-from .remote_pair import RemotePair, remote_write_ceiling
+from .remote_pair import RemotePair, bench_job, remote_write_ceiling
 from .cases import LLAMA3_8B, blocks_equal, disjoint_ids, make_spec, scramble
 from .timing import copy_ceiling, median, percentile, time_calls
 
@@ -119,11 +119,8 @@ class _Pair:
 
     def request(self, src_ids: list[int], dst_ids: list[int]):
         """One request end to end; returns D's TransferStats."""
-        from kvflow.connector import PrefillJob
         from kvflow.protocol import decode
-        job = PrefillJob("bench", [0] * (len(src_ids) * self.p_cache.spec.block_size), src_ids,
-                         "bench-d", dst_ids)
-        handoff = self.sender.send_prefilled(job, 0)
+        handoff = self.sender.send_prefilled(bench_job(self.p_cache.spec, src_ids, dst_ids), 0)
         _, head, *frames = self.d_sock.recv_multipart(copy=False)
         stats = self.receiver.receive(decode(head), frames, self.d_cache, dst_ids, "bench-p")
         del handoff  # D is done: P may drop its staging buffer
@@ -142,7 +139,8 @@ class _Pair:
         self.receiver.close()
 
 
-def run_transfer(opts: dict[str, Any], env: dict[str, Any], progress: bool = True) -> tuple[list, list]:
+def run_transfer(opts: dict[str, Any], env: dict[str, Any],
+                 progress: bool = True) -> tuple[list, list]:
     """Rows (``op="transfer"``, ``backend`` = connector, and ``op="ceiling"`` rows) per request
     size, plus the connectors skipped with their reason.
 
