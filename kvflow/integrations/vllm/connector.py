@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.request import Request
 
-log = init_logger("kvflow.integrations.vllm")
+log = init_logger("vllm.kvflow")  # under "vllm", so vLLM's log handler prints it
 
 DEFAULTS = {"kvflow_host": "127.0.0.1", "kvflow_port": 5601, "lease_s": 60.0,
             "timeout_s": 30.0, "backend": "auto", "test_serve_delay_s": 0.0,
