@@ -5,7 +5,7 @@ vLLM connector that moves KV between two engines on a CPU host), same prompts, s
 ``bench/results/vllm-pd-cpu-<date>.json``. Engines: a plain vLLM engine (colocated TTFT), a
 kvflow P/D pair behind kvflow's proxy, an ExampleConnector P/D pair (P saves the prompt's KV to
 safetensors files in a shared folder, D loads them; driven the same way: P with max_tokens=1,
-then D). TTFT: client send -> first streamed token, ms. Transfer: kvflow, D's pull (gather on P,
+then D; kvflow also through its proxy). TTFT: client send -> first streamed token, ms. Transfer: kvflow, D's pull (gather on P,
 ZMQ, scatter on D); ExampleConnector, P's save + D's load (both logged by
 :mod:`bench.vllm.timed_example`).
 """
@@ -79,9 +79,17 @@ def main() -> None:
             for rep in range(REPS + 1):  # rep 0 warms up
                 prompt = torch.randint(8, 512, (n,), generator=g).tolist()
                 body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+                colocated = stream_ttft(url["REF"], body)  # first: no prefix hit
                 ref_tokens = tokens(complete(url["REF"], prompt, 8))
-                colocated = stream_ttft(url["REF"], body)
                 kvflow = stream_ttft(url["X"], body)
+                # kvflow driven as the baseline is (client -> P, then client -> D), no proxy
+                prompt2 = prompt[::-1]
+                body2 = dict(body, prompt=prompt2)
+                t0 = time.perf_counter()
+                params = httpx.post(f"{url['KP']}/v1/completions", timeout=120, json=dict(
+                    body2, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+                    ).json()["kv_transfer_params"]
+                kvflow_direct = stream_ttft(url["KD"], dict(body2, kv_transfer_params=params), t0)
                 t0 = time.perf_counter()
                 complete(url["EP"], prompt, 1)
                 example_ttft = stream_ttft(url["ED"], body, t0)
@@ -95,7 +103,8 @@ def main() -> None:
                                             seen["load"])
                 if rep:
                     rows.append({"tokens": n, "rep": rep, "colocated_ttft_ms": colocated,
-                                 "kvflow_ttft_ms": kvflow, "kvflow_transfer_ms": sum(pull),
+                                 "kvflow_ttft_ms": kvflow, "kvflow_direct_ttft_ms": kvflow_direct,
+                                 "kvflow_transfer_ms": sum(pull) / max(len(pull), 1),
                                  "example_ttft_ms": example_ttft,
                                  "example_save_ms": sum(save), "example_load_ms": sum(load),
                                  "example_tokens_match_colocated": ex_tokens == ref_tokens})
