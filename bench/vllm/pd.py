@@ -2,7 +2,7 @@
 vLLM connector that moves KV between two engines on a CPU host), same prompts, same run.
 
 ``python -m bench.vllm.pd`` (from the repo root, in the vLLM venv); writes
-``bench/results/vllm-pd-cpu-<date>.json``. Engines: a plain vLLM engine (colocated TTFT), a
+``bench/results/raw/vllm-pd-cpu-<date>.json``. Engines: a plain vLLM engine (colocated TTFT), a
 kvflow P/D pair behind kvflow's proxy, an ExampleConnector P/D pair (P saves the prompt's KV to
 safetensors files in a shared folder, D loads them; driven the same way: P with max_tokens=1,
 then D; kvflow also through its proxy). TTFT: client send -> first streamed token, ms. Transfer: kvflow, D's pull (gather on P,
@@ -132,7 +132,7 @@ def main() -> None:
            "baseline": "vllm ExampleConnector (safetensors files in a shared folder)",
            "summary_median": summary, "rows": rows}
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = pathlib.Path("bench/results") / f"vllm-pd-cpu-{stamp}.json"
+    path = pathlib.Path("bench/results/raw") / f"vllm-pd-cpu-{stamp}.json"  # not report schema
     path.write_text(json.dumps(out, indent=1))
     print(json.dumps(summary, indent=1))
     print(path)
