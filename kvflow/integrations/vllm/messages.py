@@ -5,8 +5,14 @@ MessagePack-encoded :class:`msgspec.Struct` tagged by class name; a frame that i
 them is rejected (:class:`~kvflow.protocol.ProtocolError`), never unpickled. KV bytes travel
 as raw frames after a :class:`PullReply` header.
 
+    transport tcp:
     D --Pull(req, P's block ids, D's spec)--> P --PullReply + one frame per layer--> D
-    D --Release(req)--> P   (D will never pull: aborted, or a full prefix hit on D)
+    transport nixl (D READs P's blocks itself, one-sided):
+    D --NixlHello(D's spec)--> P --NixlInfo(P's agent metadata, tensor addresses)--> D  (once)
+    D --Pull(req, ids, spec, nixl=True)--> P --PullReply(ok, P's agent name)--> D
+    D: NIXL READ of P's blocks into D's, then D --Release(req)--> P
+    both:
+    D --Release(req)--> P   (done reading, or D will never pull: aborted, full prefix hit)
 """
 
 from __future__ import annotations
@@ -25,10 +31,12 @@ class _Msg(msgspec.Struct, tag_field="type", tag=str.lower, forbid_unknown_field
 
 
 class Pull(_Msg):
-    """D -> P: send the blocks ``block_ids`` (P's ids, in logical order) of request ``req_id``."""
+    """D -> P: send the blocks ``block_ids`` (P's ids, in logical order) of request ``req_id``;
+    with ``nixl``, only check them and keep them held until D's :class:`Release` (D READs)."""
     req_id: str
     block_ids: list[BlockId]
     spec: dict[str, Any]            # D's KVCacheSpec.to_dict(): P refuses a different geometry
+    nixl: bool = False
 
 
 class Release(_Msg):
@@ -43,20 +51,43 @@ class PullReply(_Msg):
     ok: bool
     num_layers: int = 0
     error: str = ""
+    agent: str = ""                 # nixl: P's agent name (D meets P anew when it changed)
 
 
-_DECODER = msgspec.msgpack.Decoder(Union[Pull, Release, PullReply])
+class NixlHello(_Msg):
+    """D -> P: where are your blocks? (transport nixl, once per P)."""
+    spec: dict[str, Any]            # D's KVCacheSpec.to_dict()
+
+
+class NixlInfo(_Msg):
+    """P -> D: P's NIXL agent and cache. Block ``b`` of tensor ``t`` (``PagedKVCache.tensors()``
+    order) is ``block_bytes`` bytes at ``addrs[t] + b * block_bytes`` of memory type ``mem``
+    (``DRAM`` / ``VRAM``) on ``device_id``; or ``error`` says why not (different spec)."""
+    ok: bool
+    error: str = ""
+    agent: str = ""
+    metadata: bytes = b""           # get_agent_metadata(): what add_remote_agent loads
+    addrs: list[int] = []
+    num_blocks: int = 0
+    block_bytes: int = 0
+    mem: str = "DRAM"
+    device_id: int = 0
+
+
+_MESSAGES = (Pull, Release, PullReply, NixlHello, NixlInfo)
+_DECODER = msgspec.msgpack.Decoder(Union[_MESSAGES])
 _ENCODER = msgspec.msgpack.Encoder()
 
 
 def encode(msg: _Msg) -> bytes:
     """One msgpack frame; TypeError for anything but a message of this module."""
-    if not isinstance(msg, (Pull, Release, PullReply)):
-        raise TypeError(f"msg must be Pull, Release or PullReply, got {type(msg).__name__}")
+    if not isinstance(msg, _MESSAGES):
+        raise TypeError(f"msg must be one of {[m.__name__ for m in _MESSAGES]}, got "
+                        f"{type(msg).__name__}")
     return _ENCODER.encode(msg)
 
 
-def decode(frame: Any) -> Pull | Release | PullReply:
+def decode(frame: Any) -> Pull | Release | PullReply | NixlHello | NixlInfo:
     """Decode one frame; :class:`ProtocolError` naming what is wrong with it."""
     try:
         return _DECODER.decode(getattr(frame, "buffer", frame))

@@ -1,6 +1,11 @@
-"""The two ends of a pull over ZMQ: P's :class:`KVServer` gathers held blocks out of vLLM's
-cache with :func:`kvflow.kernels.gather_blocks`; D's :class:`KVPuller` receives the layer frames
-without copying and :func:`kvflow.kernels.scatter_blocks` them into the blocks D allocated.
+"""P's :class:`KVServer` (both transports) and D's :class:`KVPuller` (transport ``tcp``).
+
+tcp: P gathers held blocks out of vLLM's cache with :func:`kvflow.kernels.gather_blocks` and
+sends one zero-copy frame per layer (:func:`kvflow.connector.tcp.layer_frames`); D views the
+frames without copying (:func:`kvflow.connector.tcp.frame_tensor`) and
+:func:`kvflow.kernels.scatter_blocks` them into the blocks D allocated. nixl: P answers D's
+:class:`~.messages.NixlHello` with its agent and cache addresses and a ``Pull(nixl=True)`` with a
+check only; D READs the blocks itself (:mod:`.nixl_pull`) and then sends ``Release``.
 
 Works on one host and across hosts (``tcp://``). P only serves a request it holds (announced
 by its scheduler through :meth:`KVServer.hold`, waiting up to ``hold_wait_s`` for it); a pull
@@ -12,18 +17,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import warnings
 from typing import Any
 
 import torch
 import zmq
 
-from kvflow.cache import PagedKVCache, staging_buffer, staging_shape
+from kvflow.cache import PagedKVCache, staging_buffer
+from kvflow.connector.tcp import frame_tensor, layer_frames
 from kvflow.kernels import gather_blocks, scatter_blocks
 from kvflow.layout import KVCacheSpec
 from kvflow.protocol import ProtocolError
 
-from .messages import Pull, PullReply, Release, decode, encode
+from .link import PeerLink, PullError
+from .messages import NixlHello, NixlInfo, Pull, PullReply, Release, decode, encode
 
 log = logging.getLogger("kvflow.integrations.vllm")
 
@@ -43,12 +49,15 @@ class KVServer:
         How long a pull waits for its request to be held (seconds).
     delay_s : float
         Test hook: sleep before answering a pull (to abort a transfer in flight).
+    nixl : NixlInfo or None
+        P's NIXL agent and cache (:func:`.nixl_pull.export`): P also serves transport nixl.
     """
 
     def __init__(self, cache: PagedKVCache, addr: str, *, backend: str = "auto",
-                 hold_wait_s: float = 5.0, delay_s: float = 0.0) -> None:
+                 hold_wait_s: float = 5.0, delay_s: float = 0.0,
+                 nixl: NixlInfo | None = None) -> None:
         self.cache, self.addr, self.backend = cache, addr, backend
-        self.hold_wait_s, self.delay_s = hold_wait_s, delay_s
+        self.hold_wait_s, self.delay_s, self.nixl = hold_wait_s, delay_s, nixl
         self._held: dict[str, float] = {}      # req_id -> deadline (monotonic seconds)
         self._done: set[str] = set()           # pulled, released or expired: P may free
         self._cond = threading.Condition()
@@ -101,6 +110,8 @@ class KVServer:
                 self._finish(msg.req_id)
             elif isinstance(msg, Pull):
                 self._answer(ident, msg)
+            elif isinstance(msg, NixlHello):
+                self._sock.send_multipart([ident, encode(self._hello(msg))])
             else:
                 log.error("KVServer %s: unexpected frame(s) %s", self.addr, type(msg).__name__)
 
@@ -116,22 +127,42 @@ class KVServer:
         if error:
             self._sock.send_multipart([ident, encode(PullReply(msg.req_id, False, error=error))])
             return
+        if msg.nixl:  # D READs the blocks; they stay held until its Release (or the lease)
+            self._sock.send_multipart([ident, encode(PullReply(msg.req_id, True,
+                                                               agent=self.nixl.agent))])
+            return
         ids = torch.tensor(msg.block_ids, dtype=torch.int64)
         buf = gather_blocks(self.cache, ids, staging_buffer(self.cache.spec, len(ids)),
                             backend=self.backend)
-        frames = [memoryview(buf[l].view(torch.uint8).numpy()) for l in range(buf.shape[0])]
+        frames = layer_frames(buf)
         header = encode(PullReply(msg.req_id, True, num_layers=len(frames)))
         self._sock.send_multipart([ident, header, *frames], copy=False)
         self._finish(msg.req_id)
 
-    def _check(self, msg: Pull) -> str:
+    def _hello(self, msg: NixlHello) -> NixlInfo:
+        if self.nixl is None:
+            return NixlInfo(False, error=f"P at {self.addr} has transport 'tcp'; set "
+                                         f"kv_connector_extra_config transport 'nixl' on P too")
+        error = self._spec_error(msg.spec)
+        return NixlInfo(False, error=error) if error else self.nixl
+
+    def _spec_error(self, spec: dict[str, Any]) -> str:
         try:
-            theirs = KVCacheSpec.from_dict(msg.spec)
+            theirs = KVCacheSpec.from_dict(spec)
         except (TypeError, ValueError) as exc:
-            return f"D's spec {msg.spec} is not a KVCacheSpec: {exc}"
+            return f"D's spec {spec} is not a KVCacheSpec: {exc}"
         diff = self.cache.spec.diff(theirs)
         if diff:
             return "P and D caches differ: " + "; ".join(f"{d} (P vs D)" for d in diff)
+        return ""
+
+    def _check(self, msg: Pull) -> str:
+        error = self._spec_error(msg.spec)
+        if error:
+            return error
+        if msg.nixl and self.nixl is None:
+            return (f"P at {self.addr} has transport 'tcp'; set kv_connector_extra_config "
+                    f"transport 'nixl' on P too")
         bad = [b for b in msg.block_ids if b >= self.cache.num_blocks]
         if bad:
             return (f"block id {bad[0]} is out of range for P's cache of "
@@ -146,12 +177,8 @@ class KVServer:
         return ""
 
 
-class PullError(RuntimeError):
-    """A pull that did not put the KV into D's blocks (P refused, timed out, bad frames)."""
-
-
 class KVPuller:
-    """D's end: one DEALER socket per P address, used from one thread.
+    """D's end of transport ``tcp``, used from one thread.
 
     Parameters
     ----------
@@ -162,26 +189,17 @@ class KVPuller:
     backend : str
         kvflow backend for ``scatter_blocks``.
     corrupt : bool
-        Test hook (the negative control): add noise to the received KV before it is written.
+        Test hook (the negative control): write noise instead of the received KV.
     """
 
     def __init__(self, cache: PagedKVCache, *, timeout_s: float = 30.0, backend: str = "auto",
                  corrupt: bool = False) -> None:
-        self.cache, self.timeout_s, self.backend, self.corrupt = cache, timeout_s, backend, corrupt
-        self._ctx = zmq.Context.instance()
-        self._socks: dict[str, zmq.Socket] = {}
-
-    def _sock(self, addr: str) -> zmq.Socket:
-        s = self._socks.get(addr)
-        if s is None:
-            s = self._socks[addr] = self._ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(addr)
-        return s
+        self.cache, self.backend, self.corrupt = cache, backend, corrupt
+        self.link = PeerLink(timeout_s)
 
     def release(self, addr: str, req_id: str) -> None:
         """Tell P at ``addr`` to free ``req_id``'s blocks (D will not pull them)."""
-        self._sock(addr).send(encode(Release(req_id)))
+        self.link.send(addr, Release(req_id))
 
     def pull(self, addr: str, req_id: str, remote_ids: list[int], local_ids: list[int]) -> int:
         """Copy P's blocks ``remote_ids`` into D's ``local_ids`` (same length, logical order).
@@ -199,44 +217,27 @@ class KVPuller:
         if len(remote_ids) != len(local_ids):
             raise PullError(f"request {req_id}: {len(remote_ids)} remote blocks for "
                             f"{len(local_ids)} local blocks")
-        sock = self._sock(addr)
-        sock.send(encode(Pull(req_id, list(remote_ids), self.cache.spec.to_dict())))
-        while True:  # answers to an earlier, timed-out pull on this socket are skipped
-            if not sock.poll(int(self.timeout_s * 1000)):
-                self._drop(addr)
-                raise PullError(f"request {req_id}: no answer from P at {addr} within "
-                                f"{self.timeout_s} s")
-            header, *frames = sock.recv_multipart(copy=False)
-            reply = decode(header)
-            if isinstance(reply, PullReply) and reply.req_id == req_id:
-                break
+        spec, n = self.cache.spec, len(remote_ids)
+        reply, frames = self.link.ask(addr, Pull(req_id, list(remote_ids), spec.to_dict()),
+                                      PullReply, f"request {req_id}", req_id)
         if not reply.ok:
             raise PullError(f"request {req_id}: P refused the pull: {reply.error}")
-        spec, n = self.cache.spec, len(remote_ids)
-        shape = staging_shape(spec, n, 0)
         if reply.num_layers != spec.num_layers or len(frames) != spec.num_layers:
             raise PullError(f"request {req_id}: {len(frames)} layer frames, expected "
                             f"{spec.num_layers}")
+        layer_bytes = spec.block_bytes * spec.tensors_per_layer * n
+        bufs = [memoryview(frame.buffer) for frame in frames]
+        for layer, buf in enumerate(bufs):  # check every frame before writing anything
+            if buf.nbytes != layer_bytes:
+                raise PullError(f"request {req_id}: layer {layer} frame holds {buf.nbytes} "
+                                f"bytes, expected {layer_bytes}")
         ids = torch.tensor(local_ids, dtype=torch.int64)
-        for layer, frame in enumerate(frames):
-            with warnings.catch_warnings():  # zmq frames are read-only; scatter only reads
-                warnings.simplefilter("ignore", UserWarning)
-                src = torch.frombuffer(bytearray(frame.buffer) if self.corrupt else frame.buffer,
-                                       dtype=torch.uint8)
-            if src.numel() != spec.block_bytes * spec.tensors_per_layer * n:
-                raise PullError(f"request {req_id}: layer {layer} frame holds {src.numel()} "
-                                f"bytes, expected {spec.block_bytes * spec.tensors_per_layer * n}")
-            src = src.view(spec.dtype).view(shape)
+        for layer, buf in enumerate(bufs):
+            src = frame_tensor(buf, spec, n, layer, self.cache.device)
             if self.corrupt:
-                src.copy_(torch.randn(shape).to(spec.dtype))
+                src = torch.randn(src.shape).to(spec.dtype)
             scatter_blocks(src, self.cache, ids, layer, backend=self.backend)
         return n * spec.bytes_per_block
 
-    def _drop(self, addr: str) -> None:
-        s = self._socks.pop(addr, None)
-        if s is not None:
-            s.close(linger=0)
-
     def close(self) -> None:
-        for addr in list(self._socks):
-            self._drop(addr)
+        self.link.close()
