@@ -5,7 +5,12 @@ Load it with::
     KVTransferConfig(kv_connector="KvflowConnector",
                      kv_connector_module_path="kvflow.integrations.vllm",
                      kv_role="kv_producer" | "kv_consumer" | "kv_both",
-                     kv_connector_extra_config={"kvflow_port": 5601})
+                     kv_connector_extra_config={"kvflow_port": 5601, "transport": "tcp"})
+
+Transports (``transport``, the same on P and D): ``tcp`` (default; P gathers the blocks with
+kvflow's ``gather_blocks`` and sends zero-copy ZMQ frames, D ``scatter_blocks`` them) and
+``nixl`` (D READs P's blocks with one-sided NIXL, :mod:`.nixl_pull`; ``pip install nixl-cu12``).
+Both work on one host and across hosts.
 
 One request (pull after prefill, as vLLM's NIXL connector; docs/tutorials/vllm.md):
 
@@ -15,15 +20,23 @@ One request (pull after prefill, as vLLM's NIXL connector; docs/tutorials/vllm.m
 2. the proxy sends the request to D with those params; D's scheduler counts the prompt tokens
    it lacks (:meth:`get_num_new_matched_tokens`, a local prefix hit excluded), allocates, and
    :meth:`update_state_after_alloc` pairs P's logical blocks ``k..`` with D's new blocks;
-3. D's worker pulls them in a background thread (:meth:`start_load_kv`; kvflow's
-   ``gather_blocks`` on P, zero-copy ZMQ frames, ``scatter_blocks`` on D) and reports the
-   request through :meth:`get_finished`; P's worker reports it sent, and vLLM frees P's blocks.
+3. D's worker pulls them in a background thread (:meth:`start_load_kv`, by the transport)
+   and reports the request through :meth:`get_finished`; P's worker reports it sent, and vLLM
+   frees P's blocks.
 
-Reliability: a failed pull reports the request as received with its blocks in
-:meth:`get_block_ids_with_load_errors` (vLLM recomputes or fails it, ``kv_load_failure_policy``);
-a request D aborts before it allocated sends P a release; P frees blocks no D pulled within
-``lease_s``. ``save_kv_layer`` and ``wait_for_layer_load`` do nothing: the KV moves after P's
-prefill, not layer by layer.
+Reliability: a failed pull (P refused or died, a timeout, a failed NIXL READ) reports the
+request as received with its blocks in :meth:`get_block_ids_with_load_errors` (vLLM recomputes
+or fails it, ``kv_load_failure_policy``), and a dead P's NIXL agent is removed; a request D
+aborts before it allocated sends P a release; P frees blocks no D pulled within ``lease_s``.
+
+Why ``save_kv_layer`` and ``wait_for_layer_load`` do nothing (the pull model, as vLLM's own
+NixlConnector): the KV moves once, after P's whole prefill, when D has allocated its blocks.
+During P's forward pass no D block exists yet (the proxy sends the request to D only after P
+answered), so P has nowhere to save a layer to; and D's forward pass for the request starts
+only after :meth:`get_finished` reported the pull complete, so no layer is ever waited for.
+Overlapping the transfer with P's prefill would need a push to blocks D reserved in advance
+(kvflow's own serving stack does that, ``kvflow.connector.layerwise``); vLLM's scheduler does
+not reserve them.
 """
 
 from __future__ import annotations
@@ -42,7 +55,9 @@ from vllm.logger import init_logger
 
 from kvflow.cache import PagedKVCache
 
-from .transfer import KVPuller, KVServer, PullError
+from .config import check_config
+from .link import PullError
+from .transfer import KVPuller, KVServer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -50,10 +65,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = init_logger("vllm.kvflow")  # under "vllm", so vLLM's log handler prints it
-
-DEFAULTS = {"kvflow_host": "127.0.0.1", "kvflow_port": 5601, "lease_s": 60.0,
-            "timeout_s": 30.0, "backend": "auto", "test_serve_delay_s": 0.0,
-            "test_corrupt_kv": False}
 
 
 @dataclasses.dataclass
@@ -86,12 +97,7 @@ class KvflowConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        unknown = sorted(set(extra) - set(DEFAULTS))
-        if unknown:
-            raise ValueError(f"kv_connector_extra_config has unknown keys {unknown}; "
-                             f"kvflow knows {sorted(DEFAULTS)}")
-        self.conf = {**DEFAULTS, **extra}
+        self.conf = check_config(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
         self.addr = f"tcp://{self.conf['kvflow_host']}:{int(self.conf['kvflow_port'])}"
         self.block_size = vllm_config.cache_config.block_size
         # scheduler side
@@ -100,6 +106,8 @@ class KvflowConnector(KVConnectorBase_V1):
         # worker side
         self.cache: PagedKVCache | None = None
         self.server: KVServer | None = None
+        self.agent: Any = None                 # P's NIXL agent (transport nixl)
+        self.puller: Any = None                # D's KVPuller or NixlPuller
         self._jobs: queue.Queue = queue.Queue()
         self._done_recv: set[str] = set()
         self._failed_blocks: set[int] = set()
@@ -172,14 +180,29 @@ class KvflowConnector(KVConnectorBase_V1):
 
     # ================================= worker side ========================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Wrap vLLM's per-layer tensors (no copy); P starts serving pulls."""
+        """Wrap vLLM's per-layer tensors (no copy); P starts serving pulls; with transport
+        nixl, P and D register the tensors' memory with a NIXL agent."""
         self.cache = PagedKVCache.from_vllm(kv_caches)
-        log.info("kvflow: %s over %d blocks (%s)", self.cache.spec, self.cache.num_blocks,
-                 self._kv_transfer_config.kv_role)
+        nixl = self.conf["transport"] == "nixl"
+        log.info("kvflow: %s over %d blocks (%s, transport %s)", self.cache.spec,
+                 self.cache.num_blocks, self._kv_transfer_config.kv_role, self.conf["transport"])
         if self._kv_transfer_config.is_kv_producer:
+            info = None
+            if nixl:
+                from kvflow.connector.nixl_agent import Agent
+                from .nixl_pull import export
+                self.agent = Agent("vllm-prefill")
+                info = export(self.agent, self.cache)
             self.server = KVServer(self.cache, self.addr, backend=self.conf["backend"],
-                                   delay_s=float(self.conf["test_serve_delay_s"]))
+                                   delay_s=float(self.conf["test_serve_delay_s"]), nixl=info)
         if self._kv_transfer_config.is_kv_consumer:
+            timeout_s, corrupt = float(self.conf["timeout_s"]), bool(self.conf["test_corrupt_kv"])
+            if nixl:
+                from .nixl_pull import NixlPuller
+                self.puller = NixlPuller(self.cache, timeout_s=timeout_s, corrupt=corrupt)
+            else:
+                self.puller = KVPuller(self.cache, timeout_s=timeout_s,
+                                       backend=self.conf["backend"], corrupt=corrupt)
             self._loader = threading.Thread(target=self._load_loop, name="kvflow-kv-loader",
                                             daemon=True)
             self._loader.start()
@@ -196,11 +219,15 @@ class KvflowConnector(KVConnectorBase_V1):
             self._jobs.put(job)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads finish before vLLM schedules the request (get_finished)
+        """Nothing: D computes a pulled request only after :meth:`get_finished` reported its
+        pull complete, so every layer is loaded before it is read (module docstring)."""
+        return
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        return  # P's blocks are read after the prefill (request_finished holds them)
+        """Nothing: during P's forward pass D has no blocks yet; D pulls P's blocks after the
+        prefill, which :meth:`request_finished` keeps for it (module docstring)."""
+        return
 
     def wait_for_save(self) -> None:
         return
@@ -221,12 +248,13 @@ class KvflowConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.server is not None:
             self.server.close()
+        if self.agent is not None:
+            self.agent.close()
         self._jobs.put(None)
 
     # ---- the loader thread (D) ------------------------------------------------------------
     def _load_loop(self) -> None:
-        puller = KVPuller(self.cache, timeout_s=float(self.conf["timeout_s"]),
-                          backend=self.conf["backend"], corrupt=bool(self.conf["test_corrupt_kv"]))
+        puller = self.puller
         while True:
             job = self._jobs.get()
             if job is None:
@@ -240,8 +268,9 @@ class KvflowConnector(KVConnectorBase_V1):
                 nbytes = puller.pull(job.addr, job.remote_req_id, job.remote_ids, job.local_ids)
                 self.stats.append({"req_id": job.req_id, "blocks": len(job.local_ids),
                                    "bytes": nbytes, "ms": (time.perf_counter() - t0) * 1e3})
-                log.info("kvflow: pulled %d blocks (%d bytes) of %s in %.2f ms",
-                         len(job.local_ids), nbytes, job.req_id, self.stats[-1]["ms"])
+                log.info("kvflow: pulled %d blocks (%d bytes) of %s in %.2f ms over %s",
+                         len(job.local_ids), nbytes, job.req_id, self.stats[-1]["ms"],
+                         self.conf["transport"])
                 failed: list[int] = []
             except (PullError, ValueError, OSError) as exc:
                 log.error("kvflow: %s", exc)
