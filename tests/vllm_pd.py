@@ -46,8 +46,10 @@ class Procs:
         self.log_dir = log_dir
 
     def start(self, name: str, cmd: list[str]) -> None:
+        """Start ``cmd``, its output into ``<log_dir>/<name>.log``. UCX_TLS=tcp: NIXL takes the
+        network path (UCX's TCP), not shared memory, between the local engines."""
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
-                   PYTHONWARNINGS="ignore")
+                   PYTHONWARNINGS="ignore", UCX_TLS=os.environ.get("UCX_TLS", "tcp"))
         log = open(self.log_dir / f"{name}.log", "w")
         self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
