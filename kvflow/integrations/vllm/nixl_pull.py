@@ -33,8 +33,8 @@ from kvflow.connector.base import TransferError
 from kvflow.connector.nixl_agent import Agent, block_descs, mem_type
 from kvflow.connector.nixl_plan import coalesce, desc_indices
 
-from .link import PeerLink, PullError
-from .messages import NixlHello, NixlInfo, Pull, PullReply, Release
+from .link import PeerTimeout, Puller, PullError
+from .messages import NixlHello, NixlInfo, Pull
 
 
 def register(agent: Agent, cache: PagedKVCache) -> int:
@@ -76,18 +76,16 @@ class _Peer:
     num_blocks: int
 
 
-class NixlPuller:
-    """D's end of transport ``nixl`` (same methods as :class:`.transfer.KVPuller`), used from
-    D's loader thread only.
+class NixlPuller(Puller):
+    """D's end of transport ``nixl`` (:class:`.link.Puller`), used from D's loader thread only:
+    a check with P over the side channel, one READ, a bounded wait, then ``Release``. A P that
+    does not answer or whose READ fails is forgotten (its agent removed).
 
     Parameters
     ----------
-    cache : PagedKVCache
-        D's cache (registered with a new agent here).
-    timeout_s : float
-        Longest wait for P's answer and, separately, for the READ (seconds).
-    corrupt : bool
-        Test hook (the negative control): overwrite the blocks read with noise.
+    cache, timeout_s, corrupt
+        As :class:`.link.Puller` (``cache`` is registered with a new agent here; ``timeout_s``
+        bounds P's answer and, separately, the READ).
 
     Raises
     ------
@@ -99,8 +97,7 @@ class NixlPuller:
 
     def __init__(self, cache: PagedKVCache, *, timeout_s: float = 30.0,
                  corrupt: bool = False) -> None:
-        self.cache, self.timeout_s, self.corrupt = cache, timeout_s, corrupt
-        self.link = PeerLink(timeout_s)
+        super().__init__(cache, timeout_s=timeout_s, corrupt=corrupt)
         self.agent = Agent("vllm-decode")
         register(self.agent, cache)
         self.mem, dev = mem_type(cache.tensors()[0])
@@ -144,38 +141,14 @@ class NixlPuller:
                 pass
         self.agent.remove_peer(addr)
 
-    def release(self, addr: str, req_id: str) -> None:
-        """Tell P at ``addr`` to free ``req_id``'s blocks (read, or never to be read)."""
-        self.link.send(addr, Release(req_id))
-
-    def pull(self, addr: str, req_id: str, remote_ids: list[int], local_ids: list[int]) -> int:
-        """READ P's blocks ``remote_ids`` into D's ``local_ids`` (same length, logical order),
-        then release them on P.
-
-        Returns
-        -------
-        int
-            Payload bytes written into D's cache.
-
-        Raises
-        ------
-        PullError
-            P refused (its message), no answer within ``timeout_s``, the READ failed or took
-            longer than ``timeout_s`` (P's agent is then forgotten).
-        """
-        if len(remote_ids) != len(local_ids):
-            raise PullError(f"request {req_id}: {len(remote_ids)} remote blocks for "
-                            f"{len(local_ids)} local blocks")
+    def _pull(self, addr: str, req_id: str, remote_ids: list[int], local_ids: list[int]) -> int:
         spec = self.cache.spec
         peer = self.peers.get(addr) or self._meet(addr)
         try:
-            reply, _ = self.link.ask(addr, Pull(req_id, list(remote_ids), spec.to_dict(),
-                                                nixl=True), PullReply, f"request {req_id}", req_id)
-        except PullError:
+            reply, _ = self._ask_pull(addr, Pull(req_id, remote_ids, spec.to_dict(), nixl=True))
+        except PeerTimeout:
             self.forget(addr)  # P is gone (or hangs): its agent goes too
             raise
-        if not reply.ok:
-            raise PullError(f"request {req_id}: P refused the pull: {reply.error}")
         if reply.agent != peer.agent:  # P restarted behind the same address
             peer = self._meet(addr)
         tensors = range(spec.num_tensors)
@@ -201,5 +174,5 @@ class NixlPuller:
     def close(self) -> None:
         for addr in list(self.peers):
             self.forget(addr)
-        self.link.close()
+        super().close()
         self.agent.close()

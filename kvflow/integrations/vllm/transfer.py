@@ -28,7 +28,7 @@ from kvflow.kernels import gather_blocks, scatter_blocks
 from kvflow.layout import KVCacheSpec
 from kvflow.protocol import ProtocolError
 
-from .link import PeerLink, PullError
+from .link import Puller, PullError
 from .messages import NixlHello, NixlInfo, Pull, PullReply, Release, decode, encode
 
 log = logging.getLogger("kvflow.integrations.vllm")
@@ -177,51 +177,26 @@ class KVServer:
         return ""
 
 
-class KVPuller:
-    """D's end of transport ``tcp``, used from one thread.
+class KVPuller(Puller):
+    """D's end of transport ``tcp`` (:class:`.link.Puller`): P's answer carries one frame per
+    layer, viewed without a copy and scattered into D's blocks.
 
     Parameters
     ----------
-    cache : PagedKVCache
-        D's cache.
-    timeout_s : float
-        Longest wait for P's answer (seconds); then :class:`PullError`.
+    cache, timeout_s, corrupt
+        As :class:`.link.Puller`.
     backend : str
         kvflow backend for ``scatter_blocks``.
-    corrupt : bool
-        Test hook (the negative control): write noise instead of the received KV.
     """
 
     def __init__(self, cache: PagedKVCache, *, timeout_s: float = 30.0, backend: str = "auto",
                  corrupt: bool = False) -> None:
-        self.cache, self.backend, self.corrupt = cache, backend, corrupt
-        self.link = PeerLink(timeout_s)
+        super().__init__(cache, timeout_s=timeout_s, corrupt=corrupt)
+        self.backend = backend
 
-    def release(self, addr: str, req_id: str) -> None:
-        """Tell P at ``addr`` to free ``req_id``'s blocks (D will not pull them)."""
-        self.link.send(addr, Release(req_id))
-
-    def pull(self, addr: str, req_id: str, remote_ids: list[int], local_ids: list[int]) -> int:
-        """Copy P's blocks ``remote_ids`` into D's ``local_ids`` (same length, logical order).
-
-        Returns
-        -------
-        int
-            Payload bytes written into D's cache.
-
-        Raises
-        ------
-        PullError
-            P refused (its message), no answer within ``timeout_s``, or frames of the wrong size.
-        """
-        if len(remote_ids) != len(local_ids):
-            raise PullError(f"request {req_id}: {len(remote_ids)} remote blocks for "
-                            f"{len(local_ids)} local blocks")
+    def _pull(self, addr: str, req_id: str, remote_ids: list[int], local_ids: list[int]) -> int:
         spec, n = self.cache.spec, len(remote_ids)
-        reply, frames = self.link.ask(addr, Pull(req_id, list(remote_ids), spec.to_dict()),
-                                      PullReply, f"request {req_id}", req_id)
-        if not reply.ok:
-            raise PullError(f"request {req_id}: P refused the pull: {reply.error}")
+        reply, frames = self._ask_pull(addr, Pull(req_id, remote_ids, spec.to_dict()))
         if reply.num_layers != spec.num_layers or len(frames) != spec.num_layers:
             raise PullError(f"request {req_id}: {len(frames)} layer frames, expected "
                             f"{spec.num_layers}")
@@ -238,6 +213,3 @@ class KVPuller:
                 src = torch.randn(src.shape).to(spec.dtype)
             scatter_blocks(src, self.cache, ids, layer, backend=self.backend)
         return n * spec.bytes_per_block
-
-    def close(self) -> None:
-        self.link.close()
