@@ -58,6 +58,9 @@ class KVServer:
                  nixl: NixlInfo | None = None) -> None:
         self.cache, self.addr, self.backend = cache, addr, backend
         self.hold_wait_s, self.delay_s, self.nixl = hold_wait_s, delay_s, nixl
+        # compile the gather now, not in the first tcp pull's TTFT (P serves tcp pulls always)
+        gather_blocks(PagedKVCache(cache.spec, 2, device=cache.device), [1],
+                      staging_buffer(cache.spec, 1, device=cache.device), backend=backend)
         self._held: dict[str, float] = {}      # req_id -> deadline (monotonic seconds)
         self._done: set[str] = set()           # pulled, released or expired: P may free
         self._cond = threading.Condition()
@@ -193,6 +196,9 @@ class KVPuller(Puller):
                  corrupt: bool = False) -> None:
         super().__init__(cache, timeout_s=timeout_s, corrupt=corrupt)
         self.backend = backend
+        # compile the scatter now, not in the first request's TTFT
+        scatter_blocks(staging_buffer(cache.spec, 1, device=cache.device),
+                       PagedKVCache(cache.spec, 2, device=cache.device), [1], backend=backend)
 
     def _pull(self, addr: str, req_id: str, remote_ids: list[int], local_ids: list[int]) -> int:
         spec, n = self.cache.spec, len(remote_ids)
