@@ -151,3 +151,31 @@ def test_bad_settings_are_refused_by_name(extra, message):
     assert check_config({"transport": "nixl"})["transport"] == "nixl"
     assert check_config({})["transport"] == "tcp"
 
+
+
+@pytest.mark.skipif(not nixl_available(), reason="NIXL not installed")
+def test_nixl_p_restarted_on_the_same_address_is_met_anew():
+    from kvflow.connector.nixl_agent import Agent
+    from kvflow.integrations.vllm.nixl_pull import export
+    p, d = _caches()
+    server, agent = _server(p, "nixl")
+    puller = _puller(d, "nixl")
+    try:
+        server.hold("r1", 30.0)
+        puller.pull(server.addr, "r1", [1], [1])
+        first = puller.peers[server.addr].agent
+        server.close()
+        agent.close()
+        p2, _ = _caches()  # the new P: another agent, another cache, the same address
+        agent = Agent("test-prefill")
+        server = KVServer(p2, server.addr, nixl=export(agent, p2))
+        server.hold("r2", 30.0)
+        assert puller.pull(server.addr, "r2", [2], [3]) == p.spec.bytes_per_block
+        assert puller.peers[server.addr].agent == agent.name != first
+        assert list(puller.agent.peers) == [server.addr]
+        for tp, td in zip(p2.tensors(), d.tensors()):
+            assert torch.equal(td[3], tp[2])
+    finally:
+        puller.close()
+        server.close()
+        agent.close()
