@@ -3,10 +3,11 @@ vLLM's own ExampleConnector (the one vLLM connector that moves KV between two en
 host without other packages), on the same prompts in one run.
 
 ``PYTHONPATH=. python -m bench.vllm.pd [--reps N]`` (from the repo root, in the vLLM venv, with
-``nixl-cu12`` installed); writes ``bench/results/raw/vllm-pd-cpu-<date>.json``. Engines: a plain
-vLLM engine (colocated TTFT), a kvflow P/D pair per transport, each behind kvflow's proxy, and
-an ExampleConnector P/D pair (P saves the prompt's KV to safetensors files in a shared folder,
-D loads them). NIXL runs over UCX's TCP transport (``UCX_TLS=tcp``, the network path; on one
+``nixl-cu12`` installed); writes ``bench/results/raw/vllm-pd-cpu-<date>.json``. Four phases, one
+system's engines at a time (vLLM's idle CPU engines poll busily: seven engines on two cores
+measured their contention, at a load average of 12-16): a plain vLLM engine (colocated TTFT), a
+kvflow P/D pair behind kvflow's proxy per transport, an ExampleConnector P/D pair (P saves the
+prompt's KV to safetensors files in a shared folder, D loads them). NIXL runs over UCX's TCP transport (``UCX_TLS=tcp``, the network path; on one
 host UCX would otherwise take shared memory).
 
 Per prompt length, ``reps`` distinct random prompts (after one warm-up). TTFT, client send ->
@@ -16,7 +17,7 @@ is the reversed one, so no prefix hit). Transfer ms: kvflow, D's whole pull as D
 gives it (tcp: P's gather, ZMQ frames, D's scatter; nixl: the ZMQ check with P, the READ and its
 wait); ExampleConnector, P's save + D's load (:mod:`bench.vllm.timed_example`). Summaries:
 median, p10, p90 over the prompts of a length. The 1-minute load average is sampled at every
-prompt: the host's cores are shared with other work.
+prompt (``<phase>_load_1min``): the host's cores are shared with other work.
 """
 
 from __future__ import annotations
@@ -79,45 +80,91 @@ class LogTail:
         return out
 
 
-def start(procs: Procs, model: str, store: pathlib.Path) -> dict[str, str]:
-    names = ["REF", "EP", "ED"] + [f"{r}{t}" for t in TRANSPORTS for r in ("P", "D", "X")]
-    ports = {k: free_port() for k in names + [f"kv{t}" for t in TRANSPORTS]}
-    url = {k: f"http://127.0.0.1:{ports[k]}" for k in names}
+def _kvflow_phase(t: str):
+    def start(procs: Procs, model: str, tmp: pathlib.Path) -> dict[str, str]:
+        ports = {k: free_port() for k in ("P", "D", "X", "kv")}
+        url = {k: f"http://127.0.0.1:{ports[k]}" for k in ("P", "D", "X")}
+        procs.start("P", engine_cmd(model, ports["P"], kvflow_config(
+            "kv_producer", kvflow_port=ports["kv"], transport=t)))
+        procs.start("D", engine_cmd(model, ports["D"], kvflow_config("kv_consumer",
+                                                                     transport=t)))
+        procs.start("X", [sys.executable, "-m", "kvflow.integrations.vllm.proxy",
+                          "--prefill", url["P"], "--decode", url["D"], "--port", str(ports["X"])])
+        return url
+
+    def measure(url: dict[str, str], procs: Procs, tail: dict, prompt: list[int]) -> dict:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+        row = {f"kvflow_{t}_ttft_ms": stream_ttft(url["X"], body),
+               f"kvflow_{t}_direct_ttft_ms": direct_ttft(url["P"], url["D"],
+                                                         dict(body, prompt=prompt[::-1]))}
+        time.sleep(0.3)  # let the log lines land
+        tail.setdefault("pull", LogTail(procs, "D", PULL + t))
+        row[f"kvflow_{t}_transfer_ms"] = tail["pull"].new()  # proxy pull, direct pull
+        return row
+    return start, measure
+
+
+def _colocated_start(procs: Procs, model: str, tmp: pathlib.Path) -> dict[str, str]:
+    port = free_port()
+    procs.start("REF", engine_cmd(model, port, None))
+    return {"REF": f"http://127.0.0.1:{port}"}
+
+
+def _colocated(url: dict[str, str], procs: Procs, tail: dict, prompt: list[int]) -> dict:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    return {"colocated_ttft_ms": stream_ttft(url["REF"], body),  # first: no prefix hit
+            "colocated_tokens": tokens(complete(url["REF"], prompt, 8))}
+
+
+def _example_start(procs: Procs, model: str, tmp: pathlib.Path) -> dict[str, str]:
+    (tmp / "example-store").mkdir()
     example = {"kv_connector": "TimedExampleConnector",
                "kv_connector_module_path": "bench.vllm.timed_example", "kv_role": "kv_both",
-               "kv_connector_extra_config": {"shared_storage_path": str(store)}}
-    procs.start("REF", engine_cmd(model, ports["REF"], None))
-    for t in TRANSPORTS:
-        procs.start(f"P{t}", engine_cmd(model, ports[f"P{t}"], kvflow_config(
-            "kv_producer", kvflow_port=ports[f"kv{t}"], transport=t)))
-        procs.start(f"D{t}", engine_cmd(model, ports[f"D{t}"], kvflow_config(
-            "kv_consumer", transport=t)))
-        procs.start(f"X{t}", [sys.executable, "-m", "kvflow.integrations.vllm.proxy",
-                              "--prefill", url[f"P{t}"], "--decode", url[f"D{t}"],
-                              "--port", str(ports[f"X{t}"])])
-    procs.start("EP", engine_cmd(model, ports["EP"], example))
-    procs.start("ED", engine_cmd(model, ports["ED"], example))
-    procs.wait_healthy(url)
-    return url
+               "kv_connector_extra_config": {"shared_storage_path": str(tmp / "example-store")}}
+    ports = {k: free_port() for k in ("EP", "ED")}
+    for k in ports:
+        procs.start(k, engine_cmd(model, ports[k], example))
+    return {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
 
 
-def one_prompt(url: dict[str, str], tails: dict[str, LogTail], prompt: list[int]) -> dict:
+def _example(url: dict[str, str], procs: Procs, tail: dict, prompt: list[int]) -> dict:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
-    row = {"tokens": len(prompt), "load_1min": os.getloadavg()[0],
-           "colocated_ttft_ms": stream_ttft(url["REF"], body)}  # first: no prefix hit
-    ref_tokens = tokens(complete(url["REF"], prompt, 8))
-    for t in TRANSPORTS:
-        row[f"kvflow_{t}_ttft_ms"] = stream_ttft(url[f"X{t}"], body)
-        row[f"kvflow_{t}_direct_ttft_ms"] = direct_ttft(url[f"P{t}"], url[f"D{t}"],
-                                                        dict(body, prompt=prompt[::-1]))
-    row["example_direct_ttft_ms"] = direct_ttft(url["EP"], url["ED"], body)
-    row["example_tokens_match_colocated"] = tokens(complete(url["ED"], prompt, 8)) == ref_tokens
-    time.sleep(0.3)  # let the log lines land
-    for t in TRANSPORTS:
-        row[f"kvflow_{t}_transfer_ms"] = tails[t].new()  # proxy pull, direct pull
-    row["example_save_ms"] = sum(tails["save"].new())
-    row["example_load_ms"] = sum(tails["load"].new())
+    row = {"example_direct_ttft_ms": direct_ttft(url["EP"], url["ED"], body),
+           "example_tokens": tokens(complete(url["ED"], prompt, 8))}
+    time.sleep(0.3)
+    tail.setdefault("save", LogTail(procs, "EP", r"timed-example: save ([\d.]+) ms"))
+    tail.setdefault("load", LogTail(procs, "ED", r"timed-example: load ([\d.]+) ms"))
+    row["example_save_ms"] = sum(tail["save"].new())
+    row["example_load_ms"] = sum(tail["load"].new())
     return row
+
+
+#: One system at a time (its engines alone on the host), each over the same prompts.
+PHASES = {"colocated": (_colocated_start, _colocated), "tcp": _kvflow_phase("tcp"),
+          "nixl": _kvflow_phase("nixl"), "example": (_example_start, _example)}
+
+
+def run_phase(name: str, model: str, lengths: list[int], reps: int) -> list[dict]:
+    """Start phase ``name``'s engines, measure ``reps`` prompts per length (after one warm-up
+    prompt per length), stop them. Prompts depend only on the seed: every phase sees the same."""
+    start, measure = PHASES[name]
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f"kvflow-vllm-bench-{name}-"))
+    procs, tail, rows = Procs(tmp), {}, []
+    try:
+        url = start(procs, model, tmp)
+        procs.wait_healthy(url)
+        g = torch.Generator().manual_seed(1800)
+        for n in lengths:
+            for rep in range(reps + 1):  # rep 0 warms up
+                prompt = torch.randint(8, 512, (n,), generator=g).tolist()
+                row = {"tokens": n, "rep": rep, f"{name}_load_1min": os.getloadavg()[0],
+                       **measure(url, procs, tail, prompt)}
+                if rep:
+                    rows.append(row)
+                print(name, row if rep else f"warm-up {n}", flush=True)
+    finally:
+        procs.close()
+    return rows
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -127,11 +174,11 @@ def summarize(rows: list[dict]) -> list[dict]:
         rs = [r for r in rows if r["tokens"] == n]
         s: dict = {"tokens": n, "prompts": len(rs)}
         for k in rs[0]:
-            if k.endswith("_ms") or k == "load_1min":
+            if k.endswith("_ms") or k.endswith("_load_1min"):
                 vals = [v for r in rs for v in (r[k] if isinstance(r[k], list) else [r[k]])]
                 q = statistics.quantiles(vals, n=10, method="inclusive")
                 s[k] = {"median": statistics.median(vals), "p10": q[0], "p90": q[8]}
-        s["example_tokens_match"] = all(r["example_tokens_match_colocated"] for r in rs)
+        s["example_tokens_match"] = all(r["example_tokens"] == r["colocated_tokens"] for r in rs)
         out.append(s)
     return out
 
@@ -144,26 +191,13 @@ def main() -> None:
     if args.reps < 2:
         ap.error(f"--reps must be >= 2 (a p10/p90 needs several prompts), got {args.reps}")
     lengths = [int(x) for x in args.lengths.split(",")]
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix="kvflow-vllm-bench-"))
-    model = str(build(tmp / "tiny-llama"))
-    (tmp / "example-store").mkdir()
-    procs = Procs(tmp)
+    model = str(build(pathlib.Path(tempfile.mkdtemp(prefix="kvflow-vllm-bench-")) / "tiny-llama"))
     load_before = os.getloadavg()
-    try:
-        url = start(procs, model, tmp / "example-store")
-        tails = {t: LogTail(procs, f"D{t}", PULL + t) for t in TRANSPORTS}
-        tails["save"] = LogTail(procs, "EP", r"timed-example: save ([\d.]+) ms")
-        tails["load"] = LogTail(procs, "ED", r"timed-example: load ([\d.]+) ms")
-        g = torch.Generator().manual_seed(1800)
-        rows = []
-        for n in lengths:
-            for rep in range(args.reps + 1):  # rep 0 warms up
-                row = one_prompt(url, tails, torch.randint(8, 512, (n,), generator=g).tolist())
-                if rep:
-                    rows.append(row)
-                print(row if rep else f"warm-up {n}", flush=True)
-    finally:
-        procs.close()
+    merged: dict[tuple[int, int], dict] = {}
+    for name in PHASES:
+        for row in run_phase(name, model, lengths, args.reps):
+            merged.setdefault((row["tokens"], row["rep"]), {}).update(row)
+    rows = list(merged.values())
     import nixl_cu12
     import vllm
     from importlib.metadata import version
@@ -181,6 +215,7 @@ def main() -> None:
            "model": "random 2-layer Llama (hidden 128, 2 KV heads, head_dim 32), float32, "
                     "block_size 32", "max_tokens": 8, "reps": args.reps,
            "baseline": "vllm ExampleConnector (safetensors files in a shared folder)",
+           "phases": "one system's engines at a time: " + ", ".join(PHASES),
            "summary": summarize(rows), "rows": rows}
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = pathlib.Path("bench/results/raw") / f"vllm-pd-cpu-{stamp}.json"  # not report schema
