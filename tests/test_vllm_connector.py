@@ -6,6 +6,8 @@ every test runs with transport tcp and transport nixl (UCX over TCP, ``UCX_TLS=t
   exactly, one token more, two blocks exactly and one more, 1..7 blocks, a prefix hit on D that
   pulls only the blocks D lacks);
 - negative control: a D that writes noise instead of the moved KV gives other tokens;
+- a pull P refuses (a request it never held) goes through vLLM's load-error hook: HTTP 500
+  from D (``kv_load_failure_policy="fail"``), P's message in D's log, D's blocks freed;
 - abort mid-transfer (P answers pulls 3 s late, the client leaves after 1 s): blocks held on both
   sides while the pull is in flight, every block free on both sides afterwards.
 
@@ -88,7 +90,7 @@ def pd(request, ref, tmp_path_factory):
                                "--prefill", urls[p], "--decode", urls[d],
                                "--port", str(ports[name])])
         procs.wait_healthy(urls)
-        yield dict(urls, REF=ref_url), procs, transport
+        yield dict(urls, REF=ref_url, kv=f"tcp://127.0.0.1:{ports['kv']}"), procs, transport
     finally:
         procs.close()
 
@@ -145,3 +147,22 @@ def test_abort_mid_transfer_frees_blocks_on_both_sides(pd):
     assert "pulled 5 blocks" in procs.log("D2")
     # both still serve
     assert len(tokens(complete(urls["X2"], prompt[:40], max_tokens=4))) == 4
+
+
+def test_refused_pull_fails_the_request_through_the_load_error_hook(pd):
+    urls, procs, _ = pd
+    prompt = _prompts()[5]  # 65 tokens: 3 blocks
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_addr": urls["kv"],
+              "remote_request_id": "never-held", "remote_block_ids": [0, 1, 2],
+              "remote_num_tokens": len(prompt)}
+    r = httpx.post(f"{urls['D']}/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0,
+        "kv_transfer_params": params})
+    assert r.status_code == 500, r.text
+    assert ("P refused the pull: P holds no blocks for request 'never-held' (freed or never "
+            "held)") in procs.log("D")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and kv_usage(urls["D"]):
+        time.sleep(0.2)
+    assert kv_usage(urls["D"]) == 0.0
+    assert tokens(complete(urls["X"], prompt)) == tokens(complete(urls["REF"], prompt))
