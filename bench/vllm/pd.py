@@ -10,7 +10,8 @@ kvflow P/D pair behind kvflow's proxy per transport, an ExampleConnector P/D pai
 prompt's KV to safetensors files in a shared folder, D loads them). NIXL runs over UCX's TCP transport (``UCX_TLS=tcp``, the network path; on one
 host UCX would otherwise take shared memory).
 
-Per prompt length, ``reps`` distinct random prompts (after one warm-up). TTFT, client send ->
+Per prompt length and round, ``reps`` distinct random prompts (after one warm-up); ``rounds``
+rounds of the four phases, every other one in reverse order. TTFT, client send ->
 first streamed token, ms: colocated; kvflow through its proxy; kvflow and ExampleConnector
 driven directly (client -> P with ``max_tokens=1``, then client -> D; the direct kvflow prompt
 is the reversed one, so no prefix hit). Transfer ms: kvflow, D's whole pull as D's log line
@@ -144,16 +145,18 @@ PHASES = {"colocated": (_colocated_start, _colocated), "tcp": _kvflow_phase("tcp
           "nixl": _kvflow_phase("nixl"), "example": (_example_start, _example)}
 
 
-def run_phase(name: str, model: str, lengths: list[int], reps: int) -> list[dict]:
+def run_phase(name: str, model: str, lengths: list[int], reps: int,
+              seed: int = 1800) -> list[dict]:
     """Start phase ``name``'s engines, measure ``reps`` prompts per length (after one warm-up
-    prompt per length), stop them. Prompts depend only on the seed: every phase sees the same."""
+    prompt per length), stop them. Prompts depend only on ``seed``: every phase of a round
+    sees the same."""
     start, measure = PHASES[name]
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f"kvflow-vllm-bench-{name}-"))
     procs, tail, rows = Procs(tmp), {}, []
     try:
         url = start(procs, model, tmp)
         procs.wait_healthy(url)
-        g = torch.Generator().manual_seed(1800)
+        g = torch.Generator().manual_seed(seed)
         for n in lengths:
             for rep in range(reps + 1):  # rep 0 warms up
                 prompt = torch.randint(8, 512, (n,), generator=g).tolist()
@@ -185,7 +188,11 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reps", type=int, default=10, help="prompts per length (after a warm-up)")
+    ap.add_argument("--reps", type=int, default=10,
+                    help="prompts per length and round (after a warm-up)")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="rounds of the four phases, in reverse order every other round (a "
+                         "drifting load on a shared host then falls on every phase alike)")
     ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="prompt tokens")
     args = ap.parse_args()
     if args.reps < 2:
@@ -193,10 +200,12 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     model = str(build(pathlib.Path(tempfile.mkdtemp(prefix="kvflow-vllm-bench-")) / "tiny-llama"))
     load_before = os.getloadavg()
-    merged: dict[tuple[int, int], dict] = {}
-    for name in PHASES:
-        for row in run_phase(name, model, lengths, args.reps):
-            merged.setdefault((row["tokens"], row["rep"]), {}).update(row)
+    merged: dict[tuple[int, int, int], dict] = {}
+    for rnd in range(args.rounds):
+        order = list(PHASES) if rnd % 2 == 0 else list(PHASES)[::-1]
+        for name in order:
+            for row in run_phase(name, model, lengths, args.reps, seed=1800 + rnd):
+                merged.setdefault((rnd, row["tokens"], row["rep"]), {"round": rnd}).update(row)
     rows = list(merged.values())
     import nixl_cu12
     import vllm
@@ -214,6 +223,7 @@ def main() -> None:
            "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
            "model": "random 2-layer Llama (hidden 128, 2 KV heads, head_dim 32), float32, "
                     "block_size 32", "max_tokens": 8, "reps": args.reps,
+           "rounds": args.rounds,
            "baseline": "vllm ExampleConnector (safetensors files in a shared folder)",
            "phases": "one system's engines at a time: " + ", ".join(PHASES),
            "summary": summarize(rows), "rows": rows}
