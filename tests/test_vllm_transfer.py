@@ -40,9 +40,9 @@ def _server(p, transport, **kw):
     if transport == "nixl":
         from kvflow.connector.nixl_agent import Agent
         from kvflow.integrations.vllm.nixl_pull import export
-        agent = Agent("test-prefill")
+        agent = Agent("test-prefill", progress_thread=False)  # as the connector's P
         info = export(agent, p)
-    return KVServer(p, addr, nixl=info, **kw), agent
+    return KVServer(p, addr, nixl=info, progress=agent and agent.progress, **kw), agent
 
 
 def _puller(d, transport, timeout_s=5.0):
@@ -167,8 +167,8 @@ def test_nixl_p_restarted_on_the_same_address_is_met_anew():
         server.close()
         agent.close()
         p2, _ = _caches()  # the new P: another agent, another cache, the same address
-        agent = Agent("test-prefill")
-        server = KVServer(p2, server.addr, nixl=export(agent, p2))
+        agent = Agent("test-prefill", progress_thread=False)
+        server = KVServer(p2, server.addr, nixl=export(agent, p2), progress=agent.progress)
         server.hold("r2", 30.0)
         assert puller.pull(server.addr, "r2", [2], [3]) == p.spec.bytes_per_block
         assert puller.peers[server.addr].agent == agent.name != first

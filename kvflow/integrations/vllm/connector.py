@@ -191,10 +191,13 @@ class KvflowConnector(KVConnectorBase_V1):
             if nixl:
                 from kvflow.connector.nixl_agent import Agent
                 from .nixl_pull import export
-                self.agent = Agent("vllm-prefill")
+                # no progress thread (it polls while idle): the server progresses P's agent
+                # while a D READs
+                self.agent = Agent("vllm-prefill", progress_thread=False)
                 info = export(self.agent, self.cache)
             self.server = KVServer(self.cache, self.addr, backend=self.conf["backend"],
-                                   delay_s=float(self.conf["test_serve_delay_s"]), nixl=info)
+                                   delay_s=float(self.conf["test_serve_delay_s"]), nixl=info,
+                                   progress=self.agent.progress if nixl else None)
         if self._kv_transfer_config.is_kv_consumer:
             timeout_s, corrupt = float(self.conf["timeout_s"]), bool(self.conf["test_corrupt_kv"])
             if nixl:

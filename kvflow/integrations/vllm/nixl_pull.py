@@ -98,7 +98,7 @@ class NixlPuller(Puller):
     def __init__(self, cache: PagedKVCache, *, timeout_s: float = 30.0,
                  corrupt: bool = False) -> None:
         super().__init__(cache, timeout_s=timeout_s, corrupt=corrupt)
-        self.agent = Agent("vllm-decode")
+        self.agent = Agent("vllm-decode", progress_thread=False)  # wait() progresses it
         register(self.agent, cache)
         self.mem, dev = mem_type(cache.tensors()[0])
         descs = cache_descs([t.data_ptr() for t in cache.tensors()], cache.num_blocks,

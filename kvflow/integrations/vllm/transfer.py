@@ -51,13 +51,19 @@ class KVServer:
         Test hook: sleep before answering a pull (to abort a transfer in flight).
     nixl : NixlInfo or None
         P's NIXL agent and cache (:func:`.nixl_pull.export`): P also serves transport nixl.
+    progress : callable or None
+        With ``nixl``: P's ``Agent.progress``, called about every millisecond while some D may
+        be READing (between a ``Pull(nixl=True)`` and its ``Release`` or lease end), so P's
+        agent needs no progress thread polling while idle.
     """
 
     def __init__(self, cache: PagedKVCache, addr: str, *, backend: str = "auto",
                  hold_wait_s: float = 5.0, delay_s: float = 0.0,
-                 nixl: NixlInfo | None = None) -> None:
+                 nixl: NixlInfo | None = None, progress: Any = None) -> None:
         self.cache, self.addr, self.backend = cache, addr, backend
         self.hold_wait_s, self.delay_s, self.nixl = hold_wait_s, delay_s, nixl
+        self.progress = progress
+        self._reading: set[str] = set()        # nixl: requests some D may be READing now
         # compile the gather now, not in the first tcp pull's TTFT (P serves tcp pulls always)
         gather_blocks(PagedKVCache(cache.spec, 2, device=cache.device), [1],
                       staging_buffer(cache.spec, 1, device=cache.device), backend=backend)
@@ -87,6 +93,7 @@ class KVServer:
                 if deadline <= now:
                     log.warning("request %s: no pull within its lease; freeing P's blocks", req_id)
                     self._held.pop(req_id)
+                    self._reading.discard(req_id)
                     self._done.add(req_id)
             done, self._done = self._done, set()
         return done
@@ -101,7 +108,9 @@ class KVServer:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(100):
+            if self._reading and self.progress is not None:
+                self.progress()  # a D READs P's memory: UCX needs P's side to progress
+            if not poller.poll(1 if self._reading else 100):
                 continue
             ident, *frames = self._sock.recv_multipart(copy=False)
             try:
@@ -120,6 +129,7 @@ class KVServer:
 
     def _finish(self, req_id: str) -> None:
         with self._cond:
+            self._reading.discard(req_id)
             if self._held.pop(req_id, None) is not None:
                 self._done.add(req_id)
 
@@ -131,6 +141,8 @@ class KVServer:
             self._sock.send_multipart([ident, encode(PullReply(msg.req_id, False, error=error))])
             return
         if msg.nixl:  # D READs the blocks; they stay held until its Release (or the lease)
+            with self._cond:
+                self._reading.add(msg.req_id)
             self._sock.send_multipart([ident, encode(PullReply(msg.req_id, True,
                                                                agent=self.nixl.agent))])
             return
