@@ -1,21 +1,28 @@
 """KV-cache layouts as data.
 
-A paged KV cache holds, for every layer, one tensor per cached quantity: K and V for the
-``NHD`` and ``HND`` layouts, one latent tensor for ``MLA``. Every tensor is indexed by
-physical block id first, so one block of one tensor is ``block_bytes`` contiguous bytes in
-all three layouts; the layout only decides the order of the dimensions inside a block:
+A paged KV cache holds, for every layer, one tensor per cached quantity. Every tensor is
+indexed by physical block id first, so one block of one tensor is ``block_bytes`` contiguous
+bytes in every layout; a layout (a row of :data:`LAYOUT_TABLE`) only says how many tensors a
+layer has and the order and sizes of the dimensions inside a block:
 
-========  ==========================================  ======================
-layout    tensor shape                                tensors per layer
-========  ==========================================  ======================
-``NHD``   [num_blocks, block_size, num_kv_heads, head_dim]   2 (K, V)
-``HND``   [num_blocks, num_kv_heads, block_size, head_dim]   2 (K, V)
-``MLA``   [num_blocks, block_size, latent_dim]               1 (latent)
-========  ==========================================  ======================
+=========  ==================================================  =================  ==============
+layout     tensor shape                                        tensors per layer  used by
+=========  ==================================================  =================  ==============
+``NHD``    [num_blocks, block_size, num_kv_heads, head_dim]    2 (K, V)           FlashAttention
+``HND``    [num_blocks, num_kv_heads, block_size, head_dim]    2 (K, V)           FlashInfer
+``MLA``    [num_blocks, block_size, latent_dim]                1 (latent)         DeepSeek MLA
+``LBHNC``  [num_blocks, num_kv_heads, block_size, 2*head_dim]  1 (K and V)        vLLM >= 0.32
+``LBNHC``  [num_blocks, block_size, num_kv_heads, 2*head_dim]  1 (K and V)        vLLM >= 0.32
+=========  ==================================================  =================  ==============
 
-NHD is vLLM's FlashAttention layout, HND FlashInfer's; MLA is DeepSeek's compressed latent
-(``latent_dim = head_dim`` with ``num_kv_heads = 1``). Kernels read these facts
-(shapes, strides, bytes) from :class:`KVCacheSpec`; they never branch on the layout name.
+MLA is DeepSeek's compressed latent (``latent_dim = head_dim`` with ``num_kv_heads = 1``).
+``LBHNC`` and ``LBNHC`` are the layer-compact members of vLLM's ``KVCacheLayout`` (vLLM 0.32,
+``vllm/v1/kv_cache_layout.py``): its per-layer view is ``[B, H, N, C]`` (blocks, KV heads,
+tokens of a block, content) with the K and V of one (head, token) side by side in ``C``
+(``head_dim`` elements of K, then ``head_dim`` of V); ``LBHNC`` stores it in that order (the
+CPU backend's only layout), ``LBNHC`` with N and H swapped. :func:`kvflow.vllm_layout.from_vllm`
+reads the layout from the tensors vLLM registers. Kernels read these facts (tensors per layer,
+shapes, strides, bytes) from :class:`KVCacheSpec`; they never branch on the layout name.
 """
 
 from __future__ import annotations
@@ -29,7 +36,42 @@ from typing import Any
 import numpy as np
 import torch
 
-LAYOUTS = ("NHD", "HND", "MLA")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One row of :data:`LAYOUT_TABLE`: a layout as data.
+
+    Attributes
+    ----------
+    tensors_per_layer : int
+        Per-layer tensors (2: K and V apart; 1: a latent, or K and V side by side).
+    block_dims : tuple of (field, factor)
+        The dimensions inside one block, outermost first: each is ``factor`` times a
+        :class:`KVCacheSpec` field (``"block_size"``, ``"num_kv_heads"`` or ``"head_dim"``).
+    one_head : bool
+        The layout stores one latent per token (``num_kv_heads`` must be 1).
+    used_by : str
+        Which engine or attention kernel stores its cache this way (for docs and errors).
+    """
+
+    tensors_per_layer: int
+    block_dims: tuple[tuple[str, int], ...]
+    one_head: bool = False
+    used_by: str = ""
+
+
+_N, _H, _D = ("block_size", 1), ("num_kv_heads", 1), ("head_dim", 1)
+
+#: Every layout kvflow moves, by name; kernels only see the facts derived from a row.
+LAYOUT_TABLE: dict[str, Layout] = {
+    "NHD": Layout(2, (_N, _H, _D), used_by="FlashAttention (vLLM < 0.32: [2, num_blocks, ...])"),
+    "HND": Layout(2, (_H, _N, _D), used_by="FlashInfer"),
+    "MLA": Layout(1, (_N, _D), one_head=True, used_by="DeepSeek MLA"),
+    "LBHNC": Layout(1, (_H, _N, ("head_dim", 2)), used_by="vLLM >= 0.32 (CPU_ATTN)"),
+    "LBNHC": Layout(1, (_N, _H, ("head_dim", 2)), used_by="vLLM >= 0.32 (FlexAttention)"),
+}
+LAYOUTS = tuple(LAYOUT_TABLE)
 
 _DTYPE_NAMES = {
     "bfloat16": torch.bfloat16,
@@ -101,14 +143,15 @@ class KVCacheSpec:
         Tokens per block (page).
     dtype : torch.dtype, numpy dtype, paddle dtype or str
         Element type, stored as a ``torch.dtype`` (fp8 e4m3 included: kernels move bytes).
-    layout : {"NHD", "HND", "MLA"}
-        Order of the dimensions inside a block (see the module docstring).
+    layout : {"NHD", "HND", "MLA", "LBHNC", "LBNHC"}
+        Tensors per layer and the order of the dimensions inside a block (see the module
+        docstring and :data:`LAYOUT_TABLE`).
 
     Raises
     ------
     TypeError, ValueError
-        For a non-integer or non-positive size, an unknown dtype or layout, or MLA with
-        ``num_kv_heads != 1``; the message names the argument and its value.
+        For a non-integer or non-positive size, an unknown dtype or layout, or a one-latent
+        layout (MLA) with ``num_kv_heads != 1``; the message names the argument and its value.
 
     Examples
     --------
@@ -129,17 +172,18 @@ class KVCacheSpec:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             _positive_int(name, getattr(self, name))
         object.__setattr__(self, "dtype", as_torch_dtype(self.dtype))
-        if self.layout not in LAYOUTS:
+        if not isinstance(self.layout, str) or self.layout not in LAYOUT_TABLE:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
-        if self.layout == "MLA" and self.num_kv_heads != 1:
-            raise ValueError(f"layout='MLA' stores one latent per token: num_kv_heads must be 1, "
-                             f"got {self.num_kv_heads}")
+        if LAYOUT_TABLE[self.layout].one_head and self.num_kv_heads != 1:
+            raise ValueError(f"layout={self.layout!r} stores one latent per token: num_kv_heads "
+                             f"must be 1, got {self.num_kv_heads}")
 
     # ---- derived geometry -------------------------------------------------------------
     @functools.cached_property
     def tensors_per_layer(self) -> int:
-        """2 (K and V) for NHD/HND, 1 (the latent) for MLA."""
-        return 1 if self.layout == "MLA" else 2
+        """2 (K and V apart: NHD, HND), 1 (the MLA latent, or K and V side by side: LBHNC,
+        LBNHC); from :data:`LAYOUT_TABLE`."""
+        return LAYOUT_TABLE[self.layout].tensors_per_layer
 
     @functools.cached_property
     def num_tensors(self) -> int:
@@ -148,12 +192,10 @@ class KVCacheSpec:
 
     @functools.cached_property
     def block_shape(self) -> tuple[int, ...]:
-        """Shape of one block of one tensor (everything after the block dimension)."""
-        if self.layout == "NHD":
-            return (self.block_size, self.num_kv_heads, self.head_dim)
-        if self.layout == "HND":
-            return (self.num_kv_heads, self.block_size, self.head_dim)
-        return (self.block_size, self.head_dim)
+        """Shape of one block of one tensor (everything after the block dimension), from the
+        layout's ``block_dims`` in :data:`LAYOUT_TABLE`."""
+        return tuple(getattr(self, name) * factor
+                     for name, factor in LAYOUT_TABLE[self.layout].block_dims)
 
     @property
     def latent_dim(self) -> int:

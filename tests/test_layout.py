@@ -42,7 +42,8 @@ def test_llama3_8b_geometry():
 
 
 @pytest.mark.parametrize("layout,shape,tpl", [
-    ("NHD", (16, 4, 32), 2), ("HND", (4, 16, 32), 2), ("MLA", (16, 32), 1)])
+    ("NHD", (16, 4, 32), 2), ("HND", (4, 16, 32), 2), ("MLA", (16, 32), 1),
+    ("LBHNC", (4, 16, 64), 1), ("LBNHC", (16, 4, 64), 1)])
 def test_block_shape_per_layout(layout, shape, tpl):
     heads = 1 if layout == "MLA" else 4
     s = KVCacheSpec(num_layers=3, num_kv_heads=heads, head_dim=32, block_size=16,
@@ -169,8 +170,8 @@ def test_import_is_cheap_and_compiles_nothing():
     ("head_dim", 8.0, TypeError, "head_dim must be an int, got 8.0"),
     ("block_size", "16", TypeError, "block_size must be an int, got '16'"),
     ("block_size", True, TypeError, "block_size must be an int, got True"),
-    ("layout", "NDH", ValueError, "layout must be one of ('NHD', 'HND', 'MLA'), got 'NDH'"),
-    ("layout", "nhd", ValueError, "layout must be one of ('NHD', 'HND', 'MLA'), got 'nhd'"),
+    ("layout", "NDH", ValueError, "layout must be one of ('NHD', 'HND', 'MLA', 'LBHNC', 'LBNHC'), got 'NDH'"),
+    ("layout", "nhd", ValueError, "layout must be one of ('NHD', 'HND', 'MLA', 'LBHNC', 'LBNHC'), got 'nhd'"),
     ("num_kv_heads", 2, ValueError, None),  # with layout MLA, below
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_spec_bad_field(field, value, exc, message):

@@ -1,6 +1,6 @@
 """One NIXL agent per instance, as the ``nixl`` connector uses it: register memory once, meet
 peers from their :class:`~kvflow.protocol.NixlAgentInfo`, prepare descriptor lists once per
-peer, post WRITEs, and wait for them with a bound.
+peer, post WRITEs (or READs: the vLLM connector's pull), and wait for them with a bound.
 
 NIXL (``pip install nixl-cu12`` or ``nixl-cu13``, imported as ``nixl``, ``nixl_cu12`` or
 ``nixl_cu13``) runs without a GPU: its UCX backend moves host memory over TCP, RDMA or, between
@@ -103,12 +103,19 @@ class Agent:
         random part (unique per instance).
     telemetry : bool
         Capture per-transfer telemetry (descriptor counts; tests).
+    progress_thread : bool
+        NIXL's progress thread (default). Without it nothing progresses UCX between this
+        agent's own calls (:meth:`wait`, :meth:`progress`): an initiator that waits for its
+        transfers needs none, a READ target must call :meth:`progress` while it is read. The
+        thread polls even when idle (about 0.4 CPU-seconds per second on a 2-core host).
     """
 
-    def __init__(self, role: str, *, telemetry: bool = False) -> None:
+    def __init__(self, role: str, *, telemetry: bool = False,
+                 progress_thread: bool = True) -> None:
         nixl = import_nixl()
         self.name = f"nixl-{role}-{secrets.token_hex(6)}"  # unique per instance, no segment
-        conf = nixl.nixl_agent_config(backends=["UCX"], capture_telemetry=telemetry)
+        conf = nixl.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"],
+                                      capture_telemetry=telemetry)
         self.agent = nixl.nixl_agent(self.name, conf)
         if "UCX" not in self.agent.backends:
             raise TransferError(f"NIXL has no UCX backend here (plugins: "
@@ -173,21 +180,38 @@ class Agent:
         TransferError
             NIXL refuses or fails it (e.g. the peer disconnected), naming ``what``.
         """
+        return self._post("WRITE", local, local_idx, remote, remote_idx, what)
+
+    def read(self, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray,
+             what: str) -> Any:
+        """Post one READ of the peer's prepared descriptors ``remote_idx`` into this agent's
+        ``local_idx`` (one-sided: the peer's CPU takes no part); returns its handle (wait with
+        ``wait(..., op="READ")``).
+
+        Raises
+        ------
+        TransferError
+            NIXL refuses or fails it (e.g. the peer disconnected), naming ``what``.
+        """
+        return self._post("READ", local, local_idx, remote, remote_idx, what)
+
+    def _post(self, op: str, local: Any, local_idx: np.ndarray, remote: Any,
+              remote_idx: np.ndarray, what: str) -> Any:
         try:
-            handle = self.agent.make_prepped_xfer("WRITE", local, local_idx.astype(np.int32),
+            handle = self.agent.make_prepped_xfer(op, local, local_idx.astype(np.int32),
                                                   remote, remote_idx.astype(np.int32))
             state = self.agent.transfer(handle)
         except Exception as exc:
-            raise TransferError(f"NIXL WRITE of {what} failed: {type(exc).__name__}: "
+            raise TransferError(f"NIXL {op} of {what} failed: {type(exc).__name__}: "
                                 f"{exc}") from None
         if state == "ERR":
             handle.release()
-            raise TransferError(f"NIXL WRITE of {what} failed at post (state ERR)")
+            raise TransferError(f"NIXL {op} of {what} failed at post (state ERR)")
         return handle
 
-    def wait(self, handles: list[Any], timeout_s: float, what: str) -> None:
+    def wait(self, handles: list[Any], timeout_s: float, what: str, op: str = "WRITE") -> None:
         """Block until every handle's transfer is done (``check_xfer_state``), then release
-        them; at most ``timeout_s`` seconds.
+        them; at most ``timeout_s`` seconds (``op``: ``"WRITE"`` or ``"READ"``, for messages).
 
         Raises
         ------
@@ -201,14 +225,14 @@ class Agent:
                     try:
                         state = self.agent.check_xfer_state(h)
                     except Exception as exc:
-                        raise TransferError(f"NIXL WRITE of {what} failed: "
+                        raise TransferError(f"NIXL {op} of {what} failed: "
                                             f"{type(exc).__name__}: {exc}") from None
                     if state == "DONE":
                         break
                     if state == "ERR":
-                        raise TransferError(f"NIXL WRITE of {what} failed (state ERR)")
+                        raise TransferError(f"NIXL {op} of {what} failed (state ERR)")
                     if time.monotonic() > deadline:
-                        raise TransferError(f"NIXL WRITE of {what} not done within "
+                        raise TransferError(f"NIXL {op} of {what} not done within "
                                             f"{timeout_s:g} s")
                     time.sleep(0 if time.monotonic() + 0.01 > deadline else 20e-6)
         finally:
@@ -232,12 +256,17 @@ class Agent:
             except Exception:
                 pass
 
-    def take(self, peer_id: str, prefix: bytes) -> bytes | None:
-        """The oldest notification from peer ``peer_id`` that starts with ``prefix`` (removed),
-        or None."""
+    def progress(self) -> None:
+        """Let UCX progress once (and keep any new notifications for :meth:`take`): what an
+        agent without a progress thread calls while a peer READs its memory."""
         for name, msgs in self.agent.get_new_notifs().items():
             self.notifs.setdefault(name.decode() if isinstance(name, bytes) else name,
                                    []).extend(msgs)
+
+    def take(self, peer_id: str, prefix: bytes) -> bytes | None:
+        """The oldest notification from peer ``peer_id`` that starts with ``prefix`` (removed),
+        or None."""
+        self.progress()
         msgs = self.notifs.get(self.peers.get(peer_id, ""), [])
         for i, m in enumerate(msgs):
             if m.startswith(prefix):

@@ -31,8 +31,15 @@ from .framed import FramedSender
 from .layerwise.parts import LayerParts
 
 
-def _frame_tensor(buf: memoryview, spec, num_blocks: int, layer: int,
-                  device: torch.device) -> torch.Tensor:
+def layer_frames(staging: torch.Tensor) -> list[memoryview]:
+    """Zero-copy frames of a host staging buffer ``[num_layers, ...]``: frame ``l`` is a
+    memoryview of ``staging[l]``'s bytes (keep ``staging`` alive until ZMQ has sent them)."""
+    raw = staging.view(-1).view(torch.uint8).view(staging.shape[0], -1)
+    return [memoryview(raw[l].numpy()) for l in range(raw.shape[0])]
+
+
+def frame_tensor(buf: memoryview, spec, num_blocks: int, layer: int,
+                 device: torch.device) -> torch.Tensor:
     """One received layer frame as the staging tensor ``scatter_blocks`` reads:
     ``staging_shape(spec, num_blocks, layer)`` of ``spec.dtype``, on ``device`` (the frame is
     host memory: copied to a GPU cache's device, viewed without a copy on the CPU)."""
@@ -66,12 +73,10 @@ class TcpSender(FramedSender):
         if staging.device.type != "cpu":
             staging = staging.cpu()
         gather_ms = (time.perf_counter() - t0) * 1e3
-        raw = staging.view(-1).view(torch.uint8).view(staging.shape[0], -1)
-        header = KVData(req_id=req_id, num_blocks=ids.numel(), num_frames=raw.shape[0],
+        header = KVData(req_id=req_id, num_blocks=ids.numel(), num_frames=staging.shape[0],
                         first_token=first_token, num_prompt_tokens=num_prompt_tokens,
                         t_start=t_start, gather_ms=gather_ms)
-        frames = [encode(header)] + [memoryview(raw[l].numpy()) for l in range(raw.shape[0])]
-        link.send_multipart(frames, copy=False)
+        link.send_multipart([encode(header)] + layer_frames(staging), copy=False)
         return staging  # ZMQ reads this memory after send returns: keep it until the ack
 
     def send_part(self, link, cache, src_ids, layers, **fields):
@@ -86,11 +91,9 @@ class TcpSender(FramedSender):
         if staging.device.type != "cpu":
             staging = staging.cpu()
         gather_ms = (time.perf_counter() - t0) * 1e3
-        raw = staging.view(-1).view(torch.uint8).view(staging.shape[0], -1)
         header = KVLayer(layer_start=layers.start, layer_stop=layers.stop, num_blocks=ids.numel(),
                          **fields)
-        link.send_multipart([encode(header)] + [memoryview(raw[l].numpy())
-                                                for l in range(raw.shape[0])], copy=False)
+        link.send_multipart([encode(header)] + layer_frames(staging), copy=False)
         return staging, gather_ms
 
 
@@ -136,7 +139,7 @@ class TcpReceiver(KVReceiver):
         t0 = time.perf_counter()
         total = 0
         for layer, buf in enumerate(bufs if n else ()):  # zero blocks (prefix hit): nothing to write
-            scatter_blocks(_frame_tensor(buf, spec, n, layer, cache.device), cache, ids, layer,
+            scatter_blocks(frame_tensor(buf, spec, n, layer, cache.device), cache, ids, layer,
                            backend=self.backend)
             total += buf.nbytes
         ms = (time.perf_counter() - t0) * 1e3
@@ -156,6 +159,6 @@ class TcpReceiver(KVReceiver):
                                     f"{buf.nbytes} bytes, expected {layer_bytes}")
         ids = as_ids(dst_ids)
         for layer, buf in zip(layers, bufs):
-            scatter_blocks(_frame_tensor(buf, spec, n, layer, cache.device), cache, ids, layer,
+            scatter_blocks(frame_tensor(buf, spec, n, layer, cache.device), cache, ids, layer,
                            backend=self.backend)
         return layer_bytes * len(layers)

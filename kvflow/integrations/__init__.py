@@ -1,0 +1,1 @@
+"""kvflow inside other serving engines (``kvflow.integrations.vllm``: a vLLM KV connector)."""

@@ -1,0 +1,39 @@
+"""``kv_connector_extra_config`` of :class:`~kvflow.integrations.vllm.KvflowConnector`: the
+keys, their defaults and the checks at start-up (docs/tutorials/vllm.md, "Settings"). Imports
+nothing from vLLM."""
+
+from __future__ import annotations
+
+from typing import Any
+
+DEFAULTS = {"kvflow_host": "127.0.0.1", "kvflow_port": 5601, "transport": "tcp",
+            "lease_s": 60.0, "timeout_s": 30.0, "backend": "auto", "test_serve_delay_s": 0.0,
+            "test_corrupt_kv": False}
+TRANSPORTS = ("tcp", "nixl")
+
+
+def check_config(extra: dict[str, Any]) -> dict[str, Any]:
+    """``kv_connector_extra_config`` with the defaults filled in.
+
+    Raises
+    ------
+    ValueError
+        An unknown key (the known ones named), a ``transport`` other than ``tcp`` / ``nixl``,
+        ``timeout_s`` not > 0, or ``lease_s`` not larger than ``timeout_s`` (P would free
+        blocks D may still be reading).
+    """
+    unknown = sorted(set(extra) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(f"kv_connector_extra_config has unknown keys {unknown}; "
+                         f"kvflow knows {sorted(DEFAULTS)}")
+    conf = {**DEFAULTS, **extra}
+    if conf["transport"] not in TRANSPORTS:
+        raise ValueError(f"kv_connector_extra_config transport must be one of {TRANSPORTS}, "
+                         f"got {conf['transport']!r}")
+    if not float(conf["timeout_s"]) > 0:
+        raise ValueError(f"kv_connector_extra_config timeout_s must be > 0 seconds, got "
+                         f"{conf['timeout_s']!r}")
+    if not float(conf["lease_s"]) > float(conf["timeout_s"]):
+        raise ValueError(f"kv_connector_extra_config lease_s ({conf['lease_s']!r} s) must be "
+                         f"larger than timeout_s ({conf['timeout_s']!r} s)")
+    return conf

@@ -1,0 +1,283 @@
+"""``KvflowConnector``: kvflow as an out-of-tree vLLM (>= 0.32) KV connector.
+
+Load it with::
+
+    KVTransferConfig(kv_connector="KvflowConnector",
+                     kv_connector_module_path="kvflow.integrations.vllm",
+                     kv_role="kv_producer" | "kv_consumer" | "kv_both",
+                     kv_connector_extra_config={"kvflow_port": 5601, "transport": "tcp"})
+
+Transports (``transport``, the same on P and D): ``tcp`` (default; P gathers the blocks with
+kvflow's ``gather_blocks`` and sends zero-copy ZMQ frames, D ``scatter_blocks`` them) and
+``nixl`` (D READs P's blocks with one-sided NIXL, :mod:`.nixl_pull`; ``pip install nixl-cu12``).
+Both work on one host and across hosts.
+
+One request (pull after prefill, as vLLM's NIXL connector; docs/tutorials/vllm.md):
+
+1. the proxy sends the prompt to P with ``kv_transfer_params={"do_remote_decode": True}`` and
+   ``max_tokens=1``; P prefills; :meth:`request_finished` keeps P's blocks (delay free) and
+   returns the transfer params (P's address, block ids, request id);
+2. the proxy sends the request to D with those params; D's scheduler counts the prompt tokens
+   it lacks (:meth:`get_num_new_matched_tokens`, a local prefix hit excluded), allocates, and
+   :meth:`update_state_after_alloc` pairs P's logical blocks ``k..`` with D's new blocks;
+3. D's worker pulls them in a background thread (:meth:`start_load_kv`, by the transport)
+   and reports the request through :meth:`get_finished`; P's worker reports it sent, and vLLM
+   frees P's blocks.
+
+Reliability: a failed pull (P refused or died, a timeout, a failed NIXL READ) reports the
+request as received with its blocks in :meth:`get_block_ids_with_load_errors` (vLLM recomputes
+or fails it, ``kv_load_failure_policy``), and a dead P's NIXL agent is removed; a request D
+aborts before it allocated sends P a release; P frees blocks no D pulled within ``lease_s``.
+
+Why ``save_kv_layer`` and ``wait_for_layer_load`` do nothing (the pull model, as vLLM's own
+NixlConnector): the KV moves once, after P's whole prefill, when D has allocated its blocks.
+During P's forward pass no D block exists yet (the proxy sends the request to D only after P
+answered), so P has nowhere to save a layer to; and D's forward pass for the request starts
+only after :meth:`get_finished` reported the pull complete, so no layer is ever waited for.
+Overlapping the transfer with P's prefill would need a push to blocks D reserved in advance
+(kvflow's own serving stack does that, ``kvflow.connector.layerwise``); vLLM's scheduler does
+not reserve them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                                KVConnectorMetadata,
+                                                                KVConnectorRole)
+from vllm.logger import init_logger
+
+from kvflow.cache import PagedKVCache
+
+from .config import check_config
+from .link import PullError
+from .transfer import KVPuller, KVServer
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+log = init_logger("vllm.kvflow")  # under "vllm", so vLLM's log handler prints it
+
+
+@dataclasses.dataclass
+class RecvJob:
+    """D: pull P's ``remote_ids`` into D's ``local_ids`` (empty: only release P's blocks)."""
+    req_id: str
+    addr: str
+    remote_req_id: str
+    remote_ids: list[int]
+    local_ids: list[int]
+
+
+@dataclasses.dataclass
+class KvflowMeta(KVConnectorMetadata):
+    """Scheduler -> worker, once per step: D's pulls, P's newly held requests."""
+    recv: list[RecvJob] = dataclasses.field(default_factory=list)
+    hold: list[str] = dataclasses.field(default_factory=list)
+
+
+def _first_group(block_ids: Any) -> list[int]:
+    """vLLM passes one list of block ids, or one list per KV cache group."""
+    if block_ids and isinstance(block_ids[0], (list, tuple)):
+        return list(block_ids[0])
+    return list(block_ids)
+
+
+class KvflowConnector(KVConnectorBase_V1):
+    """kvflow's vLLM KV connector; see the module docstring."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.conf = check_config(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
+        self.addr = f"tcp://{self.conf['kvflow_host']}:{int(self.conf['kvflow_port'])}"
+        self.block_size = vllm_config.cache_config.block_size
+        # scheduler side
+        self._recv: list[RecvJob] = []
+        self._hold: list[str] = []
+        # worker side
+        self.cache: PagedKVCache | None = None
+        self.server: KVServer | None = None
+        self.agent: Any = None                 # P's NIXL agent (transport nixl)
+        self.puller: Any = None                # D's KVPuller or NixlPuller
+        self._jobs: queue.Queue = queue.Queue()
+        self._done_recv: set[str] = set()
+        self._failed_blocks: set[int] = set()
+        self._lock = threading.Lock()
+        self._loader: threading.Thread | None = None
+        self.stats: list[dict[str, Any]] = []
+
+    # ================================ scheduler side ======================================
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        """D: the prompt tokens P holds beyond D's local prefix hit, loaded asynchronously."""
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_prefill"):
+            count = len(request.prompt_token_ids or []) - num_computed_tokens
+            if count > 0:
+                return count, True
+        return 0, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        """D: pair P's logical blocks past D's prefix hit with the blocks D just allocated."""
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False  # one transfer per request
+        remote = list(params["remote_block_ids"])
+        job = RecvJob(request.request_id, params["remote_addr"], params["remote_request_id"],
+                      [], [])
+        if num_external_tokens > 0:
+            group = blocks.blocks[0]
+            hit = 0
+            while hit < len(group) and group[hit].block_hash is not None:
+                hit += 1
+            local = [b.block_id for b in group[hit:len(remote)]]
+            job.remote_ids, job.local_ids = remote[hit:hit + len(local)], local
+        params["kvflow_pulled_blocks"] = len(job.local_ids)
+        self._recv.append(job)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvflowMeta:
+        meta = KvflowMeta(recv=self._recv, hold=self._hold)
+        self._recv, self._hold = [], []
+        return meta
+
+    def request_finished(self, request: "Request",
+                         block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        """P: keep the prompt's blocks for D and return where they are. D: a request aborted
+        before its blocks were allocated releases P's blocks."""
+        from vllm.v1.request import RequestStatus
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_prefill"):  # D, never allocated (aborted while waiting)
+            self._recv.append(RecvJob(request.request_id, params["remote_addr"],
+                                      params["remote_request_id"], [], []))
+            params["do_remote_prefill"] = False
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, {"kvflow_pulled_blocks": params["kvflow_pulled_blocks"]} \
+                if "kvflow_pulled_blocks" in params else None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED,
+                                  RequestStatus.FINISHED_STOPPED):
+            return False, None  # P aborted: free now, nothing to send
+        n = -(-len(request.prompt_token_ids or []) // self.block_size)
+        ids = _first_group(block_ids)[:n]
+        if not ids:
+            return False, None
+        self._hold.append(request.request_id)
+        return True, {"do_remote_prefill": True, "do_remote_decode": False,
+                      "remote_addr": self.addr, "remote_request_id": request.request_id,
+                      "remote_block_ids": ids,
+                      "remote_num_tokens": len(request.prompt_token_ids or [])}
+
+    # ================================= worker side ========================================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Wrap vLLM's per-layer tensors (no copy); P starts serving pulls; with transport
+        nixl, P and D register the tensors' memory with a NIXL agent."""
+        self.cache = PagedKVCache.from_vllm(kv_caches)
+        nixl = self.conf["transport"] == "nixl"
+        log.info("kvflow: %s over %d blocks (%s, transport %s)", self.cache.spec,
+                 self.cache.num_blocks, self._kv_transfer_config.kv_role, self.conf["transport"])
+        if self._kv_transfer_config.is_kv_producer:
+            info = None
+            if nixl:
+                from kvflow.connector.nixl_agent import Agent
+                from .nixl_pull import export
+                # no progress thread (it polls while idle): the server progresses P's agent
+                # while a D READs
+                self.agent = Agent("vllm-prefill", progress_thread=False)
+                info = export(self.agent, self.cache)
+            self.server = KVServer(self.cache, self.addr, backend=self.conf["backend"],
+                                   delay_s=float(self.conf["test_serve_delay_s"]), nixl=info,
+                                   progress=self.agent.progress if nixl else None)
+        if self._kv_transfer_config.is_kv_consumer:
+            timeout_s, corrupt = float(self.conf["timeout_s"]), bool(self.conf["test_corrupt_kv"])
+            if nixl:
+                from .nixl_pull import NixlPuller
+                self.puller = NixlPuller(self.cache, timeout_s=timeout_s, corrupt=corrupt)
+            else:
+                self.puller = KVPuller(self.cache, timeout_s=timeout_s,
+                                       backend=self.conf["backend"], corrupt=corrupt)
+            self._loader = threading.Thread(target=self._load_loop, name="kvflow-kv-loader",
+                                            daemon=True)
+            self._loader.start()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Hand this step's pulls to the loader thread; P starts holding finished requests."""
+        meta = self._connector_metadata
+        if not isinstance(meta, KvflowMeta):
+            return
+        if self.server is not None:
+            for req_id in meta.hold:
+                self.server.hold(req_id, float(self.conf["lease_s"]))
+        for job in meta.recv:
+            self._jobs.put(job)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing: D computes a pulled request only after :meth:`get_finished` reported its
+        pull complete, so every layer is loaded before it is read (module docstring)."""
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        """Nothing: during P's forward pass D has no blocks yet; D pulls P's blocks after the
+        prefill, which :meth:`request_finished` keeps for it (module docstring)."""
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """``(P: requests whose blocks P may free, D: requests whose pull ended)``."""
+        sent = self.server.take_done() if self.server is not None else set()
+        with self._lock:
+            recv, self._done_recv = self._done_recv, set()
+        return (sent or None), (recv or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """D's blocks of pulls that failed (reported with or before their request)."""
+        with self._lock:
+            failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def shutdown(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        if self.agent is not None:
+            self.agent.close()
+        self._jobs.put(None)
+
+    # ---- the loader thread (D) ------------------------------------------------------------
+    def _load_loop(self) -> None:
+        puller = self.puller
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                puller.close()
+                return
+            if not job.local_ids:
+                puller.release(job.addr, job.remote_req_id)
+                continue
+            t0 = time.perf_counter()
+            try:
+                nbytes = puller.pull(job.addr, job.remote_req_id, job.remote_ids, job.local_ids)
+                self.stats.append({"req_id": job.req_id, "blocks": len(job.local_ids),
+                                   "bytes": nbytes, "ms": (time.perf_counter() - t0) * 1e3})
+                log.info("kvflow: pulled %d blocks (%d bytes) of %s in %.2f ms over %s",
+                         len(job.local_ids), nbytes, job.req_id, self.stats[-1]["ms"],
+                         self.conf["transport"])
+                failed: list[int] = []
+            except (PullError, ValueError, OSError) as exc:
+                log.error("kvflow: %s", exc)
+                failed = job.local_ids
+            with self._lock:
+                self._failed_blocks.update(failed)
+                self._done_recv.add(job.req_id)

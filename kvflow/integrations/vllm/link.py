@@ -1,0 +1,149 @@
+"""D's side channel to the P workers it pulls from: one ZMQ DEALER socket per P address, used
+from D's loader thread only. Both transports ask P over it (tcp: the KV comes back as frames;
+nixl: P's agent and a check, the KV moves by NIXL READ).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zmq
+
+from .messages import PullReply, Release, decode, encode
+
+
+class PullError(RuntimeError):
+    """A pull that did not put the KV into D's blocks (P refused or timed out, bad frames, a
+    failed NIXL READ)."""
+
+
+class PeerTimeout(PullError):
+    """P did not answer within the timeout (it died, hangs, or is not there)."""
+
+
+class PeerLink:
+    """D's DEALER sockets, one per P address (``tcp://host:port``).
+
+    Parameters
+    ----------
+    timeout_s : float
+        Longest wait for one answer of P (seconds); then :class:`PullError` and the socket is
+        dropped (a late answer never reaches a later question).
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+        self.timeout_s = timeout_s
+        self._ctx = zmq.Context.instance()
+        self._socks: dict[str, zmq.Socket] = {}
+
+    def _sock(self, addr: str) -> zmq.Socket:
+        s = self._socks.get(addr)
+        if s is None:
+            s = self._socks[addr] = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(addr)
+        return s
+
+    def send(self, addr: str, msg: Any) -> None:
+        """Send one message to P at ``addr``, expecting no answer."""
+        self._sock(addr).send(encode(msg))
+
+    def ask(self, addr: str, msg: Any, answer: type, what: str,
+            req_id: str | None = None) -> tuple[Any, list[Any]]:
+        """Send ``msg`` and wait for P's answer of type ``answer`` (with ``req_id``, when
+        given; other answers, late ones of an earlier question, are skipped).
+
+        Returns
+        -------
+        (answer, frames)
+            The decoded answer and the raw frames after it (zmq ``Frame`` objects, not copied).
+
+        Raises
+        ------
+        PeerTimeout
+            No answer within ``timeout_s`` (naming ``what`` and ``addr``).
+        """
+        sock = self._sock(addr)
+        sock.send(encode(msg))
+        while True:
+            if not sock.poll(int(self.timeout_s * 1000)):
+                self.drop(addr)
+                raise PeerTimeout(f"{what}: no answer from P at {addr} within "
+                                  f"{self.timeout_s} s")
+            header, *frames = sock.recv_multipart(copy=False)
+            reply = decode(header)
+            if isinstance(reply, answer) and (req_id is None or reply.req_id == req_id):
+                return reply, frames
+
+    def drop(self, addr: str) -> None:
+        """Close the socket to ``addr`` (P died or answered late); the next use reconnects."""
+        s = self._socks.pop(addr, None)
+        if s is not None:
+            s.close(linger=0)
+
+    def close(self) -> None:
+        for addr in list(self._socks):
+            self.drop(addr)
+
+
+class Puller:
+    """What D's loader thread calls, whatever the transport (:class:`.transfer.KVPuller`,
+    :class:`.nixl_pull.NixlPuller`): :meth:`pull`, :meth:`release`, :meth:`close`.
+
+    Parameters
+    ----------
+    cache : PagedKVCache
+        D's cache.
+    timeout_s : float
+        Longest wait for one answer of P, and for a NIXL READ (seconds).
+    corrupt : bool
+        Test hook (the negative control): write noise instead of the moved KV.
+    """
+
+    def __init__(self, cache: Any, *, timeout_s: float = 30.0, corrupt: bool = False) -> None:
+        self.cache, self.timeout_s, self.corrupt = cache, timeout_s, corrupt
+        self.link = PeerLink(timeout_s)
+
+    def release(self, addr: str, req_id: str) -> None:
+        """Tell P at ``addr`` to free ``req_id``'s blocks (pulled, or never to be pulled)."""
+        self.link.send(addr, Release(req_id))
+
+    def pull(self, addr: str, req_id: str, remote_ids: list[int], local_ids: list[int]) -> int:
+        """Copy P's blocks ``remote_ids`` into D's ``local_ids`` (same length, logical order).
+
+        Returns
+        -------
+        int
+            Payload bytes written into D's cache (``len(local_ids) * spec.bytes_per_block``).
+
+        Raises
+        ------
+        PullError
+            Different lengths, P refused (its message), no answer within ``timeout_s``, or the
+            transport's own failure (frames of the wrong size; a failed or late NIXL READ).
+        """
+        if len(remote_ids) != len(local_ids):
+            raise PullError(f"request {req_id}: {len(remote_ids)} remote blocks for "
+                            f"{len(local_ids)} local blocks")
+        return self._pull(addr, req_id, list(remote_ids), list(local_ids))
+
+    def _pull(self, addr: str, req_id: str, remote_ids: list[int], local_ids: list[int]) -> int:
+        raise NotImplementedError
+
+    def _ask_pull(self, addr: str, msg: Any) -> tuple[Any, list[Any]]:
+        """Send a ``Pull`` and return P's ``PullReply`` (and frames) if P agreed.
+
+        Raises
+        ------
+        PullError
+            No answer within ``timeout_s``, or P refused (its message).
+        """
+        reply, frames = self.link.ask(addr, msg, PullReply, f"request {msg.req_id}", msg.req_id)
+        if not reply.ok:
+            raise PullError(f"request {msg.req_id}: P refused the pull: {reply.error}")
+        return reply, frames
+
+    def close(self) -> None:
+        self.link.close()

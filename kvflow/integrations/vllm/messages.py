@@ -1,0 +1,95 @@
+"""Typed messages between a decode (D) worker that pulls KV and the prefill (P) worker that
+holds it, for :class:`~kvflow.integrations.vllm.KvflowConnector`.
+
+MessagePack-encoded :class:`msgspec.Struct` tagged by class name; a frame that is not one of
+them is rejected (:class:`~kvflow.protocol.ProtocolError`), never unpickled. KV bytes travel
+as raw frames after a :class:`PullReply` header.
+
+    transport tcp:
+    D --Pull(req, P's block ids, D's spec)--> P --PullReply + one frame per layer--> D
+    transport nixl (D READs P's blocks itself, one-sided):
+    D --NixlHello(D's spec)--> P --NixlInfo(P's agent metadata, tensor addresses)--> D  (once)
+    D --Pull(req, ids, spec, nixl=True)--> P --PullReply(ok, P's agent name)--> D
+    D: NIXL READ of P's blocks into D's, then D --Release(req)--> P
+    both:
+    D --Release(req)--> P   (done reading, or D will never pull: aborted, full prefix hit)
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Union
+
+import msgspec
+
+from kvflow.protocol import ProtocolError
+
+BlockId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
+
+
+class _Msg(msgspec.Struct, tag_field="type", tag=str.lower, forbid_unknown_fields=True):
+    pass
+
+
+class Pull(_Msg):
+    """D -> P: send the blocks ``block_ids`` (P's ids, in logical order) of request ``req_id``;
+    with ``nixl``, only check them and keep them held until D's :class:`Release` (D READs)."""
+    req_id: str
+    block_ids: list[BlockId]
+    spec: dict[str, Any]            # D's KVCacheSpec.to_dict(): P refuses a different geometry
+    nixl: bool = False
+
+
+class Release(_Msg):
+    """D -> P: D will not pull ``req_id``; P may free its blocks now."""
+    req_id: str
+
+
+class PullReply(_Msg):
+    """P -> D: ``ok`` and ``num_layers`` raw frames follow (frame ``l`` is
+    ``staging[l]`` of ``staging_shape(spec, len(block_ids))``), or ``error`` says why not."""
+    req_id: str
+    ok: bool
+    num_layers: int = 0
+    error: str = ""
+    agent: str = ""                 # nixl: P's agent name (D meets P anew when it changed)
+
+
+class NixlHello(_Msg):
+    """D -> P: where are your blocks? (transport nixl, once per P)."""
+    spec: dict[str, Any]            # D's KVCacheSpec.to_dict()
+
+
+class NixlInfo(_Msg):
+    """P -> D: P's NIXL agent and cache. Block ``b`` of tensor ``t`` (``PagedKVCache.tensors()``
+    order) is ``block_bytes`` bytes at ``addrs[t] + b * block_bytes`` of memory type ``mem``
+    (``DRAM`` / ``VRAM``) on ``device_id``; or ``error`` says why not (different spec)."""
+    ok: bool
+    error: str = ""
+    agent: str = ""
+    metadata: bytes = b""           # get_agent_metadata(): what add_remote_agent loads
+    addrs: list[int] = []
+    num_blocks: int = 0
+    block_bytes: int = 0
+    mem: str = "DRAM"
+    device_id: int = 0
+
+
+_MESSAGES = (Pull, Release, PullReply, NixlHello, NixlInfo)
+_DECODER = msgspec.msgpack.Decoder(Union[_MESSAGES])
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode(msg: _Msg) -> bytes:
+    """One msgpack frame; TypeError for anything but a message of this module."""
+    if not isinstance(msg, _MESSAGES):
+        raise TypeError(f"msg must be one of {[m.__name__ for m in _MESSAGES]}, got "
+                        f"{type(msg).__name__}")
+    return _ENCODER.encode(msg)
+
+
+def decode(frame: Any) -> Pull | Release | PullReply | NixlHello | NixlInfo:
+    """Decode one frame; :class:`ProtocolError` naming what is wrong with it."""
+    try:
+        return _DECODER.decode(getattr(frame, "buffer", frame))
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"not a kvflow vLLM-connector message: {exc}") from exc

@@ -1,0 +1,67 @@
+"""Write a random 2-layer Llama with transformers' ``save_pretrained`` (for vLLM tests, the
+tutorial and the benchmark): ``python -m kvflow.integrations.vllm.tiny_llama DIR``.
+
+Geometry: hidden 128, 4 query heads, 2 KV heads, head_dim 32 (vLLM's CPU attention takes head
+sizes from 32), 2 layers, vocab 512 (a word-level tokenizer of ``w0 .. w503`` plus 8 special
+tokens), float32. Weights are drawn from a seeded generator with unit-scale embeddings, so
+greedy picks are far from ties. Needs ``transformers`` and ``tokenizers``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+
+import torch
+
+VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, FF, MAXPOS = 512, 128, 2, 4, 2, 256, 1024
+SPECIAL = ["<pad>", "<s>", "</s>", "<unk>", "<r0>", "<r1>", "<r2>", "<r3>"]
+
+
+def write_tokenizer(path: pathlib.Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = SPECIAL + [f"w{i}" for i in range(VOCAB - len(SPECIAL))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", pad_token="<pad>")
+    fast.save_pretrained(str(path))
+
+
+def build(path: str | pathlib.Path, seed: int = 0) -> pathlib.Path:
+    """Write the checkpoint (config.json, model.safetensors, tokenizer files) into ``path``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FF,
+                      num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                      num_key_value_heads=KV_HEADS, max_position_embeddings=MAXPOS,
+                      rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    model.save_pretrained(str(path))
+    write_tokenizer(path)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("path", help="directory to write the checkpoint into")
+    ap.add_argument("--seed", type=int, default=0)
+    print(build(ap.parse_args(argv).path, ap.parse_args(argv).seed))
+
+
+if __name__ == "__main__":
+    main()

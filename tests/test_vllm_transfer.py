@@ -1,0 +1,181 @@
+"""The two transports of kvflow's vLLM connector without vLLM: P's :class:`KVServer` and D's
+:class:`KVPuller` (tcp) / :class:`NixlPuller` (nixl, UCX over TCP) between two caches laid out as
+vLLM lays them (``vllm_like``), in one process. Exact bytes moved, exact refusals, a dead P's
+agent forgotten, and the connector's settings checks."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("zmq")
+pytest.importorskip("msgspec")
+
+from kvflow.connector.nixl_agent import nixl_available  # noqa: E402
+from kvflow.integrations.vllm.config import check_config  # noqa: E402
+from kvflow.integrations.vllm.link import PullError  # noqa: E402
+from kvflow.integrations.vllm.transfer import KVPuller, KVServer  # noqa: E402
+from kvflow.vllm_layout import from_vllm, vllm_like  # noqa: E402
+
+from .vllm_pd import free_port  # noqa: E402
+
+SHAPE = (12, 2, 32, 64)  # blocks, KV heads, block_size, K+V of head_dim 32
+NIXL = pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(),
+                                                      reason="NIXL not installed"))
+
+
+def _caches():
+    p = from_vllm(vllm_like("LBHNC", 2, SHAPE, torch.float32))
+    d = from_vllm(vllm_like("LBHNC", 2, SHAPE, torch.float32))
+    for t in p.tensors():
+        t.copy_(torch.randn(t.shape))
+    return p, d
+
+
+def _server(p, transport, **kw):
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    info = agent = None
+    if transport == "nixl":
+        from kvflow.connector.nixl_agent import Agent
+        from kvflow.integrations.vllm.nixl_pull import export
+        agent = Agent("test-prefill", progress_thread=False)  # as the connector's P
+        info = export(agent, p)
+    return KVServer(p, addr, nixl=info, progress=agent and agent.progress, **kw), agent
+
+
+def _puller(d, transport, timeout_s=5.0):
+    if transport == "nixl":
+        from kvflow.integrations.vllm.nixl_pull import NixlPuller
+        return NixlPuller(d, timeout_s=timeout_s)
+    return KVPuller(d, timeout_s=timeout_s)
+
+
+@pytest.fixture(autouse=True)
+def _ucx_tcp(monkeypatch):
+    monkeypatch.setenv("UCX_TLS", "tcp")  # the network path, not shared memory
+
+
+@pytest.mark.parametrize("transport", ["tcp", NIXL])
+def test_pull_moves_exact_blocks_and_frees_p(transport):
+    p, d = _caches()
+    server, agent = _server(p, transport)
+    puller = _puller(d, transport)
+    try:
+        src, dst = [3, 4, 5, 9], [0, 1, 7, 2]
+        server.hold("r1", 30.0)
+        assert puller.pull(server.addr, "r1", src, dst) == 4 * p.spec.bytes_per_block == 131072
+        for tp, td in zip(p.tensors(), d.tensors()):
+            assert torch.equal(td[dst], tp[src])
+            assert not td[[3, 4, 5, 6, 8, 9, 10, 11]].any()  # nothing else written
+        deadline = time.monotonic() + 5  # nixl: D's Release reaches P's thread a little later
+        while not (done := server.take_done()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert done == {"r1"}
+        if transport == "nixl":
+            assert puller.last_runs == 3  # (3,0)x2, (5,7), (9,2)
+            # the second pull reuses P's prepared list: one peer, one agent
+            server.hold("r2", 30.0)
+            puller.pull(server.addr, "r2", [0], [11])
+            assert torch.equal(d.tensors()[1][11], p.tensors()[1][0])
+            assert list(puller.peers) == [server.addr] == list(puller.agent.peers)
+    finally:
+        puller.close()
+        server.close()
+        if agent is not None:
+            agent.close()
+
+
+@pytest.mark.parametrize("transport", ["tcp", NIXL])
+def test_pull_of_a_request_p_does_not_hold_is_refused(transport):
+    p, d = _caches()
+    server, agent = _server(p, transport, hold_wait_s=0.2)
+    puller = _puller(d, transport)
+    try:
+        with pytest.raises(PullError, match=r"^request r9: P refused the pull: P holds no "
+                                            r"blocks for request 'r9' \(freed or never held\)$"):
+            puller.pull(server.addr, "r9", [1], [1])
+        assert not any(t.any() for t in d.tensors())
+    finally:
+        puller.close()
+        server.close()
+        if agent is not None:
+            agent.close()
+
+
+@pytest.mark.skipif(not nixl_available(), reason="NIXL not installed")
+def test_nixl_d_against_a_tcp_p_names_the_setting():
+    p, d = _caches()
+    server, _ = _server(p, "tcp")
+    puller = _puller(d, "nixl")
+    try:
+        with pytest.raises(PullError, match=r"refused the NIXL hello: P at tcp://127.0.0.1:\d+ "
+                                            r"has transport 'tcp'; set kv_connector_extra_config "
+                                            r"transport 'nixl' on P too$"):
+            puller.pull(server.addr, "r1", [1], [1])
+    finally:
+        puller.close()
+        server.close()
+
+
+@pytest.mark.skipif(not nixl_available(), reason="NIXL not installed")
+def test_nixl_dead_p_times_out_and_its_agent_is_removed():
+    p, d = _caches()
+    server, agent = _server(p, "nixl")
+    puller = _puller(d, "nixl", timeout_s=0.5)
+    try:
+        server.hold("r1", 30.0)
+        puller.pull(server.addr, "r1", [1], [1])
+        assert list(puller.agent.peers) == [server.addr]
+        server.close()  # P dies
+        with pytest.raises(PullError, match=r"^request r2: no answer from P at tcp://127.0.0.1:"
+                                            r"\d+ within 0.5 s$"):
+            puller.pull(server.addr, "r2", [2], [2])
+        assert puller.peers == {} and puller.agent.peers == {}
+    finally:
+        puller.close()
+        agent.close()
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"transport": "ucx"}, "transport must be one of ('tcp', 'nixl'), got 'ucx'"),
+    ({"timeout_s": 0}, "timeout_s must be > 0 seconds, got 0"),
+    ({"lease_s": 10, "timeout_s": 30}, "lease_s (10 s) must be larger than timeout_s (30 s)"),
+    ({"kvflow_prot": 1}, "unknown keys ['kvflow_prot']"),
+])
+def test_bad_settings_are_refused_by_name(extra, message):
+    with pytest.raises(ValueError) as exc:
+        check_config(extra)
+    assert message in str(exc.value)
+    assert check_config({"transport": "nixl"})["transport"] == "nixl"
+    assert check_config({})["transport"] == "tcp"
+
+
+
+@pytest.mark.skipif(not nixl_available(), reason="NIXL not installed")
+def test_nixl_p_restarted_on_the_same_address_is_met_anew():
+    from kvflow.connector.nixl_agent import Agent
+    from kvflow.integrations.vllm.nixl_pull import export
+    p, d = _caches()
+    server, agent = _server(p, "nixl")
+    puller = _puller(d, "nixl")
+    try:
+        server.hold("r1", 30.0)
+        puller.pull(server.addr, "r1", [1], [1])
+        first = puller.peers[server.addr].agent
+        server.close()
+        agent.close()
+        p2, _ = _caches()  # the new P: another agent, another cache, the same address
+        agent = Agent("test-prefill", progress_thread=False)
+        server = KVServer(p2, server.addr, nixl=export(agent, p2), progress=agent.progress)
+        server.hold("r2", 30.0)
+        assert puller.pull(server.addr, "r2", [2], [3]) == p.spec.bytes_per_block
+        assert puller.peers[server.addr].agent == agent.name != first
+        assert list(puller.agent.peers) == [server.addr]
+        for tp, td in zip(p2.tensors(), d.tensors()):
+            assert torch.equal(td[3], tp[2])
+    finally:
+        puller.close()
+        server.close()
+        agent.close()
