@@ -30,6 +30,11 @@ import numpy as np
 import torch
 
 LAYOUTS = ("NHD", "HND", "MLA")
+#: How an fp8 cache holds its dequantization scales (float32, ``value = fp8 * scale``):
+#: ``"tensor"`` one per per-layer tensor, ``"block_head"`` one per block per KV head of each
+#: per-layer tensor (see :mod:`kvflow.scales`).
+SCALE_MODES = ("tensor", "block_head")
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 _DTYPE_NAMES = {
     "bfloat16": torch.bfloat16,
@@ -103,12 +108,17 @@ class KVCacheSpec:
         Element type, stored as a ``torch.dtype`` (fp8 e4m3 included: kernels move bytes).
     layout : {"NHD", "HND", "MLA"}
         Order of the dimensions inside a block (see the module docstring).
+    scales : {"tensor", "block_head"}
+        fp8 dtypes only: the granularity of the float32 dequantization scales the cache holds
+        beside its blocks (``PagedKVCache.scales``, :mod:`kvflow.scales`); other dtypes hold no
+        scales and keep the default ``"tensor"``.
 
     Raises
     ------
     TypeError, ValueError
         For a non-integer or non-positive size, an unknown dtype or layout, or MLA with
-        ``num_kv_heads != 1``; the message names the argument and its value.
+        ``num_kv_heads != 1``, or ``scales="block_head"`` for a dtype that is not fp8; the
+        message names the argument and its value.
 
     Examples
     --------
@@ -124,6 +134,7 @@ class KVCacheSpec:
     block_size: int
     dtype: torch.dtype
     layout: str = "NHD"
+    scales: str = "tensor"
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -134,6 +145,11 @@ class KVCacheSpec:
         if self.layout == "MLA" and self.num_kv_heads != 1:
             raise ValueError(f"layout='MLA' stores one latent per token: num_kv_heads must be 1, "
                              f"got {self.num_kv_heads}")
+        if self.scales not in SCALE_MODES:
+            raise ValueError(f"scales must be one of {SCALE_MODES}, got {self.scales!r}")
+        if self.scales != "tensor" and self.dtype not in FP8_DTYPES:
+            raise ValueError(f"scales={self.scales!r} needs an fp8 dtype (float8_e4m3fn or "
+                             f"float8_e5m2), got dtype={self.dtype}")
 
     # ---- derived geometry -------------------------------------------------------------
     @functools.cached_property
@@ -220,6 +236,11 @@ class KVCacheSpec:
     def from_dict(cls, d: dict[str, Any]) -> "KVCacheSpec":
         """Inverse of :meth:`to_dict`."""
         return cls(**d)
+
+    @property
+    def is_fp8(self) -> bool:
+        """True for fp8 dtypes, which hold dequantization scales (``scales``)."""
+        return self.dtype in FP8_DTYPES
 
     def diff(self, other: "KVCacheSpec") -> list[str]:
         """Fields that differ, each as ``'name: mine vs theirs'`` (empty if equal)."""
