@@ -69,6 +69,9 @@ def _reblock(src_ptrs, dst_ptrs, src_ids, dst_ids, geo, fmt, src_sc, dst_sc, con
         dp8 = numba.carray(_as_ptr(dst_ptrs[j]), d_len * d_isz, np.uint8)
         if not convert:
             row = D * s_isz
+            wide = row % 8 == 0 and src_ptrs[j] % 8 == 0 and dst_ptrs[j] % 8 == 0
+            sp64 = numba.carray(_as_ptr(src_ptrs[j]), s_len * s_isz // 8 + 1, np.uint64)
+            dp64 = numba.carray(_as_ptr(dst_ptrs[j]), d_len * s_isz // 8 + 1, np.uint64)
             for sl in range(bs_d):
                 t = k * bs_d + sl
                 if t >= T:
@@ -79,8 +82,12 @@ def _reblock(src_ptrs, dst_ptrs, src_ids, dst_ids, geo, fmt, src_sc, dst_sc, con
                 for h in range(n):
                     so = (sb * sbs + (t % bs_s) * sss + (s0 + h) * shs) * s_isz
                     do = (db * dbs + sl * dss + (d0 + h) * dhs) * s_isz
-                    for b in range(row):
-                        dp8[do + b] = sp8[so + b]
+                    if wide:  # rows start at multiples of the row: 8-byte words
+                        for b in range(row // 8):
+                            dp64[do // 8 + b] = sp64[so // 8 + b]
+                    else:
+                        for b in range(row):
+                            dp8[do + b] = sp8[so + b]
             continue
         sp16 = numba.carray(_as_ptr(src_ptrs[j]), s_len * s_isz // 2 + 1, np.uint16)
         sp32 = numba.carray(_as_ptr(src_ptrs[j]), s_len * s_isz // 4 + 1, np.uint32)
