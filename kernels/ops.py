@@ -102,7 +102,8 @@ def _staged(cache: Any, block_ids: Any, name: str, buf: Any, layers: Any, backen
 
 def gather_blocks(cache: PagedKVCache, block_ids: Any, out: Any, layers: Any = None, *,
                   backend: str = "auto", max_ctas: int | None = None,
-                  validate: bool = True) -> torch.Tensor:
+                  validate: bool = True, out_spec: Any = None, out_scales: Any = None,
+                  num_tokens: Any = None, head_start: Any = None) -> torch.Tensor:
     """Copy blocks of a paged cache into a contiguous staging buffer.
 
     Parameters
@@ -125,6 +126,13 @@ def gather_blocks(cache: PagedKVCache, block_ids: Any, out: Any, layers: Any = N
         any kernel runs; ids on a GPU are checked by the ``triton`` kernel on the device and
         reported by the next call or :func:`kvflow.kernels.check_errors` (no sync here); see
         :mod:`kvflow.kernels.validate`. False skips the checks (bad ids are still skipped).
+    out_spec, out_scales, num_tokens, head_start : optional
+        A staging buffer of another spec (re-blocking, :mod:`kvflow.kernels.reblock`): ``out``
+        has shape ``staging_shape(out_spec, m, layers)`` and its block ``i`` holds tokens
+        ``[i * out_spec.block_size, ...)`` of the sequence whose block table is ``block_ids``;
+        ``num_tokens`` defaults to all both hold; fp8 ``out_spec`` takes float32
+        ``out_scales`` of shape ``[tensors]`` or ``[tensors, m, num_kv_heads]`` (written when
+        per block per head); ``head_start`` as in :func:`copy_blocks`.
 
     Returns
     -------
@@ -136,6 +144,9 @@ def gather_blocks(cache: PagedKVCache, block_ids: Any, out: Any, layers: Any = N
     TypeError, ValueError
         Bad argument, naming it and its value; RuntimeError for an unavailable backend.
     """
+    if out_spec is not None or num_tokens is not None or head_start is not None:
+        return _staged_reblocked(cache, block_ids, out, layers, True, out_spec, out_scales,
+                                 backend, max_ctas, validate, num_tokens, head_start)
     cache, ids, out, start, stop, be, on_device = _staged(cache, block_ids, "out", out, layers,
                                                           backend, validate, unique=False)
     n = ids.shape[0]
@@ -151,7 +162,8 @@ def gather_blocks(cache: PagedKVCache, block_ids: Any, out: Any, layers: Any = N
 
 def scatter_blocks(src: Any, cache: PagedKVCache, block_ids: Any, layers: Any = None, *,
                    backend: str = "auto", max_ctas: int | None = None,
-                   validate: bool = True) -> PagedKVCache:
+                   validate: bool = True, src_spec: Any = None, src_scales: Any = None,
+                   num_tokens: Any = None, head_start: Any = None) -> PagedKVCache:
     """Copy a contiguous staging buffer into blocks of a paged cache (inverse of gather).
 
     Parameters
@@ -164,12 +176,20 @@ def scatter_blocks(src: Any, cache: PagedKVCache, block_ids: Any, layers: Any = 
         Destination block of each slot of ``src``; distinct, -1 skips the slot.
     layers, backend, max_ctas, validate
         As :func:`gather_blocks`.
+    src_spec, src_scales, num_tokens, head_start : optional
+        A staging buffer of another spec, as ``out_spec`` ... of :func:`gather_blocks`.
 
     Returns
     -------
     PagedKVCache
         ``cache``.
     """
+    if src_spec is not None or num_tokens is not None or head_start is not None:
+        if src_spec is None:
+            src_spec = getattr(cache, "spec", None)
+        _staged_reblocked(cache, block_ids, src, layers, False, src_spec, src_scales, backend,
+                          max_ctas, validate, num_tokens, head_start)
+        return cache
     cache, ids, src, start, stop, be, on_device = _staged(cache, block_ids, "src", src, layers,
                                                           backend, validate, unique=True)
     n = ids.shape[0]
@@ -272,6 +292,23 @@ def copy_blocks(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, 
                 kw["same"] = True
         be.copy(src_cache, dst_cache, s, d, start, stop, max_ctas, **kw)
     return dst_cache
+
+
+def _staged_reblocked(cache, block_ids, buf, layers, to_stage, spec, scales, backend, max_ctas,
+                      validate, num_tokens, head_start):
+    """gather / scatter with a staging buffer of another spec (:mod:`.reblock_ops`)."""
+    from .reblock_ops import staged_reblocked
+    if type(cache) is not PagedKVCache:
+        cache = check_cache("cache", cache)
+    _check_validate(validate, cache.device)
+    if spec is None:
+        spec = cache.spec
+    if max_ctas is not None:
+        max_ctas = _check_max_ctas(max_ctas)
+    staged_reblocked(cache, block_ids, buf, layers, to_stage=to_stage, stage_spec=spec,
+                     stage_scales=scales, backend=backend, max_ctas=max_ctas,
+                     validate=validate, num_tokens=num_tokens, head_start=head_start)
+    return buf
 
 
 def _reblocked(src_cache, dst_cache, src_ids, dst_ids, layers, backend, max_ctas, validate,

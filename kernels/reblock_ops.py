@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvflow.cache import PagedKVCache
+import torch
+
+from kvflow.cache import PagedKVCache, overlaps
 from kvflow.layout import normalize_layers
 
 from .errors import shared
@@ -77,3 +79,75 @@ def copy_reblocked(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: An
         be.reblock(job, max_ctas, check=s_dev or d_dev)
     return dst_cache
 
+
+
+def _stage_operand(name: str, buf: Any, spec: Any, scales: Any, ntensors: int, layers_n: int,
+                   device: Any) -> Operand:
+    """A staging buffer of another spec as an operand: ``staging_shape(spec, m, layers)``
+    with ``m`` taken from ``buf``; fp8 specs need their scales (``[ntensors]`` per tensor,
+    ``[ntensors, m, num_kv_heads]`` per block per head, float32)."""
+    from kvflow.layout import KVCacheSpec
+
+    from .validate import check_buffer
+    if not isinstance(spec, KVCacheSpec):
+        raise TypeError(f"{name}_spec must be a KVCacheSpec, got {type(spec).__name__}")
+    m = buf.shape[2] if isinstance(buf, torch.Tensor) and buf.dim() > 2 else 0
+    buf = check_buffer(name, buf, (layers_n, spec.tensors_per_layer, m, *spec.block_shape),
+                       spec.dtype, device)
+    if spec.is_fp8:
+        shape = (ntensors,) if spec.scales == "tensor" else (ntensors, m, spec.num_kv_heads)
+        if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 \
+                or tuple(scales.shape) != shape or scales.device != buf.device \
+                or not scales.is_contiguous():
+            raise ValueError(f"{name}_scales must be a contiguous float32 tensor of shape {shape} "
+                             f"on {buf.device} for {name}_spec.dtype={spec.dtype} "
+                             f"(scales={spec.scales!r}), got {_describe(scales)}")
+    elif scales is not None:
+        raise ValueError(f"{name}_scales given for {name}_spec.dtype={spec.dtype}, which holds "
+                         f"no scales")
+    return Operand(spec, None, buf, None, m, 0, scales if spec.is_fp8 else None)
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{x.dtype} of shape {tuple(x.shape)} on {x.device}"
+    return repr(x)
+
+
+def staged_reblocked(cache: PagedKVCache, block_ids: Any, buf: Any, layers: Any, *, to_stage: bool,
+                     stage_spec: Any, stage_scales: Any, backend: str, max_ctas: int | None,
+                     validate: bool, num_tokens: Any, head_start: Any) -> None:
+    """gather (``to_stage``) or scatter between ``cache`` and a staging buffer of
+    ``stage_spec`` (see :func:`kvflow.kernels.gather_blocks`)."""
+    name = "out" if to_stage else "src"
+    dev, spec = cache.device, cache.spec
+    start, stop = normalize_layers(layers, spec.num_layers)
+    src_spec, dst_spec = (spec, stage_spec) if to_stage else (stage_spec, spec)
+    if not hasattr(stage_spec, "num_layers"):
+        raise TypeError(f"{name}_spec must be a KVCacheSpec, got {type(stage_spec).__name__}")
+    mp = make_mapping(src_spec.with_(num_layers=spec.num_layers),
+                      dst_spec.with_(num_layers=spec.num_layers), head_start,
+                      src_name="cache" if to_stage else f"{name}_spec",
+                      dst_name=f"{name}_spec" if to_stage else "cache")
+    be = reblock_backend(backend, dev)
+    checks = getattr(be, "device_checks", False)
+    ids, on_dev = check_ids("block_ids", block_ids, cache.num_blocks, dev, validate,
+                            unique=not to_stage, device_checks=checks)
+    tpl = spec.tensors_per_layer
+    nt = (stop - start) * tpl
+    stage = _stage_operand(name, buf, stage_spec, stage_scales, nt, stop - start, dev)
+    if overlaps(cache, stage.stage):
+        raise ValueError(f"{name} lies in the cache's memory; the staging buffer must be "
+                         f"separate memory")
+    mine = Operand(spec, cache, None, ids, cache.num_blocks, start * tpl, cache.scales)
+    if to_stage:
+        T = check_num_tokens(num_tokens, ids.shape[0], spec.block_size, stage.num_blocks,
+                             stage_spec.block_size, dst_name=f"{name}.shape[2]")
+        job = Job(mp, mine, stage, nt, T)
+    else:
+        T = check_num_tokens(num_tokens, stage.num_blocks, stage_spec.block_size,
+                             ids.shape[0], spec.block_size, src_name=f"{name}.shape[2]",
+                             dst_name="block_ids")
+        job = Job(mp, stage, mine, nt, T)
+    if T:
+        be.reblock(job, max_ctas, check=on_dev)
