@@ -32,7 +32,7 @@ are never msgpack-encoded.
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
@@ -69,6 +69,7 @@ class Register(_Msg):
     fingerprint: dict[str, Any] = {}  # kvflow.serve.fingerprint (config, dtype, weights...)
     model: str = ""                 # the instance's --model
     tokenizer: str = ""             # its tokenizer's digest: the router's must be equal
+    connector_md: bytes = b""       # nixl: an encoded NixlAgentInfo (agent metadata, cache)
     version: int = PROTOCOL_VERSION
 
 
@@ -104,13 +105,18 @@ class Pair(_Msg):
     peer_pid: int = 0               # the peer's process id (one host: a liveness check)
     peer_host_id: str = ""          # the peer's Register.host_id: its pid is comparable when equal
     peer_fingerprint: dict[str, Any] = {}  # the peer's Register.fingerprint, checked too
+    peer_connector_md: bytes = b""  # the peer's Register.connector_md (nixl: NixlAgentInfo)
 
 
 class Unpair(_Msg):
     """Router -> P: forget decode instance ``peer_id`` (it died or left): drop the link to it
-    (and whatever P's connector holds for it); links to other D's stay."""
+    (and whatever P's connector holds for it); links to other D's stay. Router -> D: prefill
+    instance ``peer_id`` died; ``exited``: the router saw its process exit (D then frees at
+    once what it kept for it: blocks lent to it, a nixl staging slot; else only ``kv_lease_s``
+    later, as a silent P may still write)."""
     peer_id: str
     reason: str = ""
+    exited: bool = False
 
 
 class PairResult(_Msg):
@@ -277,6 +283,69 @@ class LeaseRenew(_Msg):
     ``req_ids``; P frees a sent request's blocks when neither a renewal nor an ack came within
     its lease (``--kv-lease-s``)."""
     req_ids: list[str]
+
+
+class NixlAgentInfo(msgspec.Struct, forbid_unknown_fields=True):
+    """What a ``nixl`` instance tells its peers at pairing (msgpack in
+    :attr:`Register.connector_md` / :attr:`Pair.peer_connector_md`; not a control message).
+
+    Attributes
+    ----------
+    agent : str
+        The NIXL agent's name (unique per instance).
+    metadata : bytes
+        ``nixl_agent.get_agent_metadata()``: the agent's backends and connection info (UCX
+        worker address) and its registered memory; a peer loads it with ``add_remote_agent``.
+    cache_addr, cache_bytes : int
+        D: address and size (bytes) of its whole registered KV cache (one allocation, laid out
+        as :class:`~kvflow.cache.PagedKVCache`); 0 for P.
+    num_blocks : int
+        Blocks of that cache.
+    staging_addr, staging_slots, slot_bytes : int
+        D in staged mode: its registered staging buffer of ``staging_slots`` slots of
+        ``slot_bytes`` bytes each (one per paired P); 0 otherwise.
+    mode : str
+        ``direct`` or ``staged``: P and D must agree.
+    mem_type, device_id : str, int
+        Where that memory lives, as NIXL names it: ``DRAM`` (host, device 0) or ``VRAM`` (GPU
+        ``device_id``, the CUDA ordinal on the sender's host).
+    """
+    agent: str
+    metadata: bytes
+    cache_addr: NonNeg = 0
+    cache_bytes: NonNeg = 0
+    num_blocks: NonNeg = 0
+    staging_addr: NonNeg = 0
+    staging_slots: NonNeg = 0
+    slot_bytes: NonNeg = 0
+    mode: str = "direct"
+    mem_type: Literal["DRAM", "VRAM"] = "DRAM"
+    device_id: NonNeg = 0
+
+
+_INFO_DECODER = msgspec.msgpack.Decoder(NixlAgentInfo)
+
+
+def encode_agent_info(info: NixlAgentInfo) -> bytes:
+    """``info`` as msgpack bytes (for ``Register.connector_md``)."""
+    return _ENCODER.encode(info)
+
+
+def decode_agent_info(data: bytes) -> NixlAgentInfo:
+    """The :class:`NixlAgentInfo` a peer sent.
+
+    Raises
+    ------
+    ProtocolError
+        ``data`` is empty or not a well-formed NixlAgentInfo.
+    """
+    if not data:
+        raise ProtocolError("no nixl agent info (connector_md is empty: is the peer running "
+                            "with --kv-connector nixl?)")
+    try:
+        return _INFO_DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"rejected nixl agent info ({len(data)} bytes): {exc}") from None
 
 
 Message = Union[Register, Registered, Reregister, Heartbeat, Pair, Unpair, PairResult, Allocate,

@@ -128,8 +128,9 @@ def test_committed_results_are_cited_and_pngs_regenerated():
 @pytest.mark.parametrize("study", ["transfer"])
 def test_unknown_connector_is_refused(study, tmp_path):
     from kvflow.bench.__main__ import main
-    with pytest.raises(SystemExit, match="--connectors: unknown nixl; known: ipc-pull, ipc-push, tcp"):
-        main([study, "--quick", "--connectors", "nixl", "--out-dir", str(tmp_path), "--no-progress"])
+    with pytest.raises(SystemExit, match="--connectors: unknown rdma; known: ipc-pull, ipc-push, "
+                                         "tcp, nixl, nixl-staged"):
+        main([study, "--quick", "--connectors", "rdma", "--out-dir", str(tmp_path), "--no-progress"])
     assert json.dumps(sorted(p.name for p in tmp_path.iterdir())) == "[]"
 
 
@@ -153,6 +154,20 @@ def test_transfer_quick_moves_every_connector_byte_exact(tmp_path, capsys):
         assert r["gbps"] > 0 and r["ratio"] > 0 and r["d_copy_ms"] > 0
     ceilings = {(r["backend"], r["tokens"]) for r in rows if r["op"] == "ceiling"}
     assert ceilings == {(c, t) for c in ("copy_", "zmq-loopback") for t in (64, 256)}
+
+
+def test_transfer_with_d_in_its_own_process_is_byte_exact(tmp_path):
+    """--peer-process runs D in a child (the default on CUDA): ipc-push maps D's exported
+    cache across processes, tcp sends frames; every size is verified, D's receive is timed."""
+    from kvflow.bench.__main__ import main
+    assert main(["transfer", "--quick", "--device", "cpu", "--peer-process", "--connectors",
+                 "ipc-push,tcp", "--tokens", "64", "--out-dir", str(tmp_path),
+                 "--no-progress", "--threads", "1"]) == 0
+    (result,) = tmp_path.glob("transfer-cpu-*.json")
+    moved = [r for r in json.loads(result.read_text())["rows"] if r["op"] == "transfer"]
+    assert [(r["backend"], r["verified"], r["peer_process"], r["d_device"]) for r in moved] == [
+        ("ipc-push", True, True, "cpu"), ("tcp", True, True, "cpu")]
+    assert all(r["d_receive_ms"] > 0 for r in moved)
 
 
 @pytest.mark.parametrize("connector", ["ipc-pull", "ipc-push", "tcp"])

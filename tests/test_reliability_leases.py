@@ -18,7 +18,8 @@ import time
 import pytest
 
 from kvflow.connector import Peer
-from kvflow.protocol import Abort, Heartbeat, KVPushed, Pair, Prefill, Rejected, Tokens, decode
+from kvflow.protocol import (Abort, Heartbeat, KVPushed, Pair, Prefill, Rejected, Tokens, Unpair,
+                             decode)
 from kvflow.segments import host_id
 from kvflow.serve.prefill import PrefillInstance
 
@@ -123,6 +124,49 @@ def test_a_p_d_cannot_judge_keeps_lent_blocks_for_the_lease_after_it_was_declare
             time.sleep(0.05)
             pd.d.heartbeat(force=True)
         assert time.monotonic() - t_dead >= 0.3 and pd.d.allocator.num_free == 3
+    finally:
+        pd.d.kv_lease_s = 5.0
+
+
+def test_unpair_of_a_p_the_router_saw_exit_gives_its_lent_blocks_back_at_once(push):
+    pd, far = push, "p-far"
+    pair_d_with(pd, far, 1, "another-boot/4026531836")  # D cannot judge it itself
+    req, _ = pd.allocate(A)
+    pd.d.on_abort(Abort(req_id=req, prefill_id=far), [], None)
+    assert req in pd.d.lent
+    pd.d.on_unpair(Unpair(peer_id=far, reason="exited", exited=True), [], None)
+    assert req not in pd.d.lent and pd.d.allocator.num_free == 3
+    assert far not in pd.d.lent.peer_pids                       # no lease renewals to it
+
+
+def test_a_silent_remote_p_is_forgotten_a_lease_after_its_unpair(push, monkeypatch):
+    """A connector whose P's may live on other hosts (nixl) cannot judge a silent P: what it
+    keeps for it (a staging slot, lent blocks) comes back ``kv_lease_s`` after the router's
+    Unpair, or never if it pairs again first."""
+    pd, far = push, "p-far"
+    monkeypatch.setattr(pd.d.receiver, "host_local", False)
+    detached = []
+    monkeypatch.setattr(pd.d.receiver, "detach", detached.append)
+    pair_d_with(pd, far, 1, "another-boot/4026531836")
+    pd.d.kv_lease_s = 0.3
+    try:
+        req, _ = pd.allocate(A)
+        pd.d.on_abort(Abort(req_id=req, prefill_id=far), [], None)
+        pd.d.on_unpair(Unpair(peer_id=far, reason="missed heartbeats"), [], None)
+        pd.d.heartbeat(force=True)
+        assert req in pd.d.lent and detached == []               # it may still write
+        pair_d_with(pd, far, 1, "another-boot/4026531836")       # it paired again: kept
+        time.sleep(0.4)
+        pd.d.heartbeat(force=True)
+        assert req in pd.d.lent and detached == [] and not pd.d.unpaired
+        pd.d.on_unpair(Unpair(peer_id=far, reason="missed heartbeats"), [], None)
+        t0 = time.monotonic()
+        while req in pd.d.lent:
+            assert time.monotonic() - t0 < 2.0, "lent blocks never came back"
+            time.sleep(0.05)
+            pd.d.heartbeat(force=True)
+        assert time.monotonic() - t0 >= 0.3 and detached == [far]
+        assert pd.d.allocator.num_free == 3
     finally:
         pd.d.kv_lease_s = 5.0
 

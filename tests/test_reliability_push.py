@@ -209,7 +209,7 @@ def test_direction_resolution_and_pairing_names():
     assert make_sender("auto", spec).layerwise_min_tokens == 16384
     assert make_sender("ipc-push", spec, layerwise_min_tokens=7).layerwise_min_tokens == 7
     with pytest.raises(ValueError, match="kv_connector must be 'auto' or one of ipc-pull, "
-                                         "ipc-push, tcp; got 'up'"):
+                                         "ipc-push, tcp, nixl; got 'up'"):
         resolve_connector("up")
     with pytest.raises(SystemExit):
         parse_args(["--kv-connector", "sideways"])

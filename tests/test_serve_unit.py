@@ -107,7 +107,7 @@ def test_cli_help_names_every_flag():
         assert flag in text
     out = subprocess.run([sys.executable, "-m", "kvflow.serve", "--help"], capture_output=True,
                          text=True, timeout=60)
-    assert out.returncode == 0 and "--kv-connector {auto,ipc-pull,ipc-push,tcp}" in out.stdout
+    assert out.returncode == 0 and "--kv-connector {auto,ipc-pull,ipc-push,tcp,nixl}" in out.stdout
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -80,8 +80,8 @@ def test_device_cuda_without_cuda_fails_before_any_child_starts():
 
 @pytest.mark.parametrize("argv, line", [
     (["--kv-connector", "rdma"], "argument --kv-connector: invalid choice: 'rdma' (choose from "
-                                 "'auto', 'ipc-pull', 'ipc-push', 'tcp'); python -m kvflow.serve "
-                                 "--help lists the flags"),
+                                 "'auto', 'ipc-pull', 'ipc-push', 'tcp', 'nixl'); python -m "
+                                 "kvflow.serve --help lists the flags"),
     (["--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization 0.5 needs --device cuda; "
                                           "on cpu the budget is --memory-budget-mb"),
     (["--backend", "nonsense"], "--backend nonsense is unknown; use auto or one of native, numba, "

@@ -99,3 +99,15 @@ def blocks_equal(src, src_ids, dst, dst_ids) -> bool:
     gather_blocks(src, src_ids, a, backend="torch")
     gather_blocks(dst, dst_ids, b, backend="torch")
     return torch.equal(as_bytes(a).cpu(), as_bytes(b).cpu())
+
+
+def blocks_digest(cache, ids) -> str:
+    """SHA-256 (hex) of blocks ``ids`` of ``cache`` in that order, every layer, K and V: two
+    caches hold the same blocks, also in two processes, when their digests are equal."""
+    import hashlib
+
+    from kvflow.cache import staging_buffer
+    from kvflow.kernels import gather_blocks
+    out = staging_buffer(cache.spec, len(ids), device=cache.device)
+    gather_blocks(cache, list(ids), out, backend="torch")
+    return hashlib.sha256(as_bytes(out).cpu().numpy().tobytes()).hexdigest()

@@ -58,10 +58,21 @@ def contention_table(rows: list[dict]) -> list[str]:
 
 
 def transfer_table(rows: list[dict]) -> list[str]:
+    """Connector rows beside their ceilings; a NIXL ceiling names its descriptor size, and a
+    file whose D ran in its own process gives D's receive time and device."""
+    def ceiling(r: dict) -> str:
+        if "chunk_bytes" in r:
+            return f"fastest bulk WRITE: {r['chunk_bytes'] // 1024} KiB descriptors"
+        return r.get("ceiling", "-")
     body = [[r["backend"], r["tokens"], r["payload_bytes"] / 2**20, r["gbps"], r["ratio"],
-             r.get("ceiling", "-"), r.get("latency_ms_p50", r["time_s"] * 1e3),
+             ceiling(r), r.get("latency_ms_p50", r["time_s"] * 1e3),
              r.get("latency_ms_p99", r["time_s"] * 1e3)] for r in rows]
-    return _md_table(["connector", "tokens", "MiB", "GB/s", "ratio", "ceiling", "p50 ms", "p99 ms"], body)
+    head = ["connector", "tokens", "MiB", "GB/s", "ratio", "ceiling", "p50 ms", "p99 ms"]
+    if any(r.get("peer_process") for r in rows):
+        head += ["D receive ms", "D device"]
+        for line, r in zip(body, rows):
+            line += [r.get("d_receive_ms", "-"), r.get("d_device", "-")]
+    return _md_table(head, body)
 
 
 def serve_table(rows: list[dict]) -> list[str]:

@@ -1,4 +1,5 @@
-"""P->D transfer through a connector (``ipc-pull``, ``ipc-push``, ``tcp``): one request's
+"""P->D transfer through a connector (``ipc-pull``, ``ipc-push``, ``tcp``, ``nixl`` and
+``nixl-staged``, :mod:`.nixl`): one request's
 blocks from a prefill (P) cache into a decode (D) cache, per request size.
 
 Both halves come from the connector factory (:func:`kvflow.connector.make_sender` /
@@ -10,18 +11,29 @@ request is :meth:`KVSender.send_prefilled <kvflow.connector.base.KVSender.send_p
 ``recv_multipart``, header decode and :meth:`KVReceiver.receive` into D's own block ids
 (random, seeded; distinct from P's). Per kind that is: ipc-pull, a ``KVReady`` and D's copy out
 of P's exported cache; ipc-push, P's copy into D's exported cache and a ``KVPushed``; tcp, P's
-gather, zero-copy frames and D's scatter. On CUDA the factory's halves export and map over CUDA
-IPC, which refuses a handle exported by its own process: the ipc kinds are then reported as
-skipped, with that reason.
+gather, zero-copy frames and D's scatter; nixl, P's WRITEs and a ``KVPushed``.
+
+``--peer-process`` (the default on CUDA) runs D in its own process
+(:mod:`.remote_pair`) on ``--d-device`` (default: the second GPU when there are two, else P's):
+CUDA IPC and NIXL's ``cuda_ipc`` map only another process's memory. A request then also
+counts D's reply to P (a ZMQ round trip on 127.0.0.1).
 
 Ceilings measured in the same run on the same payload bytes (:data:`CEILINGS`):
 
 - ``tcp``: a plain ZMQ send of one contiguous frame of the payload over the same kind of link
   (zero-copy on both ends), the loopback ceiling;
 - ``ipc-pull`` / ``ipc-push``: ``dst.copy_(src)`` of the payload bytes (what a copy between
-  the two caches' memory can reach).
+  the two caches' memory can reach; P's device to D's, a peer copy between two GPUs);
+- ``nixl`` / ``nixl-staged``: the fastest bulk NIXL WRITE of the payload bytes between two
+  agents, over several descriptor sizes (:func:`.nixl.write_ceiling`; the row's
+  ``chunk_bytes``).
 
 Every size is checked once per connector: D's blocks (zeroed first) equal P's byte for byte.
+
+Memory: one connector's pair of caches lives at a time (each cache ``--num-blocks`` blocks; a
+Llama-3-8B block of 64 tokens is 8 MiB, so 512 blocks are 4 GiB), nixl-staged's staging
+buffers hold the largest request measured, and a ceiling (two payload buffers at most) is
+measured when a connector first needs it at that size.
 """
 
 from __future__ import annotations
@@ -34,13 +46,20 @@ from typing import Any
 from kvflow.connector import CONNECTORS
 
 from . import cli
+from .nixl import KINDS as NIXL_KINDS
+from .nixl import connector_of, write_ceiling
+from .remote_pair import RemotePair, bench_job, remote_write_ceiling
 from .cases import LLAMA3_8B, blocks_equal, disjoint_ids, make_spec, scramble
 from .timing import copy_ceiling, median, percentile, time_calls
 
 #: connector -> the same-run ceiling its ratio is taken against (row ``backend``, description)
 CEILINGS = {"ipc-pull": ("copy_", "copy_ of the payload"),
             "ipc-push": ("copy_", "copy_ of the payload"),
-            "tcp": ("zmq-loopback", "zmq loopback send")}
+            "tcp": ("zmq-loopback", "zmq loopback send"),
+            "nixl": ("nixl-write", "bulk NIXL WRITE of the payload"),
+            "nixl-staged": ("nixl-write", "bulk NIXL WRITE of the payload")}
+#: what --connectors accepts
+KINDS = (*CONNECTORS, *[k for k in NIXL_KINDS if k not in CONNECTORS])
 
 
 def _link():
@@ -76,11 +95,16 @@ class _Pair:
     """P's half (with its cache and link end) and D's half (with its cache and link end) of one
     connector, built by the factory and paired as the server pairs them."""
 
-    def __init__(self, connector: str, spec, num_blocks: int, device: str) -> None:
+    def __init__(self, connector: str, spec, num_blocks: int, device: str,
+                 longest: int | None = None) -> None:
         from kvflow.connector import Peer, make_receiver, make_sender
         self.name = connector
-        self.sender = make_sender(connector, spec, device, instance_id="bench-p")
-        self.receiver = make_receiver(connector, spec, device)
+        kind, config = connector_of(connector)
+        # the largest request in tokens (default: the whole cache) sizes nixl-staged's staging
+        longest = longest or num_blocks * spec.block_size
+        self.sender = make_sender(kind, spec, device, config=config, instance_id="bench-p",
+                                  max_model_len=longest)
+        self.receiver = make_receiver(kind, spec, device, config=config, max_model_len=longest)
         self.p_sock, self.d_sock = _link()
         try:
             self.p_cache = self.sender.make_cache(num_blocks)
@@ -95,11 +119,8 @@ class _Pair:
 
     def request(self, src_ids: list[int], dst_ids: list[int]):
         """One request end to end; returns D's TransferStats."""
-        from kvflow.connector import PrefillJob
         from kvflow.protocol import decode
-        job = PrefillJob("bench", [0] * (len(src_ids) * self.p_cache.spec.block_size), src_ids,
-                         "bench-d", dst_ids)
-        handoff = self.sender.send_prefilled(job, 0)
+        handoff = self.sender.send_prefilled(bench_job(self.p_cache.spec, src_ids, dst_ids), 0)
         _, head, *frames = self.d_sock.recv_multipart(copy=False)
         stats = self.receiver.receive(decode(head), frames, self.d_cache, dst_ids, "bench-p")
         del handoff  # D is done: P may drop its staging buffer
@@ -118,7 +139,8 @@ class _Pair:
         self.receiver.close()
 
 
-def run_transfer(opts: dict[str, Any], env: dict[str, Any], progress: bool = True) -> tuple[list, list]:
+def run_transfer(opts: dict[str, Any], env: dict[str, Any],
+                 progress: bool = True) -> tuple[list, list]:
     """Rows (``op="transfer"``, ``backend`` = connector, and ``op="ceiling"`` rows) per request
     size, plus the connectors skipped with their reason.
 
@@ -128,10 +150,7 @@ def run_transfer(opts: dict[str, Any], env: dict[str, Any], progress: bool = Tru
     P's copy into D's cache for ipc-push), ``ceiling`` (what the ratio is to) and ``verified``.
     """
     import torch
-
-    from kvflow.kernels import payload_bytes
-
-    from .schema import make_row
+    _peer_opts(opts)
     spec = make_spec(LLAMA3_8B, "NHD", "bfloat16")
     g = torch.Generator().manual_seed(opts["seed"])
     rows, skipped = [], []
@@ -139,48 +158,88 @@ def run_transfer(opts: dict[str, Any], env: dict[str, Any], progress: bool = Tru
     for t in sorted(set(opts["tokens"]) - set(sizes)):
         skipped.append({"connector": "*", "reason": f"{t} tokens need more than --num-blocks "
                                                     f"{opts['num_blocks']} / 2 blocks"})
-    pairs = {}
-    for c in opts["connectors"]:
-        try:
-            pairs[c] = _Pair(c, spec, opts["num_blocks"], opts["device"])
-        except Exception as exc:  # noqa: BLE001 - a connector that cannot run is reported
-            skipped.append({"connector": c, "reason": f"{type(exc).__name__}: {exc}"})
-    bar = cli.progress(len(sizes) * len(pairs), "transfer", progress)
+    ids = {t: [i.tolist() for i in disjoint_ids(opts["num_blocks"], spec.num_blocks_for(t), g)]
+           for t in sizes}  # the same blocks for every connector
+    ceil_s: dict[tuple[str, int], float] = {}
+    bar = cli.progress(len(sizes) * len(opts["connectors"]), "transfer", progress)
     try:
-        for tokens in sizes:
-            n = spec.num_blocks_for(tokens)
-            nbytes = payload_bytes(spec, n)
-            src, dst = (ids.tolist() for ids in disjoint_ids(opts["num_blocks"], n, g))
-            ceil_s = {}
-            for name in dict.fromkeys(CEILINGS[c][0] for c in pairs):
-                ts = (loopback_ceiling(nbytes, warmup=opts["warmup"], reps=opts["reps"])
-                      if name == "zmq-loopback" else
-                      copy_ceiling(nbytes, device=opts["device"], warmup=opts["warmup"], reps=opts["reps"]))
-                ceil_s[name] = median(ts)
-                rows.append(make_row(env, op="ceiling", backend=name, spec=spec, tokens=tokens,
-                                     blocks=n, payload_bytes=nbytes, times_s=ts,
-                                     ceiling_s=ceil_s[name], seed=opts["seed"]))
-            for c, pair in pairs.items():
-                ok = pair.check(src, dst)
-                stats: list = []
-                times = time_calls([lambda: stats.append(pair.request(src, dst))],
-                                   warmup=opts["warmup"], reps=opts["reps"])
-                d_ms = median([s.copy_ms for s in stats[-len(times):]])
-                ceiling, what = CEILINGS[c]
-                rows.append(make_row(
-                    env, op="transfer", backend=c, spec=spec, tokens=tokens, blocks=n,
-                    payload_bytes=nbytes, times_s=times, ceiling_s=ceil_s[ceiling], seed=opts["seed"],
-                    latency_ms_p50=percentile(times, 0.5) * 1e3,
-                    latency_ms_p99=percentile(times, 0.99) * 1e3,
-                    d_copy_ms=d_ms, verified=ok, ceiling=what,
-                    config={"num_blocks": opts["num_blocks"], "reps": opts["reps"],
-                            "device": opts["device"], "preset": opts.get("preset")}))
-                bar.update(1)
+        # One connector's pair of caches at a time: with Llama-3-8B's 8 MiB blocks, every pair
+        # held at once (each cache --num-blocks x 8 MiB) outgrows a host's memory.
+        for c in opts["connectors"]:
+            name = CEILINGS[c][0]
+            for tokens in sizes:  # before the pair: its agents' progress threads share the cores
+                if (name, tokens) not in ceil_s:  # first use: measure it (same run)
+                    rows.append(_ceiling(name, spec, tokens, opts, env))
+                    ceil_s[name, tokens] = rows[-1]["time_s"]
+            try:
+                pair = (RemotePair(c, spec, LLAMA3_8B, opts["num_blocks"], opts["device"],
+                                   opts["d_device"], max(sizes, default=1))
+                        if opts["peer_process"] else
+                        _Pair(c, spec, opts["num_blocks"], opts["device"], max(sizes, default=1)))
+            except Exception as exc:  # noqa: BLE001 - a connector that cannot run is reported
+                skipped.append({"connector": c, "reason": f"{type(exc).__name__}: {exc}"})
+                bar.update(len(sizes))
+                continue
+            try:
+                for tokens in sizes:
+                    rows.append(_measure(pair, c, spec, tokens, *ids[tokens], opts, env,
+                                         ceil_s[name, tokens]))
+                    bar.update(1)
+            finally:
+                pair.close()
     finally:
         bar.close()
-        for pair in pairs.values():
-            pair.close()
     return rows, skipped
+
+
+def _ceiling(name: str, spec, tokens: int, opts: dict[str, Any], env: dict[str, Any]) -> dict:
+    """The ceiling row ``name`` (:data:`CEILINGS`) of the payload of ``tokens``."""
+    from kvflow.kernels import payload_bytes
+
+    from .schema import make_row
+    n = spec.num_blocks_for(tokens)
+    nbytes = payload_bytes(spec, n)
+    w, r = opts["warmup"], opts["reps"]
+    extra = {}
+    if name == "zmq-loopback":
+        ts = loopback_ceiling(nbytes, warmup=w, reps=r)
+    elif name == "nixl-write":
+        ts, chunk = (remote_write_ceiling(nbytes, device=opts["device"], d_device=opts["d_device"],
+                                          warmup=w, reps=r) if opts["peer_process"] else
+                     write_ceiling(nbytes, warmup=w, reps=r, device=opts["device"]))
+        extra["chunk_bytes"] = chunk or nbytes
+    else:
+        ts = copy_ceiling(nbytes, device=opts["device"], dst_device=opts["d_device"],
+                          warmup=w, reps=r)
+    return make_row(env, op="ceiling", backend=name, spec=spec, tokens=tokens, blocks=n,
+                    payload_bytes=nbytes, times_s=ts, ceiling_s=median(ts), seed=opts["seed"],
+                    **extra)
+
+
+def _measure(pair: _Pair, c: str, spec, tokens: int, src: list[int], dst: list[int],
+             opts: dict[str, Any], env: dict[str, Any], ceiling_s: float) -> dict:
+    """The transfer row of connector ``c`` at ``tokens`` (checked once, then timed)."""
+    from kvflow.kernels import payload_bytes
+
+    from .schema import make_row
+    n = spec.num_blocks_for(tokens)
+    ok = pair.check(src, dst)
+    stats: list = []
+    extra = {}
+    times = time_calls([lambda: stats.append(pair.request(src, dst))],
+                       warmup=opts["warmup"], reps=opts["reps"])
+    if hasattr(stats[-1], "receive_ms"):  # D in its own process: its receive's wall time
+        extra["d_receive_ms"] = median([s.receive_ms for s in stats[-len(times):]])
+    return make_row(
+        env, op="transfer", backend=c, spec=spec, tokens=tokens, blocks=n,
+        payload_bytes=payload_bytes(spec, n), times_s=times, ceiling_s=ceiling_s,
+        seed=opts["seed"], d_device=opts["d_device"], peer_process=opts["peer_process"],
+        latency_ms_p50=percentile(times, 0.5) * 1e3,
+        latency_ms_p99=percentile(times, 0.99) * 1e3,
+        d_copy_ms=median([s.copy_ms for s in stats[-len(times):]]), verified=ok,
+        ceiling=CEILINGS[c][1],
+        config={"num_blocks": opts["num_blocks"], "reps": opts["reps"],
+                "device": opts["device"], "preset": opts.get("preset")}, **extra)
 
 
 def format_table(rows: list[dict]) -> str:
@@ -199,20 +258,39 @@ def format_table(rows: list[dict]) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     cli.add_common(p)
     p.add_argument("--connectors", type=cli.csv(),
-                   help=f"comma list of {','.join(CONNECTORS)} (default all)")
+                   help=f"comma list of {','.join(KINDS)} (default: the preset's)")
     p.add_argument("--tokens", type=cli.tokens, help="request sizes in tokens")
     p.add_argument("--num-blocks", type=int, help="blocks per cache (quick 16, full 2048)")
     p.add_argument("--warmup", type=int, help="untimed requests per size")
     p.add_argument("--reps", type=int, help="timed requests per size")
+    p.add_argument("--peer-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="run D in its own process (default: on CUDA)")
+    p.add_argument("--d-device", help="D's device (default: the second GPU when there are two, "
+                                      "else P's device)")
+
+
+def _peer_opts(opts: dict[str, Any]) -> None:
+    """Fill ``peer_process`` and ``d_device`` (their defaults depend on the device)."""
+    import torch
+    dev = torch.device(opts["device"])
+    if opts.get("peer_process") is None:
+        opts["peer_process"] = dev.type == "cuda"
+    if not opts.get("d_device"):
+        two = dev.type == "cuda" and torch.cuda.device_count() > 1
+        opts["d_device"] = "cuda:1" if two else (
+            f"cuda:{dev.index or 0}" if dev.type == "cuda" else "cpu")
+    if dev.type == "cuda" and opts["device"] == "cuda":
+        opts["device"] = "cuda:0"
 
 
 def run(args) -> int:
     from .schema import env_info
     cli.require("zmq", "transfer")
     opts = cli.resolve(args, "transfer")
-    unknown = [c for c in opts["connectors"] if c not in CONNECTORS]
+    unknown = [c for c in opts["connectors"] if c not in KINDS]
     if unknown:
-        raise SystemExit(f"--connectors: unknown {', '.join(unknown)}; known: {', '.join(CONNECTORS)}")
+        raise SystemExit(f"--connectors: unknown {', '.join(unknown)}; known: {', '.join(KINDS)}")
+    _peer_opts(opts)
     env = env_info(opts["device"])
     t0 = time.perf_counter()
     rows, skipped = run_transfer(opts, env, progress=not args.no_progress)

@@ -8,6 +8,9 @@ Kinds (:data:`CONNECTORS`), one module each:
   into it while it prefills.
 - ``tcp`` (:mod:`.tcp`): P gathers into a staging buffer and sends zero-copy ZMQ frames, D
   scatters; works between hosts.
+- ``nixl`` (:mod:`.nixl`): D registers its cache with a NIXL agent and P writes each layer
+  group into it with one-sided WRITEs while it prefills; works between hosts (extra
+  ``[nixl]``).
 
 ``auto`` resolves to ``ipc-push`` on CUDA and ``ipc-pull`` on CPU (:func:`resolve_connector`).
 :func:`make_sender` builds P's half, :func:`make_receiver` D's half; the contract is
@@ -19,7 +22,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-CONNECTORS = ("ipc-pull", "ipc-push", "tcp")
+CONNECTORS = ("ipc-pull", "ipc-push", "tcp", "nixl")
 #: Keys of ``kv_connector_config`` each kind accepts, and what each means.
 CONFIG_KEYS: dict[str, dict[str, str]] = {
     "ipc-pull": {},
@@ -27,9 +30,20 @@ CONFIG_KEYS: dict[str, dict[str, str]] = {
                  "max_ctas": "programs (CTAs) of each layerwise copy on CUDA, default 16: fewer "
                              "leave the prefill more SMs, more copy each group faster"},
     "tcp": {},
+    "nixl": {"mode": "direct (WRITE P's blocks into D's, consecutive ids coalesced) or staged "
+                     "(gather into a registered staging buffer, one WRITE per layer group, D "
+                     "scatters), default direct",
+             "layers_per_copy": "layers per layerwise WRITE, default 4",
+             "staging_slots": "staged: paired P's a D can serve (one staging slot each), "
+                              "default 4",
+             "write_timeout_s": "seconds P waits for a request's WRITEs before it fails the "
+                                "request (KVPushed ok=false, HTTP 502), default 30; raise it "
+                                "for long prompts over a slow link"},
 }
+#: Keys whose value is one of a few strings (the other keys take an int >= 1).
+CONFIG_CHOICES: dict[str, dict[str, tuple[str, ...]]] = {"nixl": {"mode": ("direct", "staged")}}
 
-__all__ = ["CONFIG_KEYS", "CONNECTORS", "Handoff", "KVReceiver", "KVSender", "Peer", "PrefillJob",
+__all__ = ["CONFIG_CHOICES", "CONFIG_KEYS", "CONNECTORS", "Handoff", "KVReceiver", "KVSender", "Peer", "PrefillJob",
            "TransferError", "TransferStats", "check_connector_config", "make_receiver",
            "make_sender", "resolve_connector"]
 
@@ -111,20 +125,32 @@ def make_sender(name: str, spec: Any, device: Any = "cpu", *, config: dict[str, 
     if kind == "ipc-pull":
         from .ipc_pull import IpcPullSender
         return IpcPullSender(spec, device, **kw)
+    if kind == "nixl":
+        from .nixl import NixlSender
+        options.pop("staging_slots", None)  # D's setting
+        return NixlSender(spec, device, **options, **kw)
     from .tcp import TcpSender
     return TcpSender(spec, device, **kw)
 
 
 def make_receiver(name: str, spec: Any = None, device: Any = "cpu", *,
-                  backend: str = "auto") -> Any:
-    """D's half of connector ``name`` (a kind or ``auto``) for a cache of ``spec`` on ``device``.
+                  backend: str = "auto", config: dict[str, Any] | None = None,
+                  max_model_len: int = 2048) -> Any:
+    """D's half of connector ``name`` (a kind or ``auto``) for a cache of ``spec`` on ``device``
+    (``config``: ``kv_connector_config``; ``max_model_len``: tokens, sizes nixl's staging).
 
     Raises
     ------
     ValueError
-        Unknown name.
+        Unknown name or config key; a bad config value.
     """
     kind = resolve_connector(name, device)
+    options = check_connector_config(kind, config)
+    if kind == "nixl":
+        from .nixl import NixlReceiver
+        options.pop("write_timeout_s", None)  # P's setting
+        return NixlReceiver(spec, device, backend=backend, max_model_len=max_model_len,
+                            **options)
     if kind == "ipc-push":
         from .ipc_push import PushReceiver
         return PushReceiver(spec, device, backend=backend)

@@ -72,12 +72,16 @@ class Peer:
         Its exported cache ('' if it exports none).
     data_addr : str
         D's data socket (P connects its link there; '' for a P).
+    connector_md : bytes
+        What its connector published for peers (nixl: an encoded
+        :class:`~kvflow.protocol.NixlAgentInfo`; b'' for other kinds).
     """
     id: str
     spec: KVCacheSpec
     num_blocks: int
     shm_name: str = ""
     data_addr: str = ""
+    connector_md: bytes = b""
 
 
 @dataclasses.dataclass
@@ -203,8 +207,9 @@ class KVSender(abc.ABC):
         """Compile the connector's kernels on scratch caches and run any prefill path it needs
         inside a dummy run (nothing registered, signalled or sent). Called before any socket."""
 
-    def export(self) -> dict[str, str]:
-        """Fields for P's :class:`~kvflow.protocol.Register` (e.g. ``shm_name``)."""
+    def export(self) -> dict[str, Any]:
+        """Fields for P's :class:`~kvflow.protocol.Register` (e.g. ``shm_name``,
+        ``connector_md``)."""
         return {}
 
     def attach(self, peer: Peer, ctx: Any = None, link: Any = None) -> Any:
@@ -334,8 +339,9 @@ class KVReceiver(abc.ABC):
     def warmup(self) -> None:
         """Compile the copy kernels on scratch caches (no socket exists yet)."""
 
-    def export(self) -> dict[str, str]:
-        """Fields for D's :class:`~kvflow.protocol.Register` (``shm_name``: '' if none)."""
+    def export(self) -> dict[str, Any]:
+        """Fields for D's :class:`~kvflow.protocol.Register` (``shm_name``: '' if none;
+        ``connector_md``)."""
         return {"shm_name": ""}
 
     def describe(self) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import json
 import os
 import re
 
-from kvflow.connector import CONFIG_KEYS, resolve_connector
+from kvflow.connector import CONFIG_CHOICES, CONFIG_KEYS, resolve_connector
 
 from .config import ServeConfig, build_parser, flag_name
 from .startup import StartupError
@@ -149,6 +149,12 @@ def _check_connector(cfg: ServeConfig, given: set[str]) -> None:
             takes = (f"it takes {', '.join(options)}" if options else "it takes no options")
             raise StartupError(f"--kv-connector-config: {key!r} is not an option of the {kind} "
                                f"connector; {takes}")
+        choices = CONFIG_CHOICES.get(kind, {}).get(key)
+        if choices is not None:
+            if value not in choices:
+                raise StartupError(f"--kv-connector-config: {key} must be one of "
+                                   f"{', '.join(choices)}, got {json.dumps(value)}")
+            continue
         if type(value) is not int or value < 1:
             raise StartupError(f"--kv-connector-config: {key} must be an integer >= 1, got "
                                f"{json.dumps(value)}")

@@ -46,6 +46,10 @@ class ServeConfig:
     host: str = field(default="127.0.0.1", metadata=_flag(
         "address the router (HTTP and control socket) and D's data socket bind to "
         "(127.0.0.1: this machine only)"))
+    advertise_host: str | None = field(default=None, metadata=_flag(
+        "address other hosts dial to reach this process's sockets (the router's control "
+        "address, D's data address; shown in /health)", default_text="--host, or with --host "
+        "0.0.0.0 this host's address on its default route"))
     port: int = field(default=8000, metadata=_flag("HTTP port of the router"))
     mode: str = field(default="disagg", metadata=_flag(
         "disagg: separate P and D instances that move the KV cache over --kv-connector; "

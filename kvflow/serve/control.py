@@ -9,7 +9,8 @@ with the other's KV cache spec and model fingerprint, checks them and answers
 :class:`~kvflow.protocol.PairResult`; ``ready`` is true only when a pair has been accepted by
 both (colocated: one instance). Every P is paired with every D (N x M); :meth:`Controller.pick`
 chooses a (P, D) per request and the Prefill names that D, so a P with several D's sends each
-request to its own D. When a D dies its P's get :class:`~kvflow.protocol.Unpair`.
+request to its own D. When a D dies its P's get :class:`~kvflow.protocol.Unpair`; when a P
+dies, its D's do.
 A remote instance that misses heartbeats for ``dead_after_s``, one on this host whose process
 has exited (:mod:`kvflow.segments`), or a child process of this server that has exited
 (or sent nothing for ``hung_after_s``), is dead: every request that
@@ -38,18 +39,21 @@ from .errors import registration_refusal
 from kvflow.segments import DEAD, process_state
 from .placement import InstanceInfo, ReqState, pick_pair
 
+from .advertise import advertised_host
+
 log = logging.getLogger("kvflow.serve.router")
 
 
 class Controller:
-    """Parameters: ``host`` and ``port`` (0: a free port) to bind; ``mode`` "disagg" or
+    """Parameters: ``host`` and ``port`` (0: a free port) to bind (``advertise_host``: what
+    :attr:`addr` names instead of ``host``, :mod:`~kvflow.serve.advertise`); ``mode`` "disagg" or
     "colocated"; ``metrics`` (:class:`~kvflow.serve.metrics.Metrics`); ``proc_alive(pid)``
     for processes this server spawned (None: heartbeats only)."""
 
     def __init__(self, host: str = ServeConfig.host, port: int = 0, *, mode: str = "disagg",
                  metrics: Any = None, proc_alive: Callable[[int], bool | None] | None = None,
                  dead_after_s: float = ServeConfig.dead_after_s, model: str = "",
-                 tokenizer: str = "") -> None:
+                 tokenizer: str = "", advertise_host: str | None = None) -> None:
         self.mode, self.metrics, self.proc_alive = mode, metrics, proc_alive
         # the router encodes prompts and decodes tokens: an instance must share its vocabulary
         self.model, self.tokenizer = model, tokenizer
@@ -64,7 +68,7 @@ class Controller:
             self.sock.bind(f"tcp://{host}:{port}")
         else:
             port = self.sock.bind_to_random_port(f"tcp://{host}")
-        self.addr = f"tcp://{host}:{port}"
+        self.addr = f"tcp://{advertised_host(host, advertise_host)}:{port}"  # what peers dial
         self.instances: dict[str, InstanceInfo] = {}
         self.requests: dict[str, ReqState] = {}
         self.errors: list[str] = []
@@ -197,11 +201,13 @@ class Controller:
             await self.send(p, Pair(peer_id=d.id, peer_role="decode", peer_spec=d.reg.spec,
                                     peer_num_blocks=d.reg.num_blocks, data_addr=d.reg.data_addr,
                                     shm_name=d.reg.shm_name, peer_pid=d.reg.pid,
-                                    peer_host_id=d.reg.host_id, peer_fingerprint=d.reg.fingerprint))
+                                    peer_host_id=d.reg.host_id, peer_fingerprint=d.reg.fingerprint,
+                                    peer_connector_md=d.reg.connector_md))
             await self.send(d, Pair(peer_id=p.id, peer_role="prefill", peer_spec=p.reg.spec,
                                     peer_num_blocks=p.reg.num_blocks, shm_name=p.reg.shm_name,
                                     peer_pid=p.reg.pid, peer_host_id=p.reg.host_id,
-                                    peer_fingerprint=p.reg.fingerprint))
+                                    peer_fingerprint=p.reg.fingerprint,
+                                    peer_connector_md=p.reg.connector_md))
 
     # ---- liveness -------------------------------------------------------------------
     async def _monitor(self) -> None:
@@ -232,8 +238,11 @@ class Controller:
         self.errors.append(f"{info.role} instance {info.id} (pid {info.reg.pid}) {why}")
         log.error("%s", self.errors[-1])
         for other in self.instances.values():
-            if info.id in other.pair_ok and other.role == "prefill":  # P drops only this D's link
-                asyncio.ensure_future(self.send(other, Unpair(peer_id=info.id, reason=why)))
+            # a P drops only this D's link; a D frees what it keeps for this P (lent blocks, a
+            # staging slot): at once if it exited, else kv_lease_s later
+            if info.id in other.pair_ok:
+                asyncio.ensure_future(self.send(other, Unpair(peer_id=info.id, reason=why,
+                                                              exited=exited)))
             other.pair_ok.discard(info.id)
         if self.metrics is not None:
             self.metrics.forget(info.id, info.role)

@@ -24,9 +24,10 @@ import time
 
 import zmq
 
-from kvflow.protocol import Abort, Allocate, KVPushed, LeaseRenew, Pair, PairResult
+from kvflow.protocol import Abort, Allocate, KVPushed, LeaseRenew, Pair, PairResult, Unpair
 from kvflow.blocks import DecodeState, PrefixCache
 
+from .advertise import advertised_host
 from .arrivals import Arrivals, InFlight
 from .instance import Instance
 from .lent import LentBlocks
@@ -49,17 +50,18 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
         self.peer_id = ""  # the last paired P
         self.receiver = None  # kvflow.connector.KVReceiver, built by setup()
         self._last_peer_check = 0.0
+        self.unpaired: dict[str, float] = {}  # P declared dead, not seen exit -> when (monotonic)
 
     # ---- start-up -------------------------------------------------------------------
     def setup(self) -> None:
-        from kvflow.connector import check_connector_config, make_receiver
+        from kvflow.connector import make_receiver
         from kvflow.engine import Engine
         from kvflow.blocks import BlockAllocator
         cfg = self.cfg
         try:
             self.receiver = make_receiver(cfg.kv_connector, self.spec, cfg.device,
-                                          backend=cfg.backend)
-            check_connector_config(self.receiver.name, cfg.kv_connector_config)
+                                          backend=cfg.backend, config=cfg.kv_connector_config,
+                                          max_model_len=self.max_model_len)
         except ValueError as exc:  # unknown connector or option: one line
             raise StartupError(str(exc)) from None
         self.cache = self.receiver.make_cache(self.num_blocks)
@@ -87,7 +89,7 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
         # new connection take over instead of being refused while the old one lingers
         self.data.setsockopt(zmq.ROUTER_HANDOVER, 1)
         port = self.data.bind_to_random_port(f"tcp://{self.cfg.host}")
-        self.data_addr = f"tcp://{self.cfg.host}:{port}"
+        self.data_addr = f"tcp://{advertised_host(self.cfg.host, self.cfg.advertise_host)}:{port}"
         self.sockets[self.data] = "prefill link"
 
     def connector_name(self) -> str:
@@ -104,6 +106,7 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
                 self.receiver.attach(peer_of(msg, self.spec))
                 self.peer_id = msg.peer_id
                 self.lent.meet(msg.peer_id, msg.peer_pid, msg.peer_host_id)
+                self.unpaired.pop(msg.peer_id, None)
                 self._check_peers()
             except Exception as exc:
                 error = f"cannot attach to {msg.peer_id}'s cache: {exc}"
@@ -111,6 +114,25 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
             log.error("%s: %s", self.instance_id, error)
         self.send_ctrl(PairResult(instance_id=self.instance_id, peer_id=msg.peer_id,
                                   ok=not error, error=error))
+
+    def on_unpair(self, msg: Unpair, frames, ident) -> None:
+        """Prefill instance ``msg.peer_id`` died. The router saw it exit: forget it now (the
+        connector's state for it, e.g. a nixl staging slot and agent, and every block lent to
+        it). Only silent (it may still write): a connector whose P's may live on other hosts
+        forgets it ``kv_lease_s`` later unless it pairs again; lent blocks follow
+        :mod:`kvflow.serve.lent`."""
+        log.warning("%s: prefill instance %s died (%s)", self.instance_id, msg.peer_id,
+                    msg.reason or "no reason given")
+        if msg.exited:
+            self._forget_peer(msg.peer_id)
+        elif not self.receiver.host_local:
+            self.unpaired.setdefault(msg.peer_id, time.monotonic())
+
+    def _forget_peer(self, peer_id: str) -> None:
+        self.unpaired.pop(peer_id, None)
+        self.receiver.detach(peer_id)
+        self.lent.forget(peer_id)
+        self.report_blocks()
 
     def on_allocate(self, msg: Allocate, frames, ident) -> None:
         if msg.req_id in self.lent:  # its blocks are still lent
@@ -160,6 +182,9 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
         if now - self._last_peer_check >= (0.1 if self.lent else 1.0):
             self._last_peer_check = now
             self._check_peers()
+            for peer, t in list(self.unpaired.items()):
+                if now - t >= self.kv_lease_s:  # declared dead a lease ago, not paired again
+                    self._forget_peer(peer)
         self.lent.warn_overdue(self.instance_id, self.receive_timeout_s)
         for req_id, held in list(self.inflight.items()):
             if now >= held.due:

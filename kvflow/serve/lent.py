@@ -4,8 +4,9 @@ liveness of D's paired P's.
 A request that ends on D before its P's ``KVPushed`` leaves its blocks *lent*: never reused
 while the writing process exists. They come back on P's ``KVPushed``; when P's process is gone
 (judged as the router judges instances: P's pid, only when P's host id equals D's,
-:mod:`kvflow.segments`; or the router saw it exit, ``Abort.peer_exited``); or, for a P
-that D cannot judge (another pid namespace), ``kv_lease_s`` after the router declared it dead.
+:mod:`kvflow.segments`; or the router saw it exit, ``Abort.peer_exited`` /
+``Unpair.exited``); or, for a P that D cannot judge (another pid namespace), ``kv_lease_s``
+after the router declared it dead.
 A router's "dead" alone (missed heartbeats: a slow prefill) frees nothing. See
 docs/reliability.md.
 """
@@ -53,9 +54,20 @@ class LentBlocks(dict):
         self.gone_peers: set[str] = set()     # P's whose process D saw gone
 
     def meet(self, peer_id: str, pid: int, host: str) -> None:
-        """P ``peer_id`` paired with this D."""
+        """P ``peer_id`` paired with this D (blocks lent to an earlier process of that id that
+        is gone are given back first)."""
+        self.settle()
+        self.gone_peers.discard(peer_id)
         self.peer_pids[peer_id] = pid
         self.peer_hosts[peer_id] = host
+
+    def forget(self, peer_id: str) -> None:
+        """P ``peer_id`` can write no more (the router saw it exit, or it was declared dead
+        ``kv_lease_s`` ago): give back every block lent to it and renew no lease with it."""
+        self.peer_pids.pop(peer_id, None)
+        self.peer_hosts.pop(peer_id, None)
+        self.gone_peers.add(peer_id)
+        self.settle()
 
     def lend(self, req_id: str, blocks: list[int]) -> None:
         self[req_id] = Lent(list(blocks))

@@ -37,4 +37,4 @@ def peer_of(msg: Any, spec: KVCacheSpec) -> Any:
     equals ``spec``: checked by :func:`check_peer`)."""
     from kvflow.connector import Peer
     return Peer(id=msg.peer_id, spec=spec, num_blocks=msg.peer_num_blocks, shm_name=msg.shm_name,
-                data_addr=msg.data_addr)
+                data_addr=msg.data_addr, connector_md=msg.peer_connector_md)

@@ -43,7 +43,7 @@ def _controller(cfg: ServeConfig, metrics, children, tokenizer):
         return Controller(cfg.host, cfg.control_port, mode=cfg.mode, metrics=metrics,
                           proc_alive=children.alive if children else None,
                           dead_after_s=cfg.dead_after_s, model=cfg.model,
-                          tokenizer=tokenizer.digest)
+                          tokenizer=tokenizer.digest, advertise_host=cfg.advertise_host)
     except zmq.ZMQError as exc:
         raise bind_error("--control-port", cfg.control_port, cfg.host, cfg.control_port,
                          exc.errno, zmq.strerror(exc.errno)) from None

@@ -1,0 +1,256 @@
+"""One NIXL agent per instance, as the ``nixl`` connector uses it: register memory once, meet
+peers from their :class:`~kvflow.protocol.NixlAgentInfo`, prepare descriptor lists once per
+peer, post WRITEs, and wait for them with a bound.
+
+NIXL (``pip install nixl-cu12`` or ``nixl-cu13``, imported as ``nixl``, ``nixl_cu12`` or
+``nixl_cu13``) runs without a GPU: its UCX backend moves host memory over TCP, RDMA or, between
+two processes of one host, shared memory (UCX picks it unless ``UCX_TLS=tcp``). An agent is
+addressed by its metadata (``get_agent_metadata()``: backends, UCX worker address, registered
+memory), which kvflow carries in ``Register`` / ``Pair``: no etcd, no metadata server, no
+listener thread.
+
+Descriptors (:func:`block_descs`): one per (cache tensor, block), ``block_bytes`` each, in
+tensor-major order, so descriptor ``t * num_blocks + b`` is block ``b`` of tensor ``t``. A
+transfer names descriptors by index (``make_prepped_xfer``); NIXL merges descriptors adjacent
+in both lists, so a run of consecutive block ids on both sides moves as one descriptor
+(:func:`~kvflow.connector.nixl_plan.coalesce` counts them).
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import secrets
+import time
+from typing import Any
+
+import numpy as np
+
+from .base import TransferError
+
+#: Modules that provide NIXL's Python API, tried in order.
+NIXL_MODULES = ("nixl._api", "nixl_cu12", "nixl_cu13")
+
+
+def import_nixl() -> Any:
+    """NIXL's Python API module (with ``nixl_agent`` and ``nixl_agent_config``).
+
+    Raises
+    ------
+    ImportError
+        None of :data:`NIXL_MODULES` imports, naming the pip package to install.
+    """
+    errors = []
+    for name in NIXL_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+            continue
+        if hasattr(mod, "nixl_agent"):
+            return mod
+    raise ImportError("the nixl connector needs NIXL: pip install 'kvflow[nixl]' (or "
+                      "nixl-cu12 / nixl-cu13 1.5.1); " + "; ".join(errors))
+
+
+def nixl_available() -> bool:
+    """NIXL imports here (tests of the nixl connector skip otherwise)."""
+    try:
+        import_nixl()
+    except ImportError:
+        return False
+    return True
+
+
+def block_descs(base: int, num_tensors: int, num_blocks: int, block_bytes: int,
+                device_id: int = 0) -> np.ndarray:
+    """Descriptors ``(address, bytes, device_id)`` of every block of every tensor of a cache
+    laid out as :class:`~kvflow.cache.PagedKVCache` from ``base``: row ``t * num_blocks + b``
+    is block ``b`` of tensor ``t`` (``num_tensors * num_blocks`` rows, uint64; ``device_id``:
+    0 for host memory, the CUDA ordinal for GPU memory)."""
+    offs = np.arange(num_tensors * num_blocks, dtype=np.uint64) * np.uint64(block_bytes)
+    out = np.zeros((offs.size, 3), dtype=np.uint64)
+    out[:, 0] = np.uint64(base) + offs
+    out[:, 1] = block_bytes
+    out[:, 2] = device_id
+    return out
+
+
+def mem_type(tensor: Any) -> tuple[str, int]:
+    """NIXL's memory type and device id of ``tensor``: ``("DRAM", 0)`` on the host,
+    ``("VRAM", ordinal)`` on a CUDA GPU.
+
+    Raises
+    ------
+    TransferError
+        Another device type (NIXL's UCX backend moves host and CUDA memory).
+    """
+    dev = tensor.device
+    if dev.type == "cpu":
+        return "DRAM", 0
+    if dev.type == "cuda":
+        return "VRAM", dev.index if dev.index is not None else 0
+    raise TransferError(f"NIXL moves host (cpu) or CUDA memory; got a tensor on {dev}")
+
+
+class Agent:
+    """This instance's NIXL agent and what it knows of its peers.
+
+    Parameters
+    ----------
+    role : str
+        Part of the agent's name (``prefill``, ``decode``, ``bench``...), which also carries a
+        random part (unique per instance).
+    telemetry : bool
+        Capture per-transfer telemetry (descriptor counts; tests).
+    """
+
+    def __init__(self, role: str, *, telemetry: bool = False) -> None:
+        nixl = import_nixl()
+        self.name = f"nixl-{role}-{secrets.token_hex(6)}"  # unique per instance, no segment
+        conf = nixl.nixl_agent_config(backends=["UCX"], capture_telemetry=telemetry)
+        self.agent = nixl.nixl_agent(self.name, conf)
+        if "UCX" not in self.agent.backends:
+            raise TransferError(f"NIXL has no UCX backend here (plugins: "
+                                f"{self.agent.get_plugin_list()})")
+        self.regs: list[Any] = []
+        self.peers: dict[str, str] = {}  # peer instance id -> its agent's name
+        self.notifs: dict[str, list[bytes]] = {}  # agent name -> notifications not taken yet
+        self._seq = itertools.count()
+
+    # ---- memory and peers ------------------------------------------------------------------
+    def register(self, tensor: Any) -> None:
+        """Register a contiguous host or CUDA tensor (the whole cache, or a staging buffer)
+        once (NIXL takes its memory type from the tensor: :func:`mem_type`)."""
+        self.regs.append(self.agent.register_memory(tensor))
+
+    def metadata(self) -> bytes:
+        """This agent's metadata (after every :meth:`register`)."""
+        return self.agent.get_agent_metadata()
+
+    def add_peer(self, peer_id: str, metadata: bytes) -> str:
+        """Load peer ``peer_id``'s agent metadata (replacing an earlier one of that peer);
+        returns its agent name.
+
+        Raises
+        ------
+        TransferError
+            NIXL refuses the metadata.
+        """
+        self.remove_peer(peer_id)
+        try:
+            name = self.agent.add_remote_agent(metadata)
+        except Exception as exc:
+            raise TransferError(f"NIXL could not load the agent metadata of {peer_id} "
+                                f"({len(metadata)} bytes): {type(exc).__name__}: {exc}") from None
+        name = name.decode() if isinstance(name, bytes) else name
+        self.peers[peer_id] = name
+        return name
+
+    def remove_peer(self, peer_id: str) -> None:
+        """Forget peer ``peer_id``'s agent (it died or paired anew): NIXL disconnects from it."""
+        name = self.peers.pop(peer_id, None)
+        self.notifs.pop(name, None)
+        if name is not None:
+            try:
+                self.agent.remove_remote_agent(name)
+            except Exception:  # already gone inside NIXL
+                pass
+
+    def prep(self, agent: str, descs: np.ndarray, mem: str = "DRAM") -> Any:
+        """A prepared descriptor list (``prep_xfer_dlist``) of ``descs`` on ``agent``'s memory
+        ('' : this agent's own) of NIXL memory type ``mem`` (``DRAM`` or ``VRAM``)."""
+        return self.agent.prep_xfer_dlist(agent or "NIXL_INIT_AGENT", descs, mem)
+
+    # ---- transfers ---------------------------------------------------------------------
+    def write(self, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray,
+              what: str) -> Any:
+        """Post one WRITE of prepared descriptors ``local_idx`` into ``remote_idx``; returns
+        its handle (wait with :meth:`wait`).
+
+        Raises
+        ------
+        TransferError
+            NIXL refuses or fails it (e.g. the peer disconnected), naming ``what``.
+        """
+        try:
+            handle = self.agent.make_prepped_xfer("WRITE", local, local_idx.astype(np.int32),
+                                                  remote, remote_idx.astype(np.int32))
+            state = self.agent.transfer(handle)
+        except Exception as exc:
+            raise TransferError(f"NIXL WRITE of {what} failed: {type(exc).__name__}: "
+                                f"{exc}") from None
+        if state == "ERR":
+            handle.release()
+            raise TransferError(f"NIXL WRITE of {what} failed at post (state ERR)")
+        return handle
+
+    def wait(self, handles: list[Any], timeout_s: float, what: str) -> None:
+        """Block until every handle's transfer is done (``check_xfer_state``), then release
+        them; at most ``timeout_s`` seconds.
+
+        Raises
+        ------
+        TransferError
+            A transfer ended in ERR or raised, or the time ran out (every handle released).
+        """
+        deadline = time.monotonic() + timeout_s
+        try:
+            for h in handles:
+                while True:
+                    try:
+                        state = self.agent.check_xfer_state(h)
+                    except Exception as exc:
+                        raise TransferError(f"NIXL WRITE of {what} failed: "
+                                            f"{type(exc).__name__}: {exc}") from None
+                    if state == "DONE":
+                        break
+                    if state == "ERR":
+                        raise TransferError(f"NIXL WRITE of {what} failed (state ERR)")
+                    if time.monotonic() > deadline:
+                        raise TransferError(f"NIXL WRITE of {what} not done within "
+                                            f"{timeout_s:g} s")
+                    time.sleep(0 if time.monotonic() + 0.01 > deadline else 20e-6)
+        finally:
+            for h in handles:
+                try:
+                    h.release()
+                except Exception:  # a transfer NIXL cannot cancel: it frees it with the agent
+                    pass
+
+    def telemetry(self, handle: Any) -> Any:
+        """NIXL's telemetry of a transfer (``descCount``, ``totalBytes``; needs telemetry)."""
+        return self.agent.get_xfer_telemetry(handle)
+
+    # ---- notifications -----------------------------------------------------------------
+    def notify(self, peer_id: str, message: bytes) -> None:
+        """Send ``message`` to peer ``peer_id``'s agent (best effort: a gone peer is ignored)."""
+        name = self.peers.get(peer_id)
+        if name is not None:
+            try:
+                self.agent.send_notif(name, message)
+            except Exception:
+                pass
+
+    def take(self, peer_id: str, prefix: bytes) -> bytes | None:
+        """The oldest notification from peer ``peer_id`` that starts with ``prefix`` (removed),
+        or None."""
+        for name, msgs in self.agent.get_new_notifs().items():
+            self.notifs.setdefault(name.decode() if isinstance(name, bytes) else name,
+                                   []).extend(msgs)
+        msgs = self.notifs.get(self.peers.get(peer_id, ""), [])
+        for i, m in enumerate(msgs):
+            if m.startswith(prefix):
+                return msgs.pop(i)
+        return None
+
+    def close(self) -> None:
+        """Forget every peer and deregister the memory."""
+        for peer_id in list(self.peers):
+            self.remove_peer(peer_id)
+        for reg in self.regs:
+            try:
+                self.agent.deregister_memory(reg)
+            except Exception:
+                pass
+        self.regs.clear()

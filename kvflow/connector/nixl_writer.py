@@ -1,0 +1,276 @@
+"""P's WRITEs of a request's KV into a paired D over NIXL, in the shape of
+:class:`~kvflow.connector.layer_copy.LayerCopier` (``start``, ``pairs``, ``layer_hook``,
+``finish``), so :class:`~kvflow.connector.ipc_push.PushSender`'s prefill drives it.
+
+Two data modes (``kv_connector_config`` ``mode``):
+
+- ``direct``: after each group of ``layers_per_copy`` layers of a chunk, one WRITE from P's
+  registered cache into D's, naming the group's tensors x the chunk's complete blocks
+  (:func:`~kvflow.connector.nixl_plan.desc_indices` into descriptor lists prepared once per
+  peer; NIXL merges consecutive ids). A block is written once, by the chunk that completes it.
+- ``staged``: in the last chunk, after each layer group, P gathers the group's layers of every
+  prompt block with :func:`~kvflow.kernels.gather_blocks` into its registered staging buffer
+  (``[layers, tensors_per_layer, blocks, *block_shape]``) and WRITEs that one contiguous range
+  into its slot of D's staging buffer; D scatters on ``KVPushed``. Before a request, P waits
+  for D's ``free`` notification of the previous one (the slot is then unread).
+
+Every WRITE is posted at once and waited for (``check_xfer_state``, bounded by
+``timeout_s``) in :meth:`NixlWriter.finish`, before P sends ``KVPushed``. A prompt that moves
+after its prefill (``send_prefilled``) is written per layer group too in staged mode on the
+host: the gather of one group runs while the WRITE of the one before is on the wire (NIXL's
+progress thread moves it). On a GPU it is one gather of every layer and one WRITE: a gather
+and a WRITE over ``cuda_ipc`` share the GPU's memory bandwidth, and each group costs a launch
+and a wait for the stream (one H200: 8.6 ms per 16K-token request in 8 groups).
+
+On a GPU, NIXL reads P's memory outside the CUDA stream, so P waits for its stream before it
+posts a WRITE (the prefill's layers or the gather).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvflow.cache import staging_shape
+from kvflow.kernels import gather_blocks
+
+from .base import TransferError
+from .nixl_plan import desc_indices
+
+#: Seconds P waits for a D's staging slot (its ``slot`` or ``free`` notification).
+SLOT_TIMEOUT_S = 10.0
+
+
+@dataclasses.dataclass
+class NixlPeer:
+    """A paired D as P's writer sees it.
+
+    Attributes
+    ----------
+    id, agent : str
+        D's instance id and agent name.
+    num_blocks : int
+        Blocks of D's cache.
+    remote : object
+        D's prepared descriptor list (direct: its cache; staged: its staging buffer).
+    slot : int or None
+        Staged: D's slot for this P (None until D's ``slot`` notification).
+    slot_descs : int
+        Staged: descriptors per slot.
+    last_req : str
+        Staged: the request last written into the slot ('' : none).
+    """
+    id: str
+    agent: str
+    num_blocks: int
+    remote: Any = None
+    slot: int | None = None
+    slot_descs: int = 0
+    last_req: str = ""
+
+
+class NixlWriter:
+    """Posts and waits for WRITEs from P's registered ``cache`` (and staging buffer).
+
+    Parameters
+    ----------
+    agent : kvflow.connector.nixl_agent.Agent
+    cache : PagedKVCache
+        P's cache, registered with ``agent``; ``local`` its prepared descriptor list.
+    mode : str
+        ``direct`` or ``staged``.
+    layers_per_copy : int
+    staging : torch.Tensor or None
+        Staged: P's registered flat uint8 staging buffer; ``local_staging`` its list of
+        ``block_bytes`` descriptors.
+    backend : str
+        Kernel backend of the gather.
+    timeout_s : float
+        Bound on waiting for a request's WRITEs.
+    """
+
+    def __init__(self, agent: Any, cache: Any, local: Any, mode: str, layers_per_copy: int, *,
+                 staging: Any = None, local_staging: Any = None, backend: str = "auto",
+                 timeout_s: float = 30.0) -> None:
+        self.agent, self.cache, self.local, self.mode = agent, cache, local, mode
+        self.layers_per_copy, self.backend, self.timeout_s = layers_per_copy, backend, timeout_s
+        self.staging, self.local_staging = staging, local_staging
+        self.handles: list[Any] = []
+        self.job: Any = None  # the request being written (staged)
+        self._ids: tuple[Any, Any] | None = None  # (job, its ids) of the staged gathers
+
+    # ---- the LayerCopier interface ---------------------------------------------------
+    def start(self) -> None:
+        """Nothing to order on CPU (the kernels and NIXL run on the host)."""
+
+    def begin(self, job: Any, peer: NixlPeer | None) -> None:
+        """A new request ``job`` to ``peer``: staged, wait until its slot is free.
+
+        Raises
+        ------
+        TransferError
+            D sent no slot, or did not free it, within :data:`SLOT_TIMEOUT_S`.
+        """
+        self.job = job
+        if self.mode != "staged" or peer is None:
+            return
+        deadline = time.monotonic() + SLOT_TIMEOUT_S
+        while peer.slot is None:
+            got = self.agent.take(peer.id, b"slot ")
+            if got is not None:
+                peer.slot = int(got.split()[1])
+            elif time.monotonic() > deadline:
+                raise TransferError(f"decode instance {peer.id} assigned this prefill instance "
+                                    f"no staging slot within {SLOT_TIMEOUT_S:g} s")
+            else:
+                time.sleep(1e-3)
+        while self._drain_free(peer):
+            if time.monotonic() > deadline:
+                raise TransferError(f"decode instance {peer.id} did not free its staging slot "
+                                    f"of request {peer.last_req} within {SLOT_TIMEOUT_S:g} s")
+            else:
+                time.sleep(1e-4)
+
+    def _drain_free(self, peer: NixlPeer) -> bool:
+        """Take every ``free`` notice D sent: the one of ``peer.last_req`` frees the slot; the
+        rest are dropped (D tells every paired P of a request that ended before its KV came,
+        as it does not know which P prefilled it). True while the slot is still taken."""
+        while (got := self.agent.take(peer.id, b"free ")) is not None:
+            if got[len(b"free "):].decode() == peer.last_req:
+                peer.last_req = ""
+        return bool(peer.last_req)
+
+    def pairs(self, blocks, dst_ids, first: int, stop: int, skip: int, peer: NixlPeer | None):
+        """P's and D's ids of logical blocks ``[max(first, skip), stop)`` (lists), or None
+        when empty; checked against both caches.
+
+        Raises
+        ------
+        TransferError
+            An id outside its cache, or ``dst_ids`` repeating a block.
+        """
+        lo = max(first, skip)
+        if lo >= stop:
+            return None
+        src, dst = list(blocks[lo:stop]), list(dst_ids[lo:stop])
+        limit = peer.num_blocks if peer is not None else self.cache.num_blocks
+        for name, ids, n in (("P's block table", src, self.cache.num_blocks),
+                             ("decode_block_ids", dst, limit)):
+            bad = [b for b in ids if not 0 <= b < n]
+            if bad:
+                raise TransferError(f"{name} holds block {bad[0]}, not in [0, {n})")
+        if len(set(dst)) != len(dst):
+            raise TransferError(f"decode_block_ids repeats a block: {dst}")
+        return src, dst
+
+    def layer_hook(self, pairs, stats: Any, last_chunk: bool):
+        """The engine's per-layer hook of one chunk: after each group of layers, post that
+        group's WRITE (direct: this chunk's ``pairs``; staged: in the ``last_chunk`` only, every
+        prompt block of the group, gathered first)."""
+        L, G = self.cache.spec.num_layers, self.layers_per_copy
+        if self.mode == "staged" and not last_chunk:
+            return None
+
+        def hook(layer: int) -> None:
+            if (layer + 1) % G and layer != L - 1:
+                return
+            self._write(pairs, range(layer - layer % G, layer + 1), stats)
+        return hook
+
+    def finish(self, stats: Any = None) -> None:
+        """Post the WRITE after the prefill (``stats.pending``, all layers), then wait for every
+        WRITE posted (bounded); ``stats.exposed_ms`` is the time spent here.
+
+        Raises
+        ------
+        TransferError
+            A WRITE failed or did not finish within ``timeout_s``.
+        """
+        t0 = time.perf_counter()
+        handles, self.handles = self.handles, []
+        try:
+            if stats is not None and stats.pending is not None:
+                pending, stats.pending = stats.pending, None
+                L = self.cache.spec.num_layers
+                on_host = not self.cache.buffer.is_cuda
+                step = self.layers_per_copy if self.mode == "staged" and on_host else L
+                for lo in range(0, L, step):
+                    self._write(pending, range(lo, min(lo + step, L)), stats)
+                handles, self.handles = handles + self.handles, []
+            if handles:
+                self.agent.wait(handles, self.timeout_s, f"{len(handles)} layer groups")
+        finally:
+            for h in self.handles:
+                h.release()
+            self.handles = []
+        if stats is not None:
+            stats.exposed_ms = (time.perf_counter() - t0) * 1e3
+
+    def close(self) -> None:
+        """Release the handles of WRITEs never waited for."""
+        for h in self.handles:
+            h.release()
+        self.handles = []
+
+    # ---- one WRITE ---------------------------------------------------------------------
+    def _write(self, pairs, layers: range, stats: Any) -> None:
+        t0 = time.perf_counter()
+        if not stats.t_start:
+            stats.t_start = time.time()
+        peer: NixlPeer = stats.dst
+        tpl = self.cache.spec.tensors_per_layer
+        tensors = range(layers.start * tpl, layers.stop * tpl)
+        what = f"layers [{layers.start}, {layers.stop}) to {peer.id}"
+        if self.mode == "direct":
+            src, dst = pairs
+            self._settle()
+            self.handles.append(self.agent.write(
+                self.local, desc_indices(src, tensors, self.cache.num_blocks), peer.remote,
+                desc_indices(dst, tensors, peer.num_blocks), what))
+        else:
+            handle = self._write_staged(peer, layers, tensors, what)
+            if handle is not None:  # None: no block to move (D's prefix cache holds them all)
+                self.handles.append(handle)
+            peer.last_req = self.job.req_id
+        stats.copy_ms += (time.perf_counter() - t0) * 1e3
+
+    def _ids_of(self, job: Any) -> Any:
+        """P's ids of the blocks ``job`` moves, once per request: on a GPU a device tensor (one
+        host-to-device copy for every layer group, checked by the kernel), else a list."""
+        if self._ids is not None and self._ids[0] is job:
+            return self._ids[1]
+        nb = self.cache.spec.num_blocks_for(len(job.token_ids))
+        ids: Any = list(job.blocks[min(job.num_cached_blocks, nb):nb])
+        if self.cache.buffer.is_cuda and ids:
+            ids = torch.tensor(ids, dtype=torch.int32).to(self.cache.buffer.device)
+        self._ids = (job, ids)
+        return ids
+
+    def _settle(self) -> None:
+        """On a GPU, wait for P's stream: what it computed or gathered is in memory before NIXL
+        reads it."""
+        if self.cache.buffer.is_cuda:
+            torch.cuda.current_stream(self.cache.buffer.device).synchronize()
+
+    def _write_staged(self, peer: NixlPeer, layers: range, tensors: range, what: str):
+        """Gather ``layers`` of the request's blocks into the staging buffer at their place in
+        ``staging_shape(spec, n)`` and WRITE that range into D's slot; None when the request
+        moves no block."""
+        spec, job = self.cache.spec, self.job
+        ids = self._ids_of(job)
+        n = len(ids)
+        if n == 0:
+            return None
+        lo, hi = tensors.start * n, tensors.stop * n  # in block_bytes units
+        out = self.staging[lo * spec.block_bytes:hi * spec.block_bytes]
+        out = out.view(spec.dtype).view(staging_shape(spec, n, layers))
+        gather_blocks(self.cache, ids, out, layers, backend=self.backend)
+        self._settle()
+        base = peer.slot * peer.slot_descs
+        idx = np.arange(lo, hi, dtype=np.int32)
+        return self.agent.write(self.local_staging, idx, peer.remote, base + idx, what)
+
