@@ -23,8 +23,10 @@ Conversion (when :attr:`Mapping.convert`), all in float32 with IEEE round-to-nea
      written. Slots of the block the call leaves untouched keep their bytes (the scale of the
      block then also applies to them).
 
-``1 / s`` and ``a / M`` are correctly rounded float32 divisions. NaN and infinite inputs are
-outside the contract (backends may differ on them).
+``1 / s`` and ``a / M`` are correctly rounded float32 divisions (:func:`div_rn`, also on CUDA,
+where torch's ``tensor / python_float`` is ``tensor * (1 / python_float)``); the Triton kernel
+divides with ``div.rn.f32`` and never contracts a multiply and an add (tests/reblock_ptx.py).
+NaN and infinite inputs are outside the contract (backends may differ on them).
 """
 
 from __future__ import annotations
@@ -91,6 +93,20 @@ def _table(op: Operand) -> torch.Tensor:
     return op.ids.to("cpu", torch.int64)
 
 
+def div_rn(a: torch.Tensor | float, b: torch.Tensor | float) -> torch.Tensor:
+    """``a / b`` in float32, correctly rounded (IEEE round to nearest even) on every device.
+
+    At least one of ``a``, ``b`` is a float32 tensor; a Python float is made a tensor of the
+    other's shape on its device first, because torch on CUDA computes ``tensor / float`` as
+    ``tensor * (1 / float)`` (ATen's ``div_true_kernel_cuda``), one rounding more, which
+    differs in the last bit for about half of all quotients by 448."""
+    if not isinstance(a, torch.Tensor):
+        a = torch.full_like(b, a)
+    if not isinstance(b, torch.Tensor):
+        b = torch.full_like(a, b)
+    return torch.div(a, b)
+
+
 def quantize(x: torch.Tensor, dtype: torch.dtype, inv_scale: torch.Tensor | None) -> torch.Tensor:
     """float32 ``x`` to ``dtype`` (fp8: ``clamp(x * inv_scale, -M, M)``, see the module docstring)."""
     if dtype not in FP8_MAX:
@@ -132,7 +148,7 @@ def reblock(job: Job) -> None:
         x = x.to(dv.device)
         inv = None
         if mp.dst.scales == "tensor":
-            inv = 1.0 / job.dst.scales[job.dst.j0 + j]
+            inv = div_rn(1.0, job.dst.scales[job.dst.j0 + j])
         elif mp.dst.scales == "block_head":
             inv = _block_head_inv(x, db_d, job.dst, j, hd, mp.dst.dtype)
         dv[db_d, d_slot_d, hd] = quantize(x, mp.dst.dtype, inv)
@@ -149,6 +165,6 @@ def _block_head_inv(x: torch.Tensor, db: torch.Tensor, dst: Operand, j: int, hd:
                          include_self=True)
     hit = torch.zeros(dst.num_blocks, dtype=torch.bool, device=x.device)
     hit[db] = True
-    scale = torch.clamp(amax, min=MIN_AMAX) / FP8_MAX[dtype]
+    scale = div_rn(torch.clamp(amax, min=MIN_AMAX), FP8_MAX[dtype])
     scales[hit, hd] = scale[hit]
-    return (1.0 / scale)[db].unsqueeze(-1)
+    return div_rn(1.0, scale)[db].unsqueeze(-1)

@@ -1,5 +1,6 @@
 """Compile the re-blocking kernel for sm_90 without a GPU (Triton's own compiler and ptxas) and
-print, per case, the widest global loads/stores and the conversions (JSON lines). Run in a
+print, per case, the widest global loads/stores, the conversions, the float32 divisions and
+reciprocals, the fused multiply-adds and the flush-to-zero ops (JSON lines). Run in a
 subprocess by tests/test_reblock_triton.py: the test process runs Triton's interpreter."""
 
 from __future__ import annotations
@@ -37,8 +38,11 @@ for name, (s, d) in CASES.items():
                           dup=True, max_ctas=None)
     sig = {a: "i64" for a in rl._RUNTIME} | {k: "constexpr" for k in plan.consts}
     k = triton.compile(ASTSource(fn=_reblock, signature=sig, constexprs=dict(plan.consts)),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": plan.warps})
+                       target=GPUTarget("cuda", 90, 32), options=plan.options)
     ptx = k.asm["ptx"]
     print(json.dumps({"case": name, "ld": sorted(set(re.findall(r"ld\.global[.\w]*", ptx))),
                       "st": sorted(set(re.findall(r"st\.global[.\w]*", ptx))),
-                      "cvt": sorted(set(re.findall(r"cvt\.rn[.\w]*", ptx)))}))
+                      "cvt": sorted(set(re.findall(r"cvt\.rn[.\w]*", ptx))),
+                      "div": sorted(set(re.findall(r"(?:div|rcp)\.[.\w]*f32", ptx))),
+                      "fma": sorted(set(re.findall(r"fma\.[.\w]*f(?:16|32)[.\w]*", ptx))),
+                      "ftz": sorted(set(re.findall(r"\w+\.[.\w]*ftz[.\w]*", ptx)))}))

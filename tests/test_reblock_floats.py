@@ -1,6 +1,7 @@
 """The bit-level float conversions of the numba and Triton-interpreter paths
 (:mod:`kvflow.kernels.numba.floats`) equal torch's: decoding every bit pattern of each 8/16-bit
-format, encoding random float32 bit patterns and edge values with round-to-nearest-even."""
+format, encoding random float32 bit patterns and edge values with round-to-nearest-even; the
+reference's scale divisions are correctly rounded on every device."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import pytest
 import torch
 
 from kvflow.kernels.numba.floats import KINDS, decode, encode
+from kvflow.kernels.reference_reblock import FP8_MAX, div_rn
+
+from .conftest import DEVICES
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 EDGES = [0.0, -0.0, 448.0, 464.0, 65504.0, 65519.0, 65520.0, 1e30, 2.0 ** -9, 2.0 ** -10,
@@ -57,3 +61,17 @@ def test_decode_every_pattern_like_torch(dtype):
     finite = torch.isfinite(ref)
     got = torch.from_numpy(out)
     assert torch.equal(got[finite].view(torch.int32), ref[finite].view(torch.int32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("m", list(FP8_MAX.values()))
+def test_div_rn_is_correctly_rounded(device, m):
+    # float32 quotients rounded once: float64 division then one rounding is exact here
+    a = torch.rand(4096, generator=torch.Generator().manual_seed(3)) * 1000 + 2.0 ** -100
+    want = (a.double() / m).float()
+    once_more = a * (torch.tensor(1.0) / m)       # what torch's CUDA tensor / float computes
+    assert (once_more != want).sum() > 1000       # so the values below tell the two apart
+    got = div_rn(a.to(device), m).cpu()
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    inv = div_rn(1.0, a.to(device)).cpu()
+    assert torch.equal(inv.view(torch.int32), (1.0 / a.double()).float().view(torch.int32))

@@ -1,7 +1,8 @@
 """Triton-specific checks of the re-blocking kernel: compiled for sm_90 (offline, no GPU
 needed), its data path uses 16-byte vector loads and stores in every case of the issue's
-benchmark and the hardware's round-to-nearest-even fp8 conversion; grid caps give the
-reference's bytes. Byte equality with the reference: tests/test_reblock_backends.py."""
+benchmark, the hardware's round-to-nearest-even fp8 conversion, IEEE-rounded divisions, no
+fused multiply-adds and no flush-to-zero; grid caps give the reference's bytes. Byte equality
+with the reference: tests/test_reblock_backends.py."""
 
 from __future__ import annotations
 
@@ -39,6 +40,14 @@ def test_sm90_ptx_moves_16_byte_vectors():
             f"{name}: no 16-byte store in {r['st']}"
     assert "cvt.rn.satfinite.e4m3x2.f32" in rows["bf16->fp8"]["cvt"]
     assert "cvt.rn.bf16x2.f32" in rows["fp8 block_head->bf16"]["cvt"]
+    # scales divide like the reference (IEEE div.rn, not div.full/div.approx/rcp.approx), and
+    # no multiply-add is contracted into an fma (one rounding fewer than torch)
+    for name, r in rows.items():
+        assert set(r["div"]) <= {"div.rn.f32"}, f"{name}: {r['div']}"
+        assert r["fma"] == [], f"{name}: {r['fma']}"
+        assert r["ftz"] == [], f"{name}: {r['ftz']}"           # subnormals kept, like torch
+    assert rows["bf16->fp8 block_head"]["div"] == ["div.rn.f32"]
+    assert rows["bf16->fp8"]["div"] == ["div.rn.f32"]
 
 
 @pytest.mark.parametrize("max_ctas", [1, 3])

@@ -128,6 +128,8 @@ class ReblockPlan:
         self.const_values = tuple(self.consts.values())
         self.elem = (1, 1) if mp.convert else (s.dtype.itemsize, word)
         self.compiled = None
+        # no multiply-add contraction (Triton < 3.10 fuses by default): bit-exact to torch
+        self.options = dict(num_warps=self.warps, enable_fp_fusion=False)
 
     def launch(self, *args) -> None:
         """Enqueue the kernel with the runtime ``args`` (in ``_RUNTIME`` order, ``total``
@@ -140,12 +142,12 @@ class ReblockPlan:
                   None, None, None, *args, *self.const_values)
             return
         if self.index is None:
-            kernel()[(grid,)](*args, **self.consts, num_warps=self.warps)
+            kernel()[(grid,)](*args, **self.consts, **self.options)
             return
         prev = _launch._get_device()
         torch.cuda.set_device(self.index)
         try:
-            self.compiled = kernel()[(grid,)](*args, **self.consts, num_warps=self.warps)
+            self.compiled = kernel()[(grid,)](*args, **self.consts, **self.options)
         finally:
             torch.cuda.set_device(prev)
 
