@@ -4,6 +4,8 @@ request's blocks with :func:`kvflow.kernels.copy_blocks` straight into the block
 allocated. P sends a :class:`~kvflow.protocol.KVReady` naming its blocks (a few bytes) and keeps
 them until D's ack or the lease ends.
 
+A P whose cache spec differs from D's (block_size, NHD/HND, dtype) names its whole table and D
+pulls with one re-blocked copy (:mod:`.reblocked`).
 Layerwise (:class:`~kvflow.protocol.KVLayer`, :mod:`.framed`): D is told per part (layers + P's
 block ids) and pulls just that with ``copy_blocks(..., layers=range)``; P never writes into D's
 cache.
@@ -29,6 +31,7 @@ from kvflow.protocol import KVLayer, KVReady, encode
 from .base import KVReceiver, Peer, TransferError, TransferStats, as_ids, check_send_allowed
 from .framed import FramedSender
 from .layerwise.parts import LayerParts
+from .reblocked import differs, tables
 
 
 class IpcPullSender(FramedSender):
@@ -136,6 +139,8 @@ class IpcPullReceiver(KVReceiver):
                                 f"{type(header).__name__}")
         if frames:
             raise TransferError(f"ipc KVReady carries no payload frames, got {len(frames)}")
+        if differs(src_cache.spec, cache.spec):
+            return self.pull_reblocked(src_cache, header, cache, dst_ids)
         src = as_ids(header.src_block_ids)
         if src.numel() != len(dst_ids):
             raise TransferError(f"KVReady for {header.req_id} names {src.numel()} blocks; "
@@ -146,10 +151,28 @@ class IpcPullReceiver(KVReceiver):
         n = int((src >= 0).sum())
         return TransferStats(blocks=n, payload_bytes=payload_bytes(cache.spec, n), copy_ms=ms)
 
+    def pull_reblocked(self, src_cache, header: KVReady, cache, dst_ids) -> TransferStats:
+        """A :class:`KVReady` from a P of another spec: one re-blocked ``copy_blocks`` of the
+        whole prompt (:mod:`.reblocked`); waits for it on CUDA."""
+        src, dst = tables(header.src_block_ids, src_cache.spec, dst_ids, cache.spec,
+                          header.num_prompt_tokens, header.req_id)
+        t0 = time.perf_counter()
+        copy_blocks(src_cache, cache, src, dst, num_tokens=header.num_prompt_tokens,
+                    backend=self.backend, **self.copy_kwargs)
+        if cache.device.type == "cuda":  # P may reuse its blocks after the ack
+            torch.cuda.synchronize(cache.device)
+            torch.cuda.synchronize(src_cache.device)
+        ms = (time.perf_counter() - t0) * 1e3
+        return TransferStats(blocks=len(dst_ids), copy_ms=ms,
+                             payload_bytes=payload_bytes(cache.spec, len(dst_ids)))
+
     def _pull_part(self, src_cache, header, frames, cache, dst_ids, layers) -> int:
         """copy_blocks of one layerwise part: P's ``src_block_ids`` -> D's ``dst_ids``."""
         if frames:
             raise TransferError(f"ipc KVLayer carries no payload frames, got {len(frames)}")
+        if differs(src_cache.spec, cache.spec):
+            raise TransferError(f"KVLayer for {header.req_id} from a P of another KV cache "
+                                f"spec: such a P sends after the prefill, never by layer")
         if len(header.src_block_ids) != len(dst_ids):
             raise TransferError(f"KVLayer for {header.req_id} names {len(header.src_block_ids)} "
                                 f"source blocks for {len(dst_ids)} prompt blocks")
@@ -208,12 +231,14 @@ class CudaIpcPullReceiver(IpcPullReceiver):
                 run_on = cache.device if self.direction == "pull" else peer.device
                 torch.cuda.current_stream(run_on).synchronize()
             return stats
+        if frames:
+            raise TransferError(f"ipc KVReady carries no payload frames, got {len(frames)}")
+        if differs(peer.spec, cache.spec):
+            return self.pull_reblocked(peer, header, cache, dst_ids)
         src = as_ids(header.src_block_ids)
         if src.numel() != len(dst_ids):
             raise TransferError(f"KVReady for {header.req_id} names {src.numel()} blocks; "
                                 f"D allocated {len(dst_ids)} for the prompt")
-        if frames:
-            raise TransferError(f"ipc KVReady carries no payload frames, got {len(frames)}")
         t0 = time.perf_counter()
         copy_blocks(peer, cache, src, as_ids(dst_ids), backend=self.backend,
                     direction=self.direction)
