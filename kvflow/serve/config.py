@@ -99,13 +99,14 @@ class ServeConfig:
         default_text="--dtype"))
     decode_block_size: int | None = field(default=None, metadata=_flag(
         "tokens per KV block of the decode instance, when it differs from P's: the connector "
-        "re-blocks (ipc-pull, tcp)", default_text="--block-size"))
+        "re-blocks (ipc-pull, tcp, ipc-push)", default_text="--block-size"))
     decode_kv_layout: str | None = field(default=None, metadata=_flag(
-        "KV cache layout of the decode instance (the connector maps P's to it: ipc-pull, tcp)",
+        "KV cache layout of the decode instance (the connector maps P's to it: ipc-pull, tcp, "
+        "ipc-push)",
         choices=KV_LAYOUTS, default_text="--kv-layout"))
     decode_kv_dtype: str | None = field(default=None, metadata=_flag(
         "KV cache dtype of the decode instance (the connector converts P's to it: ipc-pull, "
-        "tcp)", choices=KV_DTYPES, default_text="--kv-dtype"))
+        "tcp, ipc-push)", choices=KV_DTYPES, default_text="--kv-dtype"))
     max_model_len: int | None = field(default=None, metadata=_flag(
         "longest prompt + generated tokens of one request", default_text="min(model limit, 2048)"))
     max_num_batched_tokens: int = field(default=512, metadata=_flag(

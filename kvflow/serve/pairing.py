@@ -17,9 +17,10 @@ from kvflow.layout import KVCacheSpec
 
 from .fingerprint import check_fingerprint
 
-#: Connectors that move KV between different specs (D copies or scatters with the re-blocking
-#: kernels); ipc-push and nixl write P's blocks as they are and need equal specs.
-REBLOCKING = ("ipc-pull", "tcp")
+#: Connectors that move KV between different specs with the re-blocking kernels (ipc-pull, tcp:
+#: D copies or scatters; ipc-push: P writes into D's mapped cache); nixl writes P's blocks as
+#: they are and needs equal specs.
+REBLOCKING = ("ipc-pull", "tcp", "ipc-push")
 #: Spec fields that may differ between P and D (with a :data:`REBLOCKING` connector).
 MAPPABLE = ("block_size", "layout", "dtype", "scales")
 
