@@ -80,15 +80,18 @@ class IpcPullReceiver(KVReceiver):
     """D side: map each paired P's cache at pairing, then ``copy_blocks`` P's ids -> D's ids.
 
     D may be paired with several P's: one mapping per P (``peers``), and every transfer reads
-    the cache of the P that sent it (``peer_id``), never another one's.
+    the cache of the P that sent it (``peer_id``), never another one's. ``head_start``: D holds
+    P's KV heads ``[head_start, head_start + spec.num_kv_heads)`` (:func:`.make_receiver`).
     """
 
     name = "ipc-pull"
     reads_peer_memory = True
     copy_kwargs: dict = {}  # extra copy_blocks arguments (the CUDA receiver sets direction)
 
-    def __init__(self, spec=None, device: Any = "cpu", *, backend: str = "auto") -> None:
+    def __init__(self, spec=None, device: Any = "cpu", *, backend: str = "auto",
+                 head_start: int | None = None) -> None:
         super().__init__(spec, device, backend=backend)
+        self.head_start = head_start
         self.peers: dict[str, PagedKVCache] = {}
         self.peer_id = ""  # the last one paired
         self.parts = LayerParts()
@@ -153,12 +156,13 @@ class IpcPullReceiver(KVReceiver):
 
     def pull_reblocked(self, src_cache, header: KVReady, cache, dst_ids) -> TransferStats:
         """A :class:`KVReady` from a P of another spec: one re-blocked ``copy_blocks`` of the
-        whole prompt (:mod:`.reblocked`); waits for it on CUDA."""
+        whole prompt (:mod:`.reblocked`), on D's device (a re-blocked copy runs as "pull", whatever
+        ``direction`` the plain copies take); waits for it on CUDA."""
         src, dst = tables(header.src_block_ids, src_cache.spec, dst_ids, cache.spec,
                           header.num_prompt_tokens, header.req_id)
         t0 = time.perf_counter()
         copy_blocks(src_cache, cache, src, dst, num_tokens=header.num_prompt_tokens,
-                    backend=self.backend, **self.copy_kwargs)
+                    head_start=self.head_start, backend=self.backend)
         if cache.device.type == "cuda":  # P may reuse its blocks after the ack
             torch.cuda.synchronize(cache.device)
             torch.cuda.synchronize(src_cache.device)
@@ -200,10 +204,10 @@ class CudaIpcPullReceiver(IpcPullReceiver):
     """
 
     def __init__(self, spec=None, device: Any = "cuda", *, backend: str = "auto",
-                 direction: str = "push") -> None:
+                 direction: str = "push", head_start: int | None = None) -> None:
         if direction not in ("pull", "push"):
             raise ValueError(f"direction must be 'pull' or 'push', got {direction!r}")
-        super().__init__(spec, device, backend=backend)
+        super().__init__(spec, device, backend=backend, head_start=head_start)
         self.direction = direction
         self.copy_kwargs = {"direction": direction}
 

@@ -105,8 +105,10 @@ class TcpReceiver(KVReceiver):
     name = "tcp"
     host_local = False  # P may live on another host
 
-    def __init__(self, spec=None, device: Any = "cpu", *, backend: str = "auto") -> None:
+    def __init__(self, spec=None, device: Any = "cpu", *, backend: str = "auto",
+                 head_start: int | None = None) -> None:
         super().__init__(spec, device, backend=backend)
+        self.head_start = head_start  # D holds P's heads [head_start, + spec.num_kv_heads)
         self.parts = LayerParts()
         self.peer_specs: dict = {}  # paired P -> its KVCacheSpec
         self.peer_id = ""  # the last one paired
@@ -176,7 +178,8 @@ class TcpReceiver(KVReceiver):
         t0 = time.perf_counter()
         for layer, buf in enumerate(bufs if len(dst_ids) else ()):
             scatter_blocks(_frame_tensor(buf, src_spec, n, layer, cache.device), cache, dst,
-                           layer, backend=self.backend, src_spec=src_spec, num_tokens=T)
+                           layer, backend=self.backend, src_spec=src_spec, num_tokens=T,
+                           head_start=self.head_start)
         ms = (time.perf_counter() - t0) * 1e3
         return TransferStats(blocks=len(dst_ids), copy_ms=ms,
                              payload_bytes=payload_bytes(cache.spec, len(dst_ids)))
