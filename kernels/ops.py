@@ -102,7 +102,8 @@ def _staged(cache: Any, block_ids: Any, name: str, buf: Any, layers: Any, backen
 
 def gather_blocks(cache: PagedKVCache, block_ids: Any, out: Any, layers: Any = None, *,
                   backend: str = "auto", max_ctas: int | None = None,
-                  validate: bool = True) -> torch.Tensor:
+                  validate: bool = True, out_spec: Any = None, out_scales: Any = None,
+                  num_tokens: Any = None, head_start: Any = None) -> torch.Tensor:
     """Copy blocks of a paged cache into a contiguous staging buffer.
 
     Parameters
@@ -125,6 +126,13 @@ def gather_blocks(cache: PagedKVCache, block_ids: Any, out: Any, layers: Any = N
         any kernel runs; ids on a GPU are checked by the ``triton`` kernel on the device and
         reported by the next call or :func:`kvflow.kernels.check_errors` (no sync here); see
         :mod:`kvflow.kernels.validate`. False skips the checks (bad ids are still skipped).
+    out_spec, out_scales, num_tokens, head_start : optional
+        A staging buffer of another spec (re-blocking, :mod:`kvflow.kernels.reblock`): ``out``
+        has shape ``staging_shape(out_spec, m, layers)`` and its block ``i`` holds tokens
+        ``[i * out_spec.block_size, ...)`` of the sequence whose block table is ``block_ids``;
+        ``num_tokens`` defaults to all both hold; fp8 ``out_spec`` takes float32
+        ``out_scales`` of shape ``[tensors]`` or ``[tensors, m, num_kv_heads]`` (written when
+        per block per head); ``head_start`` as in :func:`copy_blocks`.
 
     Returns
     -------
@@ -136,6 +144,9 @@ def gather_blocks(cache: PagedKVCache, block_ids: Any, out: Any, layers: Any = N
     TypeError, ValueError
         Bad argument, naming it and its value; RuntimeError for an unavailable backend.
     """
+    if out_spec is not None or num_tokens is not None or head_start is not None:
+        return _staged_reblocked(cache, block_ids, out, layers, True, out_spec, out_scales,
+                                 backend, max_ctas, validate, num_tokens, head_start)
     cache, ids, out, start, stop, be, on_device = _staged(cache, block_ids, "out", out, layers,
                                                           backend, validate, unique=False)
     n = ids.shape[0]
@@ -151,7 +162,8 @@ def gather_blocks(cache: PagedKVCache, block_ids: Any, out: Any, layers: Any = N
 
 def scatter_blocks(src: Any, cache: PagedKVCache, block_ids: Any, layers: Any = None, *,
                    backend: str = "auto", max_ctas: int | None = None,
-                   validate: bool = True) -> PagedKVCache:
+                   validate: bool = True, src_spec: Any = None, src_scales: Any = None,
+                   num_tokens: Any = None, head_start: Any = None) -> PagedKVCache:
     """Copy a contiguous staging buffer into blocks of a paged cache (inverse of gather).
 
     Parameters
@@ -164,12 +176,20 @@ def scatter_blocks(src: Any, cache: PagedKVCache, block_ids: Any, layers: Any = 
         Destination block of each slot of ``src``; distinct, -1 skips the slot.
     layers, backend, max_ctas, validate
         As :func:`gather_blocks`.
+    src_spec, src_scales, num_tokens, head_start : optional
+        A staging buffer of another spec, as ``out_spec`` ... of :func:`gather_blocks`.
 
     Returns
     -------
     PagedKVCache
         ``cache``.
     """
+    if src_spec is not None or num_tokens is not None or head_start is not None:
+        if src_spec is None:
+            src_spec = getattr(cache, "spec", None)
+        _staged_reblocked(cache, block_ids, src, layers, False, src_spec, src_scales, backend,
+                          max_ctas, validate, num_tokens, head_start)
+        return cache
     cache, ids, src, start, stop, be, on_device = _staged(cache, block_ids, "src", src, layers,
                                                           backend, validate, unique=True)
     n = ids.shape[0]
@@ -185,9 +205,18 @@ def scatter_blocks(src: Any, cache: PagedKVCache, block_ids: Any, layers: Any = 
 
 def copy_blocks(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, dst_ids: Any,
                 layers: Any = None, *, backend: str = "auto", max_ctas: int | None = None,
-                validate: bool = True, direction: str = "pull") -> PagedKVCache:
-    """Copy blocks from one cache to another of the same spec (block ``src_ids[i]`` of every
-    tensor in the layer range goes to block ``dst_ids[i]``).
+                validate: bool = True, direction: str = "pull", num_tokens: Any = None,
+                head_start: Any = None) -> PagedKVCache:
+    """Copy blocks from one cache to another (block ``src_ids[i]`` of every tensor in the
+    layer range goes to block ``dst_ids[i]``), or the tokens of one sequence between caches of
+    different specs.
+
+    Different specs (block_size, NHD/HND layout, dtype with fp8 scales, KV-head slices), or
+    ``num_tokens`` / ``head_start`` given: ``src_ids`` and ``dst_ids`` are the block tables of
+    one token sequence on each side, token ``t`` moves from ``(src_ids[t // bs_src],
+    t % bs_src)`` to ``(dst_ids[t // bs_dst], t % bs_dst)`` for ``t < num_tokens``, in one
+    backend call over all layers (the rule, heads and conversions:
+    :mod:`kvflow.kernels.reblock`, :mod:`kvflow.kernels.reference_reblock`, docs/layouts.md).
 
     The caches may be in different processes' memory mapped into this one (shared memory on
     CPU, CUDA IPC on GPU) or, on GPU backends, on two peer-accessible GPUs; the kernel runs on
@@ -205,7 +234,15 @@ def copy_blocks(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, 
     direction : {"pull", "push"}
         Caches on two peer GPUs: ``"pull"`` runs the kernel on ``dst_cache``'s GPU (reading the
         peer), ``"push"`` on ``src_cache``'s GPU (writing the peer). Only backends that list it
-        in their ``directions`` (``triton``, ``numba_cuda``) take ``"push"``.
+        in their ``directions`` (``triton``, ``numba_cuda``) take ``"push"``; re-blocked copies
+        take ``"pull"`` only.
+    num_tokens : int, optional
+        Tokens of the sequence to move (default: all both block tables hold,
+        ``min(len(src_ids) * bs_src, len(dst_ids) * bs_dst)``); slots past it in the last
+        destination block are left untouched.
+    head_start : int, optional
+        When ``num_kv_heads`` differ: the first of the larger side's heads that the smaller
+        side's heads are (required then).
 
     Returns
     -------
@@ -220,6 +257,11 @@ def copy_blocks(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, 
         dst_cache = check_cache("dst_cache", dst_cache)
     dev, spec = dst_cache.device, dst_cache.spec
     _check_validate(validate, dev, src_cache.device)
+    if num_tokens is not None or head_start is not None or (
+            dst_cache.backend_state.get("checked_spec") is not src_cache.spec
+            and src_cache.spec != spec):
+        return _reblocked(src_cache, dst_cache, src_ids, dst_ids, layers, backend, max_ctas,
+                          validate, direction, num_tokens, head_start)
     if dst_cache.backend_state.get("checked_spec") is not src_cache.spec:  # specs are frozen
         check_same_spec("src_cache", src_cache.spec, "dst_cache", spec)
         dst_cache.backend_state["checked_spec"] = src_cache.spec
@@ -252,10 +294,39 @@ def copy_blocks(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, 
     return dst_cache
 
 
+def _staged_reblocked(cache, block_ids, buf, layers, to_stage, spec, scales, backend, max_ctas,
+                      validate, num_tokens, head_start):
+    """gather / scatter with a staging buffer of another spec (:mod:`.reblock_ops`)."""
+    from .reblock_ops import staged_reblocked
+    if type(cache) is not PagedKVCache:
+        cache = check_cache("cache", cache)
+    _check_validate(validate, cache.device)
+    if spec is None:
+        spec = cache.spec
+    if max_ctas is not None:
+        max_ctas = _check_max_ctas(max_ctas)
+    staged_reblocked(cache, block_ids, buf, layers, to_stage=to_stage, stage_spec=spec,
+                     stage_scales=scales, backend=backend, max_ctas=max_ctas,
+                     validate=validate, num_tokens=num_tokens, head_start=head_start)
+    return buf
 
 
-
-
+def _reblocked(src_cache, dst_cache, src_ids, dst_ids, layers, backend, max_ctas, validate,
+               direction, num_tokens, head_start) -> PagedKVCache:
+    """The re-blocked copy (:mod:`.reblock_ops`), after the checks it shares with a plain one."""
+    from .reblock_ops import copy_reblocked
+    if direction != "pull":
+        raise ValueError(f"direction={direction!r}: a copy between different specs or with "
+                         f"num_tokens / head_start runs as 'pull' only")
+    relation = _relation(src_cache, dst_cache)
+    if relation == "overlapping":
+        raise ValueError("src_cache and dst_cache overlap in memory without being the same "
+                         "cache (same tensors); copy_blocks needs disjoint caches or one cache")
+    if max_ctas is not None:
+        max_ctas = _check_max_ctas(max_ctas)
+    return copy_reblocked(src_cache, dst_cache, src_ids, dst_ids, layers, backend=backend,
+                          max_ctas=max_ctas, validate=validate, num_tokens=num_tokens,
+                          head_start=head_start, relation=relation)
 
 
 def payload_bytes(spec, num_blocks: int, layers: Any = None) -> int:

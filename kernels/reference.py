@@ -59,5 +59,10 @@ class TorchBackend:
             blocks = src_t[j].index_select(0, s)
             dst_t[j].index_copy_(0, d, blocks.to(dst_t[j].device, non_blocking=True))
 
+    def reblock(self, job, max_ctas=None, check=False):
+        """Copy between different specs (:mod:`kvflow.kernels.reference_reblock`)."""
+        from .reference_reblock import reblock
+        reblock(job)
+
 
 register_backend(TorchBackend())

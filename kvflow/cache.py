@@ -15,6 +15,7 @@ import torch
 
 from .dlpack import to_torch
 from .layout import KVCacheSpec, _positive_int, normalize_layers
+from .scales import check_scales
 
 
 class PagedKVCache:
@@ -36,8 +37,10 @@ class PagedKVCache:
     Attributes
     ----------
     spec, num_blocks, device, buffer (the flat uint8 allocation, or None for
-    :meth:`from_tensors`), backend_state (per-backend data built once per cache, e.g.
-    a device-side table of per-layer base addresses).
+    :meth:`from_tensors`), scales (fp8 caches: float32 dequantization scales, all 1.0 at
+    first, see :mod:`kvflow.scales`; None for other dtypes; not part of ``buffer``),
+    backend_state (per-backend data built once per cache, e.g. a device-side table of
+    per-layer base addresses).
 
     Raises
     ------
@@ -87,10 +90,12 @@ class PagedKVCache:
         self._tensors = [buffer[i * per_tensor:(i + 1) * per_tensor].view(spec.dtype).view(shape)
                          for i in range(spec.num_tensors)]
         self.device = buffer.device
+        self.scales = check_scales("scales", None, spec, num_blocks, self.device)
         self.backend_state: dict[str, Any] = {}
 
     @classmethod
-    def from_tensors(cls, spec: KVCacheSpec, tensors: Sequence[torch.Tensor]) -> "PagedKVCache":
+    def from_tensors(cls, spec: KVCacheSpec, tensors: Sequence[torch.Tensor], *,
+                     scales: torch.Tensor | None = None) -> "PagedKVCache":
         """Wrap existing per-layer tensors (e.g. an engine's own cache) without copying.
 
         ``tensors`` must be in :meth:`tensors` order, each contiguous, of ``spec.dtype`` and
@@ -130,6 +135,7 @@ class PagedKVCache:
         self.spec, self.num_blocks, self.buffer = spec, num_blocks, None
         self._tensors = tensors
         self.device = tensors[0].device
+        self.scales = check_scales("scales", scales, spec, num_blocks, self.device)
         self.backend_state = {}
         return self
 

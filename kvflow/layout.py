@@ -72,6 +72,11 @@ LAYOUT_TABLE: dict[str, Layout] = {
     "LBNHC": Layout(1, (_N, _H, ("head_dim", 2)), used_by="vLLM >= 0.32 (FlexAttention)"),
 }
 LAYOUTS = tuple(LAYOUT_TABLE)
+#: How an fp8 cache holds its dequantization scales (float32, ``value = fp8 * scale``):
+#: ``"tensor"`` one per per-layer tensor, ``"block_head"`` one per block per KV head of each
+#: per-layer tensor (see :mod:`kvflow.scales`).
+SCALE_MODES = ("tensor", "block_head")
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 _DTYPE_NAMES = {
     "bfloat16": torch.bfloat16,
@@ -146,12 +151,17 @@ class KVCacheSpec:
     layout : {"NHD", "HND", "MLA", "LBHNC", "LBNHC"}
         Tensors per layer and the order of the dimensions inside a block (see the module
         docstring and :data:`LAYOUT_TABLE`).
+    scales : {"tensor", "block_head"}
+        fp8 dtypes only: the granularity of the float32 dequantization scales the cache holds
+        beside its blocks (``PagedKVCache.scales``, :mod:`kvflow.scales`); other dtypes hold no
+        scales and keep the default ``"tensor"``.
 
     Raises
     ------
     TypeError, ValueError
-        For a non-integer or non-positive size, an unknown dtype or layout, or a one-latent
-        layout (MLA) with ``num_kv_heads != 1``; the message names the argument and its value.
+        For a non-integer or non-positive size, an unknown dtype or layout, a one-latent
+        layout (MLA) with ``num_kv_heads != 1``, or ``scales="block_head"`` for a dtype that is
+        not fp8; the message names the argument and its value.
 
     Examples
     --------
@@ -167,6 +177,7 @@ class KVCacheSpec:
     block_size: int
     dtype: torch.dtype
     layout: str = "NHD"
+    scales: str = "tensor"
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -177,6 +188,11 @@ class KVCacheSpec:
         if LAYOUT_TABLE[self.layout].one_head and self.num_kv_heads != 1:
             raise ValueError(f"layout={self.layout!r} stores one latent per token: num_kv_heads "
                              f"must be 1, got {self.num_kv_heads}")
+        if self.scales not in SCALE_MODES:
+            raise ValueError(f"scales must be one of {SCALE_MODES}, got {self.scales!r}")
+        if self.scales != "tensor" and self.dtype not in FP8_DTYPES:
+            raise ValueError(f"scales={self.scales!r} needs an fp8 dtype (float8_e4m3fn or "
+                             f"float8_e5m2), got dtype={self.dtype}")
 
     # ---- derived geometry -------------------------------------------------------------
     @functools.cached_property
@@ -262,6 +278,11 @@ class KVCacheSpec:
     def from_dict(cls, d: dict[str, Any]) -> "KVCacheSpec":
         """Inverse of :meth:`to_dict`."""
         return cls(**d)
+
+    @property
+    def is_fp8(self) -> bool:
+        """True for fp8 dtypes, which hold dequantization scales (``scales``)."""
+        return self.dtype in FP8_DTYPES
 
     def diff(self, other: "KVCacheSpec") -> list[str]:
         """Fields that differ, each as ``'name: mine vs theirs'`` (empty if equal)."""

@@ -55,12 +55,13 @@ class PD:
     """P and D paired over ipc; ``run`` drives one request from Allocate to its last token."""
 
     def __init__(self, *, prefix: bool = True, d_blocks: int = 48, lease_s: float = 5.0,
-                 kv_connector: str = "ipc-pull") -> None:
+                 kv_connector: str = "ipc-pull", **cfg) -> None:
+        """``cfg``: more :class:`ServeConfig` fields of both, e.g. ``decode_block_size``."""
         self.p = make_instance(PrefillInstance, "prefill", kv_lease_s=lease_s,
-                               kv_connector=kv_connector)
+                               kv_connector=kv_connector, **cfg)
         self.d = make_instance(DecodeInstance, "decode", num_blocks=d_blocks,
                                kv_connector=kv_connector, enable_prefix_caching=prefix,
-                               kv_lease_s=lease_s)
+                               kv_lease_s=lease_s, **cfg)
         self.link = FakeLink()  # what P sends to D (ipc-push: P also maps D's exported cache)
         self.p.connector.attach(Peer(self.d.instance_id, self.d.spec, self.d.num_blocks,
                                      **self.d.receiver.export()), link=self.link)

@@ -1,7 +1,10 @@
 """Failure kinds 3, 6 and 8 with separately started processes: a router (`--role router`),
-one P and two Ds started at once (one with another block size), then peers killed and
+one P and two Ds started at once (one with a KV cache no connector maps: kvflow-llama-32l's
+32 layers, 8 KV heads of 128 against kvflow-tiny's 4, 2 of 32), then peers killed and
 restarted. Marked prompts (three BEL bytes, token ids 7,7,7) get a 3 s prefill delay on P and
-a 3 s in-flight transfer on D, so a kill lands at a known stage."""
+a 3 s in-flight transfer on D, so a kill lands at a known stage. The router sees a kill by the process's exit (same host, 0.1 s
+ticks); heartbeats may stop for 5 s before it declares an instance dead, as a first prefill on 2
+shared, busy cores can take over 1 s."""
 
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ class Cluster:
         self.url = f"http://127.0.0.1:{self.port}"
         self.procs: list[subprocess.Popen] = []
         self.spawn("router", "--port", str(self.port), "--control-port", str(self.cport),
-                   "--dead-after-s", "1")
+                   "--dead-after-s", "5")
         self.client = httpx.Client(base_url=self.url, timeout=30)
 
     def spawn(self, role, *args, env=None):
@@ -84,7 +87,7 @@ class Cluster:
 def cl():
     c = Cluster()
     c.p = c.spawn("prefill", env=FAULTS)
-    c.d_bad = c.spawn("decode", "--block-size", "32")
+    c.d_bad = c.spawn("decode", "--model", "kvflow-llama-32l")
     c.d = c.spawn("decode", env=FAULTS)
     try:
         c.wait(lambda h: h["status"] == "ok" and len(h["instances"]) == 3, 150, "P, D, D registered")
@@ -111,15 +114,19 @@ def test_instances_started_at_once_get_distinct_ports_and_names(cl):
 def test_mismatch_refused_naming_both_values_and_p_keeps_serving(cl):
     p, bad, good = cl.inst(cl.p.pid), cl.inst(cl.d_bad.pid), cl.inst(cl.d.pid)
     h = cl.wait(lambda h: len(h["errors"]) >= 2, 10, "both refusals")
-    want = f"block_size: 16 ({p['id']}) vs 32 ({bad['id']})"
-    assert any(e.startswith("KV cache spec mismatch, pairing refused: ") and want in e
-               for e in h["errors"])
-    assert any(f"block_size: 32 ({bad['id']}) vs 16 ({p['id']})" in e for e in h["errors"])
+    def refusal(a, b, x, y):  # a's values first, as the instance that checks names them
+        return (f"KV cache spec mismatch, pairing refused: num_layers: {x[0]} ({a}) vs {y[0]} "
+                f"({b}); num_kv_heads: {x[1]} ({a}) vs {y[1]} ({b}); head_dim: {x[2]} ({a}) vs "
+                f"{y[2]} ({b}); P and D may differ only in block_size, layout (NHD/HND) and dtype")
+    tiny, big = (4, 2, 32), (32, 8, 128)
+    assert refusal(p["id"], bad["id"], tiny, big) in h["errors"], h["errors"]
+    assert refusal(bad["id"], p["id"], big, tiny) in h["errors"], h["errors"]
     assert bad["paired_with"] == [] and p["paired_with"] == [good["id"]]
     for _ in range(3):
         r = cl.complete(prompt="Still serving the matching decode instance.", max_tokens=4,
                         ignore_eos=True)
-        assert r.status_code == 200 and r.json()["kvflow"]["decode_instance"] == good["id"]
+        assert r.status_code == 200, (r.text, cl.health()["errors"])
+        assert r.json()["kvflow"]["decode_instance"] == good["id"]
     cl.reference = r.json()["choices"][0]["token_ids"]
     bad = cl.inst(cl.d_bad.pid)
     assert bad["free_blocks"] == bad["num_blocks"] and bad["num_running"] == 0  # nothing written
@@ -139,7 +146,7 @@ def test_kill_d_mid_transfer_p_frees_within_2s_then_a_new_d_works(cl):
     t_kill = time.monotonic()
     cl.wait(lambda h: cl.inst(cl.p.pid, h)["free_blocks"] == p["num_blocks"], 2.0, "P frees", fresh=True)
     assert time.monotonic() - t_kill < 2.0
-    # same host: the router saw the process exit (0.1 s ticks), not the heartbeats stop (1 s)
+    # same host: the router saw the process exit (0.1 s ticks), not the heartbeats stop (5 s)
     assert any(e.endswith(f"(pid {cl.d.pid}) exited") for e in cl.health()["errors"])
     th.join(10)
     assert out["r"].status_code == 502 and "died" in out["r"].json()["error"]["message"]
@@ -147,7 +154,8 @@ def test_kill_d_mid_transfer_p_frees_within_2s_then_a_new_d_works(cl):
     cl.d2 = cl.spawn("decode")
     cl.wait(lambda h: h["status"] == "ok" and cl.inst(cl.d2.pid) is not None, 60, "new D paired")
     r = cl.complete(prompt="Still serving the matching decode instance.", max_tokens=4, ignore_eos=True)
-    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == cl.reference
+    assert r.status_code == 200, (r.text, cl.health()["errors"])
+    assert r.json()["choices"][0]["token_ids"] == cl.reference
     assert r.json()["kvflow"]["decode_instance"] == cl.inst(cl.d2.pid)["id"]
 
 
@@ -186,7 +194,8 @@ def test_restart_after_crash_ignores_and_removes_leftovers(cl):
     assert new["shm_name"] not in (stale, cl.old_p["shm_name"])
     assert not os.path.exists(os.path.join(SHM_DIR, cl.old_p["shm_name"]))
     r = cl.complete(prompt="Still serving the matching decode instance.", max_tokens=4, ignore_eos=True)
-    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == cl.reference
+    assert r.status_code == 200, (r.text, cl.health()["errors"])
+    assert r.json()["choices"][0]["token_ids"] == cl.reference
     assert r.json()["kvflow"]["prefill_instance"] == new["id"]
     d = cl.inst(cl.d2.pid)
     assert cl.wait(lambda h: cl.inst(p2.pid, h)["free_blocks"] == new["num_blocks"]

@@ -48,23 +48,38 @@ def test_prefix_cache_ref_counts_and_lru_eviction():
     assert pc.clear() == 1 and alloc.num_free == 6
 
 
+ONLY = "; P and D may differ only in block_size, layout (NHD/HND) and dtype"
+
+
 @pytest.mark.parametrize("field, theirs, words", [
-    ("block_size", 32, "block_size: 16 (p-1) vs 32 (d-2)"),
-    ("dtype", torch.bfloat16, "dtype: torch.float32 (p-1) vs torch.bfloat16 (d-2)"),
-    ("layout", "HND", "layout: NHD (p-1) vs HND (d-2)"),
     ("num_kv_heads", 4, "num_kv_heads: 2 (p-1) vs 4 (d-2)"),
     ("head_dim", 64, "head_dim: 32 (p-1) vs 64 (d-2)"),
     ("num_layers", 2, "num_layers: 4 (p-1) vs 2 (d-2)"),
 ])
-def test_every_mismatch_is_refused_naming_both_values(field, theirs, words):
-    error = check_pairing(SPEC, "p-1", SPEC.with_(**{field: theirs}).to_dict(), "d-2")
-    assert error == "KV cache spec mismatch, pairing refused: " + words
+@pytest.mark.parametrize("connector", ["ipc-pull", "tcp", "ipc-push"])
+def test_an_unmappable_mismatch_is_refused_naming_both_values(field, theirs, words, connector):
+    error = check_pairing(SPEC, "p-1", SPEC.with_(**{field: theirs}).to_dict(), "d-2", connector)
+    assert error == "KV cache spec mismatch, pairing refused: " + words + ONLY
 
 
-def test_layout_conversion_is_refused_both_ways():
-    hnd = SPEC.with_(layout="HND")
-    assert check_pairing(hnd, "p-1", SPEC.to_dict(), "d-2").endswith("layout: HND (p-1) vs NHD (d-2)")
-    assert check_pairing(SPEC, "p-1", hnd.to_dict(), "d-2").endswith("layout: NHD (p-1) vs HND (d-2)")
+@pytest.mark.parametrize("field, theirs, words", [
+    ("block_size", 32, "block_size: 16 (p-1) vs 32 (d-2)"),
+    ("dtype", torch.bfloat16, "dtype: torch.float32 (p-1) vs torch.bfloat16 (d-2)"),
+    ("layout", "HND", "layout: NHD (p-1) vs HND (d-2)"),
+])
+def test_a_mappable_mismatch_pairs_only_over_a_reblocking_connector(field, theirs, words):
+    theirs = SPEC.with_(**{field: theirs}).to_dict()
+    for kind in ("ipc-pull", "tcp", "ipc-push"):
+        assert check_pairing(SPEC, "p-1", theirs, "d-2", kind) == ""
+    assert check_pairing(SPEC, "p-1", theirs, "d-2", "nixl") == (
+        f"KV cache spec mismatch, pairing refused: {words}; the nixl connector moves only "
+        f"equal specs (re-blocking connectors: ipc-pull, tcp, ipc-push)")
+
+
+def test_mla_maps_only_to_mla():
+    mla = SPEC.with_(layout="MLA", num_kv_heads=1)
+    assert check_pairing(SPEC.with_(num_kv_heads=1), "p-1", mla.to_dict(), "d-2", "tcp") == (
+        "KV cache spec mismatch, pairing refused: layout: NHD (p-1) vs MLA (d-2)" + ONLY)
 
 
 def test_mismatched_d_attaches_nothing_and_writes_nothing():
@@ -74,10 +89,12 @@ def test_mismatched_d_attaches_nothing_and_writes_nothing():
     d = make_instance(DecodeInstance, "decode", block_size=32)
     try:
         before = d.cache.buffer.clone()
-        d.on_pair(Pair(peer_id="p-1", peer_role="prefill", peer_spec=SPEC.to_dict(),
+        theirs = d.spec.with_(head_dim=2 * d.spec.head_dim)   # not mappable: a head is whole
+        d.on_pair(Pair(peer_id="p-1", peer_role="prefill", peer_spec=theirs.to_dict(),
                        peer_num_blocks=8, shm_name="kvflow-prefill-1-abababababab"), [], None)
         res = d.out[-1]
-        assert not res.ok and "block_size: 32" in res.error and d.receiver.peer is None
+        assert not res.ok and d.receiver.peer is None
+        assert f"head_dim: {d.spec.head_dim} ({d.instance_id}) vs {theirs.head_dim}" in res.error
         d.send = lambda *a, **k: None
         d.on_allocate(__import__("kvflow.protocol").protocol.Allocate(
             req_id="r", token_ids=[1, 2], max_tokens=2), [], None)

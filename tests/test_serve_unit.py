@@ -80,10 +80,12 @@ def test_profile_run_opens_no_channel_and_sends_nothing(monkeypatch, role):
 def test_pairing_refuses_a_spec_mismatch_naming_both_values():
     p = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32)
     assert check_pairing(p, "p-1", p.to_dict(), "d-2") == ""
-    d = p.with_(block_size=32, dtype=torch.bfloat16)
-    assert check_pairing(p, "p-1", d.to_dict(), "d-2") == (
-        "KV cache spec mismatch, pairing refused: block_size: 16 (p-1) vs 32 (d-2); "
-        "dtype: torch.float32 (p-1) vs torch.bfloat16 (d-2)")
+    d = p.with_(block_size=32, dtype=torch.bfloat16, head_dim=64)
+    assert check_pairing(p, "p-1", d.to_dict(), "d-2", "tcp") == (
+        "KV cache spec mismatch, pairing refused: head_dim: 32 (p-1) vs 64 (d-2); "
+        "block_size: 16 (p-1) vs 32 (d-2); dtype: torch.float32 (p-1) vs torch.bfloat16 (d-2); "
+        "P and D may differ only in block_size, layout (NHD/HND) and dtype")
+    assert check_pairing(p, "p-1", d.with_(head_dim=32).to_dict(), "d-2", "tcp") == ""
     bad = dict(p.to_dict(), layout="XYZ")
     assert "sent an invalid KV cache spec" in check_pairing(p, "p-1", bad, "d-2")
 

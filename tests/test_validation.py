@@ -198,17 +198,18 @@ def test_src_dst_length_mismatch(caches):
 
 # ---- caches and buffers ---------------------------------------------------------------------
 def test_spec_mismatch_names_both_values(caches):
-    src = random_cache(SPEC.with_(dtype=torch.float16, block_size=8), NB, seed=5)
+    # block_size, dtype and NHD/HND differences map (tests/test_reblock.py); head_dim does not
+    src = random_cache(SPEC.with_(head_dim=16, block_size=8), NB, seed=5)
     dst = caches[1]
-    rejects(ValueError, "src_cache.spec and dst_cache.spec differ: block_size: src_cache has 8, "
-            "dst_cache has 4; dtype: src_cache has torch.float16, dst_cache has torch.bfloat16",
+    rejects(ValueError, "head_dim: src_cache has 16, dst_cache has 8; a head moves whole, so "
+            "head_dim must be equal",
             lambda: copy_blocks(src, dst, torch.tensor([0]), torch.tensor([0])), dst)
 
 
 def test_spec_mismatch_layout(caches):
-    src = random_cache(SPEC.with_(layout="HND"), NB, seed=6)
-    rejects(ValueError, "src_cache.spec and dst_cache.spec differ: layout: src_cache has HND, "
-            "dst_cache has NHD",
+    src = random_cache(SPEC.with_(layout="MLA", num_kv_heads=1, head_dim=16), NB, seed=6)
+    rejects(ValueError, "layout: src_cache has 'MLA', dst_cache has 'NHD'; an MLA cache maps "
+            "only to an MLA cache",
             lambda: copy_blocks(src, caches[1], torch.tensor([0]), torch.tensor([0])), caches[1])
 
 

@@ -137,5 +137,10 @@ class NumbaCPUBackend:
                   _ids(dst_ids), src_cache.num_blocks, dst_cache.num_blocks,
                   src_cache.spec.block_bytes)
 
+    def reblock(self, job, max_ctas=None, check=False):
+        """Copy between different specs (:mod:`.reblock`), one call over all layers."""
+        from .reblock import reblock
+        reblock(job)
+
 
 register_backend(NumbaCPUBackend())

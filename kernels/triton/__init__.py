@@ -121,6 +121,20 @@ class TritonBackend:
         plan.launch(*args)
 
 
+    def reblock(self, job, max_ctas=None, check=False):
+        """Copy between different specs in one launch (:mod:`.reblock`); runs on the
+        destination's device (``job.dst``), reading the source over the peer link if needed."""
+        from . import reblock_launch
+        op = job.dst.cache if job.dst.cache is not None else job.src.cache
+        dev = op.device if job.dst.cache is not None else job.dst.stage.device
+        for side in (job.src, job.dst):
+            if side.ids is not None and side.ids.device != dev:
+                side.ids = side.ids.to(dev, non_blocking=True)
+        if job.src.cache is not None and job.src.cache.device != dev and dev.type == "cuda":
+            _check_peer(job.src.cache.device, dev, "pull")
+        reblock_launch.launch(job, dev, max_ctas, check, _info, _capturing(dev))
+
+
 _GATHER, _SCATTER, _COPY = (OP_CODES[k] for k in ("gather_blocks", "scatter_blocks",
                                                   "copy_blocks"))
 

@@ -30,6 +30,10 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "quick": {"calls": 300, "repeats": 3, "warmup": 20, "tokens": 32, "dtype": "bfloat16"},
         "full": {"calls": 2000, "repeats": 5, "warmup": 50, "tokens": 32, "dtype": "bfloat16"},
     },
+    "reblock": {
+        "quick": {"tokens": 256, "reps": 5, "batches": 2, "warmup": 1},
+        "full": {"tokens": 4096, "reps": 30, "batches": 7, "warmup": 5},
+    },
     "contention": {
         "quick": {"tokens": [2048], "max_ctas": [8, 32], "reps": 5, "prefill_tokens": 1024},
         "full": {"tokens": [16384], "max_ctas": [4, 8, 16, 32, 64, 132, None], "reps": 20,

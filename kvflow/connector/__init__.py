@@ -135,17 +135,25 @@ def make_sender(name: str, spec: Any, device: Any = "cpu", *, config: dict[str, 
 
 def make_receiver(name: str, spec: Any = None, device: Any = "cpu", *,
                   backend: str = "auto", config: dict[str, Any] | None = None,
-                  max_model_len: int = 2048) -> Any:
+                  max_model_len: int = 2048, head_start: int | None = None) -> Any:
     """D's half of connector ``name`` (a kind or ``auto``) for a cache of ``spec`` on ``device``
     (``config``: ``kv_connector_config``; ``max_model_len``: tokens, sizes nixl's staging).
+
+    ``head_start`` (ipc-pull and tcp): D's cache holds KV heads ``[head_start, head_start +
+    spec.num_kv_heads)`` of P's (a tensor-parallel decode instance); every transfer re-blocks
+    with it (:mod:`.reblocked`, :func:`kvflow.kernels.copy_blocks`).
 
     Raises
     ------
     ValueError
-        Unknown name or config key; a bad config value.
+        Unknown name or config key; a bad config value; ``head_start`` for another kind.
     """
     kind = resolve_connector(name, device)
     options = check_connector_config(kind, config)
+    if head_start is not None and kind not in ("ipc-pull", "tcp"):
+        raise ValueError(f"head_start: only the ipc-pull and tcp receivers take a head slice, "
+                         f"not {kind}")
+    heads = {} if head_start is None else {"head_start": head_start}
     if kind == "nixl":
         from .nixl import NixlReceiver
         options.pop("write_timeout_s", None)  # P's setting
@@ -157,8 +165,8 @@ def make_receiver(name: str, spec: Any = None, device: Any = "cpu", *,
     if kind == "ipc-pull":
         if str(device).startswith("cuda"):
             from .ipc_pull import CudaIpcPullReceiver  # opens P's CUDA IPC handle
-            return CudaIpcPullReceiver(spec, device, backend=backend)
+            return CudaIpcPullReceiver(spec, device, backend=backend, **heads)
         from .ipc_pull import IpcPullReceiver
-        return IpcPullReceiver(spec, device, backend=backend)
+        return IpcPullReceiver(spec, device, backend=backend, **heads)
     from .tcp import TcpReceiver
-    return TcpReceiver(spec, device, backend=backend)
+    return TcpReceiver(spec, device, backend=backend, **heads)

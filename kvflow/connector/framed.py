@@ -17,6 +17,7 @@ import abc
 from typing import Any
 
 from .base import Handoff, KVSender, Peer, PrefillJob
+from .reblocked import differs
 
 
 class FramedSender(KVSender):
@@ -31,6 +32,7 @@ class FramedSender(KVSender):
     def __init__(self, spec, device: Any = "cpu", **kw: Any) -> None:
         super().__init__(spec, device, **kw)
         self.layerwise = None  # LayerwiseSender, when some prompt can go layerwise
+        self.peer_specs: dict = {}  # attached D -> its KVCacheSpec
 
     # ---- the kind's messages -----------------------------------------------------------
     @abc.abstractmethod
@@ -83,11 +85,13 @@ class FramedSender(KVSender):
                                                   chunk_size=max(1, min(chunk_size, n // 2))))
 
     def _attach(self, peer: Peer, ctx: Any) -> None:
+        self.peer_specs[peer.id] = peer.spec
         if self.layerwise is not None:
             self.layerwise.open(ctx, peer.data_addr, peer.id)
 
     def detach(self, peer_id: str) -> None:
         super().detach(peer_id)
+        self.peer_specs.pop(peer_id, None)
         if self.layerwise is not None:
             self.layerwise.close_peer(peer_id)
 
@@ -97,18 +101,25 @@ class FramedSender(KVSender):
         every layer sent as it completes (P's blocks held until D's ack; a part that fails
         later comes out of :meth:`pop_errors`)."""
         self.link_to(job.decode_id)  # before any compute
-        if self.layerwise is not None and self.goes_layerwise(len(job.token_ids)):
+        if (self.layerwise is not None and self.goes_layerwise(len(job.token_ids))
+                and not self.reblocks(job.decode_id)):
             logits = self.layerwise.run(engine, job)
             self.layerwise.finish(job.req_id, job.sample(logits))
             return Handoff(holds_blocks=True)
         logits = engine.prefill(job.token_ids, job.blocks, chunk_size=job.chunk_size)
         return self.send_prefilled(job, job.sample(logits))
 
+    def reblocks(self, decode_id: str) -> bool:
+        """D ``decode_id``'s cache spec differs from P's: its KV moves after the prefill, P's
+        whole table in one message (:mod:`.reblocked`)."""
+        return differs(self.peer_specs.get(decode_id, self.spec), self.spec)
+
     def send_prefilled(self, job: PrefillJob, first_token: int) -> Handoff:
-        """One message (:meth:`send`) for the prompt's blocks past D's prefix hit."""
+        """One message (:meth:`send`) for the prompt's blocks past D's prefix hit (all of P's
+        blocks when D's spec differs: D skips its hit by token, :mod:`.reblocked`)."""
         # D holds logical blocks 0..num_cached_blocks-1 (prefix hit): send only the rest
-        keep = self.send(self.link_to(job.decode_id), job.req_id, self.cache,
-                         job.blocks[min(job.num_cached_blocks, len(job.blocks)):],
+        skip = 0 if self.reblocks(job.decode_id) else min(job.num_cached_blocks, len(job.blocks))
+        keep = self.send(self.link_to(job.decode_id), job.req_id, self.cache, job.blocks[skip:],
                          first_token=first_token, num_prompt_tokens=len(job.token_ids))
         self.messages_sent += 1
         return Handoff(self.holds_blocks, keep)

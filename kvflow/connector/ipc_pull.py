@@ -4,6 +4,8 @@ request's blocks with :func:`kvflow.kernels.copy_blocks` straight into the block
 allocated. P sends a :class:`~kvflow.protocol.KVReady` naming its blocks (a few bytes) and keeps
 them until D's ack or the lease ends.
 
+A P whose cache spec differs from D's (block_size, NHD/HND, dtype) names its whole table and D
+pulls with one re-blocked copy (:mod:`.reblocked`).
 Layerwise (:class:`~kvflow.protocol.KVLayer`, :mod:`.framed`): D is told per part (layers + P's
 block ids) and pulls just that with ``copy_blocks(..., layers=range)``; P never writes into D's
 cache.
@@ -29,6 +31,7 @@ from kvflow.protocol import KVLayer, KVReady, encode
 from .base import KVReceiver, Peer, TransferError, TransferStats, as_ids, check_send_allowed
 from .framed import FramedSender
 from .layerwise.parts import LayerParts
+from .reblocked import differs, tables
 
 
 class IpcPullSender(FramedSender):
@@ -77,15 +80,18 @@ class IpcPullReceiver(KVReceiver):
     """D side: map each paired P's cache at pairing, then ``copy_blocks`` P's ids -> D's ids.
 
     D may be paired with several P's: one mapping per P (``peers``), and every transfer reads
-    the cache of the P that sent it (``peer_id``), never another one's.
+    the cache of the P that sent it (``peer_id``), never another one's. ``head_start``: D holds
+    P's KV heads ``[head_start, head_start + spec.num_kv_heads)`` (:func:`.make_receiver`).
     """
 
     name = "ipc-pull"
     reads_peer_memory = True
     copy_kwargs: dict = {}  # extra copy_blocks arguments (the CUDA receiver sets direction)
 
-    def __init__(self, spec=None, device: Any = "cpu", *, backend: str = "auto") -> None:
+    def __init__(self, spec=None, device: Any = "cpu", *, backend: str = "auto",
+                 head_start: int | None = None) -> None:
         super().__init__(spec, device, backend=backend)
+        self.head_start = head_start
         self.peers: dict[str, PagedKVCache] = {}
         self.peer_id = ""  # the last one paired
         self.parts = LayerParts()
@@ -136,6 +142,8 @@ class IpcPullReceiver(KVReceiver):
                                 f"{type(header).__name__}")
         if frames:
             raise TransferError(f"ipc KVReady carries no payload frames, got {len(frames)}")
+        if differs(src_cache.spec, cache.spec):
+            return self.pull_reblocked(src_cache, header, cache, dst_ids)
         src = as_ids(header.src_block_ids)
         if src.numel() != len(dst_ids):
             raise TransferError(f"KVReady for {header.req_id} names {src.numel()} blocks; "
@@ -146,10 +154,29 @@ class IpcPullReceiver(KVReceiver):
         n = int((src >= 0).sum())
         return TransferStats(blocks=n, payload_bytes=payload_bytes(cache.spec, n), copy_ms=ms)
 
+    def pull_reblocked(self, src_cache, header: KVReady, cache, dst_ids) -> TransferStats:
+        """A :class:`KVReady` from a P of another spec: one re-blocked ``copy_blocks`` of the
+        whole prompt (:mod:`.reblocked`), on D's device (a re-blocked copy runs as "pull", whatever
+        ``direction`` the plain copies take); waits for it on CUDA."""
+        src, dst = tables(header.src_block_ids, src_cache.spec, dst_ids, cache.spec,
+                          header.num_prompt_tokens, header.req_id)
+        t0 = time.perf_counter()
+        copy_blocks(src_cache, cache, src, dst, num_tokens=header.num_prompt_tokens,
+                    head_start=self.head_start, backend=self.backend)
+        if cache.device.type == "cuda":  # P may reuse its blocks after the ack
+            torch.cuda.synchronize(cache.device)
+            torch.cuda.synchronize(src_cache.device)
+        ms = (time.perf_counter() - t0) * 1e3
+        return TransferStats(blocks=len(dst_ids), copy_ms=ms,
+                             payload_bytes=payload_bytes(cache.spec, len(dst_ids)))
+
     def _pull_part(self, src_cache, header, frames, cache, dst_ids, layers) -> int:
         """copy_blocks of one layerwise part: P's ``src_block_ids`` -> D's ``dst_ids``."""
         if frames:
             raise TransferError(f"ipc KVLayer carries no payload frames, got {len(frames)}")
+        if differs(src_cache.spec, cache.spec):
+            raise TransferError(f"KVLayer for {header.req_id} from a P of another KV cache "
+                                f"spec: such a P sends after the prefill, never by layer")
         if len(header.src_block_ids) != len(dst_ids):
             raise TransferError(f"KVLayer for {header.req_id} names {len(header.src_block_ids)} "
                                 f"source blocks for {len(dst_ids)} prompt blocks")
@@ -177,10 +204,10 @@ class CudaIpcPullReceiver(IpcPullReceiver):
     """
 
     def __init__(self, spec=None, device: Any = "cuda", *, backend: str = "auto",
-                 direction: str = "push") -> None:
+                 direction: str = "push", head_start: int | None = None) -> None:
         if direction not in ("pull", "push"):
             raise ValueError(f"direction must be 'pull' or 'push', got {direction!r}")
-        super().__init__(spec, device, backend=backend)
+        super().__init__(spec, device, backend=backend, head_start=head_start)
         self.direction = direction
         self.copy_kwargs = {"direction": direction}
 
@@ -208,12 +235,14 @@ class CudaIpcPullReceiver(IpcPullReceiver):
                 run_on = cache.device if self.direction == "pull" else peer.device
                 torch.cuda.current_stream(run_on).synchronize()
             return stats
+        if frames:
+            raise TransferError(f"ipc KVReady carries no payload frames, got {len(frames)}")
+        if differs(peer.spec, cache.spec):
+            return self.pull_reblocked(peer, header, cache, dst_ids)
         src = as_ids(header.src_block_ids)
         if src.numel() != len(dst_ids):
             raise TransferError(f"KVReady for {header.req_id} names {src.numel()} blocks; "
                                 f"D allocated {len(dst_ids)} for the prompt")
-        if frames:
-            raise TransferError(f"ipc KVReady carries no payload frames, got {len(frames)}")
         t0 = time.perf_counter()
         copy_blocks(peer, cache, src, as_ids(dst_ids), backend=self.backend,
                     direction=self.direction)

@@ -19,6 +19,10 @@ prefill. Either way P waits for its copies, then sends one :class:`~kvflow.proto
 (``ok``, first token, timings); D starts decoding on it (the served P sent the first token to
 the router already, before waiting for its copies).
 
+A D whose cache spec differs from P's (block_size, NHD/HND, dtype) gets the whole prompt after
+the prefill, one re-blocked copy over all layers (:func:`.reblocked.push_prompt`), never layer
+by layer.
+
 Ownership: D's blocks of a request are written by P until P's ``KVPushed`` (ok or not) for it,
 so D keeps them allocated until then even if the request ends early (``lent`` blocks,
 :mod:`kvflow.serve.lent`), unless P is known dead. P frees its own blocks as soon as its copies
@@ -42,6 +46,7 @@ from kvflow.protocol import KVPushed, encode
 from .base import (KVReceiver, KVSender, Peer, PrefillJob, TransferError, TransferStats,
                    check_send_allowed)
 from .layer_copy import LAYERS_PER_COPY, LAYERWISE_MAX_CTAS, LayerCopier, PushStats
+from .reblocked import differs, push_prompt, warm
 
 log = logging.getLogger("kvflow.connector.ipc_push")
 
@@ -140,6 +145,14 @@ class PushSender(KVSender):
                                 f"(is it running with --kv-connector ipc-push?)")
         self.peers[peer.id] = map_decode_cache(peer.shm_name, peer.spec, peer.num_blocks,
                                                self.device)
+        if differs(peer.spec, self.spec):
+            warm(self.spec, peer.spec, self.device, self.backend)
+
+    def reblocks(self, decode_id: str) -> bool:
+        """D ``decode_id``'s cache spec differs from P's: the prompt moves after the prefill,
+        re-blocked (:func:`.reblocked.push_prompt`)."""
+        dst = self.peers.get(decode_id)
+        return dst is not None and differs(dst.spec, self.spec)
 
     def detach(self, peer_id: str) -> None:
         """Drop D ``peer_id``'s link and mapping; other D's stay mapped."""
@@ -163,7 +176,7 @@ class PushSender(KVSender):
         are free once this returns). On an error the copies already issued are waited for
         before it propagates."""
         t0 = time.perf_counter()
-        if not self.goes_layerwise(len(job.token_ids)):
+        if not self.goes_layerwise(len(job.token_ids)) or self.reblocks(job.decode_id):
             self.plan(job)  # a job D cannot take fails before any compute
             logits = engine.prefill(job.token_ids, job.blocks, chunk_size=job.chunk_size)
             first = job.sample(logits)
@@ -185,6 +198,15 @@ class PushSender(KVSender):
         check_send_allowed("PushSender.send_prefilled")
         stats = self.plan(job)
         stats.prefill_ms = prefill_ms
+        if self.reblocks(job.decode_id):
+            t0, stats.t_start = time.perf_counter(), time.time()
+            push_prompt(self.cache, stats.dst, job.blocks, job.decode_block_ids,
+                        job.num_cached_blocks, len(job.token_ids), job.req_id, self.backend)
+            stats.copy_ms = stats.exposed_ms = (time.perf_counter() - t0) * 1e3
+            self.send_done(self.links.get(job.decode_id), job.req_id, ok=True,
+                           first_token=first_token, num_prompt_tokens=len(job.token_ids),
+                           stats=stats)
+            return None
         self.copier.start()
         stats.pending = self.copier.pairs(job.blocks, job.decode_block_ids, 0,
                                           self.spec.num_blocks_for(len(job.token_ids)),
@@ -216,7 +238,7 @@ class PushSender(KVSender):
     def plan(self, job: PrefillJob) -> PushStats:
         """Check ``job`` against the attached D's and P's tables; its :class:`PushStats`
         (``dst``: D's mapped cache, None inside a dummy run; ``blocks``, ``payload_bytes``:
-        what will be written).
+        what will be written, in D's spec).
 
         Raises
         ------
@@ -230,6 +252,9 @@ class PushSender(KVSender):
         if sends_allowed() and dst is None:
             raise TransferError(f"push to decode instance {job.decode_id!r}, which is not paired "
                                 f"with this prefill instance (paired: {sorted(self.peers)})")
+        if dst is not None and differs(dst.spec, self.spec):  # push_prompt checks the tables
+            m = max(0, dst.spec.num_blocks_for(n) - job.num_cached_blocks)
+            return PushStats(dst=dst, blocks=m, payload_bytes=payload_bytes(dst.spec, m))
         if len(dst_ids) < nb or len(blocks) < nb:
             raise TransferError(f"decode_block_ids has {len(dst_ids)} blocks and P's table "
                                 f"{len(blocks)}; the {n}-token prompt needs {nb}")

@@ -9,6 +9,10 @@ Frame layout: ``[KVData header (msgpack), layer 0, layer 1, ...]``; layer ``l`` 
 ``tensors_per_layer * num_blocks * spec.block_bytes`` bytes. Zero blocks (D's prefix cache holds
 every prompt block) is a transfer too: empty layer frames, nothing written on D.
 
+A P whose cache spec differs from D's (block_size, NHD/HND, dtype) sends its whole table in its
+own spec; D scatters each layer with ``src_spec`` = P's spec and ``num_tokens`` = the prompt
+(:mod:`.reblocked`).
+
 Layerwise (:mod:`.framed`): ``[KVLayer header, one frame per layer of the part]``, each
 gathered with ``gather_blocks(layers=...)`` as soon as the prefill signals the layer; D scatters
 on arrival.
@@ -23,12 +27,13 @@ from typing import Any
 import torch
 
 from kvflow.cache import PagedKVCache, staging_buffer, staging_shape
-from kvflow.kernels import gather_blocks, scatter_blocks
+from kvflow.kernels import gather_blocks, payload_bytes, scatter_blocks
 from kvflow.protocol import KVData, KVLayer, encode
 
 from .base import KVReceiver, TransferError, TransferStats, as_ids, check_send_allowed
 from .framed import FramedSender
 from .layerwise.parts import LayerParts
+from .reblocked import differs, tables
 
 
 def layer_frames(staging: torch.Tensor) -> list[memoryview]:
@@ -103,9 +108,19 @@ class TcpReceiver(KVReceiver):
     name = "tcp"
     host_local = False  # P may live on another host
 
-    def __init__(self, spec=None, device: Any = "cpu", *, backend: str = "auto") -> None:
+    def __init__(self, spec=None, device: Any = "cpu", *, backend: str = "auto",
+                 head_start: int | None = None) -> None:
         super().__init__(spec, device, backend=backend)
+        self.head_start = head_start  # D holds P's heads [head_start, + spec.num_kv_heads)
         self.parts = LayerParts()
+        self.peer_specs: dict = {}  # paired P -> its KVCacheSpec
+        self.peer_id = ""  # the last one paired
+
+    def attach(self, peer) -> None:
+        self.peer_specs[peer.id], self.peer_id = peer.spec, peer.id
+
+    def detach(self, peer_id: str) -> None:
+        self.peer_specs.pop(peer_id, None)
 
     def warmup(self) -> None:
         scatter_blocks(staging_buffer(self.spec, 1, device=self.device),
@@ -122,6 +137,9 @@ class TcpReceiver(KVReceiver):
         if not isinstance(header, KVData):
             raise TransferError(f"tcp expects a KVData or KVLayer header, got "
                                 f"{type(header).__name__}")
+        src_spec = self.peer_specs.get(self.peer_id if peer_id is None else peer_id, spec)
+        if differs(src_spec, spec):
+            return self._scatter_reblocked(header, frames, cache, dst_ids, src_spec)
         n = header.num_blocks
         if n != len(dst_ids):
             raise TransferError(f"KVData for {header.req_id} carries {n} blocks; D allocated "
@@ -144,6 +162,30 @@ class TcpReceiver(KVReceiver):
             total += buf.nbytes
         ms = (time.perf_counter() - t0) * 1e3
         return TransferStats(blocks=n, payload_bytes=total, copy_ms=ms)
+
+    def _scatter_reblocked(self, header, frames, cache, dst_ids, src_spec) -> TransferStats:
+        """A :class:`KVData` from a P of another spec: its frames are staging buffers of P's
+        spec holding P's whole table; each layer is scattered with ``src_spec`` and
+        ``num_tokens`` (:mod:`.reblocked`)."""
+        n, T = header.num_blocks, header.num_prompt_tokens
+        src, dst = tables(range(n), src_spec, dst_ids, cache.spec, T, header.req_id)
+        layer_bytes = src_spec.tensors_per_layer * n * src_spec.block_bytes
+        bufs = [memoryview(getattr(frame, "buffer", frame)) for frame in frames]
+        if header.num_frames != src_spec.num_layers or len(bufs) != src_spec.num_layers:
+            raise TransferError(f"KVData for {header.req_id}: expected {src_spec.num_layers} "
+                                f"layer frames, header says {header.num_frames}, got {len(bufs)}")
+        for layer, buf in enumerate(bufs):
+            if buf.nbytes != layer_bytes:
+                raise TransferError(f"KVData for {header.req_id}: layer {layer} frame has "
+                                    f"{buf.nbytes} bytes, expected {layer_bytes}")
+        t0 = time.perf_counter()
+        for layer, buf in enumerate(bufs if len(dst_ids) else ()):
+            scatter_blocks(_frame_tensor(buf, src_spec, n, layer, cache.device), cache, dst,
+                           layer, backend=self.backend, src_spec=src_spec, num_tokens=T,
+                           head_start=self.head_start)
+        ms = (time.perf_counter() - t0) * 1e3
+        return TransferStats(blocks=len(dst_ids), copy_ms=ms,
+                             payload_bytes=payload_bytes(cache.spec, len(dst_ids)))
 
     def _scatter_part(self, header, frames, cache, dst_ids, layers) -> int:
         """Check one frame per layer of ``len(dst_ids)`` blocks, then scatter each layer."""

@@ -20,6 +20,10 @@ from kvflow.connector import CONFIG_KEYS, CONNECTORS
 
 #: the values of ``--kv-connector`` (``auto``: ipc-push on CUDA, ipc-pull on CPU)
 KV_CONNECTORS = ("auto", *CONNECTORS)
+#: the values of ``--kv-layout`` / ``--decode-kv-layout``
+KV_LAYOUTS = ("NHD", "HND")
+#: the values of ``--kv-dtype`` / ``--decode-kv-dtype``
+KV_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
 
 
 def _flag(help: str, *, choices: tuple[str, ...] | None = None, default_text: str | None = None,
@@ -87,6 +91,22 @@ class ServeConfig:
     dtype: str = field(default="float32", metadata=_flag(
         "model weights and KV cache dtype", choices=("float32", "bfloat16", "float16")))
     block_size: int = field(default=16, metadata=_flag("tokens per KV block"))
+    kv_layout: str = field(default="NHD", metadata=_flag(
+        "KV cache layout: NHD [blocks, block_size, heads, head_dim] or HND [blocks, heads, "
+        "block_size, head_dim]", choices=KV_LAYOUTS))
+    kv_dtype: str | None = field(default=None, metadata=_flag(
+        "KV cache dtype (fp8: per-tensor scales, 1.0)", choices=KV_DTYPES,
+        default_text="--dtype"))
+    decode_block_size: int | None = field(default=None, metadata=_flag(
+        "tokens per KV block of the decode instance, when it differs from P's: the connector "
+        "re-blocks (ipc-pull, tcp, ipc-push)", default_text="--block-size"))
+    decode_kv_layout: str | None = field(default=None, metadata=_flag(
+        "KV cache layout of the decode instance (the connector maps P's to it: ipc-pull, tcp, "
+        "ipc-push)",
+        choices=KV_LAYOUTS, default_text="--kv-layout"))
+    decode_kv_dtype: str | None = field(default=None, metadata=_flag(
+        "KV cache dtype of the decode instance (the connector converts P's to it: ipc-pull, "
+        "tcp, ipc-push)", choices=KV_DTYPES, default_text="--kv-dtype"))
     max_model_len: int | None = field(default=None, metadata=_flag(
         "longest prompt + generated tokens of one request", default_text="min(model limit, 2048)"))
     max_num_batched_tokens: int = field(default=512, metadata=_flag(

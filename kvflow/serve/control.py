@@ -258,6 +258,20 @@ class Controller:
                                            finish_reason="error",
                                            error=f"{info.role} instance {info.id} died ({why})"))
 
+    def _spec_differs(self, info: InstanceInfo) -> dict:
+        """``{peer id: {field: [ours, theirs]}}`` for each paired peer whose KV cache spec
+        differs (the connector re-blocks between them); peers with equal specs left out."""
+        out = {}
+        for peer_id in sorted(info.pair_ok):
+            peer = self.instances.get(peer_id)
+            if peer is None:
+                continue
+            diff = {k: [v, peer.reg.spec.get(k)] for k, v in info.reg.spec.items()
+                    if peer.reg.spec.get(k) != v}
+            if diff:
+                out[peer_id] = diff
+        return out
+
     def health(self) -> dict:
         now = time.monotonic()
         return {"status": "ok" if self.ready() else "starting", "mode": self.mode,
@@ -268,6 +282,7 @@ class Controller:
                                "heartbeat_age_s": now - i.heartbeat_at,
                                "max_model_len": i.reg.max_model_len, "spec": i.reg.spec,
                                "shm_name": i.reg.shm_name, "data_addr": i.reg.data_addr,
-                               "paired_with": sorted(i.pair_ok)}
+                               "paired_with": sorted(i.pair_ok),
+                               "spec_differs": self._spec_differs(i)}
                               for i in self.instances.values()],
                 "errors": self.errors[-20:]}

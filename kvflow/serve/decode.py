@@ -103,7 +103,7 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
         error = check_peer(self, msg)
         if not error:
             try:
-                self.receiver.attach(peer_of(msg, self.spec))
+                self.receiver.attach(peer_of(msg))
                 self.peer_id = msg.peer_id
                 self.lent.meet(msg.peer_id, msg.peer_pid, msg.peer_host_id)
                 self.unpaired.pop(msg.peer_id, None)

@@ -62,6 +62,7 @@ class Instance(EventLoop):
         from kvflow.model import load_model
 
         from .budget import memory_budget
+        from .kv_specs import role_spec
         cfg = self.cfg
         # the GPU's free memory is measured before this instance's weights take any of it
         budget = None if cfg.num_blocks else memory_budget(cfg.device, cfg.memory_budget_mb,
@@ -73,7 +74,7 @@ class Instance(EventLoop):
             raise StartupError(f"--model {cfg.model!r}: {exc}") from None
         except Exception as exc:  # e.g. a corrupt safetensors file, out of memory
             raise StartupError(f"--model {cfg.model!r}: {type(exc).__name__}: {exc}") from None
-        self.spec = self.model.kv_spec(cfg.block_size)
+        self.spec = role_spec(self.model, cfg, self.role)
         limit = self.model.config.max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or min(limit, 2048), limit)
         t0 = time.perf_counter()

@@ -1,4 +1,12 @@
-"""Whether two instances may pair: equal KV cache spec, then equal model fingerprint."""
+"""Whether two instances may pair: KV cache specs the connector can map, then equal model
+fingerprint.
+
+P's and D's specs may differ in ``block_size``, ``layout`` (NHD / HND) and ``dtype`` (and an fp8
+cache's ``scales``): the connectors that move KV with the re-blocking kernels
+(:data:`REBLOCKING`, :mod:`kvflow.kernels.reblock`) map one onto the other. Layers, KV heads and
+head_dim must be equal (each instance runs the whole model). Anything else is refused with both
+values named, before any request is accepted.
+"""
 
 from __future__ import annotations
 
@@ -9,32 +17,65 @@ from kvflow.layout import KVCacheSpec
 
 from .fingerprint import check_fingerprint
 
+#: Connectors that move KV between different specs with the re-blocking kernels (ipc-pull, tcp:
+#: D copies or scatters; ipc-push: P writes into D's mapped cache); nixl writes P's blocks as
+#: they are and needs equal specs.
+REBLOCKING = ("ipc-pull", "tcp", "ipc-push")
+#: Spec fields that may differ between P and D (with a :data:`REBLOCKING` connector).
+MAPPABLE = ("block_size", "layout", "dtype", "scales")
 
-def check_pairing(mine: KVCacheSpec, my_id: str, peer: dict[str, Any], peer_id: str) -> str:
-    """'' when the peer's KV cache spec equals ours, else an error naming every differing field
-    with both values, e.g. ``block_size: 16 (p-1-ab) vs 32 (d-2-cd)``."""
+
+def spec_diff(mine: KVCacheSpec, theirs: KVCacheSpec) -> dict[str, tuple[Any, Any]]:
+    """``{field: (ours, theirs)}`` of every field that differs, in field order."""
+    return {f.name: (getattr(mine, f.name), getattr(theirs, f.name))
+            for f in dataclasses.fields(mine) if getattr(mine, f.name) != getattr(theirs, f.name)}
+
+
+def check_pairing(mine: KVCacheSpec, my_id: str, peer: dict[str, Any], peer_id: str,
+                  connector: str | None = None) -> str:
+    """'' when the peer's KV cache spec equals ours, or differs only in what ``connector``
+    (a kind of :data:`~kvflow.connector.CONNECTORS`; None: none maps) can map; else the
+    refusal, naming every differing field with both values, e.g. ``KV cache spec mismatch,
+    pairing refused: head_dim: 32 (p-1-ab) vs 64 (d-2-cd); P and D may differ only in
+    block_size, layout, dtype``."""
     try:
         theirs = KVCacheSpec.from_dict(peer)
     except (TypeError, ValueError) as exc:
         return f"pairing refused: {peer_id} sent an invalid KV cache spec {peer!r}: {exc}"
-    diffs = [f"{f.name}: {getattr(mine, f.name)} ({my_id}) vs {getattr(theirs, f.name)} ({peer_id})"
-             for f in dataclasses.fields(mine) if getattr(mine, f.name) != getattr(theirs, f.name)]
-    return "KV cache spec mismatch, pairing refused: " + "; ".join(diffs) if diffs else ""
+    diff = spec_diff(mine, theirs)
+    if not diff:
+        return ""
+    words = "; ".join(f"{k}: {a} ({my_id}) vs {b} ({peer_id})" for k, (a, b) in diff.items())
+    fixed = [k for k in diff if k not in MAPPABLE]
+    if fixed or "MLA" in (mine.layout, theirs.layout):
+        return (f"KV cache spec mismatch, pairing refused: {words}; P and D may differ only in "
+                f"block_size, layout (NHD/HND) and dtype")
+    if connector not in REBLOCKING:
+        return (f"KV cache spec mismatch, pairing refused: {words}; the {connector} connector "
+                f"moves only equal specs (re-blocking connectors: {', '.join(REBLOCKING)})")
+    from kvflow.kernels.reblock import make_mapping
+    try:
+        make_mapping(mine, theirs, src_name=my_id, dst_name=peer_id)
+    except (TypeError, ValueError) as exc:
+        return f"KV cache spec mismatch, pairing refused: {exc}"
+    return ""
 
 
 def check_peer(inst: Any, msg: Any) -> str:
     """'' when the peer of ``msg`` (:class:`~kvflow.protocol.Pair`) may pair with ``inst`` (an
-    :class:`~kvflow.serve.instance.Instance`): equal KV cache spec (:func:`check_pairing`),
-    then equal model fingerprint (:func:`~kvflow.serve.fingerprint.check_fingerprint`); else
-    the refusal."""
-    return (check_pairing(inst.spec, inst.instance_id, msg.peer_spec, msg.peer_id)
+    :class:`~kvflow.serve.instance.Instance`): specs its connector maps
+    (:func:`check_pairing`), then equal model fingerprint
+    (:func:`~kvflow.serve.fingerprint.check_fingerprint`); else the refusal."""
+    return (check_pairing(inst.spec, inst.instance_id, msg.peer_spec, msg.peer_id,
+                          inst.connector_name())
             or check_fingerprint(inst.fingerprint, inst.instance_id, msg.peer_fingerprint,
                                  msg.peer_id))
 
 
-def peer_of(msg: Any, spec: KVCacheSpec) -> Any:
-    """The :class:`~kvflow.connector.Peer` a :class:`~kvflow.protocol.Pair` names (its spec
-    equals ``spec``: checked by :func:`check_peer`)."""
+def peer_of(msg: Any) -> Any:
+    """The :class:`~kvflow.connector.Peer` a :class:`~kvflow.protocol.Pair` names, with its own
+    spec (checked by :func:`check_peer`)."""
     from kvflow.connector import Peer
-    return Peer(id=msg.peer_id, spec=spec, num_blocks=msg.peer_num_blocks, shm_name=msg.shm_name,
-                data_addr=msg.data_addr, connector_md=msg.peer_connector_md)
+    return Peer(id=msg.peer_id, spec=KVCacheSpec.from_dict(msg.peer_spec),
+                num_blocks=msg.peer_num_blocks, shm_name=msg.shm_name, data_addr=msg.data_addr,
+                connector_md=msg.peer_connector_md)

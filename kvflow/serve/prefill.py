@@ -107,7 +107,7 @@ class PrefillInstance(Instance):
         if not error:
             self._unpair(msg.peer_id)  # the same D paired anew (it registered again)
             try:
-                link = self.connector.attach(peer_of(msg, self.spec), self.ctx)
+                link = self.connector.attach(peer_of(msg), self.ctx)
                 self.sockets[link] = f"decode {msg.peer_id}"
             except Exception as exc:
                 error = f"cannot attach to {msg.peer_id}: {exc}"

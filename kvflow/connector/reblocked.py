@@ -1,0 +1,108 @@
+"""A request's KV between a P and a D whose cache specs differ (block_size, NHD/HND, dtype):
+what the ``ipc-pull``, ``tcp`` and ``ipc-push`` connectors do then (pairing allows it only for
+them, :mod:`kvflow.serve.pairing`).
+
+The whole prompt moves after the prefill (never layer by layer): token ``t`` goes from P's block
+``src[t // bs_P]`` to D's block ``dst[t // bs_D]`` by the re-blocking kernels
+(:mod:`kvflow.kernels.reblock`), ``num_tokens`` = the prompt's length. ipc-pull and tcp: P sends
+its whole table, D copies or scatters. ipc-push: P writes into D's mapped cache with one
+``copy_blocks`` over all layers (:func:`push_prompt`). D's prefix hit (its first blocks, which it
+already holds) becomes id -1 in D's table: those tokens are read from nothing and written
+nowhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvflow.cache import PagedKVCache
+from kvflow.kernels import copy_blocks
+
+from .base import TransferError
+
+
+def differs(a: Any, b: Any) -> bool:
+    """The two :class:`~kvflow.layout.KVCacheSpec` differ (the transfer re-blocks)."""
+    return a != b
+
+
+def tables(src_ids: Any, src_spec: Any, dst_ids: Any, dst_spec: Any, num_tokens: int,
+           req_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(P's table, D's table)`` of a ``num_tokens``-token prompt, two int64 CPU tensors: P's
+    ``src_ids`` as sent (all ``ceil(num_tokens / bs_P)`` blocks) and D's ``dst_ids`` (its
+    blocks past the prefix hit) preceded by one -1 per block of the hit.
+
+    Raises
+    ------
+    TransferError
+        ``src_ids`` does not cover the prompt, or ``dst_ids`` holds more blocks than it needs.
+    """
+    need_s = -(-num_tokens // src_spec.block_size)
+    need_d = -(-num_tokens // dst_spec.block_size)
+    if len(src_ids) != need_s:
+        raise TransferError(f"{req_id}: P sent {len(src_ids)} blocks of {src_spec.block_size} "
+                            f"tokens for a prompt of {num_tokens} tokens; expected {need_s}")
+    if len(dst_ids) > need_d:
+        raise TransferError(f"{req_id}: D allocated {len(dst_ids)} blocks of "
+                            f"{dst_spec.block_size} tokens for a prompt of {num_tokens} "
+                            f"tokens; at most {need_d} are needed")
+    dst = [-1] * (need_d - len(dst_ids)) + [int(b) for b in dst_ids]
+    return (torch.as_tensor([int(b) for b in src_ids], dtype=torch.int64),
+            torch.as_tensor(dst, dtype=torch.int64))
+
+
+def push_prompt(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, dst_ids: Any,
+                num_cached_blocks: int, num_tokens: int, req_id: str, backend: str) -> int:
+    """ipc-push between different specs: write a ``num_tokens``-token prompt from P's
+    ``src_cache`` into D's mapped ``dst_cache`` (another spec) with one re-blocked
+    ``copy_blocks`` over all layers, and wait for it.
+
+    The kernel runs on ``dst_cache``'s device, which for ipc-push is P's own GPU (D's cache is
+    mapped there, :func:`~kvflow.connector.ipc_push.map_decode_cache`): P pushes.
+
+    Parameters
+    ----------
+    src_cache, dst_cache : PagedKVCache
+        P's cache and D's (mapped in P's process); specs may differ in block_size, layout, dtype.
+    src_ids, dst_ids : sequence of int
+        P's block table (at least ``ceil(num_tokens / bs_P)`` blocks) and D's
+        (``decode_block_ids``: at least ``ceil(num_tokens / bs_D)``, the first
+        ``num_cached_blocks`` of them D's prefix hit, left untouched).
+    num_cached_blocks, num_tokens : int
+        D's prefix hit in D's blocks; the prompt's length in tokens.
+    req_id, backend : str
+        For error messages; the kernel backend.
+
+    Returns
+    -------
+    int
+        D's blocks written: ``ceil(num_tokens / bs_D) - num_cached_blocks``.
+
+    Raises
+    ------
+    TransferError
+        A table shorter than the prompt, or ``num_cached_blocks`` past it.
+    """
+    need_s = src_cache.spec.num_blocks_for(num_tokens)
+    need_d = dst_cache.spec.num_blocks_for(num_tokens)
+    if len(src_ids) < need_s or len(dst_ids) < need_d or not 0 <= num_cached_blocks <= need_d:
+        raise TransferError(f"{req_id}: P's table has {len(src_ids)} blocks of "
+                            f"{src_cache.spec.block_size} tokens and decode_block_ids "
+                            f"{len(dst_ids)} of {dst_cache.spec.block_size} "
+                            f"({num_cached_blocks} cached); the {num_tokens}-token prompt needs "
+                            f"{need_s} and {need_d}")
+    src, dst = tables(list(src_ids[:need_s]), src_cache.spec,
+                      list(dst_ids[num_cached_blocks:need_d]), dst_cache.spec, num_tokens, req_id)
+    copy_blocks(src_cache, dst_cache, src, dst, num_tokens=num_tokens, backend=backend)
+    if dst_cache.device.type == "cuda":  # D may read its blocks once KVPushed arrives
+        torch.cuda.current_stream(dst_cache.device).synchronize()
+    return need_d - num_cached_blocks
+
+
+def warm(src_spec: Any, dst_spec: Any, device: Any, backend: str) -> None:
+    """Compile the re-blocked copy from ``src_spec`` to ``dst_spec`` on ``device`` (one token
+    between two one-block caches), so a request does not wait for it."""
+    a, b = PagedKVCache(src_spec, 1, device=device), PagedKVCache(dst_spec, 1, device=device)
+    copy_blocks(a, b, [0], [0], num_tokens=1, backend=backend)
