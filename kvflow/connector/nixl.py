@@ -146,7 +146,7 @@ class NixlSender(PushSender):
                                 f"{spec.bytes_per_block} bytes need "
                                 f"{peer.num_blocks * spec.bytes_per_block}")
         agent = self.agent.add_peer(peer.id, info.metadata)
-        p = NixlPeer(peer.id, agent, peer.num_blocks)
+        p = NixlPeer(peer.id, agent, peer.num_blocks, spec=peer.spec)
         if self.mode == "direct":
             p.remote = self.agent.prep(agent, block_descs(
                 info.cache_addr, spec.num_tensors, info.num_blocks, spec.block_bytes,

@@ -63,6 +63,8 @@ class NixlPeer:
         Staged: descriptors per slot.
     last_req : str
         Staged: the request last written into the slot ('' : none).
+    spec : KVCacheSpec or None
+        D's spec (equal to P's: nixl pairs only equal specs).
     """
     id: str
     agent: str
@@ -71,6 +73,7 @@ class NixlPeer:
     slot: int | None = None
     slot_descs: int = 0
     last_req: str = ""
+    spec: Any = None
 
 
 class NixlWriter:

@@ -66,7 +66,9 @@ class ServeConfig:
         "how a request's KV moves from P to D: ipc-pull (D copies from P's exported cache: "
         "shared memory on CPU, CUDA IPC on GPU), ipc-push (D exports its cache and P writes "
         "each group of layers into D's blocks while it prefills), tcp (P gathers blocks into "
-        "zero-copy ZMQ frames, D scatters them; P and D may be on different hosts); auto: "
+        "zero-copy ZMQ frames, D scatters them; P and D may be on different hosts), nixl (P "
+        "writes D's registered host or GPU memory with one-sided NIXL WRITEs; any hosts; extra "
+        "[nixl]); auto: "
         "ipc-push with --device cuda, ipc-pull on CPU", choices=KV_CONNECTORS))
     kv_connector_config: dict = field(default_factory=dict, metadata=_flag(
         "JSON object of options of the connector, e.g. '{\"max_ctas\": 8}'; " + "; ".join(

@@ -135,7 +135,8 @@ class EventLoop:
                         poller.register(sock, zmq.POLLIN)
                 timeout = 0 if self.has_work() else int(self.cfg.heartbeat_s * 250)
                 for sock, _ in poller.poll(timeout):
-                    self.drain(sock)
+                    if sock in self.sockets and not sock.closed:  # an earlier message of this
+                        self.drain(sock)  # poll may have closed it (an Unpair drops a link)
                 if self.has_work():
                     self.work()
                 self.heartbeat()
