@@ -180,7 +180,7 @@ class TcpReceiver(KVReceiver):
                                     f"{buf.nbytes} bytes, expected {layer_bytes}")
         t0 = time.perf_counter()
         for layer, buf in enumerate(bufs if len(dst_ids) else ()):
-            scatter_blocks(_frame_tensor(buf, src_spec, n, layer, cache.device), cache, dst,
+            scatter_blocks(frame_tensor(buf, src_spec, n, layer, cache.device), cache, dst,
                            layer, backend=self.backend, src_spec=src_spec, num_tokens=T,
                            head_start=self.head_start)
         ms = (time.perf_counter() - t0) * 1e3
