@@ -75,6 +75,21 @@ def transfer_table(rows: list[dict]) -> list[str]:
     return _md_table(head, body)
 
 
+def reblock_table(rows: list[dict]) -> list[str]:
+    """copy_blocks between two specs (``python -m kvflow.bench reblock``): both sides' bytes,
+    as called and device time, and the ratios to the same-run copy_ ceiling of the bytes
+    written, of the bytes read, and of the copy's memory traffic."""
+    body = [[r["case"], r["tokens"], r["src_bytes"] / 2**20, r["dst_bytes"] / 2**20,
+             r["time_s"] * 1e6, r["gbps"], r["ratio"], r["ratio_read"], r["ratio_traffic"],
+             r["device_ratio"]] for r in rows]
+    return (["**copy_blocks between two specs**, as called (back-to-back calls, default "
+             "arguments); GB/s of bytes written; ratios to the same-run copy_ ceiling of the "
+             "bytes written (the headline), of the bytes read, and of the memory traffic; the "
+             "last column is the written ratio in device time.", ""]
+            + _md_table(["case", "tokens", "read MiB", "write MiB", "us/call", "GB/s written",
+                         "ratio", "ratio read", "ratio traffic", "device ratio"], body))
+
+
 def serve_table(rows: list[dict]) -> list[str]:
     body = []
     for r in rows:
@@ -158,8 +173,13 @@ def file_section(path: Path, data: dict, md_dir: Path, img_dir: Path) -> list[st
         if r.get("hops_ms"):
             kinds["served"].append(r)
             continue
+        if "ratio_traffic" in r:
+            kinds["reblock"].append(r)
+            continue
         kinds[r["op"] if r["op"] in ("contention", "serve", "transfer", "ceiling") else
               ("kernels" if r["op"] in KERNEL_OPS else "other")].append(r)
+    if kinds["reblock"]:
+        out += reblock_table(kinds["reblock"])
     if kinds["kernels"]:
         out += kernel_tables(kinds["kernels"])
     if kinds["calls"]:
