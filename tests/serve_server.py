@@ -3,6 +3,7 @@ query it, stop it with a signal and check that nothing is left behind."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -138,3 +139,16 @@ class Server:
             raise
         finally:
             self.client.close()
+
+
+@contextlib.contextmanager
+def healthy(servers: dict[str, "Server"]):
+    """Wait until every server of ``servers`` is healthy, yield them, and stop them all after
+    (also when a start fails)."""
+    try:
+        for srv in servers.values():
+            srv.wait_healthy()
+        yield servers
+    finally:
+        for srv in servers.values():
+            srv.stop()

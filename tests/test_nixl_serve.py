@@ -16,7 +16,7 @@ import pytest
 
 from kvflow.connector.nixl_agent import nixl_available
 
-from .serve_server import Server
+from .serve_server import Server, healthy
 from .test_serve_first_token import stream, tokens
 from .test_serve import MAX_TOKENS, prompt_of
 
@@ -36,13 +36,8 @@ def servers():
                           "--advertise-host", "127.0.0.2", env=dict(UCX, **SLOW_D)),
          "staged": Server("--kv-connector", "nixl", "--kv-connector-config",
                           '{"mode": "staged", "layers_per_copy": 1}', env=UCX)}
-    try:
-        for srv in s.values():
-            srv.wait_healthy()
+    with healthy(s):
         yield s
-    finally:
-        for srv in s.values():
-            srv.stop()
 
 
 @pytest.mark.parametrize("mode", ["direct", "staged"])

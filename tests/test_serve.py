@@ -17,7 +17,7 @@ import pytest
 
 from kvflow.segments import SHM_DIR
 
-from .serve_server import Server, pid_alive
+from .serve_server import Server, healthy, pid_alive
 
 TEXT = ("The quick brown fox jumps over the lazy dog while the decode instance waits for its "
         "blocks. Prefill computes the keys and values of every prompt token, layer by layer, "
@@ -39,13 +39,8 @@ def servers():
          "ipc": Server("--kv-connector", "ipc-pull"),
          "ipc-push": Server("--kv-connector", "ipc-push"),
          "tcp": Server("--kv-connector", "tcp", "--block-size", "8")}
-    try:
-        for srv in s.values():
-            srv.wait_healthy()
+    with healthy(s):
         yield s
-    finally:
-        for srv in s.values():
-            srv.stop()
 
 
 @pytest.fixture(scope="module")
