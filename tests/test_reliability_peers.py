@@ -31,12 +31,14 @@ COMMON = ["--max-model-len", "256", "--num-blocks", "40", "--layerwise-min-token
 
 
 class Cluster:
-    def __init__(self) -> None:
+    """A router started alone (``--dead-after-s dead_after_s``); instances join by ``spawn``."""
+
+    def __init__(self, dead_after_s: float = 5) -> None:
         self.port, self.cport = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.procs: list[subprocess.Popen] = []
         self.spawn("router", "--port", str(self.port), "--control-port", str(self.cport),
-                   "--dead-after-s", "5")
+                   "--dead-after-s", str(dead_after_s))
         self.client = httpx.Client(base_url=self.url, timeout=30)
 
     def spawn(self, role, *args, env=None):

@@ -49,7 +49,7 @@ def colocated(token_ids: list[int]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cl():
-    c = Cluster()
+    c = Cluster(dead_after_s=1)  # a SIGSTOPped P is declared dead within about 1 s
     c.ps = [c.spawn("prefill", *PUSH, env=P_ENV) for _ in range(2)]
     c.d = c.spawn("decode", *PUSH, "--num-blocks", "4", env=D_ENV)
     try:
