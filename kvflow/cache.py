@@ -15,7 +15,8 @@ import torch
 
 from .dlpack import to_torch
 from .layout import KVCacheSpec, _positive_int, normalize_layers
-from .scales import check_scales
+from .scales import (SCALES_ALIGN, check_scales, scales_offset, scales_shape, shared_nbytes,
+                     shared_parts)
 
 
 class PagedKVCache:
@@ -33,12 +34,20 @@ class PagedKVCache:
         A flat ``uint8`` tensor of at least ``spec.num_tensors * num_blocks * spec.block_bytes``
         bytes to lay the cache over (e.g. a shared-memory mapping); by default one zeroed
         allocation is made. The tensors are consecutive views of it, in ``tensors()`` order.
+    scales_in_buffer : bool, default False
+        fp8 only (ignored otherwise): the scales are a float32 view of ``buffer`` at byte
+        :func:`~kvflow.scales.scales_offset` (after the blocks, 16-byte aligned), so every
+        process that maps the buffer shares them; ``buffer`` must then hold
+        :func:`~kvflow.scales.shared_nbytes` bytes and start at a 16-byte aligned address.
+        Scales in a given ``buffer`` are taken as they are (its creator sets them to 1.0);
+        a new allocation gets 1.0. By default the scales are a separate allocation.
 
     Attributes
     ----------
     spec, num_blocks, device, buffer (the flat uint8 allocation, or None for
     :meth:`from_tensors`), scales (fp8 caches: float32 dequantization scales, all 1.0 at
-    first, see :mod:`kvflow.scales`; None for other dtypes; not part of ``buffer``),
+    first, see :mod:`kvflow.scales`; None for other dtypes; part of ``buffer`` only with
+    ``scales_in_buffer``),
     backend_state (per-backend data built once per cache, e.g. a device-side table of
     per-layer base addresses).
 
@@ -46,7 +55,8 @@ class PagedKVCache:
     ------
     TypeError, ValueError
         If ``num_blocks`` is not a positive int, or ``buffer`` is not a large enough flat
-        contiguous uint8 tensor starting at an address aligned to ``spec.dtype``.
+        contiguous uint8 tensor starting at an address aligned to ``spec.dtype`` (to 16 bytes
+        for fp8 scales in it); the size message names both sizes.
 
     Examples
     --------
@@ -58,14 +68,16 @@ class PagedKVCache:
     """
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: Any = "cpu", *,
-                 buffer: torch.Tensor | None = None) -> None:
+                 buffer: torch.Tensor | None = None, scales_in_buffer: bool = False) -> None:
         if not isinstance(spec, KVCacheSpec):
             raise TypeError(f"spec must be a KVCacheSpec, got {type(spec).__name__}")
         _positive_int("num_blocks", num_blocks)  # TypeError for a non-int, ValueError if <= 0
         self.spec = spec
         self.num_blocks = num_blocks
         per_tensor = num_blocks * spec.block_bytes
-        need = per_tensor * spec.num_tensors
+        inline = scales_in_buffer and spec.is_fp8
+        need = shared_nbytes(spec, num_blocks) if inline else per_tensor * spec.num_tensors
+        new = buffer is None
         if need >= 2 ** 63:
             raise ValueError(f"num_blocks={num_blocks} makes a cache of {need} bytes, more than "
                              f"a tensor can hold (2**63 - 1)")
@@ -80,17 +92,26 @@ class PagedKVCache:
                             f"{getattr(buffer, 'dtype', type(buffer))} of shape "
                             f"{tuple(getattr(buffer, 'shape', ()))}")
         elif buffer.numel() < need:
-            raise ValueError(f"buffer holds {buffer.numel()} bytes; the cache needs {need}")
-        elif buffer.data_ptr() % spec.itemsize:
+            raise ValueError(f"buffer holds {buffer.numel()} bytes; the cache needs {need}"
+                             + (shared_parts(spec, num_blocks) if inline else ""))
+        align = SCALES_ALIGN if inline else spec.itemsize
+        if buffer.data_ptr() % align:
             raise ValueError(f"buffer starts at address {buffer.data_ptr():#x}, not a multiple of "
-                             f"{spec.itemsize} bytes ({spec.dtype}); lay the cache over an "
-                             f"aligned slice")
+                             f"{align} bytes ("
+                             + ("fp8 scales in the buffer" if inline else str(spec.dtype))
+                             + "); lay the cache over an aligned slice")
         self.buffer = buffer
         shape = spec.tensor_shape(num_blocks)
         self._tensors = [buffer[i * per_tensor:(i + 1) * per_tensor].view(spec.dtype).view(shape)
                          for i in range(spec.num_tensors)]
         self.device = buffer.device
-        self.scales = check_scales("scales", None, spec, num_blocks, self.device)
+        if inline:
+            off = scales_offset(spec, num_blocks)
+            self.scales = buffer[off:need].view(torch.float32).view(scales_shape(spec, num_blocks))
+            if new:
+                self.scales.fill_(1.0)
+        else:
+            self.scales = check_scales("scales", None, spec, num_blocks, self.device)
         self.backend_state: dict[str, Any] = {}
 
     @classmethod

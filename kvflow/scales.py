@@ -17,10 +17,17 @@ the cache holds; ``PagedKVCache.scales`` is one float32 tensor on the cache's de
 their owner (calibration, a checkpoint's ``k_scale``) and only read by the ops; per-block
 per-head scales are written by the ops that write the block (:mod:`kvflow.kernels.reblock`).
 Caches of other dtypes hold no scales (``None``).
+
+A cache that another process maps (ipc-pull's P, ipc-push's D: :mod:`kvflow.connector.shm`,
+:mod:`kvflow.connector.cuda_ipc`) keeps its scales in the same memory as its blocks, right
+after them at :func:`scales_offset` (16-byte aligned), :func:`shared_nbytes` bytes in all
+(``PagedKVCache(..., scales_in_buffer=True)``): the exporter and every mapping read and write
+one scales tensor.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -36,6 +43,35 @@ def scales_shape(spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...] | None:
     if spec.scales == "tensor":
         return (spec.num_tensors,)
     return (spec.num_tensors, num_blocks, spec.num_kv_heads)
+
+
+#: Alignment in bytes of the scales that follow the blocks in a shared cache's memory.
+SCALES_ALIGN = 16
+
+
+def scales_offset(spec: KVCacheSpec, num_blocks: int) -> int:
+    """Byte offset of the scales in a shared cache's memory: the blocks' bytes
+    (``num_blocks * spec.bytes_per_block``) rounded up to :data:`SCALES_ALIGN`."""
+    return -(-num_blocks * spec.bytes_per_block // SCALES_ALIGN) * SCALES_ALIGN
+
+
+def shared_nbytes(spec: KVCacheSpec, num_blocks: int) -> int:
+    """Bytes of a shared cache's memory: the blocks, then (fp8 only) the float32 scales at
+    :func:`scales_offset`; ``num_blocks * spec.bytes_per_block`` for other dtypes."""
+    shape = scales_shape(spec, num_blocks)
+    if shape is None:
+        return num_blocks * spec.bytes_per_block
+    return scales_offset(spec, num_blocks) + 4 * math.prod(shape)
+
+
+def shared_parts(spec: KVCacheSpec, num_blocks: int) -> str:
+    """What :func:`shared_nbytes` counts, for error messages: ``""`` without scales, else
+    ``" (B bytes of blocks, then S bytes of float32 scales at byte O)"``."""
+    if not spec.is_fp8:
+        return ""
+    off = scales_offset(spec, num_blocks)
+    return (f" ({num_blocks * spec.bytes_per_block} bytes of blocks, then "
+            f"{shared_nbytes(spec, num_blocks) - off} bytes of float32 scales at byte {off})")
 
 
 def new_scales(spec: KVCacheSpec, num_blocks: int, device: Any) -> torch.Tensor | None:

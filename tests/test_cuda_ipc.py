@@ -46,7 +46,7 @@ def export(**kw) -> CudaIpcExport:
 def test_export_round_trip_and_rejects():
     e = export()
     assert decode_export(encode_export(e)) == e
-    with pytest.raises(TransferError, match="export version 99; expected 1"):
+    with pytest.raises(TransferError, match="export version 99; expected 2"):
         decode_export(encode_export(export(version=99)))
     with pytest.raises(TransferError, match=r"not a CUDA IPC export \(3 bytes\)"):
         decode_export(b"abc")

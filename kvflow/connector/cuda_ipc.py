@@ -3,11 +3,13 @@ it), D's for ipc-push (P writes into it).
 
 The exporter allocates its whole cache as one CUDA allocation (``PagedKVCache.buffer``) and
 exports it once (:func:`export_cache`): the IPC handle bytes of the allocation, the cache's byte
-offset and size inside it, torch's IPC reference-counter file and event, and the **UUID** of the
-GPU that holds it, in a :class:`CudaIpcExport` (a msgspec struct, MessagePack on the wire:
-nothing is pickled). :func:`publish_export` writes it to a 0600 shared-memory file whose name
-travels in the exporter's ``Register``/``Pair`` messages (field ``shm_name``), so the router's
-segment clean-up also removes it when the exporter exits or dies.
+offset and size inside it (the blocks, then an fp8 cache's float32 scales at
+:func:`kvflow.scales.scales_offset`: importer and exporter share one scales tensor), torch's
+IPC reference-counter file and event, and the **UUID** of the GPU that holds it, in a
+:class:`CudaIpcExport` (a msgspec struct, MessagePack on the wire: nothing is pickled).
+:func:`publish_export` writes it to a 0600 shared-memory file whose name travels in the
+exporter's ``Register``/``Pair`` messages (field ``shm_name``), so the router's segment
+clean-up also removes it when the exporter exits or dies.
 
 The importer opens the handle once, at pairing (:func:`import_cache`): it maps the UUID to *its
 own* ordinal (``CUDA_VISIBLE_DEVICES`` may number the GPUs differently in every process: P may
@@ -35,11 +37,12 @@ import torch
 
 from kvflow.cache import PagedKVCache
 from kvflow.layout import KVCacheSpec
+from kvflow.scales import scales_offset, shared_nbytes, shared_parts
 
 from .base import TransferError
 from kvflow.segments import segment_path
 
-EXPORT_VERSION = 1
+EXPORT_VERSION = 2  # 2: nbytes counts the fp8 scales after the blocks
 
 
 class CudaIpcExport(msgspec.Struct, forbid_unknown_fields=True):
@@ -60,7 +63,8 @@ class CudaIpcExport(msgspec.Struct, forbid_unknown_fields=True):
     event_handle : bytes, event_sync_required : bool
         torch's IPC event (D waits on it when opening).
     buffer_offset, nbytes : int
-        Byte offset and size of the cache inside the storage.
+        Byte offset and size of the cache inside the storage: the blocks, then (fp8) the
+        scales, :func:`kvflow.scales.shared_nbytes` bytes.
     num_blocks : int, spec : dict
         The cache's geometry (``KVCacheSpec.to_dict()``), checked against D's at import.
     pid : int
@@ -141,17 +145,24 @@ def enable_peer_access(a: torch.device, b: torch.device) -> None:
 
 
 def export_cache(cache: PagedKVCache) -> CudaIpcExport:
-    """Export ``cache`` (built over one flat CUDA ``buffer``) for another process.
+    """Export ``cache`` (built over one flat CUDA ``buffer``; fp8: with ``scales_in_buffer``)
+    for another process.
 
     Raises
     ------
     TypeError
-        If ``cache`` has no ``buffer`` (built by ``from_tensors``) or is not on a CUDA device.
+        If ``cache`` has no ``buffer`` (built by ``from_tensors``), is not on a CUDA device, or
+        is fp8 with its scales outside the buffer (the importer would not see them).
     """
     buf = cache.buffer
     if buf is None or buf.device.type != "cuda":
         raise TypeError(f"cache must be a PagedKVCache over one CUDA buffer, got one on "
                         f"{cache.device} with buffer={'None' if buf is None else 'set'}")
+    spec, nb = cache.spec, cache.num_blocks
+    if cache.scales is not None \
+            and cache.scales.data_ptr() != buf.data_ptr() + scales_offset(spec, nb):
+        raise TypeError("the fp8 cache's scales are not in its buffer, so an importer would not "
+                        "see them; build it with PagedKVCache(..., scales_in_buffer=True)")
     (_, handle, size, offset, rc_handle, rc_offset, ev_handle,
      ev_sync) = buf.untyped_storage()._share_cuda_()
     idx = buf.device.index
@@ -160,7 +171,7 @@ def export_cache(cache: PagedKVCache) -> CudaIpcExport:
                          ref_counter_handle=bytes(rc_handle or b""),
                          ref_counter_offset=int(rc_offset or 0),
                          event_handle=bytes(ev_handle or b""), event_sync_required=bool(ev_sync),
-                         buffer_offset=buf.storage_offset(), nbytes=cache.nbytes,
+                         buffer_offset=buf.storage_offset(), nbytes=shared_nbytes(spec, nb),
                          num_blocks=cache.num_blocks, spec=cache.spec.to_dict(), pid=os.getpid())
 
 
@@ -235,7 +246,8 @@ def import_cache(exp: CudaIpcExport, spec: KVCacheSpec, num_blocks: int | None =
     Returns
     -------
     PagedKVCache
-        Over the mapped memory, on ``map_on`` or the ordinal that holds it in this process.
+        Over the mapped memory, on ``map_on`` or the ordinal that holds it in this process;
+        an fp8 cache's ``scales`` are the exporter's (in the mapped memory, after the blocks).
 
     Raises
     ------
@@ -248,11 +260,12 @@ def import_cache(exp: CudaIpcExport, spec: KVCacheSpec, num_blocks: int | None =
         raise TransferError("CUDA IPC export spec mismatch: " + "; ".join(spec.diff(theirs)))
     if num_blocks is not None and num_blocks != exp.num_blocks:
         raise TransferError(f"CUDA IPC export has {exp.num_blocks} blocks; pairing said {num_blocks}")
-    if exp.nbytes != exp.num_blocks * spec.bytes_per_block \
-            or exp.buffer_offset + exp.nbytes > exp.storage_size:
+    need = shared_nbytes(spec, exp.num_blocks)
+    if exp.nbytes != need or exp.buffer_offset + exp.nbytes > exp.storage_size:
         raise TransferError(f"CUDA IPC export is inconsistent: {exp.nbytes} bytes at offset "
-                            f"{exp.buffer_offset} of a {exp.storage_size}-byte storage for "
-                            f"{exp.num_blocks} blocks of {spec.bytes_per_block} bytes")
+                            f"{exp.buffer_offset} of a {exp.storage_size}-byte storage; "
+                            f"{exp.num_blocks} blocks of {spec.bytes_per_block} bytes need "
+                            f"{need}" + shared_parts(spec, exp.num_blocks))
     if exp.pid == os.getpid():
         raise TransferError("CUDA IPC export was made by this process; use the cache directly")
     owner = ordinal_of_uuid(exp.uuid)
@@ -268,6 +281,6 @@ def import_cache(exp: CudaIpcExport, spec: KVCacheSpec, num_blocks: int | None =
                             f"(cuda:{ordinal} here): {exc}") from None
     buf = torch.empty(0, dtype=torch.uint8, device=f"cuda:{ordinal}")
     buf.set_(storage, exp.buffer_offset, (exp.nbytes,), (1,))
-    cache = PagedKVCache(spec, exp.num_blocks, buffer=buf)
+    cache = PagedKVCache(spec, exp.num_blocks, buffer=buf, scales_in_buffer=True)
     cache.backend_state["cuda_ipc"] = {"uuid": exp.uuid, "pid": exp.pid, "owner": owner}
     return cache

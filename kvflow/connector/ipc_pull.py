@@ -5,7 +5,8 @@ allocated. P sends a :class:`~kvflow.protocol.KVReady` naming its blocks (a few 
 them until D's ack or the lease ends.
 
 A P whose cache spec differs from D's (block_size, NHD/HND, dtype) names its whole table and D
-pulls with one re-blocked copy (:mod:`.reblocked`).
+pulls with one re-blocked copy (:mod:`.reblocked`); an fp8 P's scales are read from its
+exported memory, where P's own cache keeps them (:mod:`kvflow.scales`).
 Layerwise (:class:`~kvflow.protocol.KVLayer`, :mod:`.framed`): D is told per part (layers + P's
 block ids) and pulls just that with ``copy_blocks(..., layers=range)``; P never writes into D's
 cache.

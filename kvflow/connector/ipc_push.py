@@ -21,7 +21,8 @@ the router already, before waiting for its copies).
 
 A D whose cache spec differs from P's (block_size, NHD/HND, dtype) gets the whole prompt after
 the prefill, one re-blocked copy over all layers (:func:`.reblocked.push_prompt`), never layer
-by layer.
+by layer. An fp8 D's scales lie in its exported memory (:mod:`kvflow.scales`): P quantizes with
+the per-tensor scales D's owner set, and the per-block scales P's copy computes are D's.
 
 Ownership: D's blocks of a request are written by P until P's ``KVPushed`` (ok or not) for it,
 so D keeps them allocated until then even if the request ends early (``lent`` blocks,

@@ -5,6 +5,11 @@ Segments are files under ``/dev/shm`` named, created and cleaned by :mod:`kvflow
 page reserved at creation, so a cache larger than the free shared memory is refused at start-up
 instead of dying with SIGBUS later); unlinked by the owner on exit (and by the parent server if
 the owner is killed); :func:`kvflow.segments.clean_stale` removes those whose owner is judged dead.
+
+A segment holds the cache's blocks, then (fp8) its float32 scales at
+:func:`kvflow.scales.scales_offset`, :func:`kvflow.scales.shared_nbytes` bytes in all: the owner
+and every mapping share one scales tensor (D sees the per-block scales P's push computed; a
+pulling D reads P's).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch
 from kvflow import segments
 from kvflow.cache import PagedKVCache
 from kvflow.layout import KVCacheSpec
+from kvflow.scales import shared_nbytes, shared_parts
 from kvflow.segments import segment_path, unlink
 
 from .base import TransferError
@@ -40,22 +46,25 @@ class SharedCache:
     name : str
         Segment name, to hand to the peer.
     cache : PagedKVCache
-        The cache (``cache.buffer`` is the mapping).
+        The cache (``cache.buffer`` is the mapping; fp8 scales, 1.0 at first, lie in it).
 
     Raises
     ------
     ValueError
         ``role`` not lowercase letters.
     kvflow.segments.SegmentSpaceError
-        The cache (``num_blocks * spec.bytes_per_block`` bytes) does not fit in the free
-        shared memory; the message gives both sizes and the flags that lower the first.
+        The cache (:func:`kvflow.scales.shared_nbytes` bytes: ``num_blocks *
+        spec.bytes_per_block``, plus fp8 scales) does not fit in the free shared memory; the
+        message gives both sizes and the flags that lower the first.
     """
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, role: str = "prefill") -> None:
-        nbytes = num_blocks * spec.bytes_per_block
+        nbytes = shared_nbytes(spec, num_blocks)
+        scales = f" + {nbytes - num_blocks * spec.bytes_per_block} bytes of scales" \
+            if spec.is_fp8 else ""
         self.name, fd = segments.create(
             role, nbytes, what=f"the {role} instance's KV cache ({num_blocks} blocks x "
-                               f"{spec.bytes_per_block} bytes)",
+                               f"{spec.bytes_per_block} bytes{scales})",
             hint="lower --num-blocks or --memory-budget-mb")
         self.path = segment_path(self.name)
         try:
@@ -65,7 +74,10 @@ class SharedCache:
             os.unlink(self.path)
             raise
         os.close(fd)
-        self.cache = PagedKVCache(spec, num_blocks, buffer=torch.frombuffer(self._mmap, dtype=torch.uint8))
+        self.cache = PagedKVCache(spec, num_blocks, scales_in_buffer=True,
+                                  buffer=torch.frombuffer(self._mmap, dtype=torch.uint8))
+        if self.cache.scales is not None:  # a new cache's scales are 1.0
+            self.cache.scales.fill_(1.0)
         self._owner = os.getpid()
 
     def close(self) -> None:
@@ -77,15 +89,17 @@ class SharedCache:
 def map_peer_cache(name: str, spec: KVCacheSpec, num_blocks: int, *,
                    writable: bool = False) -> PagedKVCache:
     """Map a peer's segment as a :class:`PagedKVCache`: read-only (D pulls from P's cache), or
-    ``writable`` (P pushes into D's cache, ipc-push).
+    ``writable`` (P pushes into D's cache, ipc-push). An fp8 cache's scales are the segment's
+    (:class:`SharedCache`): what one side writes there the other reads.
 
     Raises
     ------
     TransferError
-        If the segment is missing or smaller than ``num_blocks * spec.bytes_per_block``.
+        If the segment is missing or smaller than :func:`kvflow.scales.shared_nbytes`
+        (``num_blocks * spec.bytes_per_block``, plus fp8 scales); the message names both sizes.
     """
     path = segment_path(name)
-    need = num_blocks * spec.bytes_per_block
+    need = shared_nbytes(spec, num_blocks)
     try:
         fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
     except FileNotFoundError:
@@ -94,7 +108,8 @@ def map_peer_cache(name: str, spec: KVCacheSpec, num_blocks: int, *,
         size = os.fstat(fd).st_size
         if size < need:
             raise TransferError(f"segment {name!r} holds {size} bytes; the peer cache of "
-                                f"{num_blocks} blocks needs {need}")
+                                f"{num_blocks} blocks needs {need}"
+                                + shared_parts(spec, num_blocks))
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         mm = mmap.mmap(fd, need, mmap.MAP_SHARED, prot)
     finally:
@@ -102,7 +117,7 @@ def map_peer_cache(name: str, spec: KVCacheSpec, num_blocks: int, *,
     with warnings.catch_warnings():  # read-only mapping: we only read through it
         warnings.simplefilter("ignore", UserWarning)
         buf = torch.frombuffer(mm, dtype=torch.uint8)
-    cache = PagedKVCache(spec, num_blocks, buffer=buf)
+    cache = PagedKVCache(spec, num_blocks, buffer=buf, scales_in_buffer=True)
     cache.backend_state["mmap"] = mm
     return cache
 
@@ -113,7 +128,8 @@ def export_new_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device,
     name it finds it by: on CUDA one allocation whose IPC export is published as
     ``kvflow-<role>cuda-...`` (:mod:`.cuda_ipc`), on CPU a :class:`SharedCache` segment
     ``kvflow-<role>-...``. Stale segments of dead owners are removed first. The owner calls
-    :func:`kvflow.segments.unlink` on the name when it closes.
+    :func:`kvflow.segments.unlink` on the name when it closes. Either way an fp8 cache's
+    scales lie in the exported memory, after the blocks (``scales_in_buffer``).
 
     Raises
     ------
@@ -122,7 +138,7 @@ def export_new_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device,
     """
     if device.type == "cuda":
         from .cuda_ipc import export_cache, publish_export
-        cache = PagedKVCache(spec, num_blocks, device=device)
+        cache = PagedKVCache(spec, num_blocks, device=device, scales_in_buffer=True)
         return cache, publish_export(export_cache(cache), role=f"{role}cuda")
     from kvflow.segments import clean_stale
     clean_stale()
