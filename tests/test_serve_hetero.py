@@ -1,7 +1,8 @@
 """End to end on CPU: P and D with different KV cache specs (issue #19): D with 64-token blocks
 fed by P's 16-token blocks (ipc-pull, ipc-push), D in HND fed by P in NHD (tcp, ipc-push), and
-D with an fp8 KV cache fed by P's float32 one (ipc-pull). Each is token-identical to colocated serving with D's
-KV cache (float32 colocated; fp8 colocated for the fp8 D), and /health names what differs."""
+D with an fp8 KV cache fed by P's float32 one (ipc-pull, ipc-push: D's scales in its exported
+segment). Each is token-identical to colocated serving with D's KV cache (float32 colocated; fp8
+colocated for the fp8 D), and /health names what differs."""
 
 from __future__ import annotations
 
@@ -20,13 +21,15 @@ SERVERS = {
     "fp32->fp8": ("--kv-connector", "ipc-pull", "--decode-kv-dtype", "float8_e4m3fn"),
     "push-bs16->64": ("--kv-connector", "ipc-push", "--decode-block-size", "64"),
     "push-nhd->hnd": ("--kv-connector", "ipc-push", "--decode-kv-layout", "HND"),
+    "push-fp32->fp8": ("--kv-connector", "ipc-push", "--decode-kv-dtype", "float8_e4m3fn"),
 }
 #: (server, its colocated reference, what /health says differs: field -> [P's, D's])
 CASES = [("bs16->64", "colocated", {"block_size": [16, 64]}),
          ("nhd->hnd", "colocated", {"layout": ["NHD", "HND"]}),
          ("fp32->fp8", "colocated-fp8", {"dtype": ["float32", "float8_e4m3fn"]}),
          ("push-bs16->64", "colocated", {"block_size": [16, 64]}),
-         ("push-nhd->hnd", "colocated", {"layout": ["NHD", "HND"]})]
+         ("push-nhd->hnd", "colocated", {"layout": ["NHD", "HND"]}),
+         ("push-fp32->fp8", "colocated-fp8", {"dtype": ["float32", "float8_e4m3fn"]})]
 
 
 @pytest.fixture(scope="module")
