@@ -1,22 +1,23 @@
-"""TTFT and transfer ms of kvflow's vLLM connector, transport tcp and transport nixl, beside
+"""TTFT and transfer ms of kvflow's vLLM connector, transports tcp, nixl and ipc, beside
 vLLM's own ExampleConnector (the one vLLM connector that moves KV between two engines on a CPU
 host without other packages), on the same prompts in one run.
 
 ``PYTHONPATH=. python -m bench.vllm.pd [--reps N]`` (from the repo root, in the vLLM venv, with
-``nixl-cu12`` installed); writes ``bench/results/raw/vllm-pd-cpu-<date>.json``. Four phases, one
+``nixl-cu12`` installed); writes ``bench/results/raw/vllm-pd-cpu-<date>.json``. Five phases, one
 system's engines at a time (vLLM's idle CPU engines poll busily: seven engines on two cores
 measured their contention, at a load average of 12-16): a plain vLLM engine (colocated TTFT), a
 kvflow P/D pair behind kvflow's proxy per transport, an ExampleConnector P/D pair (P saves the
-prompt's KV to safetensors files in a shared folder, D loads them). NIXL runs over UCX's TCP transport (``UCX_TLS=tcp``, the network path; on one
-host UCX would otherwise take shared memory).
+prompt's KV to safetensors files in a shared folder, D loads them). NIXL runs over UCX's TCP
+transport (``UCX_TLS=tcp``, the network path; on one host UCX would otherwise take shared
+memory); ipc moves the KV through D's shared-memory staging cache (one host only).
 
 Per prompt length and round, ``reps`` distinct random prompts (after one warm-up); ``rounds``
-rounds of the four phases, every other one in reverse order. TTFT, client send ->
+rounds of the five phases, every other one in reverse order. TTFT, client send ->
 first streamed token, ms: colocated; kvflow through its proxy; kvflow and ExampleConnector
 driven directly (client -> P with ``max_tokens=1``, then client -> D; the direct kvflow prompt
 is the reversed one, so no prefix hit). Transfer ms: kvflow, D's whole pull as D's log line
 gives it (tcp: P's gather, ZMQ frames, D's scatter; nixl: the ZMQ check with P, the READ and its
-wait); ExampleConnector, P's save + D's load (:mod:`bench.vllm.timed_example`). Summaries:
+wait; ipc: the ZMQ ask, P's copy into D's staging, D's copy out); ExampleConnector, P's save + D's load (:mod:`bench.vllm.timed_example`). Summaries:
 median, p10, p90 over the prompts of a length. The 1-minute load average is sampled at every
 prompt (``<phase>_load_1min``): the host's cores are shared with other work.
 """
@@ -43,7 +44,7 @@ from kvflow.integrations.vllm.tiny_llama import build
 from tests.vllm_pd import Procs, complete, engine_cmd, free_port, kvflow_config, tokens
 
 LENGTHS = (128, 512, 1000)
-TRANSPORTS = ("tcp", "nixl")
+TRANSPORTS = ("tcp", "nixl", "ipc")
 PULL = r"pulled \d+ blocks \(\d+ bytes\) of \S+ in ([\d.]+) ms over "
 
 
@@ -142,7 +143,8 @@ def _example(url: dict[str, str], procs: Procs, tail: dict, prompt: list[int]) -
 
 #: One system at a time (its engines alone on the host), each over the same prompts.
 PHASES = {"colocated": (_colocated_start, _colocated), "tcp": _kvflow_phase("tcp"),
-          "nixl": _kvflow_phase("nixl"), "example": (_example_start, _example)}
+          "nixl": _kvflow_phase("nixl"), "ipc": _kvflow_phase("ipc"),
+          "example": (_example_start, _example)}
 
 
 def run_phase(name: str, model: str, lengths: list[int], reps: int,
@@ -181,9 +183,25 @@ def summarize(rows: list[dict]) -> list[dict]:
                 vals = [v for r in rs for v in (r[k] if isinstance(r[k], list) else [r[k]])]
                 q = statistics.quantiles(vals, n=10, method="inclusive")
                 s[k] = {"median": statistics.median(vals), "p10": q[0], "p90": q[8]}
-        s["example_tokens_match"] = all(r["example_tokens"] == r["colocated_tokens"] for r in rs)
+        if "example_tokens" in rs[0] and "colocated_tokens" in rs[0]:
+            s["example_tokens_match"] = all(r["example_tokens"] == r["colocated_tokens"]
+                                            for r in rs)
         out.append(s)
     return out
+
+
+def markdown(result: dict) -> str:
+    """The summary of a result file as a markdown table: one row per metric (ms), one column
+    per prompt length, ``median (p10-p90)``."""
+    summary = result["summary"]
+    keys = [k for k in summary[0] if k.endswith("_ms")]
+    head = "| ms, median (p10-p90) | " + " | ".join(f"{s['tokens']} tokens"
+                                                    for s in summary) + " |"
+    lines = [head, "|---" * (len(summary) + 1) + "|"]
+    for k in keys:
+        cells = [f"{s[k]['median']:.1f} ({s[k]['p10']:.1f}-{s[k]['p90']:.1f})" for s in summary]
+        lines.append(f"| `{k}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -191,10 +209,21 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10,
                     help="prompts per length and round (after a warm-up)")
     ap.add_argument("--rounds", type=int, default=2,
-                    help="rounds of the four phases, in reverse order every other round (a "
+                    help="rounds of the five phases, in reverse order every other round (a "
                          "drifting load on a shared host then falls on every phase alike)")
     ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="prompt tokens")
+    ap.add_argument("--phases", default=",".join(PHASES),
+                    help=f"phases to run, of {','.join(PHASES)}")
+    ap.add_argument("--table", metavar="JSON",
+                    help="print the markdown table of a result file and exit")
     args = ap.parse_args()
+    if args.table:
+        print(markdown(json.loads(pathlib.Path(args.table).read_text())))
+        return
+    phases = args.phases.split(",")
+    unknown = [p for p in phases if p not in PHASES]
+    if unknown:
+        ap.error(f"--phases: unknown {unknown}; choose from {','.join(PHASES)}")
     if args.reps < 2:
         ap.error(f"--reps must be >= 2 (a p10/p90 needs several prompts), got {args.reps}")
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -202,7 +231,7 @@ def main() -> None:
     load_before = os.getloadavg()
     merged: dict[tuple[int, int, int], dict] = {}
     for rnd in range(args.rounds):
-        order = list(PHASES) if rnd % 2 == 0 else list(PHASES)[::-1]
+        order = phases if rnd % 2 == 0 else phases[::-1]
         for name in order:
             for row in run_phase(name, model, lengths, args.reps, seed=1800 + rnd):
                 merged.setdefault((rnd, row["tokens"], row["rep"]), {"round": rnd}).update(row)
@@ -225,7 +254,7 @@ def main() -> None:
                     "block_size 32", "max_tokens": 8, "reps": args.reps,
            "rounds": args.rounds,
            "baseline": "vllm ExampleConnector (safetensors files in a shared folder)",
-           "phases": "one system's engines at a time: " + ", ".join(PHASES),
+           "phases": "one system's engines at a time: " + ", ".join(phases),
            "summary": summarize(rows), "rows": rows}
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = pathlib.Path("bench/results/raw") / f"vllm-pd-cpu-{stamp}.json"  # not report schema
