@@ -161,8 +161,11 @@ class KVServer:
             self._sock.send_multipart([ident, encode(PullReply(msg.req_id, True))])
             return
         ids = torch.tensor(msg.block_ids, dtype=torch.int64)
-        buf = gather_blocks(self.cache, ids, staging_buffer(self.cache.spec, len(ids)),
+        buf = gather_blocks(self.cache, ids, staging_buffer(self.cache.spec, len(ids),
+                                                            device=self.cache.device),
                             backend=self.backend)
+        if buf.device.type != "cpu":
+            buf = buf.cpu()  # frames are host memory
         frames = layer_frames(buf)
         header = encode(PullReply(msg.req_id, True, num_layers=len(frames)))
         self._sock.send_multipart([ident, header, *frames], copy=False)
