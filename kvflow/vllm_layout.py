@@ -169,12 +169,13 @@ def vllm_layout_strides(layout: str, shape: tuple[int, int, int, int]) -> tuple[
 
 
 def vllm_like(layout: str, num_layers: int, shape: tuple[int, int, int, int],
-              dtype: Any = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """Per-layer ``[B, H, N, C]`` views over one zeroed allocation, laid out as vLLM 0.32 lays
-    a layer-compact cache (layer ``l`` at ``l * page * B``), keyed by vLLM-style layer names."""
+              dtype: Any = torch.bfloat16, device: Any = "cpu") -> dict[str, torch.Tensor]:
+    """Per-layer ``[B, H, N, C]`` views over one zeroed allocation on ``device``, laid out as
+    vLLM 0.32 lays a layer-compact cache (layer ``l`` at ``l * page * B``), keyed by
+    vLLM-style layer names."""
     B, H, N, C = shape
     per_layer = B * H * N * C
-    buf = torch.zeros(num_layers * per_layer, dtype=dtype)
+    buf = torch.zeros(num_layers * per_layer, dtype=dtype, device=device)
     strides = vllm_layout_strides(layout, shape)
     return {f"model.layers.{i}.self_attn.attn":
             torch.as_strided(buf, shape, strides, storage_offset=i * per_layer)

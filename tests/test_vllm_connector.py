@@ -66,7 +66,7 @@ def ref(tmp_path_factory):
         procs.close()
 
 
-@pytest.fixture(scope="module", params=["tcp", NIXL])
+@pytest.fixture(scope="module", params=["tcp", NIXL, "ipc"])
 def pd(request, ref, tmp_path_factory):
     """Four engines and two proxies of one transport: P/D, and P2/D2 (P2 answers pulls 3 s
     late; D2 writes noise instead of the moved KV)."""

@@ -1,10 +1,12 @@
-"""The two transports of kvflow's vLLM connector without vLLM: P's :class:`KVServer` and D's
-:class:`KVPuller` (tcp) / :class:`NixlPuller` (nixl, UCX over TCP) between two caches laid out as
-vLLM lays them (``vllm_like``), in one process. Exact bytes moved, exact refusals, a dead P's
+"""The three transports of kvflow's vLLM connector without vLLM: P's :class:`KVServer` and D's
+:class:`KVPuller` (tcp) / :class:`NixlPuller` (nixl, UCX over TCP) / :class:`IpcPuller` (ipc,
+a shared-memory staging cache) between two caches laid out as vLLM lays them (``vllm_like``),
+in one process. Exact bytes moved, exact refusals, a dead P's
 agent forgotten, and the connector's settings checks."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -15,6 +17,7 @@ pytest.importorskip("msgspec")
 
 from kvflow.connector.nixl_agent import nixl_available  # noqa: E402
 from kvflow.integrations.vllm.config import check_config  # noqa: E402
+from kvflow.integrations.vllm.ipc_pull import IpcPuller, staging_blocks_for  # noqa: E402
 from kvflow.integrations.vllm.link import PullError  # noqa: E402
 from kvflow.integrations.vllm.transfer import KVPuller, KVServer  # noqa: E402
 from kvflow.vllm_layout import from_vllm, vllm_like  # noqa: E402
@@ -42,13 +45,16 @@ def _server(p, transport, **kw):
         from kvflow.integrations.vllm.nixl_pull import export
         agent = Agent("test-prefill", progress_thread=False)  # as the connector's P
         info = export(agent, p)
-    return KVServer(p, addr, nixl=info, progress=agent and agent.progress, **kw), agent
+    return KVServer(p, addr, nixl=info, progress=agent and agent.progress,
+                    ipc=transport == "ipc", **kw), agent
 
 
-def _puller(d, transport, timeout_s=5.0):
+def _puller(d, transport, timeout_s=5.0, staging_blocks=3):
     if transport == "nixl":
         from kvflow.integrations.vllm.nixl_pull import NixlPuller
         return NixlPuller(d, timeout_s=timeout_s)
+    if transport == "ipc":  # 3 staging blocks: a pull of 4 blocks moves in two chunks
+        return IpcPuller(d, staging_blocks=staging_blocks, timeout_s=timeout_s)
     return KVPuller(d, timeout_s=timeout_s)
 
 
@@ -57,7 +63,7 @@ def _ucx_tcp(monkeypatch):
     monkeypatch.setenv("UCX_TLS", "tcp")  # the network path, not shared memory
 
 
-@pytest.mark.parametrize("transport", ["tcp", NIXL])
+@pytest.mark.parametrize("transport", ["tcp", NIXL, "ipc"])
 def test_pull_moves_exact_blocks_and_frees_p(transport):
     p, d = _caches()
     server, agent = _server(p, transport)
@@ -69,7 +75,7 @@ def test_pull_moves_exact_blocks_and_frees_p(transport):
         for tp, td in zip(p.tensors(), d.tensors()):
             assert torch.equal(td[dst], tp[src])
             assert not td[[3, 4, 5, 6, 8, 9, 10, 11]].any()  # nothing else written
-        deadline = time.monotonic() + 5  # nixl: D's Release reaches P's thread a little later
+        deadline = time.monotonic() + 5  # nixl, ipc: D's Release reaches P's thread later
         while not (done := server.take_done()) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert done == {"r1"}
@@ -80,6 +86,9 @@ def test_pull_moves_exact_blocks_and_frees_p(transport):
             puller.pull(server.addr, "r2", [0], [11])
             assert torch.equal(d.tensors()[1][11], p.tensors()[1][0])
             assert list(puller.peers) == [server.addr] == list(puller.agent.peers)
+        if transport == "ipc":
+            assert puller.chunks == 2  # 3 + 1 blocks through 3 staging blocks
+            assert list(server.staging._maps) == [puller.name]  # mapped once
     finally:
         puller.close()
         server.close()
@@ -87,7 +96,7 @@ def test_pull_moves_exact_blocks_and_frees_p(transport):
             agent.close()
 
 
-@pytest.mark.parametrize("transport", ["tcp", NIXL])
+@pytest.mark.parametrize("transport", ["tcp", NIXL, "ipc"])
 def test_pull_of_a_request_p_does_not_hold_is_refused(transport):
     p, d = _caches()
     server, agent = _server(p, transport, hold_wait_s=0.2)
@@ -139,7 +148,8 @@ def test_nixl_dead_p_times_out_and_its_agent_is_removed():
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({"transport": "ucx"}, "transport must be one of ('tcp', 'nixl'), got 'ucx'"),
+    ({"transport": "ucx"}, "transport must be one of ('tcp', 'nixl', 'ipc'), got 'ucx'"),
+    ({"staging_mb": 0}, "staging_mb must be > 0 MiB, got 0"),
     ({"timeout_s": 0}, "timeout_s must be > 0 seconds, got 0"),
     ({"lease_s": 10, "timeout_s": 30}, "lease_s (10 s) must be larger than timeout_s (30 s)"),
     ({"kvflow_prot": 1}, "unknown keys ['kvflow_prot']"),
@@ -179,3 +189,52 @@ def test_nixl_p_restarted_on_the_same_address_is_met_anew():
         puller.close()
         server.close()
         agent.close()
+
+
+def test_ipc_d_against_a_tcp_p_names_the_setting():
+    p, d = _caches()
+    server, _ = _server(p, "tcp")
+    puller = _puller(d, "ipc")
+    try:
+        server.hold("r1", 30.0)
+        with pytest.raises(PullError, match=r"^request r1: P refused the pull: P at "
+                                            r"tcp://127.0.0.1:\d+ has transport 'tcp'; set "
+                                            r"kv_connector_extra_config transport 'ipc' on P "
+                                            r"too$"):
+            puller.pull(server.addr, "r1", [1], [1])
+        assert not any(t.any() for t in d.tensors())
+    finally:
+        puller.close()
+        server.close()
+
+
+def test_ipc_staging_of_a_gone_d_is_refused_and_unlinked_on_close():
+    from kvflow.segments import segment_path
+    p, d = _caches()
+    server, _ = _server(p, "ipc")
+    puller = _puller(d, "ipc")
+    path = segment_path(puller.name)
+    try:
+        assert os.path.exists(path)
+        os.unlink(path)  # D's staging segment vanished
+        server.hold("r1", 30.0)
+        with pytest.raises(PullError, match=rf"^request r1: P refused the pull: cannot map D's "
+                                            rf"staging cache '{puller.name}': shared-memory "
+                                            rf"segment '{puller.name}' does not exist$"):
+            puller.pull(server.addr, "r1", [1], [1])
+    finally:
+        puller.close()
+        server.close()
+    puller2 = _puller(d, "ipc")
+    puller2.close()
+    assert not os.path.exists(segment_path(puller2.name))
+
+
+def test_ipc_staging_size_follows_the_longest_prompt_and_the_budget():
+    spec = _caches()[0].spec  # 2 layers x 64 KiB... per block: 2 * 2*32*64*4 bytes
+    assert spec.bytes_per_block == 32768
+    assert staging_blocks_for(spec, 32) == 32            # max_model_len 1024 / block_size 32
+    assert staging_blocks_for(spec, 10**6, 1 << 20) == 32  # 1 MiB budget
+    assert staging_blocks_for(spec, 10**6, 1000) == 1      # at least one block
+    with pytest.raises(ValueError, match=r"^staging_blocks must be an int >= 1, got 0$"):
+        IpcPuller(_caches()[1], staging_blocks=0)

@@ -1,24 +1,39 @@
-"""TTFT and transfer ms of kvflow's vLLM connector, transport tcp and transport nixl, beside
-vLLM's own ExampleConnector (the one vLLM connector that moves KV between two engines on a CPU
-host without other packages), on the same prompts in one run.
+"""TTFT and transfer ms of kvflow's vLLM connector (transports tcp, nixl and ipc) beside two
+connectors vLLM ships that move KV between two engines on a CPU host: its NixlConnector (the one
+vLLM users pick for P/D; needs the ``nixl`` package) and its ExampleConnector (safetensors files
+in a shared folder). Same prompts, one run.
 
-``PYTHONPATH=. python -m bench.vllm.pd [--reps N]`` (from the repo root, in the vLLM venv, with
-``nixl-cu12`` installed); writes ``bench/results/raw/vllm-pd-cpu-<date>.json``. Four phases, one
-system's engines at a time (vLLM's idle CPU engines poll busily: seven engines on two cores
-measured their contention, at a load average of 12-16): a plain vLLM engine (colocated TTFT), a
-kvflow P/D pair behind kvflow's proxy per transport, an ExampleConnector P/D pair (P saves the
-prompt's KV to safetensors files in a shared folder, D loads them). NIXL runs over UCX's TCP transport (``UCX_TLS=tcp``, the network path; on one
-host UCX would otherwise take shared memory).
+``PYTHONPATH=. python -m bench.vllm.pd [--reps N] [--phases ...]`` (from the repo root, in the
+vLLM venv, with ``nixl`` and ``nixl-cu12`` installed); writes
+``bench/results/raw/vllm-pd-cpu-<date>.json``; ``--table FILE`` prints a result's markdown table.
+
+Phases, one system's engines at a time (vLLM's idle CPU engines poll busily: seven engines on
+two cores measured their contention): ``colocated`` (one plain engine), ``tcp``, ``nixl``,
+``ipc`` (kvflow's connector), ``example``, ``vllm_nixl``; every P/D pair behind kvflow's proxy
+(``kvflow.integrations.vllm.proxy``, which hands P's transfer params to D as they are, so it
+fronts vLLM's connectors too). Both NIXL users run over UCX's TCP transport (``UCX_TLS=tcp``, the
+network path; on one host UCX would otherwise take shared memory); ipc moves the KV through D's
+shared-memory staging cache (one host only).
 
 Per prompt length and round, ``reps`` distinct random prompts (after one warm-up); ``rounds``
-rounds of the four phases, every other one in reverse order. TTFT, client send ->
-first streamed token, ms: colocated; kvflow through its proxy; kvflow and ExampleConnector
-driven directly (client -> P with ``max_tokens=1``, then client -> D; the direct kvflow prompt
-is the reversed one, so no prefix hit). Transfer ms: kvflow, D's whole pull as D's log line
-gives it (tcp: P's gather, ZMQ frames, D's scatter; nixl: the ZMQ check with P, the READ and its
-wait); ExampleConnector, P's save + D's load (:mod:`bench.vllm.timed_example`). Summaries:
-median, p10, p90 over the prompts of a length. The 1-minute load average is sampled at every
-prompt (``<phase>_load_1min``): the host's cores are shared with other work.
+rounds of the phases, every other one in reverse order (a drifting load falls on every phase
+alike). Every engine runs with ``OMP_WAIT_POLICY=PASSIVE`` (:class:`tests.vllm_pd.Procs`): P's
+and D's libgomp threads spinning while idle took each other's cores. Every timed request goes
+through one kept-alive ``httpx.Client``: a new client per
+request costs 25-60 ms on this host (its SSL context) and hid the differences. Per prompt:
+
+- TTFT, client send -> first streamed token (ms): colocated, or through the proxy (P's prefill
+  with ``max_tokens=1``, the move, D's first token);
+- greedy tokens of the same prompt through the proxy again, compared with colocated's
+  (``<phase>_tokens_match`` in the summary);
+- transfer ms: kvflow, D's whole pull as D's log line gives it (tcp: P's gather, ZMQ frames, D's
+  scatter; nixl: the ZMQ check with P, the READ and its wait; ipc: the ZMQ ask, P's copy into
+  D's staging, D's copy out); NixlConnector, the mean of D's ``vllm:nixl_xfer_time_seconds``
+  over the prompt's READs; ExampleConnector, P's save and D's load
+  (:mod:`bench.vllm.timed_example`).
+
+Summaries: median, p10, p90 over the prompts of a length. The 1-minute load average is sampled
+at every prompt (``<phase>_load_1min``): the host's cores are shared with other work.
 """
 
 from __future__ import annotations
@@ -40,18 +55,22 @@ import httpx
 import torch
 
 from kvflow.integrations.vllm.tiny_llama import build
-from tests.vllm_pd import Procs, complete, engine_cmd, free_port, kvflow_config, tokens
+from tests.vllm_pd import Procs, complete, engine_cmd, free_port, kvflow_config, metric, tokens
 
 LENGTHS = (128, 512, 1000)
-TRANSPORTS = ("tcp", "nixl")
+TRANSPORTS = ("tcp", "nixl", "ipc")
 PULL = r"pulled \d+ blocks \(\d+ bytes\) of \S+ in ([\d.]+) ms over "
+
+
+#: One client for every timed request: creating an ``httpx.Client`` (its SSL context) costs
+#: 25-60 ms on this host, which a per-request client would add to every TTFT.
+CLIENT = httpx.Client(timeout=120)
 
 
 def stream_ttft(url: str, body: dict, t0: float | None = None) -> float:
     """ms from ``t0`` (default: now) to the first streamed chunk of ``url``."""
     t0 = time.perf_counter() if t0 is None else t0
-    with httpx.stream("POST", f"{url}/v1/completions", json=dict(body, stream=True),
-                      timeout=120) as r:
+    with CLIENT.stream("POST", f"{url}/v1/completions", json=dict(body, stream=True)) as r:
         ttft = None
         for chunk in r.iter_lines():
             if ttft is None and chunk.startswith("data:"):
@@ -59,14 +78,6 @@ def stream_ttft(url: str, body: dict, t0: float | None = None) -> float:
     if ttft is None:
         raise RuntimeError(f"{url}: no streamed token")
     return ttft
-
-
-def direct_ttft(p_url: str, d_url: str, body: dict) -> float:
-    """Client -> P (``max_tokens=1``, KV kept for D), then client -> D with P's params."""
-    t0 = time.perf_counter()
-    answer = httpx.post(f"{p_url}/v1/completions", timeout=120, json=dict(
-        body, max_tokens=1, kv_transfer_params={"do_remote_decode": True})).json()
-    return stream_ttft(d_url, dict(body, kv_transfer_params=answer["kv_transfer_params"]), t0)
 
 
 class LogTail:
@@ -81,26 +92,39 @@ class LogTail:
         return out
 
 
+def start_pd(procs: Procs, model: str, p_kv: dict, d_kv: dict,
+             env: dict[str, dict[str, str]] | None = None) -> dict[str, str]:
+    """Engines P and D with these ``--kv-transfer-config`` values (and per-engine ``env``)
+    and kvflow's proxy X in front of them; their URLs."""
+    ports = {k: free_port() for k in ("P", "D", "X")}
+    url = {k: f"http://127.0.0.1:{ports[k]}" for k in ports}
+    for k, kv in (("P", p_kv), ("D", d_kv)):
+        procs.start(k, engine_cmd(model, ports[k], kv), **(env or {}).get(k, {}))
+    procs.start("X", [sys.executable, "-m", "kvflow.integrations.vllm.proxy",
+                      "--prefill", url["P"], "--decode", url["D"], "--port", str(ports["X"])])
+    return url
+
+
+def through_proxy(name: str, url: dict[str, str], prompt: list[int]) -> dict:
+    """TTFT through the proxy, then the greedy tokens of the same prompt through it again
+    (D's prefix cache then holds the prompt that P's KV moved into it)."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    return {f"{name}_ttft_ms": stream_ttft(url["X"], body),
+            f"{name}_tokens": tokens(complete(url["X"], prompt, 8))}
+
+
 def _kvflow_phase(t: str):
     def start(procs: Procs, model: str, tmp: pathlib.Path) -> dict[str, str]:
-        ports = {k: free_port() for k in ("P", "D", "X", "kv")}
-        url = {k: f"http://127.0.0.1:{ports[k]}" for k in ("P", "D", "X")}
-        procs.start("P", engine_cmd(model, ports["P"], kvflow_config(
-            "kv_producer", kvflow_port=ports["kv"], transport=t)))
-        procs.start("D", engine_cmd(model, ports["D"], kvflow_config("kv_consumer",
-                                                                     transport=t)))
-        procs.start("X", [sys.executable, "-m", "kvflow.integrations.vllm.proxy",
-                          "--prefill", url["P"], "--decode", url["D"], "--port", str(ports["X"])])
-        return url
+        kv_port = free_port()
+        return start_pd(procs, model,
+                        kvflow_config("kv_producer", kvflow_port=kv_port, transport=t),
+                        kvflow_config("kv_consumer", transport=t))
 
     def measure(url: dict[str, str], procs: Procs, tail: dict, prompt: list[int]) -> dict:
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
-        row = {f"kvflow_{t}_ttft_ms": stream_ttft(url["X"], body),
-               f"kvflow_{t}_direct_ttft_ms": direct_ttft(url["P"], url["D"],
-                                                         dict(body, prompt=prompt[::-1]))}
-        time.sleep(0.3)  # let the log lines land
         tail.setdefault("pull", LogTail(procs, "D", PULL + t))
-        row[f"kvflow_{t}_transfer_ms"] = tail["pull"].new()  # proxy pull, direct pull
+        row = through_proxy(f"kvflow_{t}", url, prompt)
+        time.sleep(0.3)  # let the log line land
+        row[f"kvflow_{t}_transfer_ms"] = tail["pull"].new()[:1]  # the second: a prefix hit
         return row
     return start, measure
 
@@ -118,31 +142,59 @@ def _colocated(url: dict[str, str], procs: Procs, tail: dict, prompt: list[int])
 
 
 def _example_start(procs: Procs, model: str, tmp: pathlib.Path) -> dict[str, str]:
+    """vLLM's ExampleConnector on P and D (``kv_both``): P saves every prompt's KV to
+    safetensors files in a shared folder, D loads the blocks of a prompt it finds there."""
     (tmp / "example-store").mkdir()
     example = {"kv_connector": "TimedExampleConnector",
                "kv_connector_module_path": "bench.vllm.timed_example", "kv_role": "kv_both",
                "kv_connector_extra_config": {"shared_storage_path": str(tmp / "example-store")}}
-    ports = {k: free_port() for k in ("EP", "ED")}
-    for k in ports:
-        procs.start(k, engine_cmd(model, ports[k], example))
-    return {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
+    return start_pd(procs, model, example, example)
 
 
 def _example(url: dict[str, str], procs: Procs, tail: dict, prompt: list[int]) -> dict:
+    tail.setdefault("save", LogTail(procs, "P", r"timed-example: save ([\d.]+) ms"))
+    tail.setdefault("load", LogTail(procs, "D", r"timed-example: load ([\d.]+) ms"))
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
-    row = {"example_direct_ttft_ms": direct_ttft(url["EP"], url["ED"], body),
-           "example_tokens": tokens(complete(url["ED"], prompt, 8))}
+    row = {"example_ttft_ms": stream_ttft(url["X"], body)}
     time.sleep(0.3)
-    tail.setdefault("save", LogTail(procs, "EP", r"timed-example: save ([\d.]+) ms"))
-    tail.setdefault("load", LogTail(procs, "ED", r"timed-example: load ([\d.]+) ms"))
     row["example_save_ms"] = sum(tail["save"].new())
     row["example_load_ms"] = sum(tail["load"].new())
+    row["example_tokens"] = tokens(complete(url["X"], prompt, 8))
+    time.sleep(0.3)
+    tail["save"].new(), tail["load"].new()  # the second request's, not counted
+    return row
+
+
+def _vllm_nixl_start(procs: Procs, model: str, tmp: pathlib.Path) -> dict[str, str]:
+    """vLLM's own NixlConnector (``kv_both``; each engine's side channel on a port of its
+    own), behind kvflow's proxy, which passes P's transfer params to D as they are."""
+    nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    env = {k: {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+               "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())} for k in ("P", "D")}
+    return start_pd(procs, model, nixl, nixl, env)
+
+
+XFER = "vllm:nixl_xfer_time_seconds"
+
+
+def _vllm_nixl(url: dict[str, str], procs: Procs, tail: dict, prompt: list[int]) -> dict:
+    """Transfer ms: the mean of D's ``vllm:nixl_xfer_time_seconds`` over this prompt's READs
+    (vLLM publishes the connector's stats with its periodic log: waited for, up to 15 s)."""
+    before = (metric(url["D"], XFER + "_sum"), metric(url["D"], XFER + "_count"))
+    row = through_proxy("vllm_nixl", url, prompt)
+    deadline = time.monotonic() + 15
+    while (n := metric(url["D"], XFER + "_count") - before[1]) < 1 and \
+            time.monotonic() < deadline:
+        time.sleep(0.2)
+    total = metric(url["D"], XFER + "_sum") - before[0]
+    row["vllm_nixl_transfer_ms"] = [total / n * 1e3] if n else []
     return row
 
 
 #: One system at a time (its engines alone on the host), each over the same prompts.
 PHASES = {"colocated": (_colocated_start, _colocated), "tcp": _kvflow_phase("tcp"),
-          "nixl": _kvflow_phase("nixl"), "example": (_example_start, _example)}
+          "nixl": _kvflow_phase("nixl"), "ipc": _kvflow_phase("ipc"),
+          "example": (_example_start, _example), "vllm_nixl": (_vllm_nixl_start, _vllm_nixl)}
 
 
 def run_phase(name: str, model: str, lengths: list[int], reps: int,
@@ -181,9 +233,25 @@ def summarize(rows: list[dict]) -> list[dict]:
                 vals = [v for r in rs for v in (r[k] if isinstance(r[k], list) else [r[k]])]
                 q = statistics.quantiles(vals, n=10, method="inclusive")
                 s[k] = {"median": statistics.median(vals), "p10": q[0], "p90": q[8]}
-        s["example_tokens_match"] = all(r["example_tokens"] == r["colocated_tokens"] for r in rs)
+        for k in rs[0]:  # every baseline's greedy tokens against the colocated engine's
+            if k.endswith("_tokens") and k != "colocated_tokens" and "colocated_tokens" in rs[0]:
+                s[k + "_match"] = all(r[k] == r["colocated_tokens"] for r in rs)
         out.append(s)
     return out
+
+
+def markdown(result: dict) -> str:
+    """The summary of a result file as a markdown table: one row per metric (ms), one column
+    per prompt length, ``median (p10-p90)``."""
+    summary = result["summary"]
+    keys = [k for k in summary[0] if k.endswith("_ms")]
+    head = "| ms, median (p10-p90) | " + " | ".join(f"{s['tokens']} tokens"
+                                                    for s in summary) + " |"
+    lines = [head, "|---" * (len(summary) + 1) + "|"]
+    for k in keys:
+        cells = [f"{s[k]['median']:.1f} ({s[k]['p10']:.1f}-{s[k]['p90']:.1f})" for s in summary]
+        lines.append(f"| `{k}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -191,10 +259,21 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10,
                     help="prompts per length and round (after a warm-up)")
     ap.add_argument("--rounds", type=int, default=2,
-                    help="rounds of the four phases, in reverse order every other round (a "
+                    help="rounds of the five phases, in reverse order every other round (a "
                          "drifting load on a shared host then falls on every phase alike)")
     ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="prompt tokens")
+    ap.add_argument("--phases", default=",".join(PHASES),
+                    help=f"phases to run, of {','.join(PHASES)}")
+    ap.add_argument("--table", metavar="JSON",
+                    help="print the markdown table of a result file and exit")
     args = ap.parse_args()
+    if args.table:
+        print(markdown(json.loads(pathlib.Path(args.table).read_text())))
+        return
+    phases = args.phases.split(",")
+    unknown = [p for p in phases if p not in PHASES]
+    if unknown:
+        ap.error(f"--phases: unknown {unknown}; choose from {','.join(PHASES)}")
     if args.reps < 2:
         ap.error(f"--reps must be >= 2 (a p10/p90 needs several prompts), got {args.reps}")
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -202,7 +281,7 @@ def main() -> None:
     load_before = os.getloadavg()
     merged: dict[tuple[int, int, int], dict] = {}
     for rnd in range(args.rounds):
-        order = list(PHASES) if rnd % 2 == 0 else list(PHASES)[::-1]
+        order = phases if rnd % 2 == 0 else phases[::-1]
         for name in order:
             for row in run_phase(name, model, lengths, args.reps, seed=1800 + rnd):
                 merged.setdefault((rnd, row["tokens"], row["rep"]), {"round": rnd}).update(row)
@@ -218,14 +297,16 @@ def main() -> None:
                                         f"{torch.get_num_threads()} torch threads)",
            "vllm": vllm.__version__, "torch": torch.__version__,
            "nixl": version("nixl-cu12"), "nixl_module": nixl_cu12.__name__,
-           "ucx_tls": os.environ.get("UCX_TLS", "tcp"), "commit": commit,
+           "ucx_tls": os.environ.get("UCX_TLS", "tcp"),
+           "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), "commit": commit,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
            "model": "random 2-layer Llama (hidden 128, 2 KV heads, head_dim 32), float32, "
                     "block_size 32", "max_tokens": 8, "reps": args.reps,
            "rounds": args.rounds,
-           "baseline": "vllm ExampleConnector (safetensors files in a shared folder)",
-           "phases": "one system's engines at a time: " + ", ".join(PHASES),
+           "baselines": "vllm NixlConnector (UCX over TCP); vllm ExampleConnector (safetensors "
+                        "files in a shared folder)",
+           "phases": "one system's engines at a time: " + ", ".join(phases),
            "summary": summarize(rows), "rows": rows}
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = pathlib.Path("bench/results/raw") / f"vllm-pd-cpu-{stamp}.json"  # not report schema

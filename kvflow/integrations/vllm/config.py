@@ -8,8 +8,8 @@ from typing import Any
 
 DEFAULTS = {"kvflow_host": "127.0.0.1", "kvflow_port": 5601, "transport": "tcp",
             "lease_s": 60.0, "timeout_s": 30.0, "backend": "auto", "test_serve_delay_s": 0.0,
-            "test_corrupt_kv": False}
-TRANSPORTS = ("tcp", "nixl")
+            "test_corrupt_kv": False, "staging_mb": 256}
+TRANSPORTS = ("tcp", "nixl", "ipc")
 
 
 def check_config(extra: dict[str, Any]) -> dict[str, Any]:
@@ -18,9 +18,9 @@ def check_config(extra: dict[str, Any]) -> dict[str, Any]:
     Raises
     ------
     ValueError
-        An unknown key (the known ones named), a ``transport`` other than ``tcp`` / ``nixl``,
-        ``timeout_s`` not > 0, or ``lease_s`` not larger than ``timeout_s`` (P would free
-        blocks D may still be reading).
+        An unknown key (the known ones named), a ``transport`` other than ``tcp`` / ``nixl`` /
+        ``ipc``, ``timeout_s`` not > 0, ``lease_s`` not larger than ``timeout_s`` (P would free
+        blocks D may still be reading), or ``staging_mb`` not > 0.
     """
     unknown = sorted(set(extra) - set(DEFAULTS))
     if unknown:
@@ -36,4 +36,7 @@ def check_config(extra: dict[str, Any]) -> dict[str, Any]:
     if not float(conf["lease_s"]) > float(conf["timeout_s"]):
         raise ValueError(f"kv_connector_extra_config lease_s ({conf['lease_s']!r} s) must be "
                          f"larger than timeout_s ({conf['timeout_s']!r} s)")
+    if not float(conf["staging_mb"]) > 0:
+        raise ValueError(f"kv_connector_extra_config staging_mb must be > 0 MiB, got "
+                         f"{conf['staging_mb']!r}")
     return conf

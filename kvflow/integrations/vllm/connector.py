@@ -9,8 +9,9 @@ Load it with::
 
 Transports (``transport``, the same on P and D): ``tcp`` (default; P gathers the blocks with
 kvflow's ``gather_blocks`` and sends zero-copy ZMQ frames, D ``scatter_blocks`` them) and
-``nixl`` (D READs P's blocks with one-sided NIXL, :mod:`.nixl_pull`; ``pip install nixl-cu12``).
-Both work on one host and across hosts.
+``nixl`` (D READs P's blocks with one-sided NIXL, :mod:`.nixl_pull`; ``pip install nixl-cu12``)
+work on one host and across hosts; ``ipc`` (P copies into a staging cache D exports in shared
+memory or by CUDA IPC, :mod:`.ipc_pull`) on one host.
 
 One request (pull after prefill, as vLLM's NIXL connector; docs/tutorials/vllm.md):
 
@@ -183,7 +184,8 @@ class KvflowConnector(KVConnectorBase_V1):
         """Wrap vLLM's per-layer tensors (no copy); P starts serving pulls; with transport
         nixl, P and D register the tensors' memory with a NIXL agent."""
         self.cache = PagedKVCache.from_vllm(kv_caches)
-        nixl = self.conf["transport"] == "nixl"
+        transport = self.conf["transport"]
+        nixl = transport == "nixl"
         log.info("kvflow: %s over %d blocks (%s, transport %s)", self.cache.spec,
                  self.cache.num_blocks, self._kv_transfer_config.kv_role, self.conf["transport"])
         if self._kv_transfer_config.is_kv_producer:
@@ -197,12 +199,20 @@ class KvflowConnector(KVConnectorBase_V1):
                 info = export(self.agent, self.cache)
             self.server = KVServer(self.cache, self.addr, backend=self.conf["backend"],
                                    delay_s=float(self.conf["test_serve_delay_s"]), nixl=info,
-                                   progress=self.agent.progress if nixl else None)
+                                   progress=self.agent.progress if nixl else None,
+                                   ipc=transport == "ipc")
         if self._kv_transfer_config.is_kv_consumer:
             timeout_s, corrupt = float(self.conf["timeout_s"]), bool(self.conf["test_corrupt_kv"])
             if nixl:
                 from .nixl_pull import NixlPuller
                 self.puller = NixlPuller(self.cache, timeout_s=timeout_s, corrupt=corrupt)
+            elif transport == "ipc":
+                from .ipc_pull import IpcPuller, staging_blocks_for
+                longest = -(-self._vllm_config.model_config.max_model_len // self.block_size)
+                blocks = staging_blocks_for(self.cache.spec, longest,
+                                            int(float(self.conf["staging_mb"]) * (1 << 20)))
+                self.puller = IpcPuller(self.cache, staging_blocks=blocks, timeout_s=timeout_s,
+                                        backend=self.conf["backend"], corrupt=corrupt)
             else:
                 self.puller = KVPuller(self.cache, timeout_s=timeout_s,
                                        backend=self.conf["backend"], corrupt=corrupt)

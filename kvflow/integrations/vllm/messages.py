@@ -11,6 +11,9 @@ as raw frames after a :class:`PullReply` header.
     D --NixlHello(D's spec)--> P --NixlInfo(P's agent metadata, tensor addresses)--> D  (once)
     D --Pull(req, ids, spec, nixl=True)--> P --PullReply(ok, P's agent name)--> D
     D: NIXL READ of P's blocks into D's, then D --Release(req)--> P
+    transport ipc (one host; D's staging cache exported, mapped by P):
+    D --Pull(req, ids, spec, staging=name)--> P copies into D's staging --PullReply(ok)--> D
+    D: copy staging -> its blocks (per chunk of staging_blocks), then D --Release(req)--> P
     both:
     D --Release(req)--> P   (done reading, or D will never pull: aborted, full prefix hit)
 """
@@ -37,6 +40,8 @@ class Pull(_Msg):
     block_ids: list[BlockId]
     spec: dict[str, Any]            # D's KVCacheSpec.to_dict(): P refuses a different geometry
     nixl: bool = False
+    staging: str = ""               # ipc: D's staging export; P copies the blocks into it
+    staging_blocks: int = 0         # ipc: blocks of that staging cache
 
 
 class Release(_Msg):

@@ -1,5 +1,6 @@
 """A small OpenAI ``/v1/completions`` proxy in front of one vLLM producer (P) and one vLLM
-consumer (D) that run :class:`~kvflow.integrations.vllm.KvflowConnector`.
+consumer (D) that run :class:`~kvflow.integrations.vllm.KvflowConnector` (or vLLM's own
+NixlConnector, whose transfer params it passes on just the same: bench/vllm/pd.py).
 
 ``python -m kvflow.integrations.vllm.proxy --prefill http://127.0.0.1:8101 --decode
 http://127.0.0.1:8102 --port 8100``

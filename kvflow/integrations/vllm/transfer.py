@@ -1,11 +1,13 @@
-"""P's :class:`KVServer` (both transports) and D's :class:`KVPuller` (transport ``tcp``).
+"""P's :class:`KVServer` (every transport) and D's :class:`KVPuller` (transport ``tcp``).
 
 tcp: P gathers held blocks out of vLLM's cache with :func:`kvflow.kernels.gather_blocks` and
 sends one zero-copy frame per layer (:func:`kvflow.connector.tcp.layer_frames`); D views the
 frames without copying (:func:`kvflow.connector.tcp.frame_tensor`) and
 :func:`kvflow.kernels.scatter_blocks` them into the blocks D allocated. nixl: P answers D's
 :class:`~.messages.NixlHello` with its agent and cache addresses and a ``Pull(nixl=True)`` with a
-check only; D READs the blocks itself (:mod:`.nixl_pull`) and then sends ``Release``.
+check only; D READs the blocks itself (:mod:`.nixl_pull`) and then sends ``Release``. ipc: P
+copies the blocks into D's staging cache, mapped once per D (:mod:`.ipc_pull`), and answers; D
+copies them on and sends ``Release``.
 
 Works on one host and across hosts (``tcp://``). P only serves a request it holds (announced
 by its scheduler through :meth:`KVServer.hold`, waiting up to ``hold_wait_s`` for it); a pull
@@ -28,6 +30,7 @@ from kvflow.kernels import gather_blocks, scatter_blocks
 from kvflow.layout import KVCacheSpec
 from kvflow.protocol import ProtocolError
 
+from .ipc_pull import StagingMaps, check_ipc_pull
 from .link import Puller, PullError
 from .messages import NixlHello, NixlInfo, Pull, PullReply, Release, decode, encode
 
@@ -55,12 +58,16 @@ class KVServer:
         With ``nixl``: P's ``Agent.progress``, called about every millisecond while some D may
         be READing (between a ``Pull(nixl=True)`` and its ``Release`` or lease end), so P's
         agent needs no progress thread polling while idle.
+    ipc : bool
+        Serve transport ``ipc`` (copy into D's mapped staging cache; one host).
     """
 
     def __init__(self, cache: PagedKVCache, addr: str, *, backend: str = "auto",
                  hold_wait_s: float = 5.0, delay_s: float = 0.0,
-                 nixl: NixlInfo | None = None, progress: Any = None) -> None:
+                 nixl: NixlInfo | None = None, progress: Any = None, ipc: bool = False) -> None:
         self.cache, self.addr, self.backend = cache, addr, backend
+        self.staging = StagingMaps(cache.spec, cache.device) if ipc else None
+        self.transport = "ipc" if ipc else "nixl" if nixl is not None else "tcp"
         self.hold_wait_s, self.delay_s, self.nixl = hold_wait_s, delay_s, nixl
         self.progress = progress
         self._reading: set[str] = set()        # nixl: requests some D may be READing now
@@ -102,6 +109,8 @@ class KVServer:
         self._stop.set()
         self._thread.join(timeout=2)
         self._sock.close(linger=0)
+        if self.staging is not None:
+            self.staging.close()
 
     # ---- the serving thread ---------------------------------------------------------------
     def _serve(self) -> None:
@@ -146,9 +155,17 @@ class KVServer:
             self._sock.send_multipart([ident, encode(PullReply(msg.req_id, True,
                                                                agent=self.nixl.agent))])
             return
+        if msg.staging:  # ipc: into D's staging cache; held until D's Release (or the lease)
+            self.staging.copy_in(self.cache, msg.staging, msg.staging_blocks, msg.block_ids,
+                                 self.backend)
+            self._sock.send_multipart([ident, encode(PullReply(msg.req_id, True))])
+            return
         ids = torch.tensor(msg.block_ids, dtype=torch.int64)
-        buf = gather_blocks(self.cache, ids, staging_buffer(self.cache.spec, len(ids)),
+        buf = gather_blocks(self.cache, ids, staging_buffer(self.cache.spec, len(ids),
+                                                            device=self.cache.device),
                             backend=self.backend)
+        if buf.device.type != "cpu":
+            buf = buf.cpu()  # frames are host memory
         frames = layer_frames(buf)
         header = encode(PullReply(msg.req_id, True, num_layers=len(frames)))
         self._sock.send_multipart([ident, header, *frames], copy=False)
@@ -156,10 +173,13 @@ class KVServer:
 
     def _hello(self, msg: NixlHello) -> NixlInfo:
         if self.nixl is None:
-            return NixlInfo(False, error=f"P at {self.addr} has transport 'tcp'; set "
-                                         f"kv_connector_extra_config transport 'nixl' on P too")
+            return NixlInfo(False, error=self._other_transport("nixl"))
         error = self._spec_error(msg.spec)
         return NixlInfo(False, error=error) if error else self.nixl
+
+    def _other_transport(self, wanted: str) -> str:
+        return (f"P at {self.addr} has transport {self.transport!r}; set "
+                f"kv_connector_extra_config transport {wanted!r} on P too")
 
     def _spec_error(self, spec: dict[str, Any]) -> str:
         try:
@@ -176,12 +196,16 @@ class KVServer:
         if error:
             return error
         if msg.nixl and self.nixl is None:
-            return (f"P at {self.addr} has transport 'tcp'; set kv_connector_extra_config "
-                    f"transport 'nixl' on P too")
+            return self._other_transport("nixl")
         bad = [b for b in msg.block_ids if b >= self.cache.num_blocks]
         if bad:
             return (f"block id {bad[0]} is out of range for P's cache of "
                     f"{self.cache.num_blocks} blocks")
+        if msg.staging:
+            error = (self._other_transport("ipc") if self.staging is None
+                     else check_ipc_pull(msg, self.staging))
+            if error:
+                return error
         deadline = time.monotonic() + self.hold_wait_s
         with self._cond:
             while msg.req_id not in self._held:

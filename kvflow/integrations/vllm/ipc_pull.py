@@ -1,0 +1,154 @@
+"""Transport ``ipc`` of :class:`~kvflow.integrations.vllm.KvflowConnector`: P and D on one host,
+the KV moved through a staging buffer that D owns and P maps.
+
+vLLM allocates its KV cache itself (plain host memory on CPU, one ``cudaMalloc`` on a GPU), so
+P's cache cannot be mapped by D the way kvflow's own ``ipc-pull`` maps a cache it allocated in
+shared memory. D therefore exports a staging cache of its own spec (``staging_blocks`` blocks;
+CPU: a POSIX shared-memory segment, :mod:`kvflow.connector.shm`; GPU: one allocation's CUDA IPC
+handle, :mod:`kvflow.connector.cuda_ipc`) at start-up, and per request, in chunks of at most
+``staging_blocks`` blocks:
+
+1. D sends ``Pull(req, P's block ids, spec, staging=<export name>, staging_blocks=N)``;
+2. P maps the export once per D (writable), copies its blocks into staging blocks ``0..k-1``
+   with one :func:`kvflow.kernels.copy_blocks` launch over all layers, waits for the copy
+   (GPU), and answers ``PullReply(ok)`` with no frames;
+3. D copies staging blocks ``0..k-1`` into the blocks it allocated (one ``copy_blocks``), and
+   after the last chunk sends ``Release``; P frees the request's blocks then (or at its lease).
+
+Two copies of the payload, as tcp, but no socket: the bytes never cross the kernel's network
+stack. Works only when P and D share a host (and, on GPUs, see each other's GPUs); across hosts
+use ``tcp`` or ``nixl``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvflow.cache import PagedKVCache
+from kvflow.connector.base import TransferError
+from kvflow.connector.ipc_push import map_decode_cache
+from kvflow.connector.shm import export_new_cache
+from kvflow.kernels import copy_blocks
+from kvflow.layout import KVCacheSpec
+from kvflow.segments import unlink
+
+from .link import Puller, PullError
+from .messages import Pull
+
+#: Default bytes of D's staging cache: requests larger than this move in several chunks.
+STAGING_BYTES = 256 << 20
+
+
+def staging_blocks_for(spec: KVCacheSpec, max_blocks: int, budget: int = STAGING_BYTES) -> int:
+    """Blocks of D's staging cache: enough for one request of ``max_blocks`` blocks (D's longest
+    prompt), at most ``budget`` bytes, at least one block."""
+    return max(1, min(int(max_blocks), budget // spec.bytes_per_block))
+
+
+class StagingMaps:
+    """P's writable mappings of D's staging exports, by export name (one per D, opened at its
+    first pull and kept; a D that restarts exports a new name)."""
+
+    def __init__(self, spec: KVCacheSpec, device: torch.device) -> None:
+        self.spec, self.device = spec, device
+        self._maps: dict[str, PagedKVCache] = {}
+
+    def get(self, name: str, num_blocks: int) -> PagedKVCache:
+        """D's staging cache ``name`` of ``num_blocks`` blocks, mapped writable on P's device.
+
+        Raises
+        ------
+        TransferError
+            The export is missing, smaller than ``num_blocks`` blocks, of another spec, or on
+            a GPU this process cannot see.
+        """
+        cache = self._maps.get(name)
+        if cache is None or cache.num_blocks != num_blocks:
+            cache = self._maps[name] = map_decode_cache(name, self.spec, num_blocks, self.device)
+        return cache
+
+    def copy_in(self, cache: PagedKVCache, name: str, num_blocks: int, ids: list[int],
+                backend: str) -> None:
+        """Copy P's blocks ``ids`` of ``cache`` into staging blocks ``0..len(ids)-1`` of D's
+        export ``name``; returns once the bytes are there (GPU: P's stream synchronised)."""
+        staging = self.get(name, num_blocks)
+        copy_blocks(cache, staging, ids, list(range(len(ids))), backend=backend)
+        if cache.device.type == "cuda":
+            torch.cuda.synchronize(cache.device)
+
+    def close(self) -> None:
+        self._maps.clear()
+
+
+class IpcPuller(Puller):
+    """D's end of transport ``ipc`` (:class:`.link.Puller`), used from D's loader thread only.
+
+    Parameters
+    ----------
+    cache, timeout_s, corrupt
+        As :class:`.link.Puller`.
+    staging_blocks : int
+        Blocks of the staging cache D exports (:func:`staging_blocks_for`).
+    backend : str
+        kvflow backend of D's ``copy_blocks``.
+
+    Raises
+    ------
+    ValueError
+        ``staging_blocks`` not an int >= 1.
+    kvflow.segments.SegmentSpaceError
+        The staging cache does not fit in the free shared memory (CPU).
+    """
+
+    def __init__(self, cache: PagedKVCache, *, staging_blocks: int, timeout_s: float = 30.0,
+                 backend: str = "auto", corrupt: bool = False) -> None:
+        if isinstance(staging_blocks, bool) or not isinstance(staging_blocks, int) \
+                or staging_blocks < 1:
+            raise ValueError(f"staging_blocks must be an int >= 1, got {staging_blocks!r}")
+        super().__init__(cache, timeout_s=timeout_s, corrupt=corrupt)
+        self.backend, self.staging_blocks = backend, staging_blocks
+        self.staging, self.name = export_new_cache(cache.spec, staging_blocks, cache.device,
+                                                   "staging")
+        # compile the copy now, not in the first request's TTFT
+        a, b = (PagedKVCache(cache.spec, 2, device=cache.device) for _ in range(2))
+        copy_blocks(a, b, [0], [1], backend=backend)
+        self.chunks = 0  # chunks of the last pull
+
+    def _pull(self, addr: str, req_id: str, remote_ids: list[int], local_ids: list[int]) -> int:
+        spec, step = self.cache.spec, self.staging_blocks
+        try:
+            self.chunks = 0
+            for i in range(0, len(remote_ids), step):
+                src, dst = remote_ids[i:i + step], local_ids[i:i + step]
+                self._ask_pull(addr, Pull(req_id, src, spec.to_dict(), staging=self.name,
+                                          staging_blocks=step))
+                if self.corrupt:
+                    for t in self.staging.tensors():
+                        t[:len(src)].copy_(torch.randn(t[:len(src)].shape).to(spec.dtype))
+                try:
+                    copy_blocks(self.staging, self.cache, list(range(len(src))), dst,
+                                backend=self.backend)
+                except (TypeError, ValueError) as exc:
+                    raise PullError(f"request {req_id}: {exc}") from exc
+                if self.cache.device.type == "cuda":
+                    torch.cuda.synchronize(self.cache.device)  # P reuses the staging next
+                self.chunks += 1
+        finally:
+            self.release(addr, req_id)  # P may free its blocks (also after a failure)
+        return len(local_ids) * spec.bytes_per_block
+
+    def close(self) -> None:
+        super().close()
+        unlink(self.name)
+
+
+def check_ipc_pull(msg: Pull, maps: StagingMaps) -> str:
+    """P's refusal of an ipc ``Pull`` it cannot serve ('' when it can)."""
+    if len(msg.block_ids) > msg.staging_blocks:
+        return (f"{len(msg.block_ids)} blocks do not fit D's staging cache of "
+                f"{msg.staging_blocks} blocks")
+    try:
+        maps.get(msg.staging, msg.staging_blocks)
+    except TransferError as exc:
+        return f"cannot map D's staging cache {msg.staging!r}: {exc}"
+    return ""

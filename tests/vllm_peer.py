@@ -1,0 +1,52 @@
+"""P's end of kvflow's vLLM connector in a process of its own (for tests/test_vllm_gpu.py):
+a :class:`KVServer` over a vLLM-laid-out cache filled by :func:`fill`, holding two requests.
+
+``python -m tests.vllm_peer <transport> <addr> <device>``; prints ``ready`` once it serves,
+exits when its stdin closes. Transport nixl prints nothing but ``ready`` as well (its agent
+metadata travels in the ``NixlHello`` answer)."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from kvflow.integrations.vllm.transfer import KVServer
+from kvflow.vllm_layout import from_vllm, vllm_like
+
+SHAPE = (12, 2, 32, 64)  # blocks, KV heads, block_size, K+V of head_dim 32
+
+
+def fill(cache, seed: int = 18) -> None:
+    """Seeded normal values (generated on the CPU, so every process and device agrees)."""
+    g = torch.Generator().manual_seed(seed)
+    for t in cache.tensors():
+        t.copy_(torch.randn(t.shape, generator=g).to(t.device))
+
+
+def cache_on(device: str):
+    return from_vllm(vllm_like("LBHNC", 2, SHAPE, torch.float32, device=device))
+
+
+def main(transport: str, addr: str, device: str) -> None:
+    p = cache_on(device)
+    fill(p)
+    info = agent = None
+    if transport == "nixl":
+        from kvflow.connector.nixl_agent import Agent
+        from kvflow.integrations.vllm.nixl_pull import export
+        agent = Agent("test-prefill", progress_thread=False)
+        info = export(agent, p)
+    server = KVServer(p, addr, nixl=info, progress=agent and agent.progress,
+                      ipc=transport == "ipc")
+    for req in ("r1", "r2"):
+        server.hold(req, 300.0)
+    print("ready", flush=True)
+    sys.stdin.read()
+    server.close()
+    if agent is not None:
+        agent.close()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
