@@ -15,13 +15,13 @@ import torch
 
 from kvflow import KVCacheSpec
 from kvflow.connector import Peer, PrefillJob, TransferError, make_receiver, make_sender
-from kvflow.connector.nixl_agent import nixl_available
+from kvflow.connector.nixl_agent import nixl_available, tcp_tls
 from kvflow.connector.nixl_plan import coalesce, desc_indices, num_descriptors
 from kvflow.protocol import (NixlAgentInfo, ProtocolError, decode, decode_agent_info,
                              encode_agent_info)
 from kvflow.serve.advertise import advertised_host
 
-os.environ.setdefault("UCX_TLS", "tcp")  # the network path, also between two local processes
+os.environ.setdefault("UCX_TLS", tcp_tls())  # the network path, also between local processes
 needs_nixl = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")
 SPEC = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
 NUM_BLOCKS = 16
@@ -166,7 +166,7 @@ def test_consecutive_ids_move_as_one_descriptor_per_tensor():
 def _decode_process(mode, conn):
     """D in its own process: export, wait for P's KVPushed, report what landed, then exit."""
     import zmq
-    os.environ["UCX_TLS"] = "tcp"
+    os.environ["UCX_TLS"] = tcp_tls()
     rx = make_receiver("nixl", SPEC, config={"mode": mode})
     cache = rx.make_cache(NUM_BLOCKS)
     ctx = zmq.Context()
@@ -316,7 +316,7 @@ def test_bench_pair_with_d_in_its_own_process_moves_the_blocks(kind, monkeypatch
     P's blocks into D's ids; a digest of other blocks differs (the check can fail)."""
     from kvflow.bench.cases import blocks_digest
     from kvflow.bench.remote_pair import RemotePair
-    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_TLS", tcp_tls())
     geometry = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "block_size": 4}
     spec = KVCacheSpec(**geometry, dtype=torch.bfloat16)
     pair = RemotePair(kind, spec, geometry, 8, "cpu", "cpu", longest=16)

@@ -14,14 +14,14 @@ import time
 
 import pytest
 
-from kvflow.connector.nixl_agent import nixl_available
+from kvflow.connector.nixl_agent import nixl_available, tcp_tls
 
 from .serve_server import Server, healthy
 from .test_serve_first_token import stream, tokens
 from .test_serve import MAX_TOKENS, prompt_of
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")
-UCX = {"UCX_TLS": "tcp"}
+UCX = {"UCX_TLS": tcp_tls()}
 LENGTHS = [1, 15, 16, 17, 150, 300]
 MARK = "\x07\x07\x07"  # prompts holding token ids 7,7,7 get the fault delays
 #: the direct server holds an arrived marked transfer 1.5 s on D (P's token goes out first)

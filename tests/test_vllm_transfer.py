@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
 
-from kvflow.connector.nixl_agent import nixl_available  # noqa: E402
+from kvflow.connector.nixl_agent import nixl_available, tcp_tls  # noqa: E402
 from kvflow.integrations.vllm.config import check_config  # noqa: E402
 from kvflow.integrations.vllm.ipc_pull import IpcPuller, staging_blocks_for  # noqa: E402
 from kvflow.integrations.vllm.link import PullError  # noqa: E402
@@ -60,7 +60,7 @@ def _puller(d, transport, timeout_s=5.0, staging_blocks=3):
 
 @pytest.fixture(autouse=True)
 def _ucx_tcp(monkeypatch):
-    monkeypatch.setenv("UCX_TLS", "tcp")  # the network path, not shared memory
+    monkeypatch.setenv("UCX_TLS", tcp_tls())  # the network path, not shared memory
 
 
 @pytest.mark.parametrize("transport", ["tcp", NIXL, "ipc"])

@@ -13,6 +13,8 @@ import time
 
 import httpx
 
+from kvflow.connector.nixl_agent import tcp_tls
+
 BLOCK_SIZE = 32
 
 
@@ -53,7 +55,7 @@ class Procs:
         cores the other needed: 60-190 ms P/D TTFT at 128 tokens on 2 cores, against 26 ms).
         """
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
-                   PYTHONWARNINGS="ignore", UCX_TLS=os.environ.get("UCX_TLS", "tcp"),
+                   PYTHONWARNINGS="ignore", UCX_TLS=os.environ.get("UCX_TLS", tcp_tls()),
                    OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), **env_extra)
         log = open(self.log_dir / f"{name}.log", "w")
         self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -53,6 +53,16 @@ def import_nixl() -> Any:
                       "nixl-cu12 / nixl-cu13 1.5.1); " + "; ".join(errors))
 
 
+def tcp_tls() -> str:
+    """The ``UCX_TLS`` value that keeps UCX on its TCP transport (the network path, also
+    between two processes of one host): ``"tcp"``, or ``"tcp,cuda_copy"`` where torch sees a
+    CUDA GPU. On a host with NVIDIA GPUs NIXL's UCX backend refuses a ``UCX_TLS`` without CUDA
+    memory support (``Invalid UCX_TLS=tcp for NIXL UCX backend: NVIDIA GPU(s) are present ...
+    Add cuda_copy``, nixl-cu13 1.5.1 on an H200), even for host memory."""
+    import torch
+    return "tcp,cuda_copy" if torch.cuda.is_available() else "tcp"
+
+
 def nixl_available() -> bool:
     """NIXL imports here (tests of the nixl connector skip otherwise)."""
     try:
