@@ -43,7 +43,7 @@ NB = 12
 
 
 def filled(spec: KVCacheSpec, seed: int) -> PagedKVCache:
-    """A CPU cache of seeded finite values and random fp8 scales in [2**-6, 2) (the same in every
+    """A CPU cache of seeded finite values and random fp8 scales, none 1.0 (the same in every
     process)."""
     return finite_cache(spec, NB, seed=seed)
 
