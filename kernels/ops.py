@@ -1,7 +1,8 @@
 """The public block-movement ops: checked wrappers that dispatch to a backend.
 
-All three ops move whole blocks (``spec.block_bytes`` contiguous bytes per tensor) and count
-as payload ``valid_blocks * spec.block_bytes * tensors_per_layer * layers_in_range`` bytes.
+All three ops move whole blocks (``spec.block_bytes`` contiguous bytes per tensor; an fp8
+``block_head`` cache's per-block scales with them, :mod:`.block_scales`) and count as payload
+``valid_blocks * spec.block_bytes * tensors_per_layer * layers_in_range`` bytes.
 Block id -1 is padding: skipped on both sides, destination untouched.
 """
 
@@ -16,6 +17,7 @@ import torch
 from kvflow.cache import PagedKVCache, memory_relation, overlaps
 from kvflow.layout import is_int, normalize_layers
 
+from .block_scales import check_stage_scales, move_scales, per_block
 from .errors import raise_pending, shared
 from .registry import get_backend
 from .validate import check_buffer, check_cache, check_ids, check_same_spec, shared_block
@@ -132,7 +134,10 @@ def gather_blocks(cache: PagedKVCache, block_ids: Any, out: Any, layers: Any = N
         ``[i * out_spec.block_size, ...)`` of the sequence whose block table is ``block_ids``;
         ``num_tokens`` defaults to all both hold; fp8 ``out_spec`` takes float32
         ``out_scales`` of shape ``[tensors]`` or ``[tensors, m, num_kv_heads]`` (written when
-        per block per head); ``head_start`` as in :func:`copy_blocks`.
+        per block per head); ``head_start`` as in :func:`copy_blocks`. Without ``out_spec``,
+        a cache of fp8 ``scales="block_head"`` needs ``out_scales`` float32
+        ``[tensors, n, num_kv_heads]``: slot ``i`` gets the scales of block ``block_ids[i]``
+        (:mod:`kvflow.kernels.block_scales`); other specs take none.
 
     Returns
     -------
@@ -150,6 +155,10 @@ def gather_blocks(cache: PagedKVCache, block_ids: Any, out: Any, layers: Any = N
     cache, ids, out, start, stop, be, on_device = _staged(cache, block_ids, "out", out, layers,
                                                           backend, validate, unique=False)
     n = ids.shape[0]
+    spec = cache.spec
+    if out_scales is not None or per_block(spec):
+        out_scales = check_stage_scales("out", out_scales, spec, (
+            (stop - start) * spec.tensors_per_layer, n, spec.num_kv_heads), cache.device)
     if max_ctas is not None:
         max_ctas = _check_max_ctas(max_ctas)
     if n:
@@ -157,6 +166,10 @@ def gather_blocks(cache: PagedKVCache, block_ids: Any, out: Any, layers: Any = N
             be.gather(cache, ids, out, start, stop, max_ctas, check=True)
         else:
             be.gather(cache, ids, out, start, stop, max_ctas)
+        if out_scales is not None:
+            tpl = spec.tensors_per_layer
+            move_scales(cache.scales[start * tpl:stop * tpl], out_scales, ids,
+                        torch.arange(n, device=ids.device))
     return out
 
 
@@ -178,6 +191,9 @@ def scatter_blocks(src: Any, cache: PagedKVCache, block_ids: Any, layers: Any = 
         As :func:`gather_blocks`.
     src_spec, src_scales, num_tokens, head_start : optional
         A staging buffer of another spec, as ``out_spec`` ... of :func:`gather_blocks`.
+        Without ``src_spec``, a cache of fp8 ``scales="block_head"`` needs ``src_scales``
+        float32 ``[tensors, n, num_kv_heads]``, written to the scales of block
+        ``block_ids[i]``.
 
     Returns
     -------
@@ -193,6 +209,10 @@ def scatter_blocks(src: Any, cache: PagedKVCache, block_ids: Any, layers: Any = 
     cache, ids, src, start, stop, be, on_device = _staged(cache, block_ids, "src", src, layers,
                                                           backend, validate, unique=True)
     n = ids.shape[0]
+    spec = cache.spec
+    if src_scales is not None or per_block(spec):
+        src_scales = check_stage_scales("src", src_scales, spec, (
+            (stop - start) * spec.tensors_per_layer, n, spec.num_kv_heads), cache.device)
     if max_ctas is not None:
         max_ctas = _check_max_ctas(max_ctas)
     if n:
@@ -200,6 +220,10 @@ def scatter_blocks(src: Any, cache: PagedKVCache, block_ids: Any, layers: Any = 
             be.scatter(src, cache, ids, start, stop, max_ctas, check=True)
         else:
             be.scatter(src, cache, ids, start, stop, max_ctas)
+        if src_scales is not None:
+            tpl = spec.tensors_per_layer
+            move_scales(src_scales, cache.scales[start * tpl:stop * tpl],
+                        torch.arange(n, device=ids.device), ids)
     return cache
 
 
@@ -217,6 +241,10 @@ def copy_blocks(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, 
     t % bs_src)`` to ``(dst_ids[t // bs_dst], t % bs_dst)`` for ``t < num_tokens``, in one
     backend call over all layers (the rule, heads and conversions:
     :mod:`kvflow.kernels.reblock`, :mod:`kvflow.kernels.reference_reblock`, docs/layouts.md).
+
+    Equal fp8 specs with ``scales="block_head"``: each moved block's scales (of the layer
+    range) move with it, ``dst_cache.scales[j, dst_ids[i]] = src_cache.scales[j, src_ids[i]]``
+    (:mod:`kvflow.kernels.block_scales`).
 
     The caches may be in different processes' memory mapped into this one (shared memory on
     CPU, CUDA IPC on GPU) or, on GPU backends, on two peer-accessible GPUs; the kernel runs on
@@ -291,6 +319,10 @@ def copy_blocks(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, 
             if same:
                 kw["same"] = True
         be.copy(src_cache, dst_cache, s, d, start, stop, max_ctas, **kw)
+        if per_block(spec):  # the blocks' scales move with their bytes
+            tpl = spec.tensors_per_layer
+            move_scales(src_cache.scales[start * tpl:stop * tpl],
+                        dst_cache.scales[start * tpl:stop * tpl], s, d)
     return dst_cache
 
 

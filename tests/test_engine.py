@@ -213,3 +213,21 @@ def test_bad_input_named_before_work(tiny):
     bad = PagedKVCache(model.kv_spec(16).with_(head_dim=64), 2)
     with pytest.raises(ValueError, match=r"^cache does not match the model: head_dim: model 32 vs cache 64$"):
         Engine(model, bad)
+
+
+def test_fp8_cache_needs_per_tensor_scales_of_one(tiny):
+    """The attention writes and reads fp8 K/V without scales (issue #19): a cache whose scales
+    would change the values is refused, never read as if they were 1.0."""
+    model, _ = tiny
+    tail = ("the engine's attention writes and reads fp8 K/V without scales, so it runs fp8 "
+            "caches with per-tensor scales of 1.0 only")
+    fp8 = model.kv_spec(16, dtype=torch.float8_e4m3fn)
+    Engine(model, PagedKVCache(fp8, 2))  # a new cache's scales are 1.0
+    with pytest.raises(ValueError) as e:
+        Engine(model, PagedKVCache(fp8.with_(scales="block_head"), 2))
+    assert str(e.value) == f"cache.spec.scales is 'block_head': {tail}"
+    cache = PagedKVCache(fp8, 2)
+    cache.scales[3] = 0.5
+    with pytest.raises(ValueError) as e:
+        Engine(model, cache)
+    assert str(e.value) == f"cache.scales[3] is 0.5: {tail}"

@@ -40,12 +40,15 @@ CONFIG_KEYS: dict[str, dict[str, str]] = {
                                 "request (KVPushed ok=false, HTTP 502), default 30; raise it "
                                 "for long prompts over a slow link"},
 }
+#: Kinds that move block bytes only: an fp8 cache's per-block scales (``scales="block_head"``)
+#: would stay behind, so these kinds refuse such a spec (:func:`scales_refusal`).
+BYTES_ONLY = ("tcp", "nixl")
 #: Keys whose value is one of a few strings (the other keys take an int >= 1).
 CONFIG_CHOICES: dict[str, dict[str, tuple[str, ...]]] = {"nixl": {"mode": ("direct", "staged")}}
 
-__all__ = ["CONFIG_CHOICES", "CONFIG_KEYS", "CONNECTORS", "Handoff", "KVReceiver", "KVSender", "Peer", "PrefillJob",
+__all__ = ["BYTES_ONLY", "CONFIG_CHOICES", "CONFIG_KEYS", "CONNECTORS", "Handoff", "KVReceiver", "KVSender", "Peer", "PrefillJob",
            "TransferError", "TransferStats", "check_connector_config", "make_receiver",
-           "make_sender", "resolve_connector"]
+           "make_sender", "resolve_connector", "scales_refusal"]
 
 _BASE = ("Handoff", "KVReceiver", "KVSender", "Peer", "PrefillJob", "TransferError",
          "TransferStats")
@@ -72,6 +75,18 @@ def resolve_connector(name: str, device: str = "cpu") -> str:
         raise ValueError(f"kv_connector must be 'auto' or one of {', '.join(CONNECTORS)}; "
                          f"got {name!r}")
     return name
+
+
+def scales_refusal(kind: str, spec: Any, who: str = "spec") -> str:
+    """'' when connector ``kind`` can move caches of ``spec`` (a KVCacheSpec or None), else
+    why not: a :data:`BYTES_ONLY` kind and an fp8 spec with ``scales="block_head"``, e.g.
+    ``scales='block_head' (spec): the tcp connector moves block bytes only, not an fp8 cache's
+    per-block scales; use ipc-pull or ipc-push, or scales='tensor'`` (``who`` names the side)."""
+    if kind not in BYTES_ONLY or not getattr(spec, "is_fp8", False) \
+            or spec.scales != "block_head":
+        return ""
+    return (f"scales='block_head' ({who}): the {kind} connector moves block bytes only, not an "
+            f"fp8 cache's per-block scales; use ipc-pull or ipc-push, or scales='tensor'")
 
 
 def check_connector_config(name: str, config: dict[str, Any] | None) -> dict[str, Any]:
@@ -115,10 +130,13 @@ def make_sender(name: str, spec: Any, device: Any = "cpu", *, config: dict[str, 
     Raises
     ------
     ValueError
-        Unknown name or config key; a bad config value.
+        Unknown name or config key; a bad config value; an fp8 ``block_head`` spec for tcp
+        or nixl (:func:`scales_refusal`).
     """
     kind = resolve_connector(name, device)
     options = check_connector_config(kind, config)
+    if why := scales_refusal(kind, spec):
+        raise ValueError(why)
     if kind == "ipc-push":
         from .ipc_push import PushSender
         return PushSender(spec, device, **options, **kw)
@@ -146,10 +164,13 @@ def make_receiver(name: str, spec: Any = None, device: Any = "cpu", *,
     Raises
     ------
     ValueError
-        Unknown name or config key; a bad config value; ``head_start`` for another kind.
+        Unknown name or config key; a bad config value; ``head_start`` for another kind; an
+        fp8 ``block_head`` spec for tcp or nixl (:func:`scales_refusal`).
     """
     kind = resolve_connector(name, device)
     options = check_connector_config(kind, config)
+    if why := scales_refusal(kind, spec):
+        raise ValueError(why)
     if head_start is not None and kind not in ("ipc-pull", "tcp"):
         raise ValueError(f"head_start: only the ipc-pull and tcp receivers take a head slice, "
                          f"not {kind}")

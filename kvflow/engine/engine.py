@@ -21,6 +21,28 @@ from .profile import measure_peak_bytes
 ROW_TILE = 16
 
 
+def check_unscaled(cache: PagedKVCache) -> None:
+    """An fp8 ``cache`` must hold per-tensor scales of 1.0: the engine's attention
+    (:mod:`.attention`) writes and reads fp8 K/V as plain values, without scales.
+
+    Raises
+    ------
+    ValueError
+        ``scales="block_head"``, or a per-tensor scale other than 1.0 (the first one named);
+        e.g. ``cache.scales[3] is 0.5: the engine's attention writes and reads fp8 K/V
+        without scales, so it runs fp8 caches with per-tensor scales of 1.0 only``.
+    """
+    if cache.scales is None:
+        return
+    tail = ("the engine's attention writes and reads fp8 K/V without scales, so it runs fp8 "
+            "caches with per-tensor scales of 1.0 only")
+    if cache.spec.scales == "block_head":
+        raise ValueError(f"cache.spec.scales is 'block_head': {tail}")
+    off = (cache.scales != 1.0).nonzero().flatten().tolist()  # once, at construction
+    if off:
+        raise ValueError(f"cache.scales[{off[0]}] is {cache.scales[off[0]].item()}: {tail}")
+
+
 class Engine:
     """Runs ``model`` over ``cache``.
 
@@ -35,6 +57,7 @@ class Engine:
     ------
     ValueError
         If the cache does not match the model (each differing field named with both values).
+        Or an fp8 cache whose scales are not per-tensor 1.0 (:func:`check_unscaled`).
     """
 
     def __init__(self, model, cache: PagedKVCache) -> None:
@@ -51,6 +74,7 @@ class Engine:
             diffs.append(f"device: model {model.device} vs cache {cache.device}")
         if diffs:
             raise ValueError("cache does not match the model: " + "; ".join(diffs))
+        check_unscaled(cache)
         self.model, self.cache, self.spec = model, cache, s
         self.device = model.device
         #: Called as ``before_chunk(token_ids, start, end)`` before each prefill forward of

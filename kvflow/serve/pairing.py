@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from kvflow.connector import scales_refusal
 from kvflow.layout import KVCacheSpec
 
 from .fingerprint import check_fingerprint
@@ -37,11 +38,16 @@ def check_pairing(mine: KVCacheSpec, my_id: str, peer: dict[str, Any], peer_id: 
     (a kind of :data:`~kvflow.connector.CONNECTORS`; None: none maps) can map; else the
     refusal, naming every differing field with both values, e.g. ``KV cache spec mismatch,
     pairing refused: head_dim: 32 (p-1-ab) vs 64 (d-2-cd); P and D may differ only in
-    block_size, layout, dtype``."""
+    block_size, layout, dtype``. A connector that moves block bytes only (tcp, nixl) refuses
+    an fp8 spec with ``scales="block_head"`` on either side, equal or not
+    (:func:`kvflow.connector.scales_refusal`)."""
     try:
         theirs = KVCacheSpec.from_dict(peer)
     except (TypeError, ValueError) as exc:
         return f"pairing refused: {peer_id} sent an invalid KV cache spec {peer!r}: {exc}"
+    for spec, who in ((mine, my_id), (theirs, peer_id)):
+        if why := scales_refusal(connector, spec, who):
+            return f"pairing refused: {why}"
     diff = spec_diff(mine, theirs)
     if not diff:
         return ""
