@@ -49,3 +49,24 @@ def test_tcp_takes_per_tensor_fp8_and_ipc_takes_block_head():
     make_sender("tcp", FP8).close()
     make_receiver("tcp", FP8).close()
     make_receiver("ipc-pull", BH).close()
+
+
+@pytest.mark.parametrize("my_role, p_id", [("prefill", "p-1"), ("decode", "d-2")])
+def test_tcp_refuses_an_fp8_p_with_a_d_of_another_spec(my_role, p_id):
+    """An fp8 P (per-tensor scales) and a D of another spec over tcp: D's re-blocked scatter
+    would need P's scales, which tcp does not send. Refused from either side; an fp32 P into an
+    fp8 D, and equal fp8 specs, still pair; ipc-pull maps D's fp8 the other way round."""
+    p = FP8 if my_role == "prefill" else FP32
+    other = FP32 if my_role == "prefill" else FP8
+    me, peer = ("p-1", "d-2") if my_role == "prefill" else ("d-2", "p-1")
+    mine_name = "float8_e4m3fn" if my_role == "prefill" else "float32"
+    theirs_name = "float32" if my_role == "prefill" else "float8_e4m3fn"
+    assert check_pairing(p, me, other.to_dict(), peer, "tcp", my_role) == (
+        f"KV cache spec mismatch, pairing refused: dtype: torch.{mine_name} ({me}) vs "
+        f"torch.{theirs_name} ({peer}); the tcp connector does not carry the fp8 scales of P "
+        f"(p-1) that a D of another spec needs; use ipc-pull or ipc-push, or equal specs")
+    assert check_pairing(p, me, other.to_dict(), peer, "ipc-pull", my_role) == ""
+    # fp32 P -> fp8 D over tcp: D quantizes with its own scales
+    fp32_p = (FP32, FP8) if my_role == "prefill" else (FP8, FP32)
+    assert check_pairing(fp32_p[0], me, fp32_p[1].to_dict(), peer, "tcp", my_role) == ""
+    assert check_pairing(FP8, me, FP8.to_dict(), peer, "tcp", my_role) == ""

@@ -33,14 +33,16 @@ def spec_diff(mine: KVCacheSpec, theirs: KVCacheSpec) -> dict[str, tuple[Any, An
 
 
 def check_pairing(mine: KVCacheSpec, my_id: str, peer: dict[str, Any], peer_id: str,
-                  connector: str | None = None) -> str:
+                  connector: str | None = None, my_role: str | None = None) -> str:
     """'' when the peer's KV cache spec equals ours, or differs only in what ``connector``
     (a kind of :data:`~kvflow.connector.CONNECTORS`; None: none maps) can map; else the
     refusal, naming every differing field with both values, e.g. ``KV cache spec mismatch,
     pairing refused: head_dim: 32 (p-1-ab) vs 64 (d-2-cd); P and D may differ only in
     block_size, layout, dtype``. A connector that moves block bytes only (tcp, nixl) refuses
     an fp8 spec with ``scales="block_head"`` on either side, equal or not
-    (:func:`kvflow.connector.scales_refusal`)."""
+    (:func:`kvflow.connector.scales_refusal`). With ``my_role`` (``"prefill"`` or
+    ``"decode"``) known, tcp also refuses an fp8 P paired with a D of another spec: D's
+    re-blocked scatter would need P's scales, which tcp does not carry."""
     try:
         theirs = KVCacheSpec.from_dict(peer)
     except (TypeError, ValueError) as exc:
@@ -59,6 +61,11 @@ def check_pairing(mine: KVCacheSpec, my_id: str, peer: dict[str, Any], peer_id: 
     if connector not in REBLOCKING:
         return (f"KV cache spec mismatch, pairing refused: {words}; the {connector} connector "
                 f"moves only equal specs (re-blocking connectors: {', '.join(REBLOCKING)})")
+    p_spec, p_id = (mine, my_id) if my_role == "prefill" else (theirs, peer_id)
+    if connector == "tcp" and my_role in ("prefill", "decode") and p_spec.is_fp8:
+        return (f"KV cache spec mismatch, pairing refused: {words}; the tcp connector does not "
+                f"carry the fp8 scales of P ({p_id}) that a D of another spec needs; use "
+                f"ipc-pull or ipc-push, or equal specs")
     from kvflow.kernels.reblock import make_mapping
     try:
         make_mapping(mine, theirs, src_name=my_id, dst_name=peer_id)
@@ -73,7 +80,7 @@ def check_peer(inst: Any, msg: Any) -> str:
     (:func:`check_pairing`), then equal model fingerprint
     (:func:`~kvflow.serve.fingerprint.check_fingerprint`); else the refusal."""
     return (check_pairing(inst.spec, inst.instance_id, msg.peer_spec, msg.peer_id,
-                          inst.connector_name())
+                          inst.connector_name(), inst.role)
             or check_fingerprint(inst.fingerprint, inst.instance_id, msg.peer_fingerprint,
                                  msg.peer_id))
 
