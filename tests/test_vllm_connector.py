@@ -166,3 +166,28 @@ def test_refused_pull_fails_the_request_through_the_load_error_hook(pd):
         time.sleep(0.2)
     assert kv_usage(urls["D"]) == 0.0
     assert tokens(complete(urls["X"], prompt)) == tokens(complete(urls["REF"], prompt))
+
+
+def test_params_that_are_not_this_prompts_are_not_trusted(pd):
+    """D checks P's transfer params against its own prompt before loading anything: the params
+    of another prompt of the same length, a malformed address, a block list too short. Each
+    request is computed by D itself (tokens equal the plain engine's, HTTP 200), the reason is
+    in D's log, and D keeps serving pulls afterwards."""
+    urls, procs, _ = pd
+    g = torch.Generator().manual_seed(1819)
+    a, b = (torch.randint(8, 512, (36,), generator=g).tolist() for _ in range(2))
+    p_answer = httpx.post(f"{urls['P']}/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": a, "max_tokens": 1, "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True}}).json()
+    params = p_answer["kv_transfer_params"]
+    cases = [(b, params), (a, dict(params, remote_addr="not-an-addr")),
+             (a, dict(params, remote_block_ids=params["remote_block_ids"][:1]))]
+    for prompt, kv in cases:
+        got = complete(urls["D"], prompt, kv_transfer_params=kv)
+        assert tokens(got) == tokens(complete(urls["REF"], prompt))
+    log = procs.log("D")
+    assert "the params are another prompt's; D computes the prompt itself" in log
+    assert "remote_addr must be 'tcp://host:port', got 'not-an-addr'; D computes" in log
+    assert "remote_block_ids holds 1 block ids; a 36-token prompt fills 2 blocks of 32" in log
+    c = torch.randint(8, 512, (70,), generator=g).tolist()
+    assert tokens(complete(urls["X"], c)) == tokens(complete(urls["REF"], c))  # still pulls

@@ -150,6 +150,8 @@ def test_nixl_dead_p_times_out_and_its_agent_is_removed():
 @pytest.mark.parametrize("extra, message", [
     ({"transport": "ucx"}, "transport must be one of ('tcp', 'nixl', 'ipc'), got 'ucx'"),
     ({"staging_mb": 0}, "staging_mb must be > 0 MiB, got 0"),
+    ({"timeout_s": "abc"}, "kv_connector_extra_config timeout_s must be a number, got 'abc'"),
+    ({"backend": "bogus"}, "kv_connector_extra_config backend must be 'auto' or one of "),
     ({"timeout_s": 0}, "timeout_s must be > 0 seconds, got 0"),
     ({"lease_s": 10, "timeout_s": 30}, "lease_s (10 s) must be larger than timeout_s (30 s)"),
     ({"kvflow_prot": 1}, "unknown keys ['kvflow_prot']"),
@@ -238,3 +240,25 @@ def test_ipc_staging_size_follows_the_longest_prompt_and_the_budget():
     assert staging_blocks_for(spec, 10**6, 1000) == 1      # at least one block
     with pytest.raises(ValueError, match=r"^staging_blocks must be an int >= 1, got 0$"):
         IpcPuller(_caches()[1], staging_blocks=0)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_pull_of_blocks_that_are_not_the_requests_is_refused(transport):
+    """P serves a held request's own blocks only: ids of another request's blocks (in range,
+    the request held) are refused, and D's cache is not written."""
+    p, d = _caches()
+    server, _ = _server(p, transport)
+    puller = _puller(d, transport)
+    try:
+        server.hold("r1", 30.0, [1, 5])
+        with pytest.raises(PullError, match=r"^request r1: P refused the pull: block ids \[3, 4\] "
+                                            r"are not blocks of request 'r1' \(P holds \[1, 5\]\)$"):
+            puller.pull(server.addr, "r1", [1, 3, 4], [0, 1, 2])
+        assert not any(t.any() for t in d.tensors())
+        server.hold("r2", 30.0, [1, 5])  # (ipc's puller releases r1 after the refusal)
+        assert puller.pull(server.addr, "r2", [5], [2]) == p.spec.bytes_per_block  # a suffix
+        assert torch.equal(d.tensors()[0][2], p.tensors()[0][5])
+    finally:
+        puller.close()
+        server.close()
+

@@ -20,7 +20,8 @@ def check_config(extra: dict[str, Any]) -> dict[str, Any]:
     ValueError
         An unknown key (the known ones named), a ``transport`` other than ``tcp`` / ``nixl`` /
         ``ipc``, ``timeout_s`` not > 0, ``lease_s`` not larger than ``timeout_s`` (P would free
-        blocks D may still be reading), or ``staging_mb`` not > 0.
+        blocks D may still be reading), ``staging_mb`` not > 0, a number setting that is not a
+        number, or an unknown ``backend``.
     """
     unknown = sorted(set(extra) - set(DEFAULTS))
     if unknown:
@@ -30,13 +31,23 @@ def check_config(extra: dict[str, Any]) -> dict[str, Any]:
     if conf["transport"] not in TRANSPORTS:
         raise ValueError(f"kv_connector_extra_config transport must be one of {TRANSPORTS}, "
                          f"got {conf['transport']!r}")
-    if not float(conf["timeout_s"]) > 0:
+    for key in ("timeout_s", "lease_s", "staging_mb"):
+        try:
+            conf[key] = float(conf[key])
+        except (TypeError, ValueError):
+            raise ValueError(f"kv_connector_extra_config {key} must be a number, got "
+                             f"{conf[key]!r}") from None
+    if not conf["timeout_s"] > 0:
         raise ValueError(f"kv_connector_extra_config timeout_s must be > 0 seconds, got "
-                         f"{conf['timeout_s']!r}")
-    if not float(conf["lease_s"]) > float(conf["timeout_s"]):
-        raise ValueError(f"kv_connector_extra_config lease_s ({conf['lease_s']!r} s) must be "
-                         f"larger than timeout_s ({conf['timeout_s']!r} s)")
-    if not float(conf["staging_mb"]) > 0:
+                         f"{extra.get('timeout_s')!r}")
+    if not conf["lease_s"] > conf["timeout_s"]:
+        raise ValueError(f"kv_connector_extra_config lease_s ({conf['lease_s']:g} s) must be "
+                         f"larger than timeout_s ({conf['timeout_s']:g} s)")
+    if not conf["staging_mb"] > 0:
         raise ValueError(f"kv_connector_extra_config staging_mb must be > 0 MiB, got "
-                         f"{conf['staging_mb']!r}")
+                         f"{extra.get('staging_mb')!r}")
+    from kvflow.kernels.registry import backend_names
+    if conf["backend"] != "auto" and conf["backend"] not in backend_names():
+        raise ValueError(f"kv_connector_extra_config backend must be 'auto' or one of "
+                         f"{backend_names()}, got {conf['backend']!r}")
     return conf

@@ -58,6 +58,7 @@ from kvflow.cache import PagedKVCache
 
 from .config import check_config
 from .link import PullError
+from .params import check_params, prompt_hash
 from .transfer import KVPuller, KVServer
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ class RecvJob:
 class KvflowMeta(KVConnectorMetadata):
     """Scheduler -> worker, once per step: D's pulls, P's newly held requests."""
     recv: list[RecvJob] = dataclasses.field(default_factory=list)
-    hold: list[str] = dataclasses.field(default_factory=list)
+    hold: list[tuple[str, list[int]]] = dataclasses.field(default_factory=list)  # (req, P's ids)
 
 
 def _first_group(block_ids: Any) -> list[int]:
@@ -103,7 +104,7 @@ class KvflowConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         # scheduler side
         self._recv: list[RecvJob] = []
-        self._hold: list[str] = []
+        self._hold: list[tuple[str, list[int]]] = []
         # worker side
         self.cache: PagedKVCache | None = None
         self.server: KVServer | None = None
@@ -119,10 +120,22 @@ class KvflowConnector(KVConnectorBase_V1):
     # ================================ scheduler side ======================================
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[int, bool]:
-        """D: the prompt tokens P holds beyond D's local prefix hit, loaded asynchronously."""
+        """D: the prompt tokens P holds beyond D's local prefix hit, loaded asynchronously.
+        Params that do not describe this very prompt (:func:`.params.check_params`) load
+        nothing: D computes the prompt itself and releases P's blocks."""
         params = request.kv_transfer_params or {}
         if params.get("do_remote_prefill"):
-            count = len(request.prompt_token_ids or []) - num_computed_tokens
+            prompt = list(request.prompt_token_ids or [])
+            why = check_params(params, prompt, self.block_size)
+            if why:
+                log.error("kvflow: request %s: %s; D computes the prompt itself",
+                          request.request_id, why)
+                params["do_remote_prefill"] = False
+                if not why.startswith(("remote_addr", "remote_request_id")):
+                    self._recv.append(RecvJob(request.request_id, params["remote_addr"],
+                                              params["remote_request_id"], [], []))
+                return 0, False
+            count = len(prompt) - num_computed_tokens
             if count > 0:
                 return count, True
         return 0, False
@@ -173,11 +186,12 @@ class KvflowConnector(KVConnectorBase_V1):
         ids = _first_group(block_ids)[:n]
         if not ids:
             return False, None
-        self._hold.append(request.request_id)
+        self._hold.append((request.request_id, ids))
+        prompt = list(request.prompt_token_ids or [])
         return True, {"do_remote_prefill": True, "do_remote_decode": False,
                       "remote_addr": self.addr, "remote_request_id": request.request_id,
-                      "remote_block_ids": ids,
-                      "remote_num_tokens": len(request.prompt_token_ids or [])}
+                      "remote_block_ids": ids, "remote_num_tokens": len(prompt),
+                      "remote_prompt_hash": prompt_hash(prompt)}
 
     # ================================= worker side ========================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -213,6 +227,8 @@ class KvflowConnector(KVConnectorBase_V1):
                                             int(float(self.conf["staging_mb"]) * (1 << 20)))
                 self.puller = IpcPuller(self.cache, staging_blocks=blocks, timeout_s=timeout_s,
                                         backend=self.conf["backend"], corrupt=corrupt)
+                log.info("kvflow: ipc staging cache %s of %d blocks (%d bytes)",
+                         self.puller.name, blocks, blocks * self.cache.spec.bytes_per_block)
             else:
                 self.puller = KVPuller(self.cache, timeout_s=timeout_s,
                                        backend=self.conf["backend"], corrupt=corrupt)
@@ -226,8 +242,8 @@ class KvflowConnector(KVConnectorBase_V1):
         if not isinstance(meta, KvflowMeta):
             return
         if self.server is not None:
-            for req_id in meta.hold:
-                self.server.hold(req_id, float(self.conf["lease_s"]))
+            for req_id, ids in meta.hold:
+                self.server.hold(req_id, float(self.conf["lease_s"]), ids)
         for job in meta.recv:
             self._jobs.put(job)
 
@@ -287,6 +303,9 @@ class KvflowConnector(KVConnectorBase_V1):
                 failed: list[int] = []
             except (PullError, ValueError, OSError) as exc:
                 log.error("kvflow: %s", exc)
+                failed = job.local_ids
+            except Exception as exc:  # the loader must outlive any one request
+                log.exception("kvflow: request %s: pull failed: %r", job.req_id, exc)
                 failed = job.local_ids
             with self._lock:
                 self._failed_blocks.update(failed)

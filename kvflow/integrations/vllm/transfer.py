@@ -75,6 +75,7 @@ class KVServer:
         gather_blocks(PagedKVCache(cache.spec, 2, device=cache.device), [1],
                       staging_buffer(cache.spec, 1, device=cache.device), backend=backend)
         self._held: dict[str, float] = {}      # req_id -> deadline (monotonic seconds)
+        self._held_ids: dict[str, frozenset[int]] = {}  # req_id -> P's blocks of it
         self._done: set[str] = set()           # pulled, released or expired: P may free
         self._cond = threading.Condition()
         self._ctx = zmq.Context.instance()
@@ -86,10 +87,13 @@ class KVServer:
         self._thread.start()
 
     # ---- called by the worker connector ---------------------------------------------------
-    def hold(self, req_id: str, lease_s: float) -> None:
-        """P's scheduler kept ``req_id``'s blocks for D: serve pulls until ``lease_s`` ends."""
+    def hold(self, req_id: str, lease_s: float, block_ids: list[int] | None = None) -> None:
+        """P's scheduler kept ``req_id``'s blocks ``block_ids`` for D: serve pulls of those
+        blocks (any block of P's cache when None) until ``lease_s`` ends."""
         with self._cond:
             self._held[req_id] = time.monotonic() + lease_s
+            if block_ids is not None:
+                self._held_ids[req_id] = frozenset(block_ids)
             self._cond.notify_all()
 
     def take_done(self) -> set[str]:
@@ -100,6 +104,7 @@ class KVServer:
                 if deadline <= now:
                     log.warning("request %s: no pull within its lease; freeing P's blocks", req_id)
                     self._held.pop(req_id)
+                    self._held_ids.pop(req_id, None)
                     self._reading.discard(req_id)
                     self._done.add(req_id)
             done, self._done = self._done, set()
@@ -139,6 +144,7 @@ class KVServer:
     def _finish(self, req_id: str) -> None:
         with self._cond:
             self._reading.discard(req_id)
+            self._held_ids.pop(req_id, None)
             if self._held.pop(req_id, None) is not None:
                 self._done.add(req_id)
 
@@ -213,6 +219,11 @@ class KVServer:
                 if left <= 0:
                     return f"P holds no blocks for request {msg.req_id!r} (freed or never held)"
                 self._cond.wait(left)
+            held = self._held_ids.get(msg.req_id)
+            foreign = [b for b in msg.block_ids if held is not None and b not in held]
+        if foreign:
+            return (f"block ids {foreign} are not blocks of request {msg.req_id!r} (P holds "
+                    f"{sorted(held)})")
         return ""
 
 

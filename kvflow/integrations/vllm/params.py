@@ -1,0 +1,74 @@
+"""The transfer params P returns with a prefill and D receives with the request (vLLM's
+``kv_transfer_params``), and D's check of them before it counts a single token as loaded.
+
+P adds to its response (:meth:`KvflowConnector.request_finished`)::
+
+    {"do_remote_prefill": True, "do_remote_decode": False, "remote_addr": "tcp://host:port",
+     "remote_request_id": str, "remote_block_ids": [int, ...], "remote_num_tokens": int,
+     "remote_prompt_hash": str}
+
+D trusts none of it blindly: a proxy bug or a hand-written request could pair D's prompt with
+another prompt's blocks, and decoding would then give wrong tokens with HTTP 200.
+:func:`check_params` refuses params that do not describe D's own prompt (its length and a hash
+of its token ids) or that are malformed; D then computes the prompt itself. Imports nothing from
+vLLM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Any, Sequence
+
+import numpy as np
+
+_ADDR = re.compile(r"^tcp://[^\s:/]+:\d{1,5}$")
+MAX_BLOCK_ID = 2**31
+
+
+def prompt_hash(token_ids: Sequence[int]) -> str:
+    """Hex BLAKE2b-128 of the prompt's token ids (as little-endian int64)."""
+    arr = np.asarray(list(token_ids), dtype="<i8")
+    return hashlib.blake2b(arr.tobytes(), digest_size=16).hexdigest()
+
+
+def check_params(params: dict[str, Any], token_ids: Sequence[int], block_size: int) -> str:
+    """'' when ``params`` are P's transfer params for exactly this prompt, else why not.
+
+    Parameters
+    ----------
+    params : dict
+        The request's ``kv_transfer_params`` (see the module docstring).
+    token_ids : sequence of int
+        D's prompt token ids.
+    block_size : int
+        Tokens per block (the same on P and D: the pull checks the specs).
+
+    Returns
+    -------
+    str
+        '' or a message naming the field and its value, e.g. ``remote_block_ids holds 1 block
+        ids; a 36-token prompt fills 2 blocks of 32``.
+    """
+    addr = params.get("remote_addr")
+    if not isinstance(addr, str) or not _ADDR.match(addr):
+        return f"remote_addr must be 'tcp://host:port', got {addr!r}"
+    if not isinstance(params.get("remote_request_id"), str):
+        return f"remote_request_id must be a string, got {params.get('remote_request_id')!r}"
+    ids = params.get("remote_block_ids")
+    if not isinstance(ids, list) or not all(
+            isinstance(b, int) and not isinstance(b, bool) and 0 <= b < MAX_BLOCK_ID
+            for b in ids):
+        return f"remote_block_ids must be a list of block ids in [0, 2**31), got {ids!r}"
+    n = len(token_ids)
+    if params.get("remote_num_tokens") != n:
+        return (f"remote_num_tokens is {params.get('remote_num_tokens')!r} but this prompt has "
+                f"{n} tokens: the params are another prompt's")
+    if params.get("remote_prompt_hash") != prompt_hash(token_ids):
+        return (f"remote_prompt_hash {params.get('remote_prompt_hash')!r} is not this prompt's "
+                f"{prompt_hash(token_ids)!r}: the params are another prompt's")
+    need = -(-n // block_size)
+    if len(ids) != need:
+        return (f"remote_block_ids holds {len(ids)} block ids; a {n}-token prompt fills "
+                f"{need} blocks of {block_size}")
+    return ""
