@@ -129,7 +129,7 @@ class Server:
     def complete(self, **body):
         return self.client.post("/v1/completions", json=body)
 
-    def stop(self, sig: int = signal.SIGINT, timeout: float = 20.0) -> int:
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:

@@ -261,14 +261,29 @@ def test_ctrl_c_while_starting_is_one_line_and_leaves_nothing(after_s):
     assert not any(pid_alive(p) for p in pids)
 
 
-@pytest.mark.parametrize("after_s", [0.2, 0.5])
+def wait_catches(pid: int, sig: int, timeout_s: float = 60.0) -> None:
+    """Wait until process ``pid`` has a handler for ``sig`` (``SigCgt`` of /proc/pid/status):
+    before that, the signal kills it the default way, which is Python's start-up, not kvflow's
+    (on a loaded host importing torch alone takes seconds)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(int(ln.split()[1], 16) for ln in f if ln.startswith("SigCgt:"))
+        if caught >> (sig - 1) & 1:
+            return
+        time.sleep(0.005)
+    raise TimeoutError(f"pid {pid} installed no handler for signal {sig} in {timeout_s} s")
+
+
+@pytest.mark.parametrize("after_s", [0.0, 0.3])
 def test_sigterm_while_starting_exits_143_in_one_line(after_s):
-    """SIGTERM before the router listens (here: while the flags are checked, which imports
-    torch) is a failed start, like Ctrl-C's 130: status 143 and one line, not 0. A SIGTERM
-    that lands inside an import that swallows every exception still stops the start (it once
-    left the server running, the signal lost)."""
+    """SIGTERM before the router listens (``after_s`` after kvflow's handler is in place, while
+    the flags are checked and the instances start) is a failed start, like Ctrl-C's 130:
+    status 143 and one line, not 0. A SIGTERM that lands inside an import that swallows every
+    exception still stops the start (it once left the server running, the signal lost)."""
     proc = subprocess.Popen([sys.executable, "-m", "kvflow.serve", "--port", str(free_port()),
                              *SMALL], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_catches(proc.pid, signal.SIGTERM)
     time.sleep(after_s)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
