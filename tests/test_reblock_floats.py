@@ -75,3 +75,18 @@ def test_div_rn_is_correctly_rounded(device, m):
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     inv = div_rn(1.0, a.to(device)).cpu()
     assert torch.equal(inv.view(torch.int32), (1.0 / a.double()).float().view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [d for d in KINDS if d.itemsize < 4], ids=str)
+def test_nan_encodes_to_torchs_nan_bits(dtype):
+    """NaN (either sign, quiet or signalling payloads) encodes to the bits torch's .to() gives,
+    never to a finite value (a NaN in P's K/V must not turn finite in D's)."""
+    _, mbits, bias, emin = KINDS[dtype]
+    nans = torch.tensor([0x7FC00000, 0xFFC00000 - 2**32, 0x7F800001, 0x7FFFFFFF],
+                        dtype=torch.int32).view(torch.float32)
+    out = np.zeros(nans.numel(), np.int64)
+    _encode_all(nans.numpy(), mbits, bias, emin, out)
+    isz = dtype.itemsize
+    ref = nans.to(dtype).view(_INT[isz]).long() & ((1 << 8 * isz) - 1)
+    assert out.tolist() == ref.tolist()
+    assert torch.from_numpy(out).to(_INT[isz]).view(dtype).float().isnan().all()

@@ -2,7 +2,8 @@
 
 Formats are numbered by :data:`KINDS`. Decoding is exact; encoding from float32 rounds to
 nearest even, as ``torch.Tensor.to`` does (float16 and bfloat16 overflow to inf; fp8 callers
-clamp to the largest finite value first). NaN and inf inputs are outside the contract.
+clamp to the largest finite value first, so inf saturates); NaN encodes to the NaN bits torch
+gives (bfloat16 0xFFFF, float16 sign|0x7E00|payload, fp8 sign|0x7F).
 """
 
 from __future__ import annotations
@@ -66,6 +67,12 @@ def encode(x, mbits, bias, emin):
     total = 1 + (8 if bias == 127 else (5 if bias == 15 else 4)) + mbits
     sign = (u >> 31) & 1
     a = u & 0x7FFFFFFF
+    if a > 0x7F800000:  # NaN: the bits torch's .to() gives
+        if bias == 127:
+            return np.int64(0xFFFF)  # bfloat16: 0xFFFF whatever the sign
+        if mbits == 10:  # the quiet bit set, the payload's top bits kept
+            return (sign << 15) | 0x7E00 | ((a & 0x7FFFFF) >> 13)
+        return (sign << 7) | 0x7F  # fp8 e4m3fn and e5m2
     shift = 23 - mbits
     if bias == 127:  # bfloat16: the float32 bits rounded (subnormals and overflow included)
         r = (a + (1 << (shift - 1)) - 1 + ((a >> shift) & 1)) >> shift

@@ -136,6 +136,8 @@ def _reblock(src_ptrs, dst_ptrs, src_ids, dst_ids, geo, fmt, src_sc, dst_sc, con
                     inv = np.float32(1.0) / scale
 
 
+# numba's on-disk cache keys on this file alone: an edit of floats.py (inlined here) needs an
+# edit of this file too, or a stale compiled kernel stays in use (2026-12-01: NaN encoding).
 _serial = numba.njit(cache=True, nogil=True)(_reblock)
 _parallel = numba.njit(parallel=True, cache=True, nogil=True)(_reblock)
 
