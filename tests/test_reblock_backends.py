@@ -10,10 +10,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from kvflow import KVCacheSpec
+from kvflow import KVCacheSpec, PagedKVCache
 from kvflow.kernels import copy_blocks
 
-from .conftest import assert_bytes_equal, backends_for, cache_bytes
+from .conftest import DEVICES, assert_bytes_equal, backends_for, cache_bytes
 from .reblock_cases import finite_cache, poisoned_cache
 from .test_reblock import problems
 
@@ -90,3 +90,27 @@ def test_backend_property_random_pairs(backend, problem):
     assert_bytes_equal(results[1][0], results[0][0], backend)
     if results[0][1] is not None:
         assert_bytes_equal(results[1][1], results[0][1], f"{backend} scales")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_and_inf_convert_like_the_reference_on_every_backend(device):
+    """fp32 -> fp8 e4m3fn (per-tensor scale), bf16 and fp16: inf saturates to the fp8 range,
+    NaN stays NaN (it once became a finite 1.5 on numba), byte for byte with the torch
+    reference on every backend that re-blocks."""
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, block_size=1,
+                       dtype=torch.float32, layout="NHD")
+    src = PagedKVCache(spec, 2, device=device)
+    row = torch.tensor([1000.0, -1000.0, float("inf"), float("-inf"), float("nan"), 448.0,
+                        -float("nan"), 2.0 ** -12])
+    for t in src.tensors():
+        t[0, 0, 0] = row.to(device)
+    for dtype in (torch.float8_e4m3fn, torch.bfloat16, torch.float16):
+        want = PagedKVCache(spec.with_(dtype=dtype), 2, device=device)
+        copy_blocks(src, want, [0], [1], backend="torch", num_tokens=1)
+        for backend in [b for b in backends_for(device) if b not in ("torch", "native")]:
+            got = PagedKVCache(spec.with_(dtype=dtype), 2, device=device)
+            copy_blocks(src, got, [0], [1], backend=backend, num_tokens=1)
+            for w, g in zip(want.tensors(), got.tensors()):
+                assert torch.equal(w.view(torch.uint8), g.view(torch.uint8)), (backend, dtype)
+            assert got.tensors()[0][1, 0, 0].float().isnan().tolist() == \
+                [False, False, False, False, True, False, True, False], (backend, dtype)

@@ -43,8 +43,9 @@ def encode_bits(x, MBITS: tl.constexpr, BIAS: tl.constexpr, EBITS: tl.constexpr,
         sign = (u >> 31) & 1
         a = u & 0x7FFFFFFF
         rounded = (a + ((1 << (SHIFT - 1)) - 1) + ((a >> SHIFT) & 1)) >> SHIFT
+        nan = a > 0x7F800000  # NaN: the bits torch's .to() gives on the CPU
         if BIAS == 127:  # bfloat16
-            out = (sign << 15) | rounded
+            out = tl.where(nan, 0xFFFF, (sign << 15) | rounded)
         else:
             ef = a >> 23
             e32 = ef - 127
@@ -56,5 +57,9 @@ def encode_bits(x, MBITS: tl.constexpr, BIAS: tl.constexpr, EBITS: tl.constexpr,
             s = tl.maximum(tl.minimum(23 + EMIN - MBITS - e, 31), 1)
             sub = (sig + ((1 << (s - 1)) - 1) + ((sig >> s) & 1)) >> s
             r = tl.where(e32 >= EMIN, r, sub)
+            if MBITS == 10:  # float16: the quiet bit set, the payload's top bits kept
+                r = tl.where(nan, 0x7E00 | ((a & 0x7FFFFF) >> 13), r)
+            else:  # fp8 e4m3fn and e5m2
+                r = tl.where(nan, 0x7F, r)
             out = (sign << (EBITS + MBITS)) | r
     return out

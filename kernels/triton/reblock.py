@@ -144,7 +144,8 @@ def _reblock(src_table, dst_table, src_ids, dst_ids, src_sc, dst_sc, T, src_n, d
                                  S_SM, S0, SNH)
                     if D_SM != 0:
                         x = x * inv[:, None, None]
-                        x = tl.minimum(tl.maximum(x, -FMAX), FMAX)
+                        # saturate; NaN stays NaN (min/max would return the bound)
+                        x = tl.where(x != x, x, tl.minimum(tl.maximum(x, -FMAX), FMAX))
                     v = _from_f32(x, DST_T, NATIVE, D_MB, D_BIAS, D_EB, D_EMIN)
                 tl.store(dbase + (drow + d_head) * VEC + dr, v, mask=m)
 
