@@ -145,7 +145,7 @@ def _reblock(src_table, dst_table, src_ids, dst_ids, src_sc, dst_sc, T, src_n, d
                     if D_SM != 0:
                         x = x * inv[:, None, None]
                         # saturate; NaN stays NaN (min/max would return the bound)
-                        x = tl.where(x != x, x, tl.minimum(tl.maximum(x, -FMAX), FMAX))
+                        x = tl.clamp(x, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
                     v = _from_f32(x, DST_T, NATIVE, D_MB, D_BIAS, D_EB, D_EMIN)
                 tl.store(dbase + (drow + d_head) * VEC + dr, v, mask=m)
 
