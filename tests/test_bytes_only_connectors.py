@@ -70,3 +70,14 @@ def test_tcp_refuses_an_fp8_p_with_a_d_of_another_spec(my_role, p_id):
     fp32_p = (FP32, FP8) if my_role == "prefill" else (FP8, FP32)
     assert check_pairing(fp32_p[0], me, fp32_p[1].to_dict(), peer, "tcp", my_role) == ""
     assert check_pairing(FP8, me, FP8.to_dict(), peer, "tcp", my_role) == ""
+
+
+def test_mla_pairs_with_mla_of_another_block_size_but_not_with_nhd():
+    """The kernels map MLA to MLA (block_size, dtype); MLA to NHD is refused."""
+    mla = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=16, block_size=16,
+                      dtype=torch.float32, layout="MLA")
+    assert check_pairing(mla, "p-1", mla.with_(block_size=64).to_dict(), "d-2", "tcp") == ""
+    nhd = mla.with_(layout="NHD")
+    assert check_pairing(mla, "p-1", nhd.to_dict(), "d-2", "tcp") == (
+        "KV cache spec mismatch, pairing refused: layout: MLA (p-1) vs NHD (d-2); P and D may "
+        "differ only in block_size, layout (NHD/HND) and dtype")

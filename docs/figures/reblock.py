@@ -1,4 +1,4 @@
-"""Draw docs/img/reblock.png: the re-blocking rule of docs/layouts.md ("Re-blocking"), ten
+"""Draw docs/figures/reblock.png: the re-blocking rule of docs/layouts.md ("Re-blocking"), ten
 tokens from P's blocks of 4 (NHD) to D's blocks of 8 (HND), one arrow per token, computed from
 the rule itself (token t: P block src_ids[t // 4] slot t % 4 -> D block dst_ids[t // 8] slot
 t % 8). ``python docs/figures/reblock.py`` from the repo root."""
@@ -15,7 +15,7 @@ from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
 
 SRC_IDS, DST_IDS = [7, 2, 5], [3, 1]
 BS_SRC, BS_DST, NUM_TOKENS = 4, 8, 10
-OUT = pathlib.Path(__file__).resolve().parents[1] / "img" / "reblock.png"
+OUT = pathlib.Path(__file__).resolve().with_suffix(".png")
 
 
 def slot_x(block_index: int, slot: int, bs: int, gap: float = 0.6) -> float:

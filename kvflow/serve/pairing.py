@@ -1,8 +1,8 @@
 """Whether two instances may pair: KV cache specs the connector can map, then equal model
 fingerprint.
 
-P's and D's specs may differ in ``block_size``, ``layout`` (NHD / HND) and ``dtype`` (and an fp8
-cache's ``scales``): the connectors that move KV with the re-blocking kernels
+P's and D's specs may differ in ``block_size``, ``layout`` (NHD / HND; MLA only with MLA) and
+``dtype`` (and an fp8 cache's ``scales``): the connectors that move KV with the re-blocking kernels
 (:data:`REBLOCKING`, :mod:`kvflow.kernels.reblock`) map one onto the other. Layers, KV heads and
 head_dim must be equal (each instance runs the whole model). Anything else is refused with both
 values named, before any request is accepted.
@@ -55,7 +55,7 @@ def check_pairing(mine: KVCacheSpec, my_id: str, peer: dict[str, Any], peer_id: 
         return ""
     words = "; ".join(f"{k}: {a} ({my_id}) vs {b} ({peer_id})" for k, (a, b) in diff.items())
     fixed = [k for k in diff if k not in MAPPABLE]
-    if fixed or "MLA" in (mine.layout, theirs.layout):
+    if fixed or (mine.layout != theirs.layout and "MLA" in (mine.layout, theirs.layout)):
         return (f"KV cache spec mismatch, pairing refused: {words}; P and D may differ only in "
                 f"block_size, layout (NHD/HND) and dtype")
     if connector not in REBLOCKING:
