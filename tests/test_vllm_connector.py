@@ -31,6 +31,7 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 
 from kvflow.connector.nixl_agent import nixl_available  # noqa: E402
+from kvflow.integrations.vllm.params import prompt_hash  # noqa: E402
 from kvflow.integrations.vllm.tiny_llama import build  # noqa: E402
 
 from .vllm_pd import Procs, complete, free_port, kv_usage, kvflow_config, tokens  # noqa: E402
@@ -154,7 +155,7 @@ def test_refused_pull_fails_the_request_through_the_load_error_hook(pd):
     prompt = _prompts()[5]  # 65 tokens: 3 blocks
     params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_addr": urls["kv"],
               "remote_request_id": "never-held", "remote_block_ids": [0, 1, 2],
-              "remote_num_tokens": len(prompt)}
+              "remote_num_tokens": len(prompt), "remote_prompt_hash": prompt_hash(prompt)}
     r = httpx.post(f"{urls['D']}/v1/completions", timeout=60, json={
         "model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0,
         "kv_transfer_params": params})
