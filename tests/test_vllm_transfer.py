@@ -6,6 +6,7 @@ agent forgotten, and the connector's settings checks."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -58,6 +59,22 @@ def _puller(d, transport, timeout_s=5.0, staging_blocks=3):
     return KVPuller(d, timeout_s=timeout_s)
 
 
+@contextlib.contextmanager
+def _pair(p_transport, d_transport=None, hold_wait_s=5.0):
+    """``(p, d, server, puller)``: P's server of ``p_transport`` and D's puller of
+    ``d_transport`` (default the same) over two fresh caches; all closed on exit."""
+    p, d = _caches()
+    server, agent = _server(p, p_transport, hold_wait_s=hold_wait_s)
+    puller = _puller(d, d_transport or p_transport)
+    try:
+        yield p, d, server, puller
+    finally:
+        puller.close()
+        server.close()
+        if agent is not None:
+            agent.close()
+
+
 @pytest.fixture(autouse=True)
 def _ucx_tcp(monkeypatch):
     monkeypatch.setenv("UCX_TLS", tcp_tls())  # the network path, not shared memory
@@ -65,10 +82,7 @@ def _ucx_tcp(monkeypatch):
 
 @pytest.mark.parametrize("transport", ["tcp", NIXL, "ipc"])
 def test_pull_moves_exact_blocks_and_frees_p(transport):
-    p, d = _caches()
-    server, agent = _server(p, transport)
-    puller = _puller(d, transport)
-    try:
+    with _pair(transport) as (p, d, server, puller):
         src, dst = [3, 4, 5, 9], [0, 1, 7, 2]
         server.hold("r1", 30.0)
         assert puller.pull(server.addr, "r1", src, dst) == 4 * p.spec.bytes_per_block == 131072
@@ -89,43 +103,28 @@ def test_pull_moves_exact_blocks_and_frees_p(transport):
         if transport == "ipc":
             assert puller.chunks == 2  # 3 + 1 blocks through 3 staging blocks
             assert list(server.staging._maps) == [puller.name]  # mapped once
-    finally:
-        puller.close()
-        server.close()
-        if agent is not None:
-            agent.close()
 
 
 @pytest.mark.parametrize("transport", ["tcp", NIXL, "ipc"])
 def test_pull_of_a_request_p_does_not_hold_is_refused(transport):
-    p, d = _caches()
-    server, agent = _server(p, transport, hold_wait_s=0.2)
-    puller = _puller(d, transport)
-    try:
+    with _pair(transport, hold_wait_s=0.2) as (p, d, server, puller):
         with pytest.raises(PullError, match=r"^request r9: P refused the pull: P holds no "
                                             r"blocks for request 'r9' \(freed or never held\)$"):
             puller.pull(server.addr, "r9", [1], [1])
         assert not any(t.any() for t in d.tensors())
-    finally:
-        puller.close()
-        server.close()
-        if agent is not None:
-            agent.close()
 
 
-@pytest.mark.skipif(not nixl_available(), reason="NIXL not installed")
-def test_nixl_d_against_a_tcp_p_names_the_setting():
-    p, d = _caches()
-    server, _ = _server(p, "tcp")
-    puller = _puller(d, "nixl")
-    try:
-        with pytest.raises(PullError, match=r"refused the NIXL hello: P at tcp://127.0.0.1:\d+ "
-                                            r"has transport 'tcp'; set kv_connector_extra_config "
-                                            r"transport 'nixl' on P too$"):
+@pytest.mark.parametrize("transport, asked", [
+    pytest.param("nixl", r"refused the NIXL hello: ", marks=NIXL.marks),
+    ("ipc", r"^request r1: P refused the pull: ")])
+def test_d_against_a_tcp_p_names_the_setting(transport, asked):
+    with _pair("tcp", transport) as (p, d, server, puller):
+        server.hold("r1", 30.0)
+        with pytest.raises(PullError, match=asked + r"P at tcp://127.0.0.1:\d+ has transport "
+                                            r"'tcp'; set kv_connector_extra_config transport "
+                                            rf"'{transport}' on P too$"):
             puller.pull(server.addr, "r1", [1], [1])
-    finally:
-        puller.close()
-        server.close()
+        assert not any(t.any() for t in d.tensors())
 
 
 @pytest.mark.skipif(not nixl_available(), reason="NIXL not installed")
@@ -193,30 +192,10 @@ def test_nixl_p_restarted_on_the_same_address_is_met_anew():
         agent.close()
 
 
-def test_ipc_d_against_a_tcp_p_names_the_setting():
-    p, d = _caches()
-    server, _ = _server(p, "tcp")
-    puller = _puller(d, "ipc")
-    try:
-        server.hold("r1", 30.0)
-        with pytest.raises(PullError, match=r"^request r1: P refused the pull: P at "
-                                            r"tcp://127.0.0.1:\d+ has transport 'tcp'; set "
-                                            r"kv_connector_extra_config transport 'ipc' on P "
-                                            r"too$"):
-            puller.pull(server.addr, "r1", [1], [1])
-        assert not any(t.any() for t in d.tensors())
-    finally:
-        puller.close()
-        server.close()
-
-
 def test_ipc_staging_of_a_gone_d_is_refused_and_unlinked_on_close():
     from kvflow.segments import segment_path
-    p, d = _caches()
-    server, _ = _server(p, "ipc")
-    puller = _puller(d, "ipc")
-    path = segment_path(puller.name)
-    try:
+    with _pair("ipc") as (p, d, server, puller):
+        path = segment_path(puller.name)
         assert os.path.exists(path)
         os.unlink(path)  # D's staging segment vanished
         server.hold("r1", 30.0)
@@ -224,9 +203,6 @@ def test_ipc_staging_of_a_gone_d_is_refused_and_unlinked_on_close():
                                             rf"staging cache '{puller.name}': shared-memory "
                                             rf"segment '{puller.name}' does not exist$"):
             puller.pull(server.addr, "r1", [1], [1])
-    finally:
-        puller.close()
-        server.close()
     puller2 = _puller(d, "ipc")
     puller2.close()
     assert not os.path.exists(segment_path(puller2.name))
@@ -246,10 +222,7 @@ def test_ipc_staging_size_follows_the_longest_prompt_and_the_budget():
 def test_pull_of_blocks_that_are_not_the_requests_is_refused(transport):
     """P serves a held request's own blocks only: ids of another request's blocks (in range,
     the request held) are refused, and D's cache is not written."""
-    p, d = _caches()
-    server, _ = _server(p, transport)
-    puller = _puller(d, transport)
-    try:
+    with _pair(transport) as (p, d, server, puller):
         server.hold("r1", 30.0, [1, 5])
         with pytest.raises(PullError, match=r"^request r1: P refused the pull: block ids \[3, 4\] "
                                             r"are not blocks of request 'r1' \(P holds \[1, 5\]\)$"):
@@ -258,7 +231,4 @@ def test_pull_of_blocks_that_are_not_the_requests_is_refused(transport):
         server.hold("r2", 30.0, [1, 5])  # (ipc's puller releases r1 after the refusal)
         assert puller.pull(server.addr, "r2", [5], [2]) == p.spec.bytes_per_block  # a suffix
         assert torch.equal(d.tensors()[0][2], p.tensors()[0][5])
-    finally:
-        puller.close()
-        server.close()
 
