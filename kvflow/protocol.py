@@ -88,10 +88,13 @@ class Reregister(_Msg):
 
 
 class Heartbeat(_Msg):
-    """Instance -> router, every heartbeat interval; carries block counts."""
+    """Instance -> router, every heartbeat interval (from the instance's heartbeat thread,
+    :mod:`kvflow.serve.heartbeat`) and after blocks were freed; carries block counts. ``seq``
+    grows with every heartbeat of one process: the router keeps the counts of the newest."""
     instance_id: str
     free_blocks: int
     num_running: int = 0
+    seq: int = 0
 
 
 class Pair(_Msg):

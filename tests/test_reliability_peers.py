@@ -31,14 +31,16 @@ COMMON = ["--max-model-len", "256", "--num-blocks", "40", "--layerwise-min-token
 
 
 class Cluster:
-    """A router started alone (``--dead-after-s dead_after_s``); instances join by ``spawn``."""
+    """A router started alone (``--dead-after-s dead_after_s``, ``--hung-after-s
+    hung_after_s``: how long a silent instance of this host whose process lives is only
+    late); instances join by ``spawn``."""
 
-    def __init__(self, dead_after_s: float = 5) -> None:
+    def __init__(self, dead_after_s: float = 5, hung_after_s: float = 60) -> None:
         self.port, self.cport = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.procs: list[subprocess.Popen] = []
         self.spawn("router", "--port", str(self.port), "--control-port", str(self.cport),
-                   "--dead-after-s", str(dead_after_s))
+                   "--dead-after-s", str(dead_after_s), "--hung-after-s", str(hung_after_s))
         self.client = httpx.Client(base_url=self.url, timeout=30)
 
     def spawn(self, role, *args, env=None):

@@ -1,10 +1,12 @@
 """Issue 14 kind 4 end to end: ipc push (P writes into D's blocks) with separately started
-processes -- a router (``--dead-after-s 1``), two P's and a D of 4 blocks (one 64-token request
+processes -- a router (``--dead-after-s 1 --hung-after-s 1``: a silent P of this host whose
+process lives is declared dead after 1 s, not 60), two P's and a D of 4 blocks (one 64-token request
 fills it). Prompts marked 7,7,7 make every prefill chunk (16 tokens) of a P 0.4 s slow; prompts
 marked 8,8,8 keep their transfer 3 s in flight on D.
 
-- A prefill of 4 slow chunks (1.6 s) outlasts ``--dead-after-s``: P heartbeats between the
-  chunks, so it is not declared dead and the request completes (it was HTTP 502).
+- A prefill of 4 slow chunks (1.6 s) outlasts ``--dead-after-s`` and ``--hung-after-s``: P's
+  heartbeat thread beats on inside each chunk, so it is not declared dead (not even late) and
+  the request completes (it was HTTP 502).
 - A P stopped in the middle of a prefill (SIGSTOP: a forward that takes too long) is declared
   dead and its request fails, but its process lives: D keeps the 4 blocks lent to it, so the
   next request waits for them instead of being admitted onto blocks the P writes once it runs
@@ -49,7 +51,7 @@ def colocated(token_ids: list[int]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cl():
-    c = Cluster(dead_after_s=1)  # a SIGSTOPped P is declared dead within about 1 s
+    c = Cluster(dead_after_s=1, hung_after_s=1)  # a SIGSTOPped P is declared dead within ~1 s
     c.ps = [c.spawn("prefill", *PUSH, env=P_ENV) for _ in range(2)]
     c.d = c.spawn("decode", *PUSH, "--num-blocks", "4", env=D_ENV)
     try:

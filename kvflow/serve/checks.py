@@ -21,7 +21,7 @@ from .startup import StartupError
 
 _INSTANCE_ROLES = ("prefill", "decode", "colocated")
 _CONNECTOR_FLAGS = ("kv_connector", "kv_connector_config", "layerwise_min_tokens")
-_SECONDS = ("kv_lease_s", "receive_timeout_s", "admit_timeout_s", "dead_after_s",
+_SECONDS = ("kv_lease_s", "receive_timeout_s", "admit_timeout_s", "dead_after_s", "hung_after_s",
             "register_timeout_s")
 _POSITIVE = ("block_size", "decode_block_size", "max_model_len", "num_blocks", "memory_budget_mb",
              "max_num_batched_tokens")

@@ -147,8 +147,12 @@ class ServeConfig:
         "D frees a request whose KV has not arrived within this many seconds"))
     admit_timeout_s: float = field(default=30.0, metadata=_flag(
         "router: while D has no free blocks for a request, retry this long, then HTTP 503"))
-    dead_after_s: float = field(default=2.0, metadata=_flag(
-        "router: an instance that sent nothing for this long is dead"))
+    dead_after_s: float = field(default=10.0, metadata=_flag(
+        "router: an instance whose process it cannot see (another host) that sent nothing for "
+        "this long is dead; one whose process has exited is dead at once"))
+    hung_after_s: float = field(default=60.0, metadata=_flag(
+        "router: an instance on the router's host whose process lives but sent nothing for "
+        "this long is dead (hung); until then it is late"))
     api_key: str | None = field(default=None, metadata=_flag(
         "router: require 'Authorization: Bearer KEY' on /v1/* (HTTP 401 otherwise); also read "
         "from the KVFLOW_API_KEY environment variable", default_text="no key"))

@@ -11,13 +11,14 @@ both (colocated: one instance). Every P is paired with every D (N x M); :meth:`C
 chooses a (P, D) per request and the Prefill names that D, so a P with several D's sends each
 request to its own D. When a D dies its P's get :class:`~kvflow.protocol.Unpair`; when a P
 dies, its D's do.
-A remote instance that misses heartbeats for ``dead_after_s``, one on this host whose process
-has exited (:mod:`kvflow.segments`), or a child process of this server that has exited
-(or sent nothing for ``hung_after_s``), is dead: every request that
-still needed it fails at once (the request's own clean-up then sends
-:class:`~kvflow.protocol.Abort` to the survivor, which frees its blocks), and its
-shared-memory segment is unlinked once its process is gone. An instance declared dead that
-heartbeats again (it was only late, e.g. under load) is asked to register again
+Liveness (:mod:`kvflow.serve.liveness`): an instance whose process has exited is dead at
+once; one that went silent is *late* while its process lives on this host (up to
+``hung_after_s``), or, where its process cannot be seen, up to ``dead_after_s``; then dead.
+Every request that still needed a dead instance fails at once (the request's own clean-up
+then sends :class:`~kvflow.protocol.Abort` to the survivor, which frees its blocks), and its
+shared-memory segment is unlinked once its process is gone. Heartbeats come from each
+instance's heartbeat socket (identity ``<id>#hb``) as well as its control socket. An instance
+declared dead that heartbeats again is asked to register again
 (:class:`~kvflow.protocol.Reregister`, at most once a second) and is then paired anew.
 """
 
@@ -36,7 +37,9 @@ from kvflow.protocol import (Heartbeat, Pair, PairResult, Register, Registered,
 
 from .config import ServeConfig
 from .errors import registration_refusal
-from kvflow.segments import DEAD, process_state
+from kvflow.segments import ALIVE, DEAD, UNKNOWN, process_state
+from .heartbeat import BEAT_SUFFIX
+from .liveness import GONE, StallClock, judge
 from .placement import InstanceInfo, ReqState, pick_pair
 
 from .advertise import advertised_host
@@ -48,17 +51,22 @@ class Controller:
     """Parameters: ``host`` and ``port`` (0: a free port) to bind (``advertise_host``: what
     :attr:`addr` names instead of ``host``, :mod:`~kvflow.serve.advertise`); ``mode`` "disagg" or
     "colocated"; ``metrics`` (:class:`~kvflow.serve.metrics.Metrics`); ``proc_alive(pid)``
-    for processes this server spawned (None: heartbeats only)."""
+    for processes this server spawned (None: heartbeats only); ``dead_after_s`` and
+    ``hung_after_s`` as :func:`~kvflow.serve.liveness.judge`."""
+
+    MONITOR_S = 0.1  # how often liveness is judged (seconds)
 
     def __init__(self, host: str = ServeConfig.host, port: int = 0, *, mode: str = "disagg",
                  metrics: Any = None, proc_alive: Callable[[int], bool | None] | None = None,
-                 dead_after_s: float = ServeConfig.dead_after_s, model: str = "",
+                 dead_after_s: float = ServeConfig.dead_after_s,
+                 hung_after_s: float = ServeConfig.hung_after_s, model: str = "",
                  tokenizer: str = "", advertise_host: str | None = None) -> None:
         self.mode, self.metrics, self.proc_alive = mode, metrics, proc_alive
         # the router encodes prompts and decodes tokens: an instance must share its vocabulary
         self.model, self.tokenizer = model, tokenizer
         self.dead_after_s = dead_after_s
-        self.hung_after_s = max(dead_after_s, 60.0)
+        self.hung_after_s = hung_after_s
+        self.stalls = StallClock(time.monotonic(), self.MONITOR_S)
         self.registered_pids: set[int] = set()  # every pid that ever registered (kept after death)
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -150,7 +158,14 @@ class Controller:
                      msg.num_blocks)
             await self._pair(info)
             return
-        info = self.instances.get(ident.decode(errors="replace"))
+        name = ident.decode(errors="replace")
+        if name.endswith(BEAT_SUFFIX):  # an instance's heartbeat socket: answer its own
+            name = name[:-len(BEAT_SUFFIX)]
+            if not isinstance(msg, Heartbeat) or msg.instance_id != name:
+                log.error("%s from heartbeat socket %r; dropped", type(msg).__name__, ident)
+                return
+            ident = name.encode()
+        info = self.instances.get(name)
         if info is None:
             log.error("%s from unregistered instance %r; dropped", type(msg).__name__, ident)
             if isinstance(msg, Heartbeat) and now - self._asked.get(ident, 0.0) >= 1.0:
@@ -163,6 +178,9 @@ class Controller:
             return
         info.last_seen = now
         if isinstance(msg, Heartbeat):
+            if msg.seq and msg.seq < info.seq:  # overtaken by a newer one (the other socket)
+                return
+            info.seq = msg.seq
             info.free_blocks, info.num_running = msg.free_blocks, msg.num_running
             info.heartbeat_at = now
             self._set_blocks(info)
@@ -212,21 +230,26 @@ class Controller:
     # ---- liveness -------------------------------------------------------------------
     async def _monitor(self) -> None:
         while True:
-            await asyncio.sleep(0.1)
-            now = time.monotonic()
-            for info in list(self.instances.values()):
-                ours = None if self.proc_alive is None else self.proc_alive(info.reg.pid)
-                # A child of ours is dead when its process has exited (a long prefill may
-                # delay heartbeats); any instance when its heartbeats stop; one on this host
-                # (same pid namespace) also as soon as its process has exited.
-                limit = self.dead_after_s if ours is None else self.hung_after_s
-                if ours is None and process_state(info.reg.pid, info.reg.host_id) == DEAD:
-                    ours = False
-                if ours is False or now - info.last_seen > limit:
-                    exited = ours is False
-                    self.instance_died(info, "exited" if exited else
-                                       f"missed heartbeats for {self.dead_after_s:.1f} s",
-                                       exited=exited)
+            await asyncio.sleep(self.MONITOR_S)
+            self.check_liveness(time.monotonic())
+
+    def check_liveness(self, now: float) -> None:
+        """Judge every instance (:func:`~kvflow.serve.liveness.judge`) at ``now``; declare
+        the dead ones dead. A stall of this loop is credited to every instance first."""
+        stalled = self.stalls.tick(now)
+        for info in list(self.instances.values()):
+            info.last_seen += stalled
+            ours = None if self.proc_alive is None else self.proc_alive(info.reg.pid)
+            process = {True: ALIVE, False: DEAD}.get(ours) if ours is not None else \
+                process_state(info.reg.pid, info.reg.host_id)
+            state, why = judge(now - info.last_seen, process or UNKNOWN,
+                               dead_after_s=self.dead_after_s, hung_after_s=self.hung_after_s)
+            if state == GONE:
+                self.instance_died(info, why, exited=process == DEAD)
+            elif state != info.liveness:
+                log.warning("%s instance %s is %s (nothing heard for %.1f s)", info.role,
+                            info.id, state, now - info.last_seen)
+                info.liveness = state
 
     def instance_died(self, info: InstanceInfo, why: str, *, exited: bool = False) -> None:
         """Forget a dead instance, fail the requests that still need it, unlink its segment.
@@ -280,9 +303,11 @@ class Controller:
                                "kv_connector": i.reg.kv_connector, "num_blocks": i.reg.num_blocks,
                                "free_blocks": i.free_blocks, "num_running": i.num_running,
                                "heartbeat_age_s": now - i.heartbeat_at,
+                               "liveness": i.liveness,
                                "max_model_len": i.reg.max_model_len, "spec": i.reg.spec,
                                "shm_name": i.reg.shm_name, "data_addr": i.reg.data_addr,
                                "paired_with": sorted(i.pair_ok),
                                "spec_differs": self._spec_differs(i)}
                               for i in self.instances.values()],
+                "router_stalled_s": self.stalls.stalled_s,
                 "errors": self.errors[-20:]}

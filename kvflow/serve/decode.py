@@ -10,7 +10,7 @@ from the second on -> DONE. Abort, transfer error and timeout
 (``receive_timeout_s`` without KV) end the request too; every end frees its blocks, except
 blocks P may still write (:mod:`kvflow.serve.lent`).
 
-Lease: every heartbeat D sends its P's a :class:`~kvflow.protocol.LeaseRenew` naming the
+Lease: every ``heartbeat_s`` (from its loop) D sends its P's a :class:`~kvflow.protocol.LeaseRenew` naming the
 requests whose KV it still means to read; P frees sent blocks whose lease (``kv_lease_s``) ran
 out. Before reading P's memory (a connector with ``reads_peer_memory``), D checks that P's lease
 still holds (with a 20% margin) and otherwise refuses the transfer rather than read blocks P may
@@ -50,6 +50,7 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
         self.peer_id = ""  # the last paired P
         self.receiver = None  # kvflow.connector.KVReceiver, built by setup()
         self._last_peer_check = 0.0
+        self._last_renew = 0.0
         self.unpaired: dict[str, float] = {}  # P declared dead, not seen exit -> when (monotonic)
 
     # ---- start-up -------------------------------------------------------------------
@@ -198,7 +199,8 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
                           f"no KV from prefill within {self.receive_timeout_s:g} s")
             elif s.req.state in (DecodeState.ALLOCATED, DecodeState.RECEIVING):
                 waiting.append(s.req.request_id)
-        if waiting and self.peer_id and (force or now - self._last_hb >= self.cfg.heartbeat_s):
+        if waiting and self.peer_id and (force or now - self._last_renew >= self.cfg.heartbeat_s):
+            self._last_renew = now
             self._renew(waiting)
         super().heartbeat(force)
 

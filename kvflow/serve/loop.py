@@ -2,8 +2,10 @@
 messages to ``on_<type>`` handlers, heartbeats.
 
 :meth:`EventLoop.serve_forever` polls the sockets, hands each decoded message to its handler,
-does one unit of work (:meth:`EventLoop.work`: a prefill on P, a decode step on D) and sends a
-heartbeat (free blocks) every ``heartbeat_s``. Malformed frames are logged and dropped
+does one unit of work (:meth:`EventLoop.work`: a prefill on P, a decode step on D) and its
+housekeeping (:meth:`EventLoop.heartbeat`: expiries, lease renewals). The heartbeat that tells
+the router this instance lives (free blocks, running requests) goes out every ``heartbeat_s``
+from a thread of its own (:mod:`kvflow.serve.heartbeat`), which no compute blocks. Malformed frames are logged and dropped
 (:func:`kvflow.protocol.decode_or_log`); a handler that raises is logged and the loop goes on.
 """
 
@@ -19,6 +21,8 @@ import zmq
 
 from kvflow.context import sends_allowed
 from kvflow.protocol import Heartbeat, decode_or_log, encode
+
+from .heartbeat import HeartbeatThread, next_seq
 
 log = logging.getLogger("kvflow.serve")
 
@@ -41,6 +45,7 @@ class EventLoop:
         self.sockets: dict[Any, str] = {}
         self._last_hb = 0.0
         self.messages_sent = 0
+        self.beats: HeartbeatThread | None = None
 
     def open_channels(self) -> None:
         """Create the ZMQ context and the control socket to the router (after the profile
@@ -54,6 +59,11 @@ class EventLoop:
         self.ctrl.setsockopt(zmq.LINGER, 500)
         self.ctrl.connect(self.cfg.router_url)
         self.sockets[self.ctrl] = "router"
+        self.beats = HeartbeatThread(self.ctx, self.instance_id, self.cfg.router_url,
+                                     self.heartbeat_message, self.cfg.heartbeat_s,
+                                     parent_pid=self.cfg.parent_pid or 0,
+                                     on_orphan=lambda: setattr(self, "stopping", True))
+        self.beats.start()
 
     # ---- sending --------------------------------------------------------------------
     def send_ctrl(self, msg: Any) -> None:
@@ -78,19 +88,28 @@ class EventLoop:
     def free_blocks(self) -> int:
         raise NotImplementedError
 
+    def heartbeat_message(self) -> Heartbeat:
+        """This instance's :class:`Heartbeat` now (free blocks, running requests; numbered)."""
+        return Heartbeat(instance_id=self.instance_id, free_blocks=self.free_blocks(),
+                         num_running=self.num_running(), seq=next_seq())
+
     def report_blocks(self) -> None:
-        """Send a :class:`Heartbeat` (free blocks, running requests) now."""
-        self._last_hb = time.monotonic()
-        self.send_ctrl(Heartbeat(instance_id=self.instance_id, free_blocks=self.free_blocks(),
-                                 num_running=self.num_running()))
+        """Send a :class:`Heartbeat` on the control socket now (after blocks were freed: the
+        router sees them at once, not a beat later)."""
+        self.send_ctrl(self.heartbeat_message())
 
     def heartbeat(self, force: bool = False) -> None:
+        """The loop's housekeeping, every iteration (subclasses: expiries, lease renewals);
+        ``force``: also report the block counts now. The periodic heartbeat itself comes from
+        :attr:`beats`; where no thread runs (an instance driven by hand, without
+        :meth:`open_channels`), from here every ``heartbeat_s``."""
         now = time.monotonic()
-        if force or now - self._last_hb >= self.cfg.heartbeat_s:
+        if force or (self.beats is None and now - self._last_hb >= self.cfg.heartbeat_s):
+            self._last_hb = now
             self.report_blocks()
-            if self.cfg.parent_pid and os.getppid() != self.cfg.parent_pid:
-                log.error("%s: parent %d is gone; exiting", self.instance_id, self.cfg.parent_pid)
-                self.stopping = True
+        if self.cfg.parent_pid and os.getppid() != self.cfg.parent_pid:
+            log.error("%s: parent %d is gone; exiting", self.instance_id, self.cfg.parent_pid)
+            self.stopping = True
 
     def num_running(self) -> int:
         return 0
@@ -144,6 +163,9 @@ class EventLoop:
             self.close()
 
     def close(self) -> None:
+        if self.beats is not None:  # its socket closes before the context ends
+            self.beats.stop()
+            self.beats = None
         for sock in list(self.sockets):
             sock.close(0)
         self.sockets.clear()

@@ -25,6 +25,8 @@ class InstanceInfo:
     free_blocks: int
     num_running: int = 0
     heartbeat_at: float = 0.0  # router's monotonic clock; free_blocks/num_running date from it
+    seq: int = 0  # of the newest heartbeat whose counts were kept
+    liveness: str = "ok"  # or "late" (kvflow.serve.liveness)
     pair_ok: set = dataclasses.field(default_factory=set)
 
     @property

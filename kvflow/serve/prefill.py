@@ -84,9 +84,9 @@ class PrefillInstance(Instance):
         self.connector.warmup(self.engine, cfg.max_num_batched_tokens)
 
     def between_chunks(self, token_ids: list[int], start: int, end: int) -> None:
-        """The engine's ``before_chunk`` hook: a heartbeat between prefill chunks (on this
-        thread, so the control socket stays single-threaded), else a prefill longer than the
-        router's ``--dead-after-s`` gets a live P declared dead. Not in a dummy run."""
+        """The engine's ``before_chunk`` hook: the loop's housekeeping between prefill chunks
+        (the router's heartbeat comes from its own thread, :mod:`kvflow.serve.heartbeat`, also
+        inside a chunk). Not in a dummy run."""
         from kvflow.context import sends_allowed
         if self.ctrl is None or not sends_allowed():
             return

@@ -42,7 +42,8 @@ def _controller(cfg: ServeConfig, metrics, children, tokenizer):
     try:
         return Controller(cfg.host, cfg.control_port, mode=cfg.mode, metrics=metrics,
                           proc_alive=children.alive if children else None,
-                          dead_after_s=cfg.dead_after_s, model=cfg.model,
+                          dead_after_s=cfg.dead_after_s, hung_after_s=cfg.hung_after_s,
+                          model=cfg.model,
                           tokenizer=tokenizer.digest, advertise_host=cfg.advertise_host)
     except zmq.ZMQError as exc:
         raise bind_error("--control-port", cfg.control_port, cfg.host, cfg.control_port,
