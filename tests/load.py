@@ -4,7 +4,7 @@
 length of a ``with`` block and stops them when it ends; each hog also ends by itself after
 ``max_s`` seconds, so a test that dies (or a killed pytest) never leaves load behind. With
 ``n = 10`` on the 2-core CI machine the load average climbs to ~10-12 within a minute
-(:func:`load_average` reads it): what the liveness and stop rules of docs/reliability.md are
+(:func:`load_average` reads it; :func:`runnable` the load of the moment): what the liveness and stop rules of docs/reliability.md are
 tested at.
 """
 
@@ -28,6 +28,13 @@ _HOG = ("import sys, time\n"
 def load_average() -> float:
     """The 1-minute load average of this host (``os.getloadavg``)."""
     return os.getloadavg()[0]
+
+
+def runnable() -> int:
+    """Processes running or ready to run on this host now (``/proc/loadavg``'s fourth field:
+    the load at this instant, which the 1-minute average reaches only after a minute)."""
+    with open("/proc/loadavg") as f:
+        return int(f.read().split()[3].split("/")[0])
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ import time
 
 from kvflow.serve.config import ServeConfig
 
-from .load import cpu_hogs, load_average
+from .load import cpu_hogs, load_average, runnable
 from .test_reliability_peers import Cluster
 
 IDLE_S, BUSY_S = 12.0, 18.0
@@ -29,23 +29,25 @@ def _watch(cl, stop: threading.Event, seen: dict) -> None:
             seen["ids"].add(i["id"])
         seen["errors"].update(h["errors"])
         seen["load"] = max(seen["load"], load_average())
+        seen["runnable"] = max(seen["runnable"], runnable())
         stop.wait(0.2)
 
 
 def test_split_deployment_stays_alive_idle_and_prefilling_at_load():
     cl = Cluster(dead_after_s=ServeConfig.dead_after_s, hung_after_s=ServeConfig.hung_after_s)
     try:
-        cl.spawn("prefill")
+        cl.spawn("prefill", "--max-num-batched-tokens", "256")  # a 240-token prompt: one chunk
         cl.spawn("decode")
         cl.wait(lambda h: h["status"] == "ok" and len(h["instances"]) == 2, 150, "P and D paired")
-        prompts = [[(s * 7 + 13 * i) % 240 + 10 for i in range(200)] for s in range(3)]
+        prompts = [[(s * 7 + 13 * i) % 240 + 10 for i in range(240)] for s in range(3)]
         want = []
         for p in prompts:
             r = cl.complete(prompt=p, max_tokens=4, ignore_eos=True, temperature=0)
             assert r.status_code == 200, r.text
             want.append(r.json()["choices"][0]["token_ids"])
         ids = {i["id"] for i in cl.health()["instances"]}
-        seen = {"age": {}, "ids": set(), "errors": set(), "load": 0.0}
+        seen = {"age": {}, "ids": set(), "errors": set(), "load": 0.0, "runnable": 0}
+        prefill_ms = 0.0
         stop = threading.Event()
         with cpu_hogs(HOGS, max_s=IDLE_S + BUSY_S + 120):
             watcher = threading.Thread(target=_watch, args=(cl, stop, seen), daemon=True)
@@ -59,13 +61,15 @@ def test_split_deployment_stays_alive_idle_and_prefilling_at_load():
                                     temperature=0)
                     assert r.status_code == 200, r.text
                     assert r.json()["choices"][0]["token_ids"] == want[k]
+                    prefill_ms = max(prefill_ms, r.json()["kvflow"]["hops_ms"]["p_prefill"])
                     n += 1
             finally:
                 stop.set()
                 watcher.join(5)
-        print(f"\nliveness at load ({HOGS} hogs): max 1-min load {seen['load']:.1f}, {n} requests, largest "
-              f"heartbeat age P {seen['age'].get('prefill', 0):.2f} s, "
-              f"D {seen['age'].get('decode', 0):.2f} s")
+        print(f"\nliveness at load ({HOGS} hogs): up to {seen['runnable']} runnable, 1-min load "
+              f"up to {seen['load']:.1f}; {n} requests, longest prefill (one chunk) "
+              f"{prefill_ms / 1e3:.2f} s; largest heartbeat age P "
+              f"{seen['age'].get('prefill', 0):.2f} s, D {seen['age'].get('decode', 0):.2f} s")
         assert n >= 1
         assert seen["errors"] == set() and seen["ids"] == ids  # nobody died or came back
         assert seen["age"]["prefill"] < ServeConfig.dead_after_s
