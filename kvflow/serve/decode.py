@@ -139,6 +139,8 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
             self.send_ctrl(self.loop.duplicate(msg.req_id))
             return
         self.loop.allocate(msg)
+        if msg.req_id in self.seqs:  # admitted: P may write its blocks from now on
+            self.receiver.expect(msg.req_id)
 
     def on_abort(self, msg: Abort, frames, ident) -> None:
         # a P that got the Prefill may still write the blocks, even one the router declared
