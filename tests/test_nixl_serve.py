@@ -3,7 +3,8 @@
 back on P and D, ``--host 0.0.0.0`` advertises a dialable address (the direct server's, which
 every direct test then dials), P's first token streams before D has the KV, and a P killed
 mid-prefill or a D killed mid-request is an HTTP 502 after which the survivor holds no block;
-idle, P and D do not spin. Skipped where NIXL is not installed."""
+idle, P and D do not spin, and they listen on ``--host`` only. Skipped where NIXL is not
+installed."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 
 from kvflow.connector.nixl_agent import nixl_available, tcp_tls
 
-from .procnet import cpu_seconds
+from .procnet import cpu_seconds, listening
 from .serve_server import Server, healthy
 from .test_serve_first_token import stream, tokens
 from .test_serve import MAX_TOKENS, prompt_of
@@ -129,3 +130,13 @@ def test_idle_instances_do_not_spin(servers):
     used = {r: (cpu_seconds(p) - before[r]) / dt for r, p in pids.items()}
     assert all(u < 0.1 for u in used.values()), used
 
+
+def test_nixl_listens_only_on_host(servers):
+    """With the default ``--host 127.0.0.1``, every listening socket of P and D (UCX's TCP
+    listeners among them) is on the loopback address: UCX_NET_DEVICES is set to ``lo`` before
+    the agent is created (the other tests of this module show that transfers still work)."""
+    srv = servers["staged"]
+    for role in ("prefill", "decode"):
+        socks = listening(srv.instance(role)["pid"])
+        assert socks, role
+        assert {host for host, _ in socks} <= {"127.0.0.1", "::1"}, (role, socks)
