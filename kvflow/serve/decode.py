@@ -62,7 +62,7 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
             self.receiver = make_receiver(cfg.kv_connector, self.spec, cfg.device,
                                           backend=cfg.backend, config=cfg.kv_connector_config,
                                           max_model_len=self.max_model_len)
-            if self.receiver.name == "nixl":  # before its agent: UCX listens on --host's interface
+            if self.receiver.name == "nixl":  # before its agent: UCX on --host only
                 from kvflow.connector.nixl_net import bind_ucx_to_host
                 bind_ucx_to_host(cfg.host)
         except ValueError as exc:  # unknown connector or option: one line
