@@ -64,6 +64,8 @@ class _Peer:
 
     def recv(self, ids: list[int]) -> dict:
         from kvflow.protocol import decode
+        from .remote_pair import BENCH_REQ
+        self.receiver.expect(BENCH_REQ)  # as D does at allocation (nixl: progress fast)
         _, head, *frames = self.data.recv_multipart(copy=False)
         t0 = time.perf_counter()
         stats = self.receiver.receive(decode(head), frames, self.cache, ids, "bench-p")

@@ -21,11 +21,15 @@ from .nixl import best_of_chunks, connector_of
 REPLY_TIMEOUT_S = 120.0
 
 
+#: The request id of every bench request.
+BENCH_REQ = "bench"
+
+
 def bench_job(spec, src_ids: list[int], dst_ids: list[int]):
     """The :class:`~kvflow.connector.PrefillJob` of one bench request: P's blocks ``src_ids``
     full of computed KV (no model runs), for D's blocks ``dst_ids``."""
     from kvflow.connector import PrefillJob
-    return PrefillJob("bench", [0] * (len(src_ids) * spec.block_size), src_ids, "bench-d",
+    return PrefillJob(BENCH_REQ, [0] * (len(src_ids) * spec.block_size), src_ids, "bench-d",
                       dst_ids)
 
 

@@ -120,7 +120,9 @@ class _Pair:
     def request(self, src_ids: list[int], dst_ids: list[int]):
         """One request end to end; returns D's TransferStats."""
         from kvflow.protocol import decode
-        handoff = self.sender.send_prefilled(bench_job(self.p_cache.spec, src_ids, dst_ids), 0)
+        job = bench_job(self.p_cache.spec, src_ids, dst_ids)
+        self.receiver.expect(job.req_id)  # as D does at allocation (nixl: progress fast)
+        handoff = self.sender.send_prefilled(job, 0)
         _, head, *frames = self.d_sock.recv_multipart(copy=False)
         stats = self.receiver.receive(decode(head), frames, self.d_cache, dst_ids, "bench-p")
         del handoff  # D is done: P may drop its staging buffer

@@ -369,6 +369,10 @@ class KVReceiver(abc.ABC):
             For frames that do not match the header or the spec, or an unattached peer.
         """
 
+    def expect(self, req_id: str) -> None:
+        """D allocated blocks for ``req_id``: its KV may come from now on (until
+        :meth:`receive` of it or :meth:`forget`)."""
+
     def forget(self, req_id: str) -> None:
         """Drop the state of a partly received layerwise transfer (D ended the request)."""
 

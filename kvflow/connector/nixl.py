@@ -16,6 +16,10 @@ the request fails (HTTP 502). D's blocks are lent to P until then (docs/reliabil
 Staged mode adds a staging buffer on both sides and D scatters on ``KVPushed``; D assigns each
 paired P a slot (NIXL notification ``slot K``) and frees it after the scatter (``free REQ``).
 
+Neither agent runs NIXL's progress thread (it polls while idle): kvflow's progress driver
+(:mod:`.nixl_progress`) progresses P's agent while its WRITEs are in flight and D's while it
+expects a request's KV (:meth:`NixlReceiver.expect`), each every 10 ms otherwise.
+
 A dead or unpaired peer's agent is removed (``remove_remote_agent``). On one host UCX takes
 shared memory unless ``UCX_TLS=tcp``: tests of the network path set it.
 """
@@ -92,7 +96,7 @@ class NixlSender(PushSender):
         """P's cache, registered with a new agent (and, staged, a staging buffer)."""
         cache = KVSender.make_cache(self, num_blocks)
         spec = self.spec
-        self.agent = Agent("prefill")
+        self.agent = Agent("prefill", progress_thread=False, driven=True)
         self.agent.register(cache.buffer)
         mem, dev = mem_type(cache.buffer)
         local = self.agent.prep("", block_descs(cache.buffer.data_ptr(), spec.num_tensors,
@@ -223,10 +227,11 @@ class NixlReceiver(KVReceiver):
         self.slot_bytes = 0
         self.slots: dict[str, int] = {}  # paired P -> its staging slot
         self.received: set[str] = set()  # staged: requests scattered (their slot is freed)
+        self.expected: set[str] = set()  # requests whose KV may come (the agent polls fast)
 
     def make_cache(self, num_blocks: int) -> PagedKVCache:
         cache = super().make_cache(num_blocks)
-        self.agent = Agent("decode")
+        self.agent = Agent("decode", progress_thread=False, driven=True)
         self.agent.register(cache.buffer)
         if self.mode == "staged":
             self.slot_bytes = (staging_blocks(self.spec, num_blocks, self.max_model_len)
@@ -284,7 +289,20 @@ class NixlReceiver(KVReceiver):
         if self.agent is not None:
             self.agent.remove_peer(peer_id)
 
+    def expect(self, req_id: str) -> None:
+        """D allocated ``req_id``'s blocks: P's WRITEs may come, so the agent progresses
+        fast until the request's ``KVPushed`` (:meth:`receive`) or its end (:meth:`forget`)."""
+        if req_id not in self.expected:
+            self.expected.add(req_id)
+            self.agent.hold(req_id)
+
+    def _arrived(self, req_id: Any) -> None:
+        if req_id in self.expected:
+            self.expected.discard(req_id)
+            self.agent.release(req_id)
+
     def receive(self, header: Any, frames, cache, dst_ids, peer_id=None) -> TransferStats:
+        self._arrived(getattr(header, "req_id", None))
         if not isinstance(header, KVPushed):
             raise TransferError(f"nixl expects a KVPushed header, got {type(header).__name__}")
         try:
@@ -320,7 +338,9 @@ class NixlReceiver(KVReceiver):
 
     def forget(self, req_id: str) -> None:
         """Staged: a request that ends before its KV was scattered frees its slot (every paired
-        P is told: D does not know which one prefills it)."""
+        P is told: D does not know which one prefills it). Every mode: the agent stops
+        progressing fast for it."""
+        self._arrived(req_id)
         if self.mode != "staged":
             return
         if req_id in self.received:

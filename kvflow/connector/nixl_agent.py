@@ -7,7 +7,8 @@ NIXL (``pip install nixl-cu12`` or ``nixl-cu13``, imported as ``nixl``, ``nixl_c
 two processes of one host, shared memory (UCX picks it unless ``UCX_TLS=tcp``). An agent is
 addressed by its metadata (``get_agent_metadata()``: backends, UCX worker address, registered
 memory), which kvflow carries in ``Register`` / ``Pair``: no etcd, no metadata server, no
-listener thread.
+listener thread. Progress (:mod:`.nixl_progress`): NIXL's busy progress thread, none (the
+caller's own calls progress UCX), or kvflow's driver, idle while nothing moves.
 
 Descriptors (:func:`block_descs`): one per (cache tensor, block), ``block_bytes`` each, in
 tensor-major order, so descriptor ``t * num_blocks + b`` is block ``b`` of tensor ``t``. A
@@ -21,12 +22,14 @@ from __future__ import annotations
 import importlib
 import itertools
 import secrets
+import threading
 import time
 from typing import Any
 
 import numpy as np
 
 from .base import TransferError
+from .nixl_progress import ProgressDriver
 
 #: Modules that provide NIXL's Python API, tried in order.
 NIXL_MODULES = ("nixl._api", "nixl_cu12", "nixl_cu13")
@@ -116,17 +119,31 @@ class Agent:
     progress_thread : bool
         NIXL's progress thread (default). Without it nothing progresses UCX between this
         agent's own calls (:meth:`wait`, :meth:`progress`): an initiator that waits for its
-        transfers needs none, a READ target must call :meth:`progress` while it is read. The
-        thread polls even when idle (about 0.4 CPU-seconds per second on a 2-core host).
+        transfers needs none, a READ or WRITE target must call :meth:`progress` while it is
+        read or written. The thread polls even when idle (about 0.25 CPU-seconds per second
+        each for an idle served P and D, docs/nixl.md).
+    driven : bool
+        kvflow's :class:`~kvflow.connector.nixl_progress.ProgressDriver` instead (needs
+        ``progress_thread=False``): fast while a WRITE posted here is not waited for or a key
+        is held (:meth:`hold`), every 10 ms otherwise.
+
+    Raises
+    ------
+    ValueError
+        ``driven`` with ``progress_thread``.
     """
 
     def __init__(self, role: str, *, telemetry: bool = False,
-                 progress_thread: bool = True) -> None:
+                 progress_thread: bool = True, driven: bool = False) -> None:
+        if driven and progress_thread:
+            raise ValueError("Agent(driven=True) replaces NIXL's progress thread: pass "
+                             "progress_thread=False")
         nixl = import_nixl()
         self.name = f"nixl-{role}-{secrets.token_hex(6)}"  # unique per instance, no segment
         conf = nixl.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"],
                                       capture_telemetry=telemetry)
         self.agent = nixl.nixl_agent(self.name, conf)
+        self._lock = threading.RLock()  # NIXL's agent (sync mode NONE) is not thread-safe
         if "UCX" not in self.agent.backends:
             raise TransferError(f"NIXL has no UCX backend here (plugins: "
                                 f"{self.agent.get_plugin_list()})")
@@ -134,16 +151,30 @@ class Agent:
         self.peers: dict[str, str] = {}  # peer instance id -> its agent's name
         self.notifs: dict[str, list[bytes]] = {}  # agent name -> notifications not taken yet
         self._seq = itertools.count()
+        self.driver = ProgressDriver(self.progress, self.name) if driven else None
+
+    def hold(self, key: Any) -> None:
+        """Driven: progress fast until :meth:`release` of ``key`` (a transfer into this agent's
+        memory is expected); else nothing."""
+        if self.driver is not None:
+            self.driver.hold(key)
+
+    def release(self, key: Any) -> None:
+        """Undo one :meth:`hold` of ``key``."""
+        if self.driver is not None:
+            self.driver.release(key)
 
     # ---- memory and peers ------------------------------------------------------------------
     def register(self, tensor: Any) -> None:
         """Register a contiguous host or CUDA tensor (the whole cache, or a staging buffer)
         once (NIXL takes its memory type from the tensor: :func:`mem_type`)."""
-        self.regs.append(self.agent.register_memory(tensor))
+        with self._lock:
+            self.regs.append(self.agent.register_memory(tensor))
 
     def metadata(self) -> bytes:
         """This agent's metadata (after every :meth:`register`)."""
-        return self.agent.get_agent_metadata()
+        with self._lock:
+            return self.agent.get_agent_metadata()
 
     def add_peer(self, peer_id: str, metadata: bytes) -> str:
         """Load peer ``peer_id``'s agent metadata (replacing an earlier one of that peer);
@@ -156,7 +187,8 @@ class Agent:
         """
         self.remove_peer(peer_id)
         try:
-            name = self.agent.add_remote_agent(metadata)
+            with self._lock:
+                name = self.agent.add_remote_agent(metadata)
         except Exception as exc:
             raise TransferError(f"NIXL could not load the agent metadata of {peer_id} "
                                 f"({len(metadata)} bytes): {type(exc).__name__}: {exc}") from None
@@ -167,17 +199,20 @@ class Agent:
     def remove_peer(self, peer_id: str) -> None:
         """Forget peer ``peer_id``'s agent (it died or paired anew): NIXL disconnects from it."""
         name = self.peers.pop(peer_id, None)
-        self.notifs.pop(name, None)
+        with self._lock:
+            self.notifs.pop(name, None)
         if name is not None:
             try:
-                self.agent.remove_remote_agent(name)
+                with self._lock:
+                    self.agent.remove_remote_agent(name)
             except Exception:  # already gone inside NIXL
                 pass
 
     def prep(self, agent: str, descs: np.ndarray, mem: str = "DRAM") -> Any:
         """A prepared descriptor list (``prep_xfer_dlist``) of ``descs`` on ``agent``'s memory
         ('' : this agent's own) of NIXL memory type ``mem`` (``DRAM`` or ``VRAM``)."""
-        return self.agent.prep_xfer_dlist(agent or "NIXL_INIT_AGENT", descs, mem)
+        with self._lock:
+            return self.agent.prep_xfer_dlist(agent or "NIXL_INIT_AGENT", descs, mem)
 
     # ---- transfers ---------------------------------------------------------------------
     def write(self, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray,
@@ -208,15 +243,18 @@ class Agent:
     def _post(self, op: str, local: Any, local_idx: np.ndarray, remote: Any,
               remote_idx: np.ndarray, what: str) -> Any:
         try:
-            handle = self.agent.make_prepped_xfer(op, local, local_idx.astype(np.int32),
-                                                  remote, remote_idx.astype(np.int32))
-            state = self.agent.transfer(handle)
+            with self._lock:
+                handle = self.agent.make_prepped_xfer(op, local, local_idx.astype(np.int32),
+                                                      remote, remote_idx.astype(np.int32))
+                state = self.agent.transfer(handle)
         except Exception as exc:
             raise TransferError(f"NIXL {op} of {what} failed: {type(exc).__name__}: "
                                 f"{exc}") from None
         if state == "ERR":
-            handle.release()
+            with self._lock:
+                handle.release()
             raise TransferError(f"NIXL {op} of {what} failed at post (state ERR)")
+        self.hold(id(handle))  # driven: progress it until it is waited for or dropped
         return handle
 
     def wait(self, handles: list[Any], timeout_s: float, what: str, op: str = "WRITE") -> None:
@@ -233,7 +271,8 @@ class Agent:
             for h in handles:
                 while True:
                     try:
-                        state = self.agent.check_xfer_state(h)
+                        with self._lock:
+                            state = self.agent.check_xfer_state(h)
                     except Exception as exc:
                         raise TransferError(f"NIXL {op} of {what} failed: "
                                             f"{type(exc).__name__}: {exc}") from None
@@ -246,15 +285,22 @@ class Agent:
                                             f"{timeout_s:g} s")
                     time.sleep(0 if time.monotonic() + 0.01 > deadline else 20e-6)
         finally:
-            for h in handles:
-                try:
+            self.drop(handles)
+
+    def drop(self, handles: list[Any]) -> None:
+        """Release transfer handles (waited for or not)."""
+        for h in handles:
+            self.release(id(h))
+            try:
+                with self._lock:
                     h.release()
-                except Exception:  # a transfer NIXL cannot cancel: it frees it with the agent
-                    pass
+            except Exception:  # a transfer NIXL cannot cancel: it frees it with the agent
+                pass
 
     def telemetry(self, handle: Any) -> Any:
         """NIXL's telemetry of a transfer (``descCount``, ``totalBytes``; needs telemetry)."""
-        return self.agent.get_xfer_telemetry(handle)
+        with self._lock:
+            return self.agent.get_xfer_telemetry(handle)
 
     # ---- notifications -----------------------------------------------------------------
     def notify(self, peer_id: str, message: bytes) -> None:
@@ -262,34 +308,40 @@ class Agent:
         name = self.peers.get(peer_id)
         if name is not None:
             try:
-                self.agent.send_notif(name, message)
+                with self._lock:
+                    self.agent.send_notif(name, message)
             except Exception:
                 pass
 
     def progress(self) -> None:
         """Let UCX progress once (and keep any new notifications for :meth:`take`): what an
         agent without a progress thread calls while a peer READs its memory."""
-        for name, msgs in self.agent.get_new_notifs().items():
-            self.notifs.setdefault(name.decode() if isinstance(name, bytes) else name,
-                                   []).extend(msgs)
+        with self._lock:
+            for name, msgs in self.agent.get_new_notifs().items():
+                self.notifs.setdefault(name.decode() if isinstance(name, bytes) else name,
+                                       []).extend(msgs)
 
     def take(self, peer_id: str, prefix: bytes) -> bytes | None:
         """The oldest notification from peer ``peer_id`` that starts with ``prefix`` (removed),
         or None."""
         self.progress()
-        msgs = self.notifs.get(self.peers.get(peer_id, ""), [])
-        for i, m in enumerate(msgs):
-            if m.startswith(prefix):
-                return msgs.pop(i)
+        with self._lock:
+            msgs = self.notifs.get(self.peers.get(peer_id, ""), [])
+            for i, m in enumerate(msgs):
+                if m.startswith(prefix):
+                    return msgs.pop(i)
         return None
 
     def close(self) -> None:
-        """Forget every peer and deregister the memory."""
+        """Stop the driver, forget every peer and deregister the memory."""
+        if self.driver is not None:
+            self.driver.close()
         for peer_id in list(self.peers):
             self.remove_peer(peer_id)
         for reg in self.regs:
             try:
-                self.agent.deregister_memory(reg)
+                with self._lock:
+                    self.agent.deregister_memory(reg)
             except Exception:
                 pass
         self.regs.clear()

@@ -18,7 +18,7 @@ Every WRITE is posted at once and waited for (``check_xfer_state``, bounded by
 ``timeout_s``) in :meth:`NixlWriter.finish`, before P sends ``KVPushed``. A prompt that moves
 after its prefill (``send_prefilled``) is written per layer group too in staged mode on the
 host: the gather of one group runs while the WRITE of the one before is on the wire (NIXL's
-progress thread moves it). On a GPU it is one gather of every layer and one WRITE: a gather
+progress driver moves it). On a GPU it is one gather of every layer and one WRITE: a gather
 and a WRITE over ``cuda_ipc`` share the GPU's memory bandwidth, and each group costs a launch
 and a wait for the stream (one H200: 8.6 ms per 16K-token request in 8 groups).
 
@@ -207,16 +207,14 @@ class NixlWriter:
             if handles:
                 self.agent.wait(handles, self.timeout_s, f"{len(handles)} layer groups")
         finally:
-            for h in self.handles:
-                h.release()
+            self.agent.drop(self.handles)
             self.handles = []
         if stats is not None:
             stats.exposed_ms = (time.perf_counter() - t0) * 1e3
 
     def close(self) -> None:
         """Release the handles of WRITEs never waited for."""
-        for h in self.handles:
-            h.release()
+        self.agent.drop(self.handles)
         self.handles = []
 
     # ---- one WRITE ---------------------------------------------------------------------

@@ -63,6 +63,9 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
             self.receiver = make_receiver(cfg.kv_connector, self.spec, cfg.device,
                                           backend=cfg.backend, config=cfg.kv_connector_config,
                                           max_model_len=self.max_model_len)
+            if self.receiver.name == "nixl":  # before its agent: UCX on --host only
+                from kvflow.connector.nixl_net import bind_ucx_to_host
+                bind_ucx_to_host(cfg.host)
         except ValueError as exc:  # unknown connector or option: one line
             raise StartupError(str(exc)) from None
         self.cache = self.receiver.make_cache(self.num_blocks)
@@ -140,6 +143,8 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
             self.send_ctrl(self.loop.duplicate(msg.req_id))
             return
         self.loop.allocate(msg)
+        if msg.req_id in self.seqs:  # admitted: P may write its blocks from now on
+            self.receiver.expect(msg.req_id)
 
     def on_abort(self, msg: Abort, frames, ident) -> None:
         # a P that got the Prefill may still write the blocks, even one the router declared

@@ -75,6 +75,9 @@ class PrefillInstance(Instance):
                                          instance_id=self.instance_id, backend=cfg.backend,
                                          layerwise_min_tokens=cfg.layerwise_min_tokens,
                                          max_model_len=self.max_model_len)
+            if self.connector.name == "nixl":  # before its agent: UCX on --host only
+                from kvflow.connector.nixl_net import bind_ucx_to_host
+                bind_ucx_to_host(cfg.host)
         except ValueError as exc:  # unknown connector or option: one line
             raise StartupError(str(exc)) from None
         self.cache = self.connector.make_cache(self.num_blocks)

@@ -1,0 +1,123 @@
+"""Keep NIXL's UCX listeners on ``--host``'s interface.
+
+UCX's TCP transport listens on every network interface it uses (``UCX_NET_DEVICES``, default
+``all``): a served P and D with the default ``--host 127.0.0.1`` also listened on the host's
+network address. :func:`bind_ucx_to_host` sets ``UCX_NET_DEVICES`` to the interface that owns
+``--host``'s address before the agent (and so UCX's context) is created; RDMA ports
+(``/sys/class/infiniband/<dev>/ports/<n>``, which open no TCP listener) stay usable beside a
+non-loopback interface. A wildcard host leaves UCX alone, and so does a ``UCX_NET_DEVICES``
+the user set.
+
+Interfaces are found with the standard library: :func:`socket.if_nameindex`, the
+``SIOCGIFADDR`` ioctl (each interface's primary IPv4 address) and ``/proc/net/if_inet6``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import os
+import socket
+import struct
+from pathlib import Path
+from typing import MutableMapping
+
+SIOCGIFADDR = 0x8915
+WILDCARD = ("", "*", "0.0.0.0", "::")
+
+
+def interface_addresses() -> dict[str, list[str]]:
+    """Each interface's addresses on this host: its primary IPv4 address (``SIOCGIFADDR``)
+    and its IPv6 addresses (``/proc/net/if_inet6``), by interface name."""
+    out: dict[str, list[str]] = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                req = struct.pack("256s", name.encode()[:15])
+                out[name] = [socket.inet_ntoa(fcntl.ioctl(s.fileno(), SIOCGIFADDR, req)[20:24])]
+            except OSError:  # no IPv4 address
+                out[name] = []
+    try:
+        lines = Path("/proc/net/if_inet6").read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        hexaddr, *_, name = line.split()
+        out.setdefault(name, []).append(str(ipaddress.IPv6Address(bytes.fromhex(hexaddr))))
+    return out
+
+
+def address_of(host: str):
+    """``host``'s IP address (:mod:`ipaddress`; a name is resolved here), None for a wildcard
+    (``0.0.0.0``, ``::``, ``*``).
+
+    Raises
+    ------
+    ValueError
+        ``host`` resolves to no address (the message names ``--host`` and the value).
+    """
+    if host in WILDCARD:
+        return None
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        try:
+            ip = ipaddress.ip_address(socket.getaddrinfo(host, None)[0][4][0])
+        except (socket.gaierror, IndexError, ValueError) as exc:
+            raise ValueError(f"--host {host!r} does not resolve to an address ({exc}); NIXL's "
+                             f"UCX listeners cannot be bound to it") from None
+    return None if ip.is_unspecified else ip
+
+
+def interface_of(host: str) -> str | None:
+    """The network interface owning ``host``'s address (:func:`address_of`); a loopback
+    address is the loopback interface's (``lo``: it owns all of 127.0.0.0/8); None for a
+    wildcard host.
+
+    Raises
+    ------
+    ValueError
+        ``host`` resolves to no address, or no interface of this host has it; the message
+        names ``--host`` and the value.
+    """
+    ip = address_of(host)
+    if ip is None:
+        return None
+    addrs = interface_addresses()
+    for name, have in addrs.items():
+        owned = [ipaddress.ip_address(a) for a in have]
+        if ip in owned or (ip.is_loopback and any(a.is_loopback for a in owned)):
+            return name
+    known = ", ".join(f"{n} {' '.join(a) or '(no address)'}" for n, a in addrs.items())
+    raise ValueError(f"--host {host!r}: no network interface of this host has address {ip} "
+                     f"(interfaces: {known}); NIXL's UCX listeners cannot be bound to it")
+
+
+def rdma_ports(root: str = "/sys/class/infiniband") -> list[str]:
+    """UCX names (``mlx5_0:1``) of this host's RDMA ports."""
+    base = Path(root)
+    if not base.is_dir():
+        return []
+    return sorted(f"{dev.name}:{port.name}" for dev in base.iterdir()
+                  for port in (dev / "ports").glob("*"))
+
+
+def bind_ucx_to_host(host: str, env: MutableMapping[str, str] = os.environ) -> str | None:
+    """Set ``env["UCX_NET_DEVICES"]`` so that UCX listens only on ``host``'s interface (plus
+    this host's RDMA ports when that is not the loopback interface); call it before the NIXL
+    agent is created. Returns the value set, or None where ``env`` already has one (the
+    user's wins) or ``host`` is a wildcard.
+
+    Raises
+    ------
+    ValueError
+        As :func:`interface_of`.
+    """
+    if env.get("UCX_NET_DEVICES"):
+        return None
+    name = interface_of(host)
+    if name is None:
+        return None
+    value = ",".join([name] + ([] if address_of(host).is_loopback else rdma_ports()))
+    env["UCX_NET_DEVICES"] = value
+    return value

@@ -1,0 +1,105 @@
+"""A progress driver for a NIXL agent created without NIXL's progress thread.
+
+NIXL's own progress thread (``nixl_agent_config(enable_prog_thread=True)``, NIXL's default)
+polls UCX with no delay (``pthrDelay = 0`` in nixl 1.5.1's Python API), also while nothing
+moves: an idle served P and D each burned about a quarter of a core (docs/nixl.md). Without
+it, UCX moves data only inside the agent's own calls (``check_xfer_state``,
+``get_new_notifs``). A WRITE's initiator that waits for it progresses it that way; its target
+does not wait for anything, yet over UCX's TCP transport the data reaches its memory only
+while the target progresses too (a 16 MiB WRITE into an agent that never progressed was still
+not done after 6 s; one progressing every 10 ms finished in 65 ms).
+
+:class:`ProgressDriver` is kvflow's replacement: one daemon thread that progresses the agent
+every :data:`BUSY_S` while a transfer is *held* (:meth:`ProgressDriver.hold`: P from posting a
+WRITE until it waited for it; D from allocating a request's blocks until its KV arrived or the
+request ended) and once every :data:`IDLE_S` otherwise, which keeps UCX's connection set-up,
+notifications and any late WRITE moving at about no cost.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Hashable
+
+log = logging.getLogger("kvflow.connector.nixl")
+
+#: Seconds between progress calls while a transfer is held.
+BUSY_S = 100e-6
+#: Seconds between progress calls while none is.
+IDLE_S = 0.01
+
+
+class ProgressDriver:
+    """Calls ``step`` (one progress of the agent) from a daemon thread: every ``busy_s``
+    seconds while any key is held, every ``idle_s`` seconds otherwise.
+
+    Parameters
+    ----------
+    step : callable
+        One progress call (it takes the agent's lock itself); an exception is logged once and
+        the thread goes on.
+    name : str
+        The thread's name.
+    busy_s, idle_s : float
+        Periods in seconds (> 0).
+
+    Raises
+    ------
+    ValueError
+        ``busy_s`` or ``idle_s`` not > 0.
+    """
+
+    def __init__(self, step: Callable[[], Any], name: str, *, busy_s: float = BUSY_S,
+                 idle_s: float = IDLE_S) -> None:
+        for key, value in (("busy_s", busy_s), ("idle_s", idle_s)):
+            if not value > 0:
+                raise ValueError(f"ProgressDriver {key} must be > 0 seconds; got {value!r}")
+        self.step, self.busy_s, self.idle_s = step, float(busy_s), float(idle_s)
+        self._held: dict[Hashable, int] = {}
+        self._mu = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._failed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def busy(self) -> bool:
+        """Whether any key is held (the thread then polls every ``busy_s``)."""
+        return bool(self._held)
+
+    def hold(self, key: Hashable) -> None:
+        """Poll fast until ``key`` is released as often as it was held."""
+        with self._mu:
+            self._held[key] = self._held.get(key, 0) + 1
+        self._wake.set()
+
+    def release(self, key: Hashable) -> None:
+        """Undo one :meth:`hold` of ``key`` (a key not held is ignored)."""
+        with self._mu:
+            n = self._held.pop(key, 0) - 1
+            if n > 0:
+                self._held[key] = n
+
+    def close(self, timeout_s: float = 1.0) -> None:
+        """Stop the thread (waits at most ``timeout_s`` seconds for it)."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.step()
+            except Exception as exc:  # a closed agent, a NIXL error: say it once, go on
+                if not self._failed:
+                    self._failed = True
+                    log.warning("NIXL progress failed: %s: %s", type(exc).__name__, exc)
+            if self._held:
+                time.sleep(self.busy_s)
+            else:
+                self._wake.wait(self.idle_s)
+                self._wake.clear()
