@@ -18,7 +18,8 @@ Studies (``--help`` on each; none needs a GPU package to print it):
 - ``report``: docs/benchmarks.md and docs/img/*.png from the result files.
 
 Every study writes ``<out-dir>/<name>-<device>-<date>.json`` (:mod:`kvflow.bench.schema`)
-holding the command line that made it.
+holding the command line that made it; rows are saved as they are measured, and the first
+SIGINT or SIGTERM stops the study with the rows it has (:mod:`kvflow.bench.record`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import importlib
 import sys
 
 #: study -> (module of kvflow.bench, one-line help). Each module has ``add_arguments(parser)``
-#: and ``run(args) -> int`` and imports nothing heavier than torch at import time.
+#: and ``run(args) -> int`` and imports no torch, numba or triton at import time (``--help`` and
+#: flag refusals come before them; tests/test_bench_interrupt.py checks it).
 STUDIES = {
     "kernels": ("kernels", "gather/scatter/copy sweep vs torch and the copy_ ceiling"),
     "calls": ("calls", "host time per call of gather/scatter/copy (no sync inside)"),
@@ -63,8 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args._argv = argv
-    return int(_module(args.study).run(args) or 0)
+    from .record import run_study
+    return run_study(args, _module(args.study).run)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rc = main()
+    if rc in (130, 143):  # stopped by a signal: no interpreter teardown (~30 s at load 10)
+        from .record import exit_fast
+        exit_fast(rc)
+    sys.exit(rc)

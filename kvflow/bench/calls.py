@@ -170,7 +170,7 @@ def run_calls(opts: dict[str, Any], env: dict[str, Any], progress: bool = True) 
     skipped: list = []
     todo = cases(opts, device, skipped)
     bar = cli.progress(len(todo), "calls", progress)
-    rows = []
+    rows = cli.rows(env, opts)
     for fields, fn in todo:
         if opts.get("threads"):  # numba's OpenMP resets torch's count
             torch.set_num_threads(opts["threads"])

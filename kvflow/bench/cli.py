@@ -1,5 +1,6 @@
 """What every study's command line shares: list parsers, the preset / device / output flags,
-option resolution, the result file, the progress bar, and the one-line message for a missing
+option resolution, the result file (rows saved as measured, :mod:`kvflow.bench.record`), the
+progress bar, and the one-line message for a missing
 extra. Nothing here imports a GPU package (``--help`` of every study works without them)."""
 
 from __future__ import annotations
@@ -79,13 +80,13 @@ def add_common(p: argparse.ArgumentParser, *, device: bool = True, presets: bool
     p.add_argument("--seed", type=int, default=0, help="seed of block ids and data (default 0)")
     p.add_argument("--out-dir", default="bench/results", help="folder of result files")
     p.add_argument("--name", default=None, help="result file prefix (default: the study)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar and no line per row")
 
 
 def resolve(args: argparse.Namespace, study: str) -> dict[str, Any]:
-    """The study's preset (``--quick`` unless ``--full``) overlaid with the flags given."""
-    import torch
-
+    """The study's preset (``--quick`` unless ``--full``) overlaid with the flags given (a bad
+    ``--device`` is refused before torch is imported)."""
     from .presets import preset
     opts = preset(study, getattr(args, "preset", None))
     for key, val in vars(args).items():
@@ -94,10 +95,11 @@ def resolve(args: argparse.Namespace, study: str) -> dict[str, Any]:
         if val is not None or key not in opts:
             opts[key] = val
     opts["preset"] = getattr(args, "preset", None) or "quick"
-    if "device" in opts and opts["device"] is None:
-        opts["device"] = "cuda" if torch.cuda.is_available() else "cpu"
-    if "device" in opts:
+    if "device" in opts and opts["device"] is not None:
         check_device(study, opts["device"])
+    if "device" in opts and opts["device"] is None:
+        import torch
+        opts["device"] = "cuda" if torch.cuda.is_available() else "cpu"
     if opts.get("threads"):
         set_threads(opts["threads"])
     return opts
@@ -113,11 +115,12 @@ def check_device(study: str, device: str) -> None:
         CUDA build of torch and a visible GPU.
     """
     import re
-
-    import torch
     if not re.fullmatch(r"cpu|cuda(:\d+)?", str(device)):
         raise SystemExit(f"kvflow.bench {study}: --device {device!r}: use cpu, cuda or cuda:N")
-    if str(device).startswith("cuda") and not torch.cuda.is_available():
+    if device == "cpu":
+        return
+    import torch
+    if not torch.cuda.is_available():
         raise SystemExit(f"kvflow.bench {study}: --device {device}: this torch "
                          f"({torch.__version__}) sees no CUDA GPU; use --device cpu")
 
@@ -138,15 +141,27 @@ def finish(args, opts: dict, env: dict, rows: list, extra_env: dict | None = Non
            t0: float | None = None) -> Path:
     """Write the study's result file (``<out-dir>/<name>-<device>-<date>.json``) holding the
     command line that made it; print and return its path."""
+    from .record import sink_of
     from .schema import command_line, result_path, write_results
     extra = dict(extra_env or {})
     if t0 is not None:
         extra["wall_s"] = time.perf_counter() - t0
     env = dict(env, command=command_line(getattr(args, "_argv", None)), kind=args.study,
                options=opts, **extra)
-    path = write_results(result_path(args.out_dir, args.name or args.study, env), env, rows)
+    sink = sink_of(rows)
+    if sink is not None:  # rows saved as measured: the result file replaces the .partial.jsonl
+        path = sink.write(env)
+    else:
+        path = write_results(result_path(args.out_dir, args.name or args.study, env), env, rows)
     print(f"wrote {path} ({len(rows)} rows)")
     return path
+
+
+def rows(env: dict, opts: dict | None = None) -> list:
+    """The study's row list: rows appended are saved at once and shown
+    (:func:`kvflow.bench.record.rows`)."""
+    from .record import rows as _rows
+    return _rows(env, opts)
 
 
 class _NoBar:
@@ -161,8 +176,9 @@ class _NoBar:
 
 
 def progress(total: int, desc: str, enabled: bool = True):
-    """A tqdm bar on stderr, or a silent stand-in when disabled or tqdm is absent."""
-    if enabled:
+    """A tqdm bar on stderr when it is a terminal, else a silent stand-in (as when disabled or
+    tqdm is absent; a log then gets the per-row lines of :mod:`kvflow.bench.record`)."""
+    if enabled and sys.stderr.isatty():
         try:
             from tqdm import tqdm
             return tqdm(total=total, desc=desc, file=sys.stderr)

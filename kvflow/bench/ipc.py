@@ -39,8 +39,6 @@ import subprocess
 import sys
 import time
 
-import torch
-
 from . import cli
 from .cases import fill_pattern, make_spec, pattern, tiny_spec
 
@@ -77,6 +75,7 @@ def libcudart():
 
 def p_child(args) -> int:
     """The cross-process P: allocate, fill the pattern, export; exit on a stdin line."""
+    import torch
     from kvflow.cache import PagedKVCache
     from kvflow.connector.cuda_ipc import export_cache, publish_export
     from kvflow.segments import unlink
@@ -94,6 +93,7 @@ def p_child(args) -> int:
 
 class KernelBench:
     def __init__(self, a) -> None:
+        import torch
         from kvflow.cache import PagedKVCache
         self.a, self.spec = a, spec_of(a.smoke)
         self.pd = torch.device("cpu" if a.smoke else "cuda:0")
@@ -109,6 +109,7 @@ class KernelBench:
             enable_peer_access(self.pd, self.dd)
 
     def ids(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        import torch
         g = torch.Generator().manual_seed(n)
         return [(torch.randperm(self.a.num_blocks, generator=g)[:n],
                  torch.randperm(self.a.num_blocks, generator=g)[:n]) for _ in range(ROT)]
@@ -119,6 +120,7 @@ class KernelBench:
 
     def methods(self, sets, P=None, pull=None):
         """``{name: [ROT closures]}`` of every method for the id sets ``sets``."""
+        import torch
         from kvflow.kernels import copy_blocks
         P, D, T = P or self.P, self.D, self.spec.num_tensors
         pull = (P is self.P) if pull is None else pull
@@ -166,6 +168,7 @@ class KernelBench:
         return {k: [lambda f=f, i=i: f(i) for i in range(len(sets))] for k, f in out.items()}
 
     def check(self, name, fn, sets, P) -> None:
+        import torch
         s, d = sets[0]
         for t in self.D.tensors():
             t[d.to(self.dd)] = 0
@@ -226,6 +229,7 @@ def run_kernels(a, kb: KernelBench, env, rows, xproc_peer=None, variant=None) ->
 
 
 def run_xproc(a, kb: KernelBench, env, rows) -> None:
+    import torch
     from kvflow.devices import worker_env
     from kvflow.connector.cuda_ipc import import_cache, read_export
     p_index = int(os.environ.get("KVFLOW_BENCH_P_GPU", "0"))
@@ -295,6 +299,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    import torch
     from .schema import env_info
     a = argparse.Namespace(**{**PRESETS[args.preset or "quick"],
                               **{k: v for k, v in vars(args).items() if v is not None}})
@@ -313,7 +318,8 @@ def run(args) -> int:
             a._gpus, a._gpu_args = (0, 0), ["--decode-device", "0"]
     a._loop, a._ceilings = {}, {}
     on_gpu = a.serve_device == "cuda" and (not a.smoke or a.serve_only)
-    env, rows = env_info("cuda:0" if on_gpu else "cpu"), []
+    env = env_info("cuda:0" if on_gpu else "cpu")
+    rows = cli.rows(env, {k: v for k, v in vars(a).items() if not k.startswith("_")})
     t0 = time.perf_counter()
     if not a.serve_only:
         kb = KernelBench(a)

@@ -102,7 +102,7 @@ def run_kernels(opts: dict[str, Any], env: dict[str, Any], progress: bool = True
     geometry = {k: opts[k] for k in ("num_layers", "num_kv_heads", "head_dim", "block_size")}
     combos = [(lay, dt) for lay in opts["layouts"] for dt in opts["dtypes"]]
     total = len(combos) * len(opts["tokens"]) * len(opts["ops"])
-    rows: list[dict] = []
+    rows: list[dict] = cli.rows(env, opts)
     bar = cli.progress(total, "kernels", progress)
     for layout, dtype in combos:
         spec = make_spec(geometry, layout, dtype, opts["mla_dim"])
@@ -220,7 +220,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from . import contention
     from .presets import preset
     from .schema import env_info
     for ref in args.plugin:
@@ -233,6 +232,7 @@ def run(args) -> int:
     for s in skipped:
         print("skipped:", ", ".join(f"{k}={v}" for k, v in s.items()), file=sys.stderr)
     if opts["contention"]:
+        from . import contention
         reason = contention.skip_reason(opts["device"])
         if reason:
             print(f"contention: skipped: {reason}", file=sys.stderr)

@@ -31,9 +31,6 @@ import sys
 import threading
 import time
 
-import torch
-import torch.nn.functional as F
-
 from . import cli
 from .cases import make_spec
 
@@ -69,6 +66,7 @@ class Layer:
     """One decoder layer with random weights: RMSNorm, QKV/O projections, causal SDPA, SwiGLU."""
 
     def __init__(self, g: dict, dtype: torch.dtype, device: str) -> None:
+        import torch
         h, d = g["hidden"], g["head_dim"]
         self.g = g
         mk = lambda o, i: torch.randn(o, i, dtype=dtype, device=device) / i ** 0.5  # noqa: E731
@@ -77,6 +75,7 @@ class Layer:
         self.n1 = self.n2 = torch.ones(h, dtype=dtype, device=device)
 
     def __call__(self, x: torch.Tensor, write_kv) -> torch.Tensor:
+        import torch.nn.functional as F
         g, T = self.g, x.shape[0]
         q, k, v = F.linear(F.rms_norm(x, x.shape[-1:], self.n1), self.wqkv).split(
             [g["heads"] * g["head_dim"], g["kv_heads"] * g["head_dim"], g["kv_heads"] * g["head_dim"]], -1)
@@ -91,6 +90,7 @@ class Layer:
 
 class Bench:
     def __init__(self, args) -> None:
+        import torch
         self.args, self.dev = args, torch.device(args.device)
         self.cuda = self.dev.type == "cuda"
         g = self.g = MODELS[args.model]
@@ -107,6 +107,7 @@ class Bench:
         self.step = 0
 
     def setup(self, tokens: int) -> None:
+        import torch
         from kvflow.cache import PagedKVCache
         nb = self.spec.num_blocks_for(tokens)
         self.nb = nb
@@ -124,6 +125,7 @@ class Bench:
                     max_ctas=max_ctas, validate=False)
 
     def prefill(self, on_layer_done=None) -> torch.Tensor:
+        import torch.nn.functional as F
         bs, T, nb = self.spec.block_size, self.tokens, self.nb
         x = self.x
         for i, layer in enumerate(self.layers):
@@ -141,6 +143,7 @@ class Bench:
 
     # ---- one timed run of a mode: (prefill_s, total_s) ------------------------------------
     def _stamp(self, stream=None):
+        import torch
         if not self.cuda:
             return time.perf_counter()
         e = torch.cuda.Event(enable_timing=True)
@@ -151,6 +154,7 @@ class Bench:
         return (a.elapsed_time(b) / 1e3) if self.cuda else (b - a)
 
     def run(self, mode: str, max_ctas=None) -> tuple[float, float]:
+        import torch
         L = self.g["layers"]
         if self.cuda:
             torch.cuda.synchronize()
@@ -223,6 +227,7 @@ class Bench:
 
     def signal_latency(self, reps: int) -> dict[str, list[float]]:
         """Seconds from a host event to the host seeing the slot change."""
+        import torch
         out = {"launch_to_seen": [], "flag_to_seen": []}
         for _ in range(reps):
             self.step += 1
@@ -257,6 +262,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    import torch
     from .schema import env_info, make_row
     from .timing import copy_ceiling, median, percentile, time_calls
     a = argparse.Namespace(**{**PRESETS[args.preset or "quick"],
@@ -265,7 +271,8 @@ def run(args) -> int:
         raise SystemExit("layerwise --full: no CUDA device; use --quick on a CPU")
     sys.setswitchinterval(2e-4)  # the worker thread and the launching thread share the GIL
     b = Bench(a)
-    env, rows, verdict = env_info(a.device), [], {}
+    env, verdict = env_info(a.device), {}
+    rows = cli.rows(env, {k: v for k, v in vars(a).items() if not k.startswith("_")})
     modes = [("alone", None), ("request", None), ("signal", None), ("signal", a.max_ctas)]
     if b.cuda:
         modes[2:2] = [("event", None), ("event", a.max_ctas)]

@@ -151,7 +151,7 @@ def run(args) -> int:
                          f"known: {','.join(CASES)}")
     env = env_info(opts["device"])
     t0 = time.perf_counter()
-    rows = []
+    rows = cli.rows(env, opts)
     bar = cli.progress(len(opts["cases"]), "reblock", not args.no_progress)
     for case in opts["cases"]:
         rows.append(run_case(case, opts, env))

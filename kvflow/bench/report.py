@@ -7,7 +7,8 @@ op/layout/dtype, :mod:`kvflow.bench.kernel_report`; host time per call,
 :mod:`kvflow.bench.calls`; contention; transfer; serve; any other rows generically) and plots (:mod:`kvflow.bench.plots`). A table never mixes
 devices: rows of two devices in one result file raise, naming both. A headline table (the
 kernels' ratios at 1K and 16K tokens, NHD bf16) opens the page and is copied into the README
-between its headline markers.
+between its headline markers. A result file a signal stopped (``"complete": false``,
+:mod:`kvflow.bench.record`) gets its section, labelled partial, but never feeds the headline.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 from . import cli
 from .kernel_report import headline, kernel_tables, update_readme
 from .kernel_report import md_table as _md_table
-from .schema import read_results
+from .schema import is_partial, read_results
 
 KERNEL_OPS = ("gather", "scatter", "copy")
 
@@ -165,6 +166,9 @@ def file_section(path: Path, data: dict, md_dir: Path, img_dir: Path) -> list[st
               if now != cmd else "")
            + (f" — {env['wall_s']:.0f} s wall" if env.get("wall_s") else "")
            + f" — commit {env.get('commit')}, {env.get('date')}", ""]
+    if is_partial(data):
+        out += [f"**Partial**: stopped by {data.get('interrupted') or 'a signal'} after "
+                f"{len(rows)} rows; the tables below hold only those rows.", ""]
     kinds = defaultdict(list)
     for r in rows:
         if "host_us" in r:
@@ -226,8 +230,13 @@ def write_report(files: list[Path], out: Path, img_dir: Path, readme: Path | Non
              "How to reproduce and read it: [tutorials/benchmarking.md](tutorials/benchmarking.md). "
              "Figures of other shapes live beside their guides: the NIXL connector's in "
              "[nixl.md](nixl.md), kvflow inside vLLM in [tutorials/vllm.md](tutorials/vllm.md) "
-             "(raw files in `bench/results/raw/`).", ""]
-    top = headline(loaded)
+             "(raw files in `bench/results/raw/`).", "",
+             "A study saves each row as it is measured; the first SIGINT or SIGTERM stops it "
+             "and writes its result file with the rows so far, marked `\"complete\": false` "
+             "and `\"interrupted\"` with the signal's name. Such a file's section below says "
+             "**Partial** and how many rows it holds; it never feeds the headline. A run killed "
+             "outright leaves `<result>.partial.jsonl`, which the report does not read.", ""]
+    top = headline([(p, d) for p, d in loaded if not is_partial(d)])  # complete runs only
     if top:
         lines += ["## Headline", "",
                   "**As called** (the headline): back-to-back calls from Python with default "
@@ -245,7 +254,7 @@ def write_report(files: list[Path], out: Path, img_dir: Path, readme: Path | Non
             lines += file_section(path, data, out.parent, img_dir)
     out.write_text("\n".join(lines).rstrip() + "\n")
     if readme is not None:
-        update_readme(readme, loaded)
+        update_readme(readme, [(p, d) for p, d in loaded if not is_partial(d)])
     return out
 
 

@@ -1,6 +1,8 @@
 """One results schema for every benchmark (CLI and pytest-benchmark suites alike).
 
-A result file is JSON: ``{"schema": SCHEMA_VERSION, "env": env_info(), "rows": [row, ...]}``.
+A result file is JSON: ``{"schema": SCHEMA_VERSION, "complete": bool, "interrupted": signal name
+or null, "env": env_info(), "rows": [row, ...]}`` (``complete`` false: a SIGINT or SIGTERM stopped
+the study and ``rows`` are those measured before it, :mod:`kvflow.bench.record`).
 A row (see :func:`make_row`) always carries the fields of ``ROW_FIELDS``; extra keys are allowed
 (e.g. ``prefill_ms`` for overlap studies). Ratios are to a ceiling measured in the same run on the
 same device (``dst.copy_(src)`` of the same payload bytes); docs/design.md, "Measuring".
@@ -155,12 +157,27 @@ def as_called_fields(times_s: list[float], payload_bytes: int, ceiling_s: float 
             "as_called_calls": calls}
 
 
-def write_results(path: str | os.PathLike, env: dict[str, Any], rows: list[dict[str, Any]]) -> Path:
-    """Write a result file (creating folders); returns its path."""
+def write_results(path: str | os.PathLike, env: dict[str, Any], rows: list[dict[str, Any]], *,
+                  interrupted: str | None = None) -> Path:
+    """Write a result file (creating folders; atomically: a temporary file, then
+    :func:`os.replace`); returns its path.
+
+    ``interrupted``: the signal that stopped the study ("SIGINT", "SIGTERM"); the file then
+    holds ``"complete": false, "interrupted": ...`` and the rows measured before it
+    (:mod:`kvflow.bench.record`); else ``"complete": true, "interrupted": null``.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"schema": SCHEMA_VERSION, "env": env, "rows": rows}, indent=1))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"schema": SCHEMA_VERSION, "complete": interrupted is None,
+                               "interrupted": interrupted, "env": env, "rows": rows}, indent=1))
+    os.replace(tmp, path)
     return path
+
+
+def is_partial(data: dict[str, Any]) -> bool:
+    """True for a result file a signal stopped (files made before the field are complete)."""
+    return data.get("complete", True) is False
 
 
 def read_results(path: str | os.PathLike) -> dict[str, Any]:

@@ -84,7 +84,7 @@ def run_serve(opts: dict[str, Any], env: dict[str, Any], progress: bool = True) 
                 for rate in rates:
                     m = measure(url, opts, rate, progress)
                     got.setdefault((mode, rate), []).append(m)
-    rows = []
+    rows = cli.rows(env, opts)
     for (mode, rate), ms in got.items():
         results = [r for m in ms for r in m["results"]]
         summary = loadgen.summarize(results, sum(m["duration_s"] for m in ms),

@@ -154,7 +154,7 @@ def run(args) -> int:
     def ids(num_blocks, n, k=2):
         return [torch.randperm(num_blocks, generator=gen)[:n].to(dev) for _ in range(k)]
     caches: dict = {}
-    rows = []
+    rows = cli.rows(env)
     t0 = time.perf_counter()
     for label, spec, tokens, rep in plan:
         if label not in caches:

@@ -22,8 +22,6 @@ import math
 import time
 from typing import Callable, Sequence
 
-import torch
-
 
 def time_calls(fns: Sequence[Callable[[], object]], *, device: str | torch.device = "cpu",
                warmup: int = 3, reps: int = 20,
@@ -35,6 +33,7 @@ def time_calls(fns: Sequence[Callable[[], object]], *, device: str | torch.devic
     Host launch overhead is real but in serving it overlaps the prefill; it is not the copy's
     bandwidth, so on one CUDA device the calls are queued behind ~20 ms of spin first.
     """
+    import torch
     devs = [torch.device(d) for d in (devices or [device])]
     for i in range(warmup):
         fns[i % len(fns)]()
@@ -93,6 +92,7 @@ def time_as_called(fns: Sequence[Callable[[], object]], *, device: str | torch.d
     is timed with ``time.perf_counter``. This is ``triton.testing.do_bench`` without its L2
     flush between calls (the caller's rotation of buffers larger than L2 keeps caches cold).
     """
+    import torch
     dev = torch.device(device)
     k = len(fns)
     for i in range(warmup):
@@ -122,6 +122,7 @@ def time_on_stream(fn: Callable[[], object], reps: int) -> list[float]:
     """Seconds of each of ``reps`` calls from events on the current CUDA stream only: unlike
     :func:`time_calls` nothing synchronises the device first, so work running on other streams
     (the contention study's background copies) keeps running during the timed window."""
+    import torch
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for s, e in zip(starts, ends):
@@ -134,6 +135,7 @@ def time_on_stream(fn: Callable[[], object], reps: int) -> list[float]:
 
 def _join(src: torch.device, dst: torch.device) -> None:
     """Make ``dst``'s current stream wait for the work enqueued so far on ``src``'s."""
+    import torch
     ev = torch.cuda.Event()
     ev.record(torch.cuda.current_stream(src))
     torch.cuda.current_stream(dst).wait_event(ev)
@@ -142,6 +144,7 @@ def _join(src: torch.device, dst: torch.device) -> None:
 def queue_ahead(device: torch.device, ms: float = 20.0) -> None:
     """Keep ``device`` busy for about ``ms`` milliseconds (a spin kernel) so that work the host
     enqueues next starts back to back on the device."""
+    import torch
     with torch.cuda.device(device):
         props = torch.cuda.get_device_properties(device)
         rate = getattr(props, "clock_rate", 2_000_000)  # kHz
@@ -165,6 +168,7 @@ def copy_ceiling(nbytes: int, *, device: str | torch.device = "cpu",
                  warmup: int = 3, reps: int = 20) -> list[float]:
     """Seconds of ``dst.copy_(src)`` of ``nbytes`` contiguous bytes: the same-run ceiling every
     ratio is taken against. ``dst_device`` (another GPU) gives the peer-copy ceiling."""
+    import torch
     dst_device = dst_device or device
     pairs = [(torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1),
               torch.empty(nbytes, dtype=torch.uint8, device=dst_device).fill_(2))
@@ -178,6 +182,7 @@ def last_level_cache_bytes(device: str | torch.device = "cpu") -> int:
     """Size of the cache a cold-cache benchmark must defeat: the GPU's L2
     (``torch.cuda.get_device_properties(...).L2_cache_size``; 60 MB on an H200) or the CPU's
     highest cache level from ``/sys/devices/system/cpu/cpu0/cache`` (32 MiB if unreadable)."""
+    import torch
     dev = torch.device(device)
     if dev.type == "cuda":
         return int(torch.cuda.get_device_properties(dev).L2_cache_size)

@@ -155,7 +155,7 @@ def run_transfer(opts: dict[str, Any], env: dict[str, Any],
     _peer_opts(opts)
     spec = make_spec(LLAMA3_8B, "NHD", "bfloat16")
     g = torch.Generator().manual_seed(opts["seed"])
-    rows, skipped = [], []
+    rows, skipped = cli.rows(env, opts), []
     sizes = [t for t in opts["tokens"] if 2 * spec.num_blocks_for(t) <= opts["num_blocks"]]
     for t in sorted(set(opts["tokens"]) - set(sizes)):
         skipped.append({"connector": "*", "reason": f"{t} tokens need more than --num-blocks "
