@@ -25,6 +25,8 @@ def _pair_msg(p) -> Pair:
 
 @needs_nixl
 def test_a_p_refused_for_want_of_a_staging_slot_pairs_once_the_slot_frees():
+    """Then the same P, declared dead and back with the same agent metadata, pairs again in
+    its own slot (not refused as a second P)."""
     d = make_instance(DecodeInstance, "decode", **STAGED)
     p1 = make_instance(PrefillInstance, "prefill", **STAGED)
     p2 = make_instance(PrefillInstance, "prefill", **STAGED)
@@ -44,6 +46,64 @@ def test_a_p_refused_for_want_of_a_staging_slot_pairs_once_the_slot_frees():
         (late,) = [m for m in d.out if isinstance(m, PairResult)]
         assert late.ok and late.peer_id == p2.instance_id and late.error == ""
         assert d.receiver.slots == {p2.instance_id: 0} and d.waiting_pairs == {}
+        d.out.clear()  # p2 declared dead, back with the same agent metadata: paired anew
+        d.on_pair(_pair_msg(p2), [], None)
+        (again,) = [m for m in d.out if isinstance(m, PairResult)]
+        assert again.ok and d.receiver.slots == {p2.instance_id: 0}
     finally:
         for inst in (d, p1, p2):
             inst.close()
+
+
+def _ctl_with(*regs):
+    """A router Controller holding ``regs`` ((id, role, connector) each), every send captured
+    in ``ctl.sent`` as (instance id, message)."""
+    from kvflow.protocol import Register
+    from kvflow.serve.control import Controller, InstanceInfo
+    ctl = Controller()
+    ctl.sent = []
+
+    async def send(inst, msg):
+        ctl.sent.append((inst.id, msg))
+    ctl.send = send
+    for iid, role, conn in regs:
+        reg = Register(instance_id=iid, role=role, spec={}, num_blocks=40, free_blocks=40,
+                       max_model_len=256, kv_connector=conn, pid=1)
+        ctl.instances[iid] = InstanceInfo(reg, iid.encode(), 0.0, 40)
+    return ctl
+
+
+def test_mixed_connectors_are_never_paired_and_the_error_names_both():
+    import asyncio
+    ctl = _ctl_with(("p-0", "prefill", "ipc-pull"), ("d-0", "decode", "tcp"),
+                    ("d-1", "decode", "ipc-pull"))
+    try:
+        asyncio.run(ctl._pair(ctl.instances["p-0"]))
+        assert [(i, m.peer_id) for i, m in ctl.sent] == [("p-0", "d-1"), ("d-1", "p-0")]
+        assert ctl.errors == ["kv connector mismatch: p-0 uses 'ipc-pull', d-0 uses 'tcp'; "
+                              "not paired"]
+        for iid in ("p-0", "d-1"):  # both accept: only that pair is ever picked
+            other = "d-1" if iid == "p-0" else "p-0"
+            asyncio.run(ctl._handle(iid.encode(), PairResult(instance_id=iid, peer_id=other,
+                                                             ok=True)))
+        assert {(p.id, d.id) for p, d in (ctl.pick() for _ in range(4))} == {("p-0", "d-1")}
+    finally:
+        ctl.sock.close(0)
+        ctl.ctx.term()
+
+
+def test_a_late_pairing_with_a_peer_that_died_meanwhile_is_undone():
+    """D paired a P once a staging slot freed, but the P died meanwhile: the router sends D an
+    Unpair (exited, as the router saw) and the pair is never picked."""
+    import asyncio
+    ctl = _ctl_with(("d-0", "decode", "nixl"))
+    ctl.exited.add("p-gone")
+    try:
+        asyncio.run(ctl._handle(b"d-0", PairResult(instance_id="d-0", peer_id="p-gone", ok=True)))
+        ((to, msg),) = ctl.sent
+        assert to == "d-0" and msg == Unpair(peer_id="p-gone", reason="not registered",
+                                             exited=True)
+        assert ctl.instances["d-0"].pair_ok == set() and ctl.pick() is None
+    finally:
+        ctl.sock.close(0)
+        ctl.ctx.term()
