@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvflow.connector.nixl_agent import nixl_available
+from kvflow.layout import KVCacheSpec
 from kvflow.protocol import Pair, PairResult, Unpair
 from kvflow.serve.decode import DecodeInstance
+from kvflow.serve.pairing import check_pairing
 from kvflow.serve.prefill import PrefillInstance
 
 from .reliability_harness import make_instance
@@ -107,3 +110,29 @@ def test_a_late_pairing_with_a_peer_that_died_meanwhile_is_undone():
     finally:
         ctl.sock.close(0)
         ctl.ctx.term()
+
+
+FP32 = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=32, block_size=16,
+                   dtype=torch.float32, layout="NHD")
+FP8 = FP32.with_(dtype=torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("p_spec, d_spec", [(FP8, FP32), (FP32, FP8)], ids=["fp8-P", "fp8-D"])
+@pytest.mark.parametrize("connector", ["ipc-pull", "ipc-push", "tcp", "nixl"])
+def test_fp8_on_one_side_only_is_mapped_or_refused_per_connector(p_spec, d_spec, connector):
+    """ipc-pull / ipc-push re-block (D's quantized values byte-checked in tests/test_reblock*.py);
+    tcp carries no fp8 scales, so an fp8 P is refused, an fp8 D quantizes P's float32 blocks;
+    nixl writes bytes as they are: refused. Both sides refuse alike, naming both dtypes."""
+    sides = {"prefill": (p_spec, "p-1", d_spec, "d-2"), "decode": (d_spec, "d-2", p_spec, "p-1")}
+    got = {role: check_pairing(mine, me, theirs.to_dict(), them, connector, role)
+           for role, (mine, me, theirs, them) in sides.items()}
+    if connector in ("ipc-pull", "ipc-push") or (connector == "tcp" and p_spec is FP32):
+        assert got == {"prefill": "", "decode": ""}
+        return
+    tail = ("; the tcp connector does not carry the fp8 scales of P (p-1) that a D of another "
+            "spec needs; use ipc-pull or ipc-push, or equal specs" if connector == "tcp" else
+            "; the nixl connector moves only equal specs (re-blocking connectors: ipc-pull, tcp, "
+            "ipc-push)")
+    for role, (mine, me, theirs, them) in sides.items():
+        assert got[role] == (f"KV cache spec mismatch, pairing refused: dtype: {mine.dtype} "
+                             f"({me}) vs {theirs.dtype} ({them})" + tail), role
