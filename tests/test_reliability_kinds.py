@@ -136,3 +136,24 @@ def test_fp8_on_one_side_only_is_mapped_or_refused_per_connector(p_spec, d_spec,
     for role, (mine, me, theirs, them) in sides.items():
         assert got[role] == (f"KV cache spec mismatch, pairing refused: dtype: {mine.dtype} "
                              f"({me}) vs {theirs.dtype} ({them})" + tail), role
+
+
+@needs_nixl
+def test_a_prompt_that_fills_the_staging_slot_exactly_is_token_identical_and_frees_it():
+    """Staged nixl, one slot of max_model_len (256 tokens: 16 blocks): a 248-token prompt (+8
+    new tokens) fills the slot to its last byte; the next request reuses the slot (D's ``free``
+    came back), both token-identical to colocated, every block back."""
+    from .reliability_harness import PD
+    from .test_reliability_pd import TEXT, colocated, tokens_of
+    pd = PD(prefix=False, **STAGED)
+    try:
+        prompt = (TEXT * 2)[:248]
+        alloc, _, header, toks = pd.run(prompt)
+        assert len(alloc.block_ids) == header.num_blocks == 16
+        assert header.payload_bytes == pd.d.receiver.slot_bytes == 16 * pd.d.spec.bytes_per_block
+        assert tokens_of(toks) == colocated(pd, prompt)
+        _, _, _, toks = pd.run(prompt[:100])
+        assert tokens_of(toks) == colocated(pd, prompt[:100])
+        assert pd.free() == (pd.p.num_blocks, pd.d.num_blocks)
+    finally:
+        pd.close()
