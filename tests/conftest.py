@@ -113,3 +113,13 @@ def assert_bytes_equal(actual: torch.Tensor, expected: torch.Tensor, what: str =
 @pytest.fixture(params=DEVICES)
 def device(request) -> str:
     return request.param
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_process_left():
+    """After the session, no process of a :func:`tests.reap.spawn`ed group still runs: a test
+    that left one fails here (and its groups are reaped), instead of leaving engines behind."""
+    yield
+    from .reap import reap_all
+    left = reap_all()
+    assert not left, "processes left running by the tests (now reaped):\n" + "\n".join(left)

@@ -68,6 +68,7 @@ class PD:
         self.d.on_pair(Pair(peer_id=self.p.instance_id, peer_role="prefill",
                             peer_spec=self.p.spec.to_dict(), peer_num_blocks=self.p.num_blocks,
                             shm_name=self.p.connector.export().get("shm_name", ""),
+                            peer_connector_md=self.p.connector.export().get("connector_md", b""),
                             peer_fingerprint=self.p.fingerprint), [], None)
         assert self.d.out[-1].ok, self.d.out[-1]
         self.n = 0

@@ -144,6 +144,8 @@ def test_router_uses_constant_time_compare():
 
 @pytest.mark.parametrize("argv, message", [
     (["--kv-lease-s", "0"], "--kv-lease-s must be a positive number of seconds, got 0.0"),
+    (["--kv-lease-s", "0.3"], "--kv-lease-s 0.3 is shorter than 2 of D's lease renewals (one "
+     "every heartbeat, 0.2 s): P would free blocks D still reads; use at least 0.4"),
     (["--admit-timeout-s", "-1"], "--admit-timeout-s must be a positive number of seconds, got -1.0"),
     (["--dead-after-s", "nan"], "--dead-after-s must be a positive number of seconds, got nan"),
 ])

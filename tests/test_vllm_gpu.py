@@ -21,6 +21,7 @@ from kvflow.connector.nixl_agent import nixl_available  # noqa: E402
 from kvflow.integrations.vllm.ipc_pull import IpcPuller  # noqa: E402
 from kvflow.integrations.vllm.transfer import KVPuller  # noqa: E402
 
+from .reap import reap, spawn  # noqa: E402
 from .vllm_pd import free_port  # noqa: E402
 from .vllm_peer import cache_on, fill  # noqa: E402
 
@@ -41,8 +42,8 @@ def _puller(d, transport):
 @pytest.mark.parametrize("transport", ["tcp", "ipc", NIXL])
 def test_gpu_pull_from_a_p_process_moves_exact_blocks(transport):
     addr = f"tcp://127.0.0.1:{free_port()}"
-    peer = subprocess.Popen([sys.executable, "-m", "tests.vllm_peer", transport, addr, "cuda"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    peer = spawn([sys.executable, "-m", "tests.vllm_peer", transport, addr, "cuda"],
+                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         lines = []  # NIXL logs to stdout too
         while not lines or lines[-1] not in ("ready", ""):
@@ -67,4 +68,7 @@ def test_gpu_pull_from_a_p_process_moves_exact_blocks(transport):
             puller.close()
     finally:
         peer.stdin.close()
-        peer.wait(timeout=30)
+        try:
+            peer.wait(timeout=30)
+        finally:
+            reap(peer, grace_s=5.0)

@@ -15,6 +15,8 @@ import httpx
 
 from kvflow.connector.nixl_agent import tcp_tls
 
+from .reap import reap, spawn
+
 BLOCK_SIZE = 32
 
 
@@ -41,7 +43,9 @@ def kvflow_config(role: str, **extra) -> dict:
 
 
 class Procs:
-    """Processes started together; :meth:`close` ends each (by its own pid)."""
+    """Processes started together, each the leader of its own process group
+    (:func:`tests.reap.spawn`); :meth:`close` ends each group and every descendant (a vLLM
+    server's engine core too, which ending the server's pid alone left running)."""
 
     def __init__(self, log_dir) -> None:
         self.procs: dict[str, subprocess.Popen] = {}
@@ -58,7 +62,7 @@ class Procs:
                    PYTHONWARNINGS="ignore", UCX_TLS=os.environ.get("UCX_TLS", tcp_tls()),
                    OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), **env_extra)
         log = open(self.log_dir / f"{name}.log", "w")
-        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.procs[name] = spawn(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def log(self, name: str) -> str:
         return (self.log_dir / f"{name}.log").read_text()
@@ -81,14 +85,12 @@ class Procs:
             time.sleep(1)
 
     def close(self) -> None:
+        """SIGTERM every group, then reap each (SIGKILL to what runs after 20 s)."""
         for p in self.procs.values():
             if p.poll() is None:
                 p.terminate()
         for p in self.procs.values():
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            reap(p, grace_s=20.0)
 
 
 def complete(url: str, prompt: list[int], max_tokens: int = 12, **kw) -> dict:

@@ -47,10 +47,10 @@ BYTES_ONLY = ("tcp", "nixl")
 CONFIG_CHOICES: dict[str, dict[str, tuple[str, ...]]] = {"nixl": {"mode": ("direct", "staged")}}
 
 __all__ = ["BYTES_ONLY", "CONFIG_CHOICES", "CONFIG_KEYS", "CONNECTORS", "Handoff", "KVReceiver", "KVSender", "Peer", "PrefillJob",
-           "TransferError", "TransferStats", "check_connector_config", "make_receiver",
+           "SlotsTaken", "TransferError", "TransferStats", "check_connector_config", "make_receiver",
            "make_sender", "resolve_connector", "scales_refusal"]
 
-_BASE = ("Handoff", "KVReceiver", "KVSender", "Peer", "PrefillJob", "TransferError",
+_BASE = ("Handoff", "KVReceiver", "KVSender", "Peer", "PrefillJob", "SlotsTaken", "TransferError",
          "TransferStats")
 
 

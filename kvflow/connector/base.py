@@ -35,6 +35,11 @@ class TransferError(RuntimeError):
     """A transfer that cannot be done (bad frames, unmapped peer, size mismatch)."""
 
 
+class SlotsTaken(TransferError):
+    """A pairing refused for now: D's receiver has no free slot for another P (nixl staged);
+    D keeps the pairing and makes it once a slot frees."""
+
+
 @dataclasses.dataclass
 class TransferStats:
     """What one request's transfer moved, as D saw it.

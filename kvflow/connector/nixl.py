@@ -36,7 +36,8 @@ from kvflow.kernels import gather_blocks, scatter_blocks
 from kvflow.protocol import (KVPushed, NixlAgentInfo, ProtocolError, decode_agent_info,
                              encode_agent_info)
 
-from .base import KVReceiver, KVSender, Peer, PrefillJob, TransferError, TransferStats
+from .base import (KVReceiver, KVSender, Peer, PrefillJob, SlotsTaken, TransferError,
+                   TransferStats)
 from .ipc_push import PushSender
 from .layer_copy import LAYERS_PER_COPY
 from .nixl_agent import Agent, block_descs, mem_type
@@ -265,8 +266,10 @@ class NixlReceiver(KVReceiver):
 
         Raises
         ------
+        SlotsTaken
+            Every slot is taken (the pairing may succeed once one frees).
         TransferError
-            Bad agent info, or every slot is taken.
+            Bad agent info.
         """
         if self.mode != "staged":
             return
@@ -277,7 +280,7 @@ class NixlReceiver(KVReceiver):
             raise TransferError(f"prefill instance {peer.id}: {exc}") from None
         free = sorted(set(range(self.staging_slots)) - set(self.slots.values()))
         if not free:
-            raise TransferError(f"all {self.staging_slots} staging slots of this decode instance "
+            raise SlotsTaken(f"all {self.staging_slots} staging slots of this decode instance "
                                 f"are taken (by {sorted(self.slots)}); raise "
                                 f"kv_connector_config staging_slots")
         self.agent.add_peer(peer.id, info.metadata)

@@ -21,6 +21,9 @@ from .startup import StartupError
 
 _INSTANCE_ROLES = ("prefill", "decode", "colocated")
 _CONNECTOR_FLAGS = ("kv_connector", "kv_connector_config", "layerwise_min_tokens")
+#: A lease must outlast this many of D's renewal periods (``heartbeat_s``): one renewal may be
+#: late or lost and the lease still holds.
+LEASE_RENEWALS = 2
 _SECONDS = ("kv_lease_s", "receive_timeout_s", "admit_timeout_s", "dead_after_s", "hung_after_s",
             "register_timeout_s")
 _POSITIVE = ("block_size", "decode_block_size", "max_model_len", "num_blocks", "memory_budget_mb",
@@ -115,6 +118,11 @@ def _check_ranges(cfg: ServeConfig) -> None:
         v = getattr(cfg, name)
         if not 0 < v < 1e6:
             raise StartupError(f"{flag_name(name)} must be a positive number of seconds, got {v}")
+    if cfg.kv_lease_s < LEASE_RENEWALS * cfg.heartbeat_s:
+        raise StartupError(f"--kv-lease-s {cfg.kv_lease_s:g} is shorter than {LEASE_RENEWALS} of "
+                           f"D's lease renewals (one every heartbeat, {cfg.heartbeat_s:g} s): P "
+                           f"would free blocks D still reads; use at least "
+                           f"{LEASE_RENEWALS * cfg.heartbeat_s:g}")
     for name in ("prefill_device", "decode_device"):
         if getattr(cfg, name) < 0:
             raise StartupError(f"{flag_name(name)} must be a GPU ordinal >= 0, got "

@@ -185,7 +185,11 @@ class Controller:
             info.heartbeat_at = now
             self._set_blocks(info)
         elif isinstance(msg, PairResult):
-            if msg.ok:
+            if msg.ok and msg.peer_id not in self.instances:  # a late pairing (a D's slot
+                # freed) with a peer that died meanwhile: the D gives back what it holds for it
+                await self.send(info, Unpair(peer_id=msg.peer_id, reason="not registered",
+                                             exited=msg.peer_id in self.exited))
+            elif msg.ok:
                 info.pair_ok.add(msg.peer_id)
             else:
                 self.errors.append(msg.error)

@@ -24,8 +24,10 @@ import time
 
 import zmq
 
+from kvflow.connector import SlotsTaken
 from kvflow.protocol import Abort, Allocate, KVPushed, LeaseRenew, Pair, PairResult, Unpair
 from kvflow.blocks import DecodeState, PrefixCache
+from kvflow.segments import DEAD, process_state
 
 from .advertise import advertised_host
 from .arrivals import Arrivals, InFlight
@@ -51,6 +53,7 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
         self.receiver = None  # kvflow.connector.KVReceiver, built by setup()
         self._last_peer_check = 0.0
         self._last_renew = 0.0
+        self.waiting_pairs: dict[str, Pair] = {}  # P refused for want of a slot -> its Pair
         self.unpaired: dict[str, float] = {}  # P declared dead, not seen exit -> when (monotonic)
 
     # ---- start-up -------------------------------------------------------------------
@@ -104,6 +107,10 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
 
     # ---- control handlers -----------------------------------------------------------
     def on_pair(self, msg: Pair, frames, ident) -> None:
+        """Pair with P ``msg.peer_id`` and answer :class:`PairResult`. One refused only for
+        want of a receiver slot (:class:`~kvflow.connector.SlotsTaken`) waits in
+        ``waiting_pairs`` and pairs once a slot frees (:meth:`_pair_waiting`), no restart."""
+        self.waiting_pairs.pop(msg.peer_id, None)
         error = check_peer(self, msg)
         if not error:
             try:
@@ -112,12 +119,26 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
                 self.lent.meet(msg.peer_id, msg.peer_pid, msg.peer_host_id)
                 self.unpaired.pop(msg.peer_id, None)
                 self._check_peers()
+            except SlotsTaken as exc:
+                self.waiting_pairs[msg.peer_id] = msg
+                error = f"cannot attach to {msg.peer_id}'s cache: {exc}; it pairs once one frees"
             except Exception as exc:
                 error = f"cannot attach to {msg.peer_id}'s cache: {exc}"
         if error:
             log.error("%s: %s", self.instance_id, error)
         self.send_ctrl(PairResult(instance_id=self.instance_id, peer_id=msg.peer_id,
                                   ok=not error, error=error))
+
+    def _pair_waiting(self) -> None:
+        """A receiver slot may have freed: pair the P's that waited for one, oldest first
+        (one whose process is seen gone is dropped)."""
+        for peer_id, msg in list(self.waiting_pairs.items()):
+            if process_state(msg.peer_pid, msg.peer_host_id) == DEAD:
+                self.waiting_pairs.pop(peer_id)
+                continue
+            self.on_pair(msg, [], None)
+            if peer_id in self.waiting_pairs:  # still no slot: the later ones wait too
+                return
 
     def on_unpair(self, msg: Unpair, frames, ident) -> None:
         """Prefill instance ``msg.peer_id`` died. The router saw it exit: forget it now (the
@@ -127,6 +148,7 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
         :mod:`kvflow.serve.lent`."""
         log.warning("%s: prefill instance %s died (%s)", self.instance_id, msg.peer_id,
                     msg.reason or "no reason given")
+        self.waiting_pairs.pop(msg.peer_id, None)
         if msg.exited:
             self._forget_peer(msg.peer_id)
         elif not self.receiver.host_local:
@@ -137,6 +159,7 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
         self.receiver.detach(peer_id)
         self.lent.forget(peer_id)
         self.report_blocks()
+        self._pair_waiting()
 
     def on_allocate(self, msg: Allocate, frames, ident) -> None:
         if msg.req_id in self.lent:  # its blocks are still lent
@@ -159,9 +182,13 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
         drop their mappings and give back the blocks lent to them."""
         if not self.receiver.host_local:  # their P's may live on other hosts
             return
+        gone = False
         for peer, pid in self.lent.gone():
             self.receiver.detach(peer)
             log.warning("%s: prefill instance %s (pid %d) is gone", self.instance_id, peer, pid)
+            gone = True
+        if gone:
+            self._pair_waiting()
 
     def _end(self, req_id: str, state, error: str, *, notify: bool = True,
              lend: bool = True) -> None:
