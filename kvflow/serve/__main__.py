@@ -137,7 +137,7 @@ def _preload(cfg: ServeConfig) -> None:
 
 
 def _main(argv: list[str] | None, child: bool = False) -> int:
-    cfg = check_args(argv)  # imports torch
+    cfg = check_args(argv)  # no torch yet: a bad flag is refused before the heavy imports
     _preload(cfg)
     arm_interrupts(sigterm=not child)
     logging.basicConfig(level=cfg.log_level.upper(),
