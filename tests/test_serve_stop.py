@@ -85,7 +85,7 @@ def test_first_sigint_stops_cleanly(phase, sigint_ignored):
         if stream is not None:
             stream.join(10)
             assert not stream.is_alive()
-        assert took < 15, took
+        assert took < (10 if phase == "streaming" else 5), took  # streaming: up to 3 s grace
     finally:
         if srv.proc.poll() is None:
             srv.proc.kill()
@@ -93,20 +93,23 @@ def test_first_sigint_stops_cleanly(phase, sigint_ignored):
 
 
 def test_stop_at_load_10():
-    """The router's SIGTERM reaches children that share 2 cores with 10 busy processes: each
-    exits by itself, well inside the router's 30 s bound."""
-    with cpu_hogs(10, max_s=300):
+    """The router's SIGTERM reaches children that share 2 cores with 12 busy processes (the
+    1-minute load average passes 10 within ~2 minutes from an idle host): each exits by
+    itself and the whole stop takes under 2 s (measured 0.45-0.51 s at load 16; before the
+    processes left by ``os._exit``, interpreter finalization made it 2.4-3.0 s at load 10 and
+    past the old 5 s SIGKILL bound at load 13-18)."""
+    with cpu_hogs(12, max_s=360):
         srv = Server(sigint_ignored=True)
         try:
             srv.wait_healthy(240)
             assert srv.complete(prompt="under load", max_tokens=4).status_code == 200
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + 180
             while load_average() < 10 and time.monotonic() < deadline:
                 time.sleep(1)  # the hogs' load takes ~a minute to show in the average
             assert load_average() >= 10, load_average()
             srv.health()
             took = _stop_and_check(srv, within_s=60)
-            assert took < 30, took
+            assert took < 2.0, took
         finally:
             if srv.proc.poll() is None:
                 srv.proc.kill()
