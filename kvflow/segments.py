@@ -281,6 +281,25 @@ def unlink(name: str, shm_dir: str | None = None) -> bool:
         return False
 
 
+def unlink_own(shm_dir: str | None = None) -> list[str]:
+    """Unlink every kvflow segment (all kinds) this process created (its name's owner part is
+    this process: :meth:`Owner.me`); returns the names removed. An instance calls it last on
+    its way out, after closing its cache and connector, so that leaving by ``os._exit`` (no
+    interpreter finalization, no ``weakref.finalize`` at exit) leaves nothing in /dev/shm."""
+    directory = shm_dir or SHM_DIR
+    me = Owner.me()
+    removed = []
+    try:
+        entries = sorted(os.listdir(directory))
+    except OSError:
+        return removed
+    for entry in entries:
+        parsed = parse_name(entry)
+        if parsed is not None and parsed.owner == me and unlink(entry, directory):
+            removed.append(entry)
+    return removed
+
+
 def clean_stale(shm_dir: str | None = None) -> list[str]:
     """Unlink every kvflow segment (all kinds) whose owner is judged dead; leave live owners'
     and those that cannot be judged. Returns the names removed."""

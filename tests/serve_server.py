@@ -19,6 +19,10 @@ from kvflow.segments import process_exited
 SMALL = ["--max-model-len", "512", "--memory-budget-mb", "32", "--max-num-batched-tokens", "256"]
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited across exec, as SIG_IGN is
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -38,14 +42,17 @@ def heartbeats_after(health: dict, since: float, t_ask: float) -> bool:
 
 
 class Server:
-    def __init__(self, *args: str, env: dict | None = None) -> None:
+    def __init__(self, *args: str, env: dict | None = None, sigint_ignored: bool = False) -> None:
+        """Start ``python -m kvflow.serve`` with ``args``; ``sigint_ignored``: with SIGINT
+        ignored on entry, as a non-interactive shell starts a background job (``cmd &``)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvflow-serve-", suffix=".log", delete=False)
         small = SMALL if "--num-blocks" not in args else SMALL[:2] + SMALL[4:]  # no budget then
         cmd = [sys.executable, "-m", "kvflow.serve", "--port", str(self.port), *small, *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, **(env or {})))
+                                     env=dict(os.environ, **(env or {})),
+                                     preexec_fn=_ignore_sigint if sigint_ignored else None)
         self.client = httpx.Client(base_url=self.url, timeout=60)
         self.t_start = time.monotonic()
         self.seen_pids: set[int] = set()

@@ -106,6 +106,22 @@ def test_clean_up_judges_boot_pid_namespace_pid_and_start_time_and_leaves_the_un
             pathlib.Path(SHM_DIR, name).unlink(missing_ok=True)
 
 
+def test_unlink_own_removes_this_process_s_segments_of_every_kind_and_no_other(tmp_path):
+    me = Owner.me()
+    ppid = os.getppid()
+    owners = {"mine": me, "parent's": Owner(ppid, segments.process_start_time(ppid), me.pid_ns,
+                                            me.boot),
+              "reused pid": Owner(me.pid, me.start_time + 1, me.pid_ns, me.boot)}
+    names = {(why, kind): f"kvflow-{kind}-{owner.tag}-{secrets.token_hex(6)}"
+             for why, owner in owners.items() for kind in ("prefill", "decode", "sig")}
+    for name in names.values():
+        (tmp_path / name).write_bytes(b"\0" * 64)
+    mine = sorted(n for (why, _), n in names.items() if why == "mine")
+    assert segments.unlink_own(str(tmp_path)) == mine
+    assert sorted(os.listdir(tmp_path)) == sorted(set(names.values()) - set(mine))
+    assert segments.unlink_own(str(tmp_path)) == []
+
+
 def test_router_keeps_the_segment_of_an_instance_it_cannot_judge():
     """An instance in another pid namespace declared dead (missed heartbeats) keeps its
     segment: the router judged it by a pid that means nothing here and unlinked it."""

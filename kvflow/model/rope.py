@@ -25,9 +25,10 @@ config.json conventions: transformers >= 5 writes ``"rope_parameters": {"rope_th
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch loads where frequencies are computed: the config checks need none
+    import torch
 
 # Keys each rope type reads besides rope_type and rope_theta (the same as transformers).
 ROPE_KEYS: dict[str, tuple[str, ...]] = {
@@ -187,6 +188,8 @@ def rope_frequencies(theta: float, rope_scaling: dict | None,
     attention_scaling : float
         Factor on cos and sin (so on q.k twice): yarn's attention factor, else 1.0.
     """
+    import torch
+
     d = head_dim
     inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     t = rope_scaling["rope_type"] if rope_scaling else "default"
@@ -201,6 +204,8 @@ def rope_frequencies(theta: float, rope_scaling: dict | None,
 
 
 def _llama3(inv: torch.Tensor, rs: dict) -> torch.Tensor:
+    import torch
+
     factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
     old = rs["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv
@@ -211,6 +216,8 @@ def _llama3(inv: torch.Tensor, rs: dict) -> torch.Tensor:
 
 
 def _yarn(inv: torch.Tensor, rs: dict, theta: float, d: int) -> tuple[torch.Tensor, float]:
+    import torch
+
     factor, old = rs["factor"], rs["original_max_position_embeddings"]
     beta_fast, beta_slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
 

@@ -63,7 +63,7 @@ def run_instance(cfg: ServeConfig) -> int:
     check_backend(cfg.backend, cfg.device)
     if cfg.role == "decode":
         check_host(cfg.host)  # D's data socket binds a free port there
-    from kvflow.segments import SegmentSpaceError
+    from kvflow.segments import SegmentSpaceError, unlink_own
 
     from .colocated import ColocatedInstance
     from .decode import DecodeInstance
@@ -84,6 +84,7 @@ def run_instance(cfg: ServeConfig) -> int:
             pass
     finally:
         inst.close()
+        unlink_own()  # whatever close left: the process leaves by os._exit (no finalizers)
     if inst.fatal:
         raise StartupError(inst.fatal)
     return 0
@@ -136,7 +137,7 @@ def _preload(cfg: ServeConfig) -> None:
 
 
 def _main(argv: list[str] | None, child: bool = False) -> int:
-    cfg = check_args(argv)  # imports torch
+    cfg = check_args(argv)  # no torch yet: a bad flag is refused before the heavy imports
     _preload(cfg)
     arm_interrupts(sigterm=not child)
     logging.basicConfig(level=cfg.log_level.upper(),
@@ -174,11 +175,14 @@ def _main(argv: list[str] | None, child: bool = False) -> int:
 
 if __name__ == "__main__":
     status = main()
-    if status in (130, 143):
-        # Interrupted while starting: children are stopped and nothing is left to clean up.
-        # Leave now instead of running interpreter finalization: under load, a finalization
-        # after the interrupt once ended the process by SIGINT (status -2) after its line.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
-    sys.exit(status)
+    # Everything is closed by now (children reaped, sockets closed, segments unlinked): leave
+    # without interpreter finalization. Under load, tearing down torch, numba and triton took
+    # seconds (a child past its router's stop deadline was SIGKILLed), and once, after an
+    # interrupt while starting, ended the process by SIGINT (status -2) after its line.
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader gone (closed pipe): nothing more to say
+            pass
+    os._exit(status)

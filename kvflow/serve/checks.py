@@ -5,7 +5,9 @@ Every refusal is one line (:class:`~kvflow.serve.startup.StartupError`) naming t
 value and a fix: a value out of range, a flag that would be silently ignored with the others
 given (``--kv-connector`` with ``--mode colocated``, ``--router-url`` with ``--role all``,
 ``--prefill-device`` on CPU, ``--num-blocks`` with a memory budget), an option
-``--kv-connector-config`` does not know, a KV cache larger than this machine's memory.
+``--kv-connector-config`` does not know, a KV cache larger than this machine's memory, a
+``--max-model-len`` past the model's ``max_position_embeddings``. None of it imports torch or
+numba (minutes on a busy host): a bad flag is refused in about a second.
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ _CONNECTOR_FLAGS = ("kv_connector", "kv_connector_config", "layerwise_min_tokens
 LEASE_RENEWALS = 2
 _SECONDS = ("kv_lease_s", "receive_timeout_s", "admit_timeout_s", "dead_after_s", "hung_after_s",
             "register_timeout_s")
+#: ``--backend`` values besides ``auto``: kvflow.kernels.registry's built-in backends (that
+#: module imports torch; tests/test_serve_early_refusals.py checks that both lists agree)
+BACKEND_NAMES = ("native", "numba", "numba_cuda", "torch", "triton", "xpu")
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per element of --dtype
 _POSITIVE = ("block_size", "decode_block_size", "max_model_len", "num_blocks", "memory_budget_mb",
              "max_num_batched_tokens")
 
@@ -102,11 +108,9 @@ def check_config(cfg: ServeConfig, given: set[str]) -> None:
         raise StartupError(f"--max-model-len {cfg.max_model_len} exceeds the model's "
                            f"max_position_embeddings={limit} ({cfg.model}); use at most {limit}")
     _check_roles(cfg)
-    if cfg.backend != "auto":
-        from kvflow.kernels.registry import backend_names
-        if cfg.backend not in backend_names():
-            raise StartupError(f"--backend {cfg.backend} is unknown; use auto or one of "
-                               f"{', '.join(backend_names())}")
+    if cfg.backend != "auto" and cfg.backend not in BACKEND_NAMES:
+        raise StartupError(f"--backend {cfg.backend} is unknown; use auto or one of "
+                           f"{', '.join(BACKEND_NAMES)}")
     if cfg.num_blocks is not None and cfg.device == "cpu":
         _check_cache_fits(cfg)
 
@@ -188,7 +192,6 @@ def _check_roles(cfg: ServeConfig) -> None:
 
 def _check_cache_fits(cfg: ServeConfig) -> None:
     """``--num-blocks`` on CPU: one instance's KV cache must fit in this machine's memory."""
-    from kvflow.layout import KVCacheSpec, as_torch_dtype
     from kvflow.model.config import PRESETS, ModelConfig
 
     if cfg.model in PRESETS:
@@ -196,14 +199,14 @@ def _check_cache_fits(cfg: ServeConfig) -> None:
     else:
         with open(os.path.join(cfg.model, "config.json"), encoding="utf-8") as f:
             mc = ModelConfig.from_hf(json.load(f), name=cfg.model)
-    spec = KVCacheSpec(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
-                       head_dim=mc.head_dim, block_size=cfg.block_size,
-                       dtype=as_torch_dtype(cfg.dtype))
-    need = cfg.num_blocks * spec.bytes_per_block
+    # KVCacheSpec.bytes_per_block of an NHD cache, without torch: K and V per layer
+    per_block = (2 * mc.num_layers * cfg.block_size * mc.num_kv_heads * mc.head_dim
+                 * _ITEMSIZE[cfg.dtype])
+    need = cfg.num_blocks * per_block
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > have:
         raise StartupError(f"--num-blocks {cfg.num_blocks} needs {need / 2**30:.1f} GiB of KV "
-                           f"cache per instance ({spec.bytes_per_block} bytes per block of "
+                           f"cache per instance ({per_block} bytes per block of "
                            f"{cfg.model}) but this machine has {have / 2**30:.1f} GiB of memory; "
                            f"lower --num-blocks, or leave it out to size the cache by a profile "
                            f"run from --memory-budget-mb")

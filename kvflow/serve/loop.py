@@ -46,6 +46,7 @@ class EventLoop:
         self._last_hb = 0.0
         self.messages_sent = 0
         self.beats: HeartbeatThread | None = None
+        self.stop_signal: tuple[int, float] | None = None  # (signum, monotonic time received)
 
     def open_channels(self) -> None:
         """Create the ZMQ context and the control socket to the router (after the profile
@@ -145,7 +146,7 @@ class EventLoop:
     def serve_forever(self) -> None:
         poller, polled = zmq.Poller(), set()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: setattr(self, "stopping", True))
+            signal.signal(sig, self._on_stop_signal)
         try:
             while not self.stopping:
                 if polled != set(self.sockets):  # a socket was opened (pairing) or closed
@@ -161,6 +162,17 @@ class EventLoop:
                 self.heartbeat()
         finally:
             self.close()
+            if self.stop_signal is not None:
+                signum, t0 = self.stop_signal
+                log.info("%s: stopped by %s in %.2f s (sockets and cache closed)", self.instance_id,
+                         signal.Signals(signum).name, time.monotonic() - t0)
+
+    def _on_stop_signal(self, signum: int, frame) -> None:
+        """SIGINT / SIGTERM while serving: only set ``stopping``; the loop ends after the
+        current unit of work (one prefill chunk, one decode step) and closes everything."""
+        if self.stop_signal is None:
+            self.stop_signal = (signum, time.monotonic())
+        self.stopping = True
 
     def close(self) -> None:
         if self.beats is not None:  # its socket closes before the context ends

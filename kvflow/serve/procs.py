@@ -30,6 +30,9 @@ from .startup import PREFIX, bind_error
 
 log = logging.getLogger("kvflow.serve.procs")
 
+#: Seconds :meth:`Children.stop_all` waits for the children after SIGTERM before SIGKILL
+STOP_TIMEOUT_S = 30.0
+
 
 def bind_http_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket for the HTTP server, bound before anything is spawned.
@@ -62,6 +65,7 @@ class Children:
         self.stderr_tail: dict[int, deque[str]] = {}
         self.fatal: dict[int, str] = {}  # a child's one-line start-up error, held back
         self._readers: list[threading.Thread] = []
+        self.hurry = False  # a second interrupt: stop_all kills at once instead of waiting
 
     def spawn(self, role: str, cfg: ServeConfig, env: dict[str, str] | None = None) -> subprocess.Popen:
         """Start instance ``role`` with config ``cfg`` (its ``role`` field); ``env`` (default
@@ -99,19 +103,42 @@ class Children:
                 t.join(wait_s)
         return list(self.stderr_tail.get(pid, ()))
 
-    def stop_all(self, timeout_s: float = 5.0) -> None:
-        """SIGTERM every child, wait up to ``timeout_s``, SIGKILL the rest, reap all."""
+    def stop_all(self, timeout_s: float = STOP_TIMEOUT_S, note_every_s: float = 5.0) -> None:
+        """SIGTERM every child, wait up to ``timeout_s`` seconds for all to exit (a warning
+        names those still running every ``note_every_s``), SIGKILL the rest, reap all.
+
+        A child ends its current unit of work (one prefill chunk, one decode step), closes its
+        sockets, cache and segments and exits 0 (:meth:`EventLoop.serve_forever
+        <kvflow.serve.loop.EventLoop.serve_forever>`): well under a second idle, a few seconds
+        on a busy host; ``timeout_s`` bounds a child that hangs.
+        """
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for proc in self.procs.values():
+        t0 = time.monotonic()
+        deadline, next_note = t0 + timeout_s, t0 + note_every_s
+        while True:
+            running = [p for p in self.procs.values() if p.poll() is None]
+            now = time.monotonic()
+            if not running or now >= deadline or self.hurry:
+                break
+            if now >= next_note:
+                log.warning("stopping: waiting for %s to exit (%.0f s; killed after %g s)",
+                            ", ".join(f"the {self.roles[p.pid]} instance (pid {p.pid})"
+                                      for p in running), now - t0, timeout_s)
+                next_note += note_every_s
             try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
+                running[0].wait(min(0.05, max(0.0, deadline - now)))
             except subprocess.TimeoutExpired:
-                log.warning("instance pid %d ignored SIGTERM; killing it", proc.pid)
-                proc.kill()
-                proc.wait()
+                pass
+        for proc in running:
+            if self.hurry:
+                log.warning("instance pid %d: a second interrupt; killing it", proc.pid)
+            else:
+                log.warning("instance pid %d ignored SIGTERM for %g s; killing it", proc.pid,
+                            timeout_s)
+            proc.kill()
+            proc.wait()
         for t in self._readers:
             t.join(1.0)
 

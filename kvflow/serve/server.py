@@ -7,8 +7,10 @@ gets the config as JSON, :func:`instance_config`), and the HTTP server
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
+import signal
 import sys
 
 from kvflow.connector import resolve_connector
@@ -50,6 +52,47 @@ def _controller(cfg: ServeConfig, metrics, children, tokenizer):
                          exc.errno, zmq.strerror(exc.errno)) from None
 
 
+def _uvicorn_server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server without its own signal handlers (:func:`stop_on_signals` owns
+        SIGINT and SIGTERM): uvicorn's replace kvflow's for the length of ``serve`` and raise
+        the signal again when it returns, so that whether a stop is honoured would depend on
+        the handler found on entry."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
+
+    return Server
+
+
+def stop_on_signals(server, children=None) -> None:
+    """From now on the first SIGINT or SIGTERM stops ``server`` (uvicorn's ``should_exit``:
+    no new connection, running requests get up to 3 s, then the children stop); a second one
+    cuts that short (``force_exit``, and the children are killed without waiting:
+    :meth:`~kvflow.serve.procs.Children.stop_all`). Installed whatever the handler was, also
+    ``SIG_IGN`` inherited from a shell that started the server as a background job."""
+    received: list[int] = []
+
+    def on_signal(signum: int, frame) -> None:
+        received.append(signum)
+        if len(received) > 1:
+            server.force_exit = True
+            if children is not None:
+                children.hurry = True
+            return
+        server.should_exit = True
+        try:  # os.write: a print here could re-enter a print the signal interrupted
+            os.write(2, f"kvflow.serve: stopping ({signal.Signals(signum).name})\n".encode())
+        except OSError:
+            pass
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+
+
 async def serve_router(cfg: ServeConfig, http_sock, children, serving: list[bool]) -> int:
     """Serve HTTP on ``http_sock`` until stopped; return the exit status. ``serving`` gets True
     once the router listens (``children``: :class:`~kvflow.serve.procs.Children` or None).
@@ -87,7 +130,7 @@ async def serve_router(cfg: ServeConfig, http_sock, children, serving: list[bool
                                                     cfg.decode_device))
         router = Router(ctl, tokenizer, cfg.model, metrics,
                         admit_timeout_s=cfg.admit_timeout_s, api_key=cfg.api_key)
-        server = uvicorn.Server(uvicorn.Config(create_app(router), log_level=cfg.log_level,
+        server = _uvicorn_server_class()(uvicorn.Config(create_app(router), log_level=cfg.log_level,
                                                access_log=False, lifespan="off",
                                                timeout_graceful_shutdown=3))
         host, port = http_sock.getsockname()[:2]
@@ -106,6 +149,7 @@ async def serve_router(cfg: ServeConfig, http_sock, children, serving: list[bool
         watchers = [asyncio.ensure_future(watch_output(server, closed))]
         if children is not None:
             watchers.append(asyncio.ensure_future(watch_children(children, ctl, server, failed)))
+        stop_on_signals(server, children)
         try:
             await server.serve(sockets=[http_sock])
         finally:
