@@ -13,19 +13,27 @@ is 130 (SIGINT) or 143 (SIGTERM). Every flag is a field of
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import os
 import signal
 import sys
 
-from .checks import parse_config
-from .config import ServeConfig
-from .config import build_parser as _build_parser
-from .output import say
-from .startup import (StartupError, Terminated, arm_interrupts, check_backend, check_device,
-                      check_host, check_interrupted, interrupted_by, one_line_errors,
-                      record_interrupt)
+from .startup import record_interrupt
+
+if __name__ == "__main__":  # before the other imports: a Ctrl-C meanwhile is only recorded
+    signal.signal(signal.SIGINT, record_interrupt)
+    if "--config-json" not in sys.argv[1:]:
+        signal.signal(signal.SIGTERM, record_interrupt)
+
+import asyncio  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+
+from .checks import parse_config  # noqa: E402
+from .config import ServeConfig  # noqa: E402
+from .config import build_parser as _build_parser  # noqa: E402
+from .output import say  # noqa: E402
+from .startup import (StartupError, Terminated, arm_interrupts, check_backend,  # noqa: E402
+                      check_device, check_host, check_interrupted, interrupted_by,
+                      one_line_errors)
 
 log = logging.getLogger("kvflow.serve")
 
