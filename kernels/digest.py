@@ -1,13 +1,15 @@
 """Per-block digests of moved KV (``--kv-verify``): the definition, in torch (the reference).
 
 The digest of one block pair ``i`` over a layer range ``[start, stop)`` reads the moved bytes
-as little-endian 32-bit words ``w[p]``, ``p = j * R + k`` for tensor ``j`` of the range
-(``j = (layer - start) * tensors_per_layer + t``) and word ``k < R = block_bytes / 4`` of its
-run, and is the exact integer
+as little-endian 32-bit words ``w[p]``, ``p = j * R + k`` for cache tensor ``j`` (``j = layer *
+tensors_per_layer + t``, counted from layer 0 whatever the range) and word ``k < R =
+block_bytes / 4`` of its run, and is the exact integer
 
     digest[i] = sum over p of ((w[p] * m(p)) mod 2**32),   m(p) = ((p * 0x9E3779B1) mod 2**32) | 1
 
-(an int64 below ``2**63`` for any block under 8 GiB). Each term only depends on its own word and
+(an int64 below ``2**63`` for any block under 8 GiB). Positions are absolute, so the digest
+of a layer range is the sum of its layers' digests (a receiver that scatters layer by layer adds
+them up). Each term only depends on its own word and
 position, so programs may add their parts in any order (integer atomics): every backend gets
 the same bits. ``m(p)`` is odd, so a change of any one word always changes its term (the
 digest detects every single-word corruption); terms weighted by position also see swapped
@@ -37,11 +39,12 @@ def multipliers(num_words: int, device: Any = "cpu") -> torch.Tensor:
     return ((p * MULT) & MASK) | 1
 
 
-def digest_words(words: torch.Tensor) -> torch.Tensor:
+def digest_words(words: torch.Tensor, first: int = 0) -> torch.Tensor:
     """Digests of ``words``: int32 (or any 4-byte dtype) ``[n, P]``, row ``i`` the words of
-    block pair ``i`` in position order; returns int64 ``[n]``."""
+    block pair ``i`` at positions ``first, first + 1, ...``; returns int64 ``[n]``."""
     w = words.view(torch.int32).to(torch.int64) & MASK
-    return ((w * multipliers(w.shape[1], w.device)) & MASK).sum(dim=1)
+    m = multipliers(first + w.shape[1], w.device)[first:]
+    return ((w * m) & MASK).sum(dim=1)
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -128,15 +131,17 @@ def block_digest(cache: Any, block_ids: Any, layers: Any = None) -> torch.Tensor
         return torch.zeros(ids.numel(), dtype=torch.int64, device=cache.device)
     rows = torch.cat([_words(t.index_select(0, safe)).reshape(ids.numel(), -1)
                       for t in tensors], dim=1)
-    return torch.where(valid, digest_words(rows), torch.zeros_like(ids))
+    first = start * T * (spec.block_bytes // 4)
+    return torch.where(valid, digest_words(rows, first), torch.zeros_like(ids))
 
 
-def staged_digest(buf: torch.Tensor) -> torch.Tensor:
+def staged_digest(buf: torch.Tensor, start: int = 0) -> torch.Tensor:
     """The digests of the slots of a staging buffer ``[layers, tensors, n, *block_shape]``
-    (``staging_shape`` order): int64 ``[n]``, slot ``i`` as the block it holds."""
+    (``staging_shape`` order) of layers from ``start``: int64 ``[n]``, slot ``i`` as the
+    block it holds."""
     L, T, n = buf.shape[:3]
     words = _words(buf).reshape(L * T, n, -1).permute(1, 0, 2).reshape(n, -1)
-    return digest_words(words)
+    return digest_words(words, start * T * (words.shape[1] // max(1, L * T)))
 
 
 # ---- the reference digests of one op, for backends that do not digest in their launch ----
@@ -144,16 +149,20 @@ def _masked(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.where(valid, values, torch.zeros_like(values))
 
 
-def gathered(cache: Any, ids: torch.Tensor, out: torch.Tensor, digest: torch.Tensor) -> None:
-    """``digest[i]`` = the digest of slot ``i`` of the gathered ``out`` (0 for a skipped id)."""
+def gathered(cache: Any, ids: torch.Tensor, out: torch.Tensor, start: int,
+             digest: torch.Tensor) -> None:
+    """``digest[i]`` = the digest of slot ``i`` of the gathered ``out`` (layers from
+    ``start``; 0 for a skipped id)."""
     valid = (ids >= 0) & (ids < cache.num_blocks)
-    digest.copy_(_masked(staged_digest(out), valid.to(digest.device)))
+    digest.copy_(_masked(staged_digest(out, start), valid.to(digest.device)))
 
 
-def scattered(src: torch.Tensor, cache: Any, ids: torch.Tensor, digest: torch.Tensor) -> None:
-    """``digest[i]`` = the digest of slot ``i`` of ``src`` (0 where ``ids[i]`` was skipped)."""
+def scattered(src: torch.Tensor, cache: Any, ids: torch.Tensor, start: int,
+              digest: torch.Tensor) -> None:
+    """``digest[i]`` = the digest of slot ``i`` of ``src`` (layers from ``start``; 0 where
+    ``ids[i]`` was skipped)."""
     valid = (ids >= 0) & (ids < cache.num_blocks)
-    digest.copy_(_masked(staged_digest(src), valid.to(digest.device)))
+    digest.copy_(_masked(staged_digest(src, start), valid.to(digest.device)))
 
 
 def copied(src_cache: Any, src_ids: torch.Tensor, dst_ids: torch.Tensor, dst_n: int,

@@ -178,7 +178,7 @@ def gather_blocks(cache: PagedKVCache, block_ids: Any, out: Any, layers: Any = N
             kw["check"] = True
         be.gather(cache, ids, out, start, stop, max_ctas, **kw)
         if digest is not None and "digest" not in kw:
-            _digest.gathered(cache, ids, out, digest)
+            _digest.gathered(cache, ids, out, start, digest)
         if out_scales is not None:
             tpl = spec.tensors_per_layer
             move_scales(cache.scales[start * tpl:stop * tpl], out_scales, ids,
@@ -243,7 +243,7 @@ def scatter_blocks(src: Any, cache: PagedKVCache, block_ids: Any, layers: Any = 
             kw["check"] = True
         be.scatter(src, cache, ids, start, stop, max_ctas, **kw)
         if digest is not None and "digest" not in kw:
-            _digest.scattered(src, cache, ids, digest)
+            _digest.scattered(src, cache, ids, start, digest)
         if src_scales is not None:
             tpl = spec.tensors_per_layer
             move_scales(src_scales, cache.scales[start * tpl:stop * tpl],

@@ -24,7 +24,9 @@ def _python_digest(cache: PagedKVCache, block: int, start: int, stop: int) -> in
     T = cache.spec.tensors_per_layer
     words = np.concatenate([t[block].reshape(-1).view(torch.uint8).cpu().numpy().view("<u4")
                             for t in cache.tensors()[start * T:stop * T]])
-    return sum((int(w) * (((p * 0x9E3779B1) % 2**32) | 1)) % 2**32 for p, w in enumerate(words))
+    first = start * T * cache.spec.block_bytes // 4  # positions count from layer 0
+    return sum((int(w) * ((((first + p) * 0x9E3779B1) % 2**32) | 1)) % 2**32
+               for p, w in enumerate(words))
 
 
 def test_reference_is_the_formula():
@@ -34,6 +36,8 @@ def test_reference_is_the_formula():
     assert got.dtype == torch.int64
     assert got.tolist() == [_python_digest(cache, 4, 1, 3), 0, _python_digest(cache, 0, 1, 3)]
     assert block_digest(cache, []).tolist() == []
+    # a range's digest is the sum of its layers'
+    assert got[0] == block_digest(cache, [4], 1)[0] + block_digest(cache, [4], 2)[0]
 
 
 @pytest.mark.parametrize("device,backend", CASES)

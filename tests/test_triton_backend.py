@@ -175,7 +175,8 @@ def _ptx(src_cache: bool, dst_cache: bool, check: bool) -> str:
     sig = {k: "i64" for k in ("src_table", "dst_table", "src_stage", "dst_stage", "src_ids",
                               "dst_ids")}
     sig.update({"n": "i32", "src_n": "i32", "dst_n": "i32", "total": "i32", "errors": "i64",
-                "ready": "i64", "stamps": "i64", "call": "i32", "op": "i32", "digest": "i64"})
+                "ready": "i64", "stamps": "i64", "call": "i32", "op": "i32", "digest": "i64",
+                "tensor0": "i32"})
     const = dict(WORD=tl.int64, ALIGN=16, RUN=16384, CHUNK=8192, BLOCK=2048, EVEN=True,
                  SRC_CACHE=src_cache, DST_CACHE=dst_cache, STREAM=False, SRC_I64=False,
                  DST_I64=True, CHECK=check, DUP=check, SHARED=check,

@@ -47,12 +47,13 @@ if numba is not None:
         return sig, codegen
 
     def _copy_runs(src_ptrs, dst_ptrs, src_ids, dst_ids, src_base, dst_base, n, src_n, dst_n,
-                   run, word, parts):
+                   run, word, parts, t0):
         """Work item ``w`` = (tensor ``t``, pair ``i``): run ``src_ids[i]`` of ``src_ptrs[t]``
         (or, when ``src_base`` is not 0, run ``t * n + i`` of the staging buffer at
         ``src_base``) to the same on the destination side; ``run`` counts ``word`` units.
         ``parts`` of ``tensors * n`` (else empty): ``parts[w]`` gets the digest of the words
-        item ``w`` moved (:mod:`kvflow.kernels.digest`; ``word`` 4 or 8)."""
+        item ``w`` moved (:mod:`kvflow.kernels.digest`; ``word`` 4 or 8; positions from
+        cache tensor ``t0``)."""
         tensors = src_ptrs.shape[0] if src_base == 0 else dst_ptrs.shape[0]
         digest = parts.shape[0] > 0
         for w in numba.prange(tensors * n):
@@ -77,7 +78,7 @@ if numba is not None:
                 dst = numba.carray(_as_ptr(dp), run, np.uint64)
                 if digest:
                     acc = np.int64(0)
-                    p = np.int64(t) * run * 2
+                    p = np.int64(t + t0) * run * 2
                     for k in range(run):
                         v = src[k]
                         dst[k] = v
@@ -94,7 +95,7 @@ if numba is not None:
                 src4 = numba.carray(_as_ptr(sp), run, np.uint32)
                 dst4 = numba.carray(_as_ptr(dp), run, np.uint32)
                 acc = np.int64(0)
-                p = np.int64(t) * run
+                p = np.int64(t + t0) * run
                 for k in range(run):
                     v4 = src4[k]
                     dst4[k] = v4
@@ -117,7 +118,7 @@ _NONE = np.zeros(0, dtype=np.int64)  # the unused side's table or ids
 
 def copy_runs(src_ptrs, dst_ptrs, src_ids, dst_ids, src_n: int, dst_n: int, run_bytes: int,
               *, src_base: int = 0, dst_base: int = 0, n: int | None = None,
-              digest: torch.Tensor | None = None) -> None:
+              digest: torch.Tensor | None = None, tensor0: int = 0) -> None:
     """Copy run ``src_ids[i]`` of each ``src_ptrs[t]`` to run ``dst_ids[i]`` of ``dst_ptrs[t]``.
 
     Arrays are numpy int64 (ids int32 or int64); runs are ``run_bytes`` long; ids outside
@@ -126,7 +127,8 @@ def copy_runs(src_ptrs, dst_ptrs, src_ids, dst_ids, src_n: int, dst_n: int, run_
     ``base + (t * n + i) * run_bytes``, and its table and ids are ignored. ``digest``
     (int64 ``[n]``, zeroed; ``run_bytes`` a multiple of 4): pair ``i``'s digest is added to
     ``digest[i]`` in the same pass over the words (per work item, then summed over tensors:
-    the same bits whatever the threads' order).
+    the same bits whatever the threads' order); positions count from cache tensor
+    ``tensor0`` (the layer range's first).
     """
     n = (src_ids if src_base == 0 else dst_ids).shape[0] if n is None else n
     tensors = (src_ptrs if src_base == 0 else dst_ptrs).shape[0]
@@ -134,7 +136,7 @@ def copy_runs(src_ptrs, dst_ptrs, src_ids, dst_ids, src_n: int, dst_n: int, run_
     word = 8 if run_bytes % 8 == 0 else 4 if run_bytes % 4 == 0 else 1
     parts = _NONE if digest is None else np.zeros(tensors * n, dtype=np.int64)
     fn(src_ptrs, dst_ptrs, src_ids, dst_ids, src_base, dst_base, n, src_n, dst_n,
-       run_bytes // word, word, parts)
+       run_bytes // word, word, parts, tensor0)
     if digest is not None:
         digest.numpy()[:] += parts.reshape(tensors, n).sum(axis=0)
 
@@ -164,17 +166,20 @@ class NumbaCPUBackend:
 
     def gather(self, cache, ids, out, start, stop, max_ctas=None, digest=None):
         copy_runs(_ptrs(cache, start, stop), _NONE, _ids(ids), _NONE, cache.num_blocks, 0,
-                  cache.spec.block_bytes, dst_base=out.data_ptr(), digest=digest)
+                  cache.spec.block_bytes, dst_base=out.data_ptr(), digest=digest,
+                  tensor0=start * cache.spec.tensors_per_layer)
 
     def scatter(self, src, cache, ids, start, stop, max_ctas=None, digest=None):
         copy_runs(_NONE, _ptrs(cache, start, stop), _NONE, _ids(ids), 0, cache.num_blocks,
-                  cache.spec.block_bytes, src_base=src.data_ptr(), digest=digest)
+                  cache.spec.block_bytes, src_base=src.data_ptr(), digest=digest,
+                  tensor0=start * cache.spec.tensors_per_layer)
 
     def copy(self, src_cache, dst_cache, src_ids, dst_ids, start, stop, max_ctas=None,
              digest=None):
         copy_runs(_ptrs(src_cache, start, stop), _ptrs(dst_cache, start, stop), _ids(src_ids),
                   _ids(dst_ids), src_cache.num_blocks, dst_cache.num_blocks,
-                  src_cache.spec.block_bytes, digest=digest)
+                  src_cache.spec.block_bytes, digest=digest,
+                  tensor0=start * src_cache.spec.tensors_per_layer)
 
     def reblock(self, job, max_ctas=None, check=False):
         """Copy between different specs (:mod:`.reblock`), one call over all layers."""

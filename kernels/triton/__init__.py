@@ -70,9 +70,9 @@ class TritonBackend:
                                                False, check, False, max_ctas, digest=dg)
         plan.launch(info.table + start * info.layer_bytes, 0, 0, ptr, ids.data_ptr(), 0, n,
                     cache.num_blocks, n, info.errors, info.ready, 0, 0, _GATHER,
-                    digest.data_ptr() if dg else 0)
+                    digest.data_ptr() if dg else 0, start * cache.spec.tensors_per_layer)
         if digest is not None and not dg:
-            fallback.gathered(cache, ids, out, digest)
+            fallback.gathered(cache, ids, out, start, digest)
 
     def scatter(self, src, cache, ids, start, stop, max_ctas=None, check=False, digest=None):
         dev, n, ptr = cache.device, ids.shape[0], src.data_ptr()
@@ -89,9 +89,10 @@ class TritonBackend:
         st = stamps(cache, dev) if dup else None
         plan.launch(0, info.table + start * info.layer_bytes, ptr, 0, 0, ids.data_ptr(), n, n,
                     cache.num_blocks, info.errors, info.ready, st.addr if st else 0,
-                    st.next() if st else 0, _SCATTER, digest.data_ptr() if dg else 0)
+                    st.next() if st else 0, _SCATTER, digest.data_ptr() if dg else 0,
+                    start * cache.spec.tensors_per_layer)
         if digest is not None and not dg:
-            fallback.scattered(src, cache, ids, digest)
+            fallback.scattered(src, cache, ids, start, digest)
 
     def copy(self, src_cache, dst_cache, src_ids, dst_ids, start, stop, max_ctas=None,
              direction="pull", check=False, same=False, digest=None):
@@ -129,7 +130,7 @@ class TritonBackend:
                 stamp = plans[key] = _new_plan(dst_cache, dev, a, 1, True, True, s64, d64, True,
                                                True, None, stamp_only=True)
             stamp.launch(*args)
-        plan.launch(*args, digest.data_ptr() if dg else 0)
+        plan.launch(*args, digest.data_ptr() if dg else 0, start * dst_cache.spec.tensors_per_layer)
         if digest is not None and not dg:
             fallback.copied(src_cache, src_ids, dst_ids, dst_cache.num_blocks, start, stop,
                             digest)

@@ -43,7 +43,7 @@ import triton.language as tl
 
 
 def _copy_runs(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
-               n, src_n, dst_n, total, errors, ready, stamps, call, op, digest,
+               n, src_n, dst_n, total, errors, ready, stamps, call, op, digest, tensor0,
                WORD: tl.constexpr, ALIGN: tl.constexpr, RUN: tl.constexpr,
                CHUNK: tl.constexpr, BLOCK: tl.constexpr, EVEN: tl.constexpr,
                SRC_CACHE: tl.constexpr, DST_CACHE: tl.constexpr, STREAM: tl.constexpr,
@@ -59,7 +59,8 @@ def _copy_runs(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
 
     ``DIGEST``: each valid item also adds the digest of the words it moved
     (:mod:`kvflow.kernels.digest`; ``WPW`` 32-bit words per ``WORD``, 1 or 2) into the int64
-    ``digest[i]`` of its pair with one integer atomic add (order-independent)."""
+    ``digest[i]`` of its pair with one integer atomic add (order-independent); positions count
+    from the cache's tensor 0 (``tensor0``: the layer range's first tensor)."""
     NCHUNK: tl.constexpr = (RUN + CHUNK - 1) // CHUNK
     ar = tl.arange(0, BLOCK)
     err = errors.to(tl.pointer_type(tl.int64))
@@ -125,7 +126,7 @@ def _copy_runs(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
                         tl.store(dp + offs, v, mask=m)
                 if DIGEST:  # kvflow.kernels.digest: sum of (word * m(pos)) mod 2**32
                     x = v.to(tl.int64)
-                    p = (j.to(tl.int64) * RUN + c * CHUNK + offs) * WPW
+                    p = ((j + tensor0).to(tl.int64) * RUN + c * CHUNK + offs) * WPW
                     mul = ((p * 0x9E3779B1) & 0xFFFFFFFF) | 1
                     acc += ((x & 0xFFFFFFFF) * mul) & 0xFFFFFFFF
                     if WPW == 2:
@@ -239,7 +240,7 @@ _JIT: dict[bool, Any] = {}
 # Runtime ints that change per call: never specialise on them (a value of 1 would become a
 # constant and the compiled kernel would be wrong for the next call), so one compile serves all.
 _RUNTIME = ("src_table", "dst_table", "src_stage", "dst_stage", "src_ids", "dst_ids", "n",
-            "src_n", "dst_n", "total", "errors", "ready", "stamps", "call", "op", "digest")
+            "src_n", "dst_n", "total", "errors", "ready", "stamps", "call", "op", "digest", "tensor0")
 
 
 def kernel():

@@ -108,11 +108,13 @@ class Plan:
 
     def launch(self, src_table: int, dst_table: int, src_stage: int, dst_stage: int,
                src_ids: int, dst_ids: int, n: int, src_n: int, dst_n: int, errors: int,
-               ready: int, stamps: int, call: int, op: int, digest: int = 0) -> None:
+               ready: int, stamps: int, call: int, op: int, digest: int = 0,
+               tensor0: int = 0) -> None:
         """Enqueue one copy of ``n`` pairs on the device's current stream (no wait).
 
         Every address is an int (0 for a side that is not used; ``digest``: an int64 array
-        of ``n``, zeroed by the caller, when the plan digests). Raises ValueError when the
+        of ``n``, zeroed by the caller, when the plan digests; ``tensor0``: the cache tensor
+        the layer range starts at, for the digest's positions). Raises ValueError when the
         work items would overflow the kernel's int32 index."""
         total = self.per_pair * n
         if total >= MAX_ITEMS:
@@ -125,10 +127,10 @@ class Plan:
             k.run(grid, 1, 1, _raw_stream(self.index), k.function, k.packed_metadata, None,
                   None, None, src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids, n,
                   src_n, dst_n, total, errors, ready, stamps, call, op, digest,
-                  *self.const_values)
+                  tensor0, *self.const_values)
             return
         args = (src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids, n, src_n, dst_n,
-                total, errors, ready, stamps, call, op, digest)
+                total, errors, ready, stamps, call, op, digest, tensor0)
         if self.index is None:  # Triton's interpreter: no compiled kernel to keep
             _cr.kernel()[(grid,)](*args, **self.consts, num_warps=self.warps)
             return
