@@ -126,7 +126,7 @@ def _copy_runs(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
                         tl.store(dp + offs, v, mask=m)
                 if DIGEST:  # kvflow.kernels.digest: sum of (word * m(pos)) mod 2**32
                     x = v.to(tl.int64)
-                    p = ((j + tensor0).to(tl.int64) * RUN + c * CHUNK + offs) * WPW
+                    p = ((j.to(tl.int64) + tensor0) * RUN + c * CHUNK + offs) * WPW
                     mul = ((p * 0x9E3779B1) & 0xFFFFFFFF) | 1
                     acc += ((x & 0xFFFFFFFF) * mul) & 0xFFFFFFFF
                     if WPW == 2:
