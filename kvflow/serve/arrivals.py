@@ -130,7 +130,7 @@ class Arrivals:
 
 def _failure(exc: Exception, seq: Seq) -> str:
     """The error of a failed transfer; a ``--kv-verify`` mismatch names the logical block."""
-    from kvflow.connector.verify import KVVerifyError
+    from kvflow.connector import KVVerifyError
     if isinstance(exc, KVVerifyError):
         logical = seq.num_cached_blocks + exc.index
         return (f"kv verify failed: logical block {logical} (D block "
