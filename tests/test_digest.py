@@ -138,3 +138,20 @@ def test_bad_digest_arguments():
                                          r"got 18 "):
         gather_blocks(PagedKVCache(odd, 2), [0], staging_buffer(odd, 1),
                       digest=torch.zeros(1, dtype=torch.int64))
+
+
+def test_kernels_bench_times_the_digest_ops():
+    """``python -m kvflow.bench kernels --ops ...+digest``: rows for the digest variants, each
+    verified (bytes and digest) against the torch reference, beside the plain ops."""
+    from kvflow.bench.kernels import run_kernels
+    from kvflow.bench.schema import env_info
+    opts = dict(device="cpu", seed=0, num_layers=2, num_kv_heads=2, head_dim=16, block_size=16,
+                mla_dim=64, layouts=["NHD"], dtypes=["bfloat16"], tokens=[64], num_blocks=16,
+                ops=["gather", "gather+digest", "scatter+digest", "copy+digest"],
+                backends=["torch", "numba"], warmup=1, reps=2, max_ctas=[None], max_rotations=2)
+    rows, skipped = run_kernels(opts, env_info("cpu"), progress=False)
+    assert skipped == []
+    assert [(r["op"], r["backend"], r["verified"]) for r in rows] == [
+        (op, be, True) for op in opts["ops"] for be in ("torch", "numba")]
+    with pytest.raises(SystemExit, match="--ops: unknown gather\\+crc"):
+        run_kernels(dict(opts, ops=["gather+crc"]), {}, progress=False)
