@@ -3,14 +3,16 @@
 The digest of one block pair ``i`` over a layer range ``[start, stop)`` reads the moved bytes
 as little-endian 32-bit words ``w[p]``, ``p = j * R + k`` for cache tensor ``j`` (``j = layer *
 tensors_per_layer + t``, counted from layer 0 whatever the range) and word ``k < R =
-block_bytes / 4`` of its run, and is the exact integer
+block_bytes / 4`` of its run, and is
 
-    digest[i] = sum over p of ((w[p] * m(p)) mod 2**32),   m(p) = ((p * 0x9E3779B1) mod 2**32) | 1
+    digest[i] = (sum over p of w[p] * m(p)) mod 2**32,   m(p) = ((p * 0x9E3779B1) mod 2**32) | 1
 
-(an int64 below ``2**63`` for any block under 8 GiB). Positions are absolute, so the digest
-of a layer range is the sum of its layers' digests (a receiver that scatters layer by layer adds
-them up). Each term only depends on its own word and
-position, so programs may add their parts in any order (integer atomics): every backend gets
+stored as an int32 (the same 32 bits, two's complement). Everything is 32-bit arithmetic
+(one multiply, one add, one or per word: the copy stays memory-bound on a GPU). Positions are
+absolute, so the digest of a layer range is the sum of its layers' digests mod 2**32 (a
+receiver that scatters layer by layer adds them up, :func:`fold`). Each term only depends on
+its own word and position, and addition mod 2**32 does not depend on order, so programs may
+add their parts in any order (wrapping integer atomics): every backend gets
 the same bits. ``m(p)`` is odd, so a change of any one word always changes its term (the
 digest detects every single-word corruption); terms weighted by position also see swapped
 words, and K/V or layer swaps (``j`` is part of ``p``). It is an integrity check against
@@ -34,17 +36,23 @@ MASK = 0xFFFFFFFF
 
 
 def multipliers(num_words: int, device: Any = "cpu") -> torch.Tensor:
-    """``m(p)`` for ``p < num_words`` as int64 (see the module docstring)."""
+    """``m(p)`` for ``p < num_words`` as int64 values below 2**32 (module docstring)."""
     p = torch.arange(num_words, dtype=torch.int64, device=device)
     return ((p * MULT) & MASK) | 1
 
 
 def digest_words(words: torch.Tensor, first: int = 0) -> torch.Tensor:
     """Digests of ``words``: int32 (or any 4-byte dtype) ``[n, P]``, row ``i`` the words of
-    block pair ``i`` at positions ``first, first + 1, ...``; returns int64 ``[n]``."""
+    block pair ``i`` at positions ``first, first + 1, ...``; returns int32 ``[n]``."""
     w = words.view(torch.int32).to(torch.int64) & MASK
     m = multipliers(first + w.shape[1], w.device)[first:]
-    return ((w * m) & MASK).sum(dim=1)
+    return fold(((w * m) & MASK).sum(dim=1))
+
+
+def fold(total: torch.Tensor) -> torch.Tensor:
+    """int64 sums ``total`` (any sign) mod 2**32 as int32 (the digest's 32 bits)."""
+    low = total & MASK
+    return (low - ((low >> 31) & 1) * (MASK + 1)).to(torch.int32)
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -60,23 +68,23 @@ def check_digestible(spec: Any) -> None:
 
 
 def check_digest(digest: Any, n: int, device: torch.device, spec: Any) -> torch.Tensor | None:
-    """The ``digest=`` argument of an op (None, or int64 ``[n]`` contiguous on ``device``),
+    """The ``digest=`` argument of an op (None, or int32 ``[n]`` contiguous on ``device``),
     zeroed for the op to fill.
 
     Raises
     ------
     TypeError
-        Not a tensor, or not int64.
+        Not a tensor, or not int32.
     ValueError
         Another shape or device, not contiguous, or blocks that are not whole 32-bit words.
     """
     if digest is None:
         return None
     if not isinstance(digest, torch.Tensor):
-        raise TypeError(f"digest must be None or an int64 torch.Tensor of shape [{n}], got "
+        raise TypeError(f"digest must be None or an int32 torch.Tensor of shape [{n}], got "
                         f"{type(digest).__name__}")
-    if digest.dtype != torch.int64:
-        raise TypeError(f"digest must have dtype torch.int64, got {digest.dtype}")
+    if digest.dtype != torch.int32:
+        raise TypeError(f"digest must have dtype torch.int32, got {digest.dtype}")
     if tuple(digest.shape) != (n,):
         raise ValueError(f"digest must have shape [{n}] (one per id), got {list(digest.shape)}")
     if digest.device != device:
@@ -108,7 +116,7 @@ def block_digest(cache: Any, block_ids: Any, layers: Any = None) -> torch.Tensor
     Returns
     -------
     torch.Tensor
-        int64 ``[n]`` on ``cache.device``: what ``gather_blocks(..., digest=d)`` writes.
+        int32 ``[n]`` on ``cache.device``: what ``gather_blocks(..., digest=d)`` writes.
 
     Raises
     ------
@@ -128,16 +136,17 @@ def block_digest(cache: Any, block_ids: Any, layers: Any = None) -> torch.Tensor
     safe = torch.where(valid, ids, torch.zeros_like(ids))
     tensors = cache.tensors()[start * T:stop * T]
     if not tensors or ids.numel() == 0:
-        return torch.zeros(ids.numel(), dtype=torch.int64, device=cache.device)
+        return torch.zeros(ids.numel(), dtype=torch.int32, device=cache.device)
     rows = torch.cat([_words(t.index_select(0, safe)).reshape(ids.numel(), -1)
                       for t in tensors], dim=1)
     first = start * T * (spec.block_bytes // 4)
-    return torch.where(valid, digest_words(rows, first), torch.zeros_like(ids))
+    got = digest_words(rows, first)
+    return torch.where(valid, got, torch.zeros_like(got))
 
 
 def staged_digest(buf: torch.Tensor, start: int = 0) -> torch.Tensor:
     """The digests of the slots of a staging buffer ``[layers, tensors, n, *block_shape]``
-    (``staging_shape`` order) of layers from ``start``: int64 ``[n]``, slot ``i`` as the
+    (``staging_shape`` order) of layers from ``start``: int32 ``[n]``, slot ``i`` as the
     block it holds."""
     L, T, n = buf.shape[:3]
     words = _words(buf).reshape(L * T, n, -1).permute(1, 0, 2).reshape(n, -1)

@@ -140,7 +140,7 @@ def gather_blocks(cache: PagedKVCache, block_ids: Any, out: Any, layers: Any = N
         a cache of fp8 ``scales="block_head"`` needs ``out_scales`` float32
         ``[tensors, n, num_kv_heads]``: slot ``i`` gets the scales of block ``block_ids[i]``
         (:mod:`kvflow.kernels.block_scales`); other specs take none.
-    digest : torch.Tensor, int64, shape [n], optional
+    digest : torch.Tensor, int32, shape [n], optional
         Also write ``digest[i]``, the digest of the bytes slot ``i`` received over the layer
         range (0 for a skipped id), defined by :func:`kvflow.kernels.block_digest`
         (:mod:`kvflow.kernels.digest`); ``triton`` and ``numba`` compute it in the copy's own
@@ -208,7 +208,7 @@ def scatter_blocks(src: Any, cache: PagedKVCache, block_ids: Any, layers: Any = 
         Without ``src_spec``, a cache of fp8 ``scales="block_head"`` needs ``src_scales``
         float32 ``[tensors, n, num_kv_heads]``, written to the scales of block
         ``block_ids[i]``.
-    digest : torch.Tensor, int64, shape [n], optional
+    digest : torch.Tensor, int32, shape [n], optional
         Also write ``digest[i]``, the digest of slot ``i`` of ``src`` as written (0 where
         ``block_ids[i]`` is skipped), as ``digest`` of :func:`gather_blocks`: a block gathered
         with a digest and scattered with one gives equal digests iff its bytes arrived intact
@@ -295,7 +295,7 @@ def copy_blocks(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, 
     head_start : int, optional
         When ``num_kv_heads`` differ: the first of the larger side's heads that the smaller
         side's heads are (required then).
-    digest : torch.Tensor, int64, shape [n], optional
+    digest : torch.Tensor, int32, shape [n], optional
         Also write ``digest[i]``, the digest of the bytes pair ``i`` moved (0 for a skipped
         pair), as ``digest`` of :func:`gather_blocks`; on the device the kernel runs on
         (``dst_cache``'s, or ``src_cache``'s for ``"push"``). Equal specs only.

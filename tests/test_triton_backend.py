@@ -235,7 +235,7 @@ def test_sm90_body_uses_128_bit_accesses(device, src_cache, dst_cache, monkeypat
     moves = set(re.findall(r"\b(ld\.global\S*|st\.global\S*)\s", digested))
     assert "ld.global.v2.b64" in moves and "st.global.v2.b64" in moves, moves
     assert not {m for m in moves if m.startswith("st.")} - {"st.global.v2.b64"}, moves
-    assert re.search(r"\b(atom|red)\.global\S*\.add\.u64", digested), "no digest atomic"
+    assert re.search(r"\b(atom|red)\.global\S*\.add\.[us]32", digested), "no digest atomic"
     assert not re.search(r"\b(atom|red)\.global", ptx), "an atomic without a digest"
 
 

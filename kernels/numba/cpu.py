@@ -125,8 +125,8 @@ def copy_runs(src_ptrs, dst_ptrs, src_ids, dst_ids, src_n: int, dst_n: int, run_
     ``[0, src_n)`` / ``[0, dst_n)`` (padding -1 included) are skipped. A side given as
     ``*_base`` (an address) is a staging buffer instead: run ``(t, i)`` at
     ``base + (t * n + i) * run_bytes``, and its table and ids are ignored. ``digest``
-    (int64 ``[n]``, zeroed; ``run_bytes`` a multiple of 4): pair ``i``'s digest is added to
-    ``digest[i]`` in the same pass over the words (per work item, then summed over tensors:
+    (int32 ``[n]``; ``run_bytes`` a multiple of 4): pair ``i``'s digest is written to
+    ``digest[i]`` from the same pass over the words (per work item, then summed over tensors:
     the same bits whatever the threads' order); positions count from cache tensor
     ``tensor0`` (the layer range's first).
     """
@@ -137,8 +137,9 @@ def copy_runs(src_ptrs, dst_ptrs, src_ids, dst_ids, src_n: int, dst_n: int, run_
     parts = _NONE if digest is None else np.zeros(tensors * n, dtype=np.int64)
     fn(src_ptrs, dst_ptrs, src_ids, dst_ids, src_base, dst_base, n, src_n, dst_n,
        run_bytes // word, word, parts, tensor0)
-    if digest is not None:
-        digest.numpy()[:] += parts.reshape(tensors, n).sum(axis=0)
+    if digest is not None:  # mod 2**32, as int32 (kvflow.kernels.digest)
+        total = parts.reshape(tensors, n).sum(axis=0) & 0xFFFFFFFF
+        digest.numpy()[:] = total.astype(np.uint32).view(np.int32)
 
 
 def _ptrs(cache, start: int, stop: int) -> np.ndarray:

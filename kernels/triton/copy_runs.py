@@ -58,8 +58,8 @@ def _copy_runs(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
     pair whose source block carries this call's stamp (it is also a destination).
 
     ``DIGEST``: each valid item also adds the digest of the words it moved
-    (:mod:`kvflow.kernels.digest`; ``WPW`` 32-bit words per ``WORD``, 1 or 2) into the int64
-    ``digest[i]`` of its pair with one integer atomic add (order-independent); positions count
+    (:mod:`kvflow.kernels.digest`; ``WPW`` 32-bit words per ``WORD``, 1 or 2) into the int32
+    ``digest[i]`` of its pair with one wrapping integer atomic add (order-independent); positions count
     from the cache's tensor 0 (``tensor0``: the layer range's first tensor)."""
     NCHUNK: tl.constexpr = (RUN + CHUNK - 1) // CHUNK
     ar = tl.arange(0, BLOCK)
@@ -105,8 +105,10 @@ def _copy_runs(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
         if valid:
             sp = tl.multiple_of(sp + c * CHUNK, ALIGN)
             dp = tl.multiple_of(dp + c * CHUNK, ALIGN)
-            if DIGEST:
-                acc = tl.zeros([BLOCK], tl.int64)
+            if DIGEST:  # 32-bit lanes: one multiply, add and or per 32-bit word
+                acc = tl.zeros([BLOCK], tl.uint32)
+                lane_c = ((ar.to(tl.int64) * WPW * 0x9E3779B1) & 0xFFFFFFFF).to(tl.uint32)
+                step_c = tl.full([], 0x9E3779B1, tl.int64).to(tl.uint32)
             for k in range(0, CHUNK, BLOCK):
                 offs = k + ar
                 if EVEN:
@@ -124,16 +126,15 @@ def _copy_runs(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
                     else:
                         v = tl.load(sp + offs, mask=m, other=0)
                         tl.store(dp + offs, v, mask=m)
-                if DIGEST:  # kvflow.kernels.digest: sum of (word * m(pos)) mod 2**32
-                    x = v.to(tl.int64)
-                    p = ((j.to(tl.int64) + tensor0) * RUN + c * CHUNK + offs) * WPW
-                    mul = ((p * 0x9E3779B1) & 0xFFFFFFFF) | 1
-                    acc += ((x & 0xFFFFFFFF) * mul) & 0xFFFFFFFF
+                if DIGEST:  # kvflow.kernels.digest: sum of word * m(pos), mod 2**32
+                    p0 = ((j.to(tl.int64) + tensor0) * RUN + c * CHUNK + k) * WPW
+                    pc = ((p0 * 0x9E3779B1) & 0xFFFFFFFF).to(tl.uint32) + lane_c  # p * C
+                    acc += v.to(tl.uint32) * (pc | 1)  # the low word (or the only one)
                     if WPW == 2:
-                        mul = (((p + 1) * 0x9E3779B1) & 0xFFFFFFFF) | 1
-                        acc += (((x >> 32) & 0xFFFFFFFF) * mul) & 0xFFFFFFFF
+                        acc += (v >> 32).to(tl.uint32) * ((pc + step_c) | 1)
             if DIGEST:
-                tl.atomic_add(digest.to(tl.pointer_type(tl.int64)) + i, tl.sum(acc, axis=0))
+                total = tl.sum(acc, axis=0).to(tl.int32, bitcast=True)
+                tl.atomic_add(digest.to(tl.pointer_type(tl.int32)) + i, total)
         if CHECK:  # after the copy, so the checks' memory traffic never delays it
             if first:
                 code = tl.full([], -1, tl.int32)  # op * 16 + side * 4 + kind (kernels/errors.py)

@@ -112,7 +112,7 @@ class Plan:
                tensor0: int = 0) -> None:
         """Enqueue one copy of ``n`` pairs on the device's current stream (no wait).
 
-        Every address is an int (0 for a side that is not used; ``digest``: an int64 array
+        Every address is an int (0 for a side that is not used; ``digest``: an int32 array
         of ``n``, zeroed by the caller, when the plan digests; ``tensor0``: the cache tensor
         the layer range starts at, for the digest's positions). Raises ValueError when the
         work items would overflow the kernel's int32 index."""

@@ -14,7 +14,7 @@ Block ids are random (seeded): gather reads any ``n`` blocks, scatter writes ``n
 copy moves ``n`` blocks to ``n`` other blocks of the same cache (disjoint sets).
 
 ``gather+digest``, ``scatter+digest``, ``copy+digest``: the op with ``digest=`` (``--kv-verify``,
-:mod:`kvflow.kernels.digest`), into an int64 ``[n]`` buffer pre-built per rotation as a caller
+:mod:`kvflow.kernels.digest`), into an int32 ``[n]`` buffer pre-built per rotation as a caller
 would keep it; :meth:`KernelCase.verify` also checks the digest against the torch reference.
 """
 
@@ -47,7 +47,7 @@ class KernelCase:
         perms = [torch.randperm(cache.num_blocks, generator=gen) for _ in range(rot)]
         self.ids = [p[:n].to(dev) for p in perms]
         self.dst_ids = [p[n:2 * n].to(dev) for p in perms]
-        self.digests = [torch.empty(n, dtype=torch.int64, device=dev) for _ in range(rot)]
+        self.digests = [torch.empty(n, dtype=torch.int32, device=dev) for _ in range(rot)]
         self.bufs = []
         for _ in range(rot):
             b = staging_buffer(cache.spec, n, device=dev)

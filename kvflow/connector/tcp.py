@@ -28,6 +28,7 @@ import torch
 
 from kvflow.cache import PagedKVCache, staging_buffer, staging_shape
 from kvflow.kernels import gather_blocks, payload_bytes, scatter_blocks
+from kvflow.kernels.digest import fold
 from kvflow.protocol import KVData, KVLayer, encode
 
 from .base import KVReceiver, TransferError, TransferStats, as_ids, check_send_allowed
@@ -171,17 +172,17 @@ class TcpReceiver(KVReceiver):
         sent = expect(header, n) if self.verify else None
         digest = new_digest(n, cache.device) if sent is not None else None
         total_digest = torch.zeros(n, dtype=torch.int64, device=cache.device) if sent is not None \
-            else None
+            else None  # the layers' digests, summed (mod 2**32 by fold)
         t0 = time.perf_counter()
         total = 0
         for layer, buf in enumerate(bufs if n else ()):  # zero blocks (prefix hit): nothing to write
             scatter_blocks(frame_tensor(buf, spec, n, layer, cache.device), cache, ids, layer,
                            backend=self.backend, digest=digest)
             if digest is not None:  # a range's digest is the sum of its layers'
-                total_digest += digest
+                total_digest += digest.to(torch.int64)
             total += buf.nbytes
         if sent is not None:
-            check(header.req_id, sent, total_digest)
+            check(header.req_id, sent, fold(total_digest))
         ms = (time.perf_counter() - t0) * 1e3
         return TransferStats(blocks=n, payload_bytes=total, copy_ms=ms)
 

@@ -24,8 +24,13 @@ class KVVerifyError(TransferError):
 
     def __init__(self, req_id: str, index: int, sent: int, got: int) -> None:
         super().__init__(f"kv verify: sent block {index} of {req_id} arrived with digest "
-                         f"{got:#x}, P sent {sent:#x}")
+                         f"{hex32(got)}, P sent {hex32(sent)}")
         self.req_id, self.index, self.sent, self.got = req_id, index, sent, got
+
+
+def hex32(value: int) -> str:
+    """A digest (an int32) as its 32 bits in hex: ``0x0000abcd``."""
+    return f"{value & 0xFFFFFFFF:#010x}"
 
 
 def expect(header: Any, n: int) -> list[int]:
@@ -45,7 +50,7 @@ def expect(header: Any, n: int) -> list[int]:
 
 
 def check(req_id: str, sent: list[int], got: torch.Tensor) -> None:
-    """Compare P's digests ``sent`` with D's ``got`` (int64 ``[n]``).
+    """Compare P's digests ``sent`` with D's ``got`` (int32 ``[n]``).
 
     Raises
     ------
@@ -59,5 +64,5 @@ def check(req_id: str, sent: list[int], got: torch.Tensor) -> None:
 
 
 def new_digest(n: int, device: Any) -> torch.Tensor:
-    """An int64 ``[n]`` digest output on ``device`` (the ops zero it)."""
-    return torch.empty(n, dtype=torch.int64, device=device)
+    """An int32 ``[n]`` digest output on ``device`` (the ops fill it)."""
+    return torch.empty(n, dtype=torch.int32, device=device)

@@ -135,6 +135,6 @@ def _failure(exc: Exception, seq: Seq) -> str:
         logical = seq.num_cached_blocks + exc.index
         return (f"kv verify failed: logical block {logical} (D block "
                 f"{seq.req.block_table[logical]}) of {exc.req_id} arrived with digest "
-                f"{exc.got:#x}, P sent {exc.sent:#x}; the request's blocks are freed, not "
-                f"decoded from")
+                f"{exc.got & 0xFFFFFFFF:#010x}, P sent {exc.sent & 0xFFFFFFFF:#010x}; the "
+                f"request's blocks are freed, not decoded from")
     return f"KV transfer failed: {exc}"
