@@ -8,14 +8,16 @@ contract and how ``backend="auto"`` and ``KVFLOW_BACKEND`` choose.
 
 Block ids on a GPU are checked by the kernel, on the device, and reported by the next call or
 :func:`check_errors` (:mod:`kvflow.kernels.errors`): a default call never waits for the GPU.
-:func:`capture` records fixed-shape calls into a CUDA graph (:mod:`kvflow.kernels.graphs`).
+:func:`block_digest` defines the per-block digest that ``digest=`` of the ops writes
+(``--kv-verify``, :mod:`kvflow.kernels.digest`). :func:`capture` records fixed-shape calls into a CUDA graph (:mod:`kvflow.kernels.graphs`).
 """
 
+from .digest import block_digest
 from .errors import check_errors
 from .graphs import capture
 from .ops import copy_blocks, gather_blocks, payload_bytes, scatter_blocks
 from .registry import available_backends, backend_names, get_backend, register_backend
 
-__all__ = ["capture", "check_errors", "gather_blocks", "scatter_blocks", "copy_blocks",
+__all__ = ["block_digest", "capture", "check_errors", "gather_blocks", "scatter_blocks", "copy_blocks",
            "payload_bytes", "available_backends", "backend_names", "get_backend",
            "register_backend"]

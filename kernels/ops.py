@@ -17,6 +17,7 @@ import torch
 from kvflow.cache import PagedKVCache, memory_relation, overlaps
 from kvflow.layout import is_int, normalize_layers
 
+from . import digest as _digest
 from .block_scales import check_stage_scales, move_scales, per_block
 from .errors import raise_pending, shared
 from .registry import get_backend
@@ -105,7 +106,8 @@ def _staged(cache: Any, block_ids: Any, name: str, buf: Any, layers: Any, backen
 def gather_blocks(cache: PagedKVCache, block_ids: Any, out: Any, layers: Any = None, *,
                   backend: str = "auto", max_ctas: int | None = None,
                   validate: bool = True, out_spec: Any = None, out_scales: Any = None,
-                  num_tokens: Any = None, head_start: Any = None) -> torch.Tensor:
+                  num_tokens: Any = None, head_start: Any = None,
+                  digest: Any = None) -> torch.Tensor:
     """Copy blocks of a paged cache into a contiguous staging buffer.
 
     Parameters
@@ -138,6 +140,12 @@ def gather_blocks(cache: PagedKVCache, block_ids: Any, out: Any, layers: Any = N
         a cache of fp8 ``scales="block_head"`` needs ``out_scales`` float32
         ``[tensors, n, num_kv_heads]``: slot ``i`` gets the scales of block ``block_ids[i]``
         (:mod:`kvflow.kernels.block_scales`); other specs take none.
+    digest : torch.Tensor, int32, shape [n], optional
+        Also write ``digest[i]``, the digest of the bytes slot ``i`` received over the layer
+        range (0 for a skipped id), defined by :func:`kvflow.kernels.block_digest`
+        (:mod:`kvflow.kernels.digest`); ``triton`` and ``numba`` compute it in the copy's own
+        launch, other backends with the torch reference after the copy. Equal specs only; on
+        the cache's device.
 
     Returns
     -------
@@ -150,6 +158,7 @@ def gather_blocks(cache: PagedKVCache, block_ids: Any, out: Any, layers: Any = N
         Bad argument, naming it and its value; RuntimeError for an unavailable backend.
     """
     if out_spec is not None or num_tokens is not None or head_start is not None:
+        _digest.no_reblock(digest)
         return _staged_reblocked(cache, block_ids, out, layers, True, out_spec, out_scales,
                                  backend, max_ctas, validate, num_tokens, head_start)
     cache, ids, out, start, stop, be, on_device = _staged(cache, block_ids, "out", out, layers,
@@ -161,11 +170,15 @@ def gather_blocks(cache: PagedKVCache, block_ids: Any, out: Any, layers: Any = N
             (stop - start) * spec.tensors_per_layer, n, spec.num_kv_heads), cache.device)
     if max_ctas is not None:
         max_ctas = _check_max_ctas(max_ctas)
+    if digest is not None:
+        digest = _digest.check_digest(digest, n, cache.device, spec)
     if n:
+        kw = {} if digest is None or not getattr(be, "digests", False) else {"digest": digest}
         if on_device:
-            be.gather(cache, ids, out, start, stop, max_ctas, check=True)
-        else:
-            be.gather(cache, ids, out, start, stop, max_ctas)
+            kw["check"] = True
+        be.gather(cache, ids, out, start, stop, max_ctas, **kw)
+        if digest is not None and "digest" not in kw:
+            _digest.gathered(cache, ids, out, start, digest)
         if out_scales is not None:
             tpl = spec.tensors_per_layer
             move_scales(cache.scales[start * tpl:stop * tpl], out_scales, ids,
@@ -176,7 +189,8 @@ def gather_blocks(cache: PagedKVCache, block_ids: Any, out: Any, layers: Any = N
 def scatter_blocks(src: Any, cache: PagedKVCache, block_ids: Any, layers: Any = None, *,
                    backend: str = "auto", max_ctas: int | None = None,
                    validate: bool = True, src_spec: Any = None, src_scales: Any = None,
-                   num_tokens: Any = None, head_start: Any = None) -> PagedKVCache:
+                   num_tokens: Any = None, head_start: Any = None,
+                   digest: Any = None) -> PagedKVCache:
     """Copy a contiguous staging buffer into blocks of a paged cache (inverse of gather).
 
     Parameters
@@ -194,6 +208,11 @@ def scatter_blocks(src: Any, cache: PagedKVCache, block_ids: Any, layers: Any = 
         Without ``src_spec``, a cache of fp8 ``scales="block_head"`` needs ``src_scales``
         float32 ``[tensors, n, num_kv_heads]``, written to the scales of block
         ``block_ids[i]``.
+    digest : torch.Tensor, int32, shape [n], optional
+        Also write ``digest[i]``, the digest of slot ``i`` of ``src`` as written (0 where
+        ``block_ids[i]`` is skipped), as ``digest`` of :func:`gather_blocks`: a block gathered
+        with a digest and scattered with one gives equal digests iff its bytes arrived intact
+        (with the bounds of :mod:`kvflow.kernels.digest`).
 
     Returns
     -------
@@ -201,6 +220,7 @@ def scatter_blocks(src: Any, cache: PagedKVCache, block_ids: Any, layers: Any = 
         ``cache``.
     """
     if src_spec is not None or num_tokens is not None or head_start is not None:
+        _digest.no_reblock(digest)
         if src_spec is None:
             src_spec = getattr(cache, "spec", None)
         _staged_reblocked(cache, block_ids, src, layers, False, src_spec, src_scales, backend,
@@ -215,11 +235,15 @@ def scatter_blocks(src: Any, cache: PagedKVCache, block_ids: Any, layers: Any = 
             (stop - start) * spec.tensors_per_layer, n, spec.num_kv_heads), cache.device)
     if max_ctas is not None:
         max_ctas = _check_max_ctas(max_ctas)
+    if digest is not None:
+        digest = _digest.check_digest(digest, n, cache.device, spec)
     if n:
+        kw = {} if digest is None or not getattr(be, "digests", False) else {"digest": digest}
         if on_device:
-            be.scatter(src, cache, ids, start, stop, max_ctas, check=True)
-        else:
-            be.scatter(src, cache, ids, start, stop, max_ctas)
+            kw["check"] = True
+        be.scatter(src, cache, ids, start, stop, max_ctas, **kw)
+        if digest is not None and "digest" not in kw:
+            _digest.scattered(src, cache, ids, start, digest)
         if src_scales is not None:
             tpl = spec.tensors_per_layer
             move_scales(src_scales, cache.scales[start * tpl:stop * tpl],
@@ -230,7 +254,7 @@ def scatter_blocks(src: Any, cache: PagedKVCache, block_ids: Any, layers: Any = 
 def copy_blocks(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, dst_ids: Any,
                 layers: Any = None, *, backend: str = "auto", max_ctas: int | None = None,
                 validate: bool = True, direction: str = "pull", num_tokens: Any = None,
-                head_start: Any = None) -> PagedKVCache:
+                head_start: Any = None, digest: Any = None) -> PagedKVCache:
     """Copy blocks from one cache to another (block ``src_ids[i]`` of every tensor in the
     layer range goes to block ``dst_ids[i]``), or the tokens of one sequence between caches of
     different specs.
@@ -271,6 +295,10 @@ def copy_blocks(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, 
     head_start : int, optional
         When ``num_kv_heads`` differ: the first of the larger side's heads that the smaller
         side's heads are (required then).
+    digest : torch.Tensor, int32, shape [n], optional
+        Also write ``digest[i]``, the digest of the bytes pair ``i`` moved (0 for a skipped
+        pair), as ``digest`` of :func:`gather_blocks`; on the device the kernel runs on
+        (``dst_cache``'s, or ``src_cache``'s for ``"push"``). Equal specs only.
 
     Returns
     -------
@@ -288,6 +316,7 @@ def copy_blocks(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, 
     if num_tokens is not None or head_start is not None or (
             dst_cache.backend_state.get("checked_spec") is not src_cache.spec
             and src_cache.spec != spec):
+        _digest.no_reblock(digest)
         return _reblocked(src_cache, dst_cache, src_ids, dst_ids, layers, backend, max_ctas,
                           validate, direction, num_tokens, head_start)
     if dst_cache.backend_state.get("checked_spec") is not src_cache.spec:  # specs are frozen
@@ -312,13 +341,20 @@ def copy_blocks(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, 
     if direction == "push" and "push" not in getattr(be, "directions", ("pull",)):
         raise ValueError(f"direction='push' is not supported by backend {be.name!r}; "
                          f"use 'pull' or one of the triton/numba_cuda backends")
+    if digest is not None:
+        digest = _digest.check_digest(digest, s.shape[0],
+                               dev if direction == "pull" else src_cache.device, spec)
     if s.shape[0]:
         kw = {} if direction == "pull" else {"direction": direction}
         if s_dev or d_dev:
             kw["check"] = True
             if same:
                 kw["same"] = True
+        if digest is not None and getattr(be, "digests", False):
+            kw["digest"] = digest
         be.copy(src_cache, dst_cache, s, d, start, stop, max_ctas, **kw)
+        if digest is not None and "digest" not in kw:
+            _digest.copied(src_cache, s, d, dst_cache.num_blocks, start, stop, digest)
         if per_block(spec):  # the blocks' scales move with their bytes
             tpl = spec.tensors_per_layer
             move_scales(src_cache.scales[start * tpl:stop * tpl],

@@ -216,6 +216,7 @@ class KVReady(_Msg):
     first_token: int
     num_prompt_tokens: int
     t_start: float                  # time.time() when P began the transfer
+    block_digests: list[int] = []   # --kv-verify: digest of each named block (kernels.digest)
 
 
 class KVData(_Msg):
@@ -228,6 +229,7 @@ class KVData(_Msg):
     num_prompt_tokens: int
     t_start: float
     gather_ms: float = 0.0
+    block_digests: list[int] = []   # --kv-verify: digest of each sent block (kernels.digest)
 
 
 class KVLayer(_Msg):

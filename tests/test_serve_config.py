@@ -30,7 +30,7 @@ def test_every_field_is_a_flag_with_help_and_its_default():
             assert action.help.endswith(f"(default: {shown})"), f.name
     internal = {f.name for f in dataclasses.fields(ServeConfig)} - {f.name for f in cli_fields()}
     assert internal == {"heartbeat_s", "parent_pid"} and not internal & set(actions)
-    assert len(cli_fields()) == 36  # 31 + kv_layout, kv_dtype, decode_{block_size,kv_layout,kv_dtype}
+    assert len(cli_fields()) == 37  # 31 + kv_layout, kv_dtype, decode_{block_size,kv_layout,kv_dtype}, kv_verify
     flags = {s for a in parser._actions for s in a.option_strings}
     assert not flags & set(REMOVED)
 

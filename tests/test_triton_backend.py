@@ -167,22 +167,51 @@ def test_constexprs_fixed_per_cache_grid_capped(device, monkeypatch):
                                                (5, 10, 5, 10)]  # n, src_n, dst_n, items
 
 
-def _ptx(src_cache: bool, dst_cache: bool, check: bool) -> str:
-    import triton
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    sig = {k: "i64" for k in ("src_table", "dst_table", "src_stage", "dst_stage", "src_ids",
-                              "dst_ids")}
-    sig.update({"n": "i32", "src_n": "i32", "dst_n": "i32", "total": "i32", "errors": "i64",
-                "ready": "i64", "stamps": "i64", "call": "i32", "op": "i32"})
-    const = dict(WORD=tl.int64, ALIGN=16, RUN=16384, CHUNK=8192, BLOCK=2048, EVEN=True,
-                 SRC_CACHE=src_cache, DST_CACHE=dst_cache, STREAM=False, SRC_I64=False,
-                 DST_I64=True, CHECK=check, DUP=check, SHARED=check,
-                 STAMP_ONLY=False)
-    sig.update({k: "constexpr" for k in const})
-    src = ASTSource(fn=triton.jit(cr._copy_runs), signature=sig, constexprs=const, attrs={})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+_PTX = """
+import json, sys
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvflow.kernels.triton import copy_runs as cr
+src_cache, dst_cache, check, digest = json.loads(sys.argv[1])
+sig = {k: "i64" for k in ("src_table", "dst_table", "src_stage", "dst_stage", "src_ids",
+                          "dst_ids")}
+sig.update({"n": "i32", "src_n": "i32", "dst_n": "i32", "total": "i32", "errors": "i64",
+            "ready": "i64", "stamps": "i64", "call": "i32", "op": "i32", "digest": "i64",
+            "tensor0": "i32"})
+const = dict(WORD=tl.int64, ALIGN=16, RUN=16384, CHUNK=8192, BLOCK=2048, EVEN=True,
+             SRC_CACHE=src_cache, DST_CACHE=dst_cache, STREAM=False, SRC_I64=False,
+             DST_I64=True, CHECK=check, DUP=check, SHARED=check, STAMP_ONLY=False,
+             DIGEST=digest, WPW=2)
+sig.update({k: "constexpr" for k in const})
+src = ASTSource(fn=triton.jit(cr._copy_runs), signature=sig, constexprs=const, attrs={})
+try:
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+except RuntimeError as exc:  # no bundled ptxas/LLVM for sm_90 in this triton build
+    print(json.dumps({"skip": str(exc)}))
+else:
+    print(json.dumps({"ptx": ptx.asm["ptx"]}))
+"""
+
+
+def _ptx(src_cache: bool, dst_cache: bool, check: bool, digest: bool = False) -> str:
+    """The sm_90 PTX of one variant, compiled in a fresh process: a session that ran Triton's
+    interpreter (``TRITON_INTERPRET=1``) leaves triton.language in a state that the compiler
+    cannot use."""
+    import json
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="0")
+    run = subprocess.run([sys.executable, "-c", _PTX,
+                          json.dumps([src_cache, dst_cache, check, digest])],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    if "skip" in out:
+        pytest.skip(f"cannot compile for sm_90 here: {out['skip']}")
+    return out["ptx"]
 
 
 @pytest.mark.parametrize("src_cache,dst_cache", [(True, False), (False, True), (True, True)],
@@ -191,13 +220,9 @@ def test_sm90_body_uses_128_bit_accesses(device, src_cache, dst_cache, monkeypat
     if device != "cpu":
         pytest.skip("compile-only check; once is enough")
     pytest.importorskip("triton.backends.nvidia.compiler")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")  # compile, don't interpret
-    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")  # no float math here; silences 3.9
-    try:
-        ptx = _ptx(src_cache, dst_cache, check=False)
-        checked = _ptx(src_cache, dst_cache, check=True)
-    except RuntimeError as exc:  # no bundled ptxas/LLVM for sm_90 in this triton build
-        pytest.skip(f"cannot compile for sm_90 here: {exc}")
+    ptx = _ptx(src_cache, dst_cache, check=False)
+    checked = _ptx(src_cache, dst_cache, check=True)
+    digested = _ptx(src_cache, dst_cache, check=False, digest=True)
     moves = set(re.findall(r"\b(ld\.global\S*|st\.global\S*)\s", ptx))
     assert "ld.global.v2.b64" in moves and "st.global.v2.b64" in moves, moves
     assert not {m for m in moves if m.startswith("st.")} - {"st.global.v2.b64"}, moves
@@ -205,6 +230,13 @@ def test_sm90_body_uses_128_bit_accesses(device, src_cache, dst_cache, monkeypat
     moves = set(re.findall(r"\b(ld\.global\S*|st\.global\S*)\s", checked))
     assert "ld.global.v2.b64" in moves and "st.global.v2.b64" in moves, moves
     assert "atom.global" in checked, "no atomic: the id check is missing"
+    # the digest (kvflow.kernels.digest) reads the words it moves: same 128-bit accesses, and
+    # one atomic add per work item
+    moves = set(re.findall(r"\b(ld\.global\S*|st\.global\S*)\s", digested))
+    assert "ld.global.v2.b64" in moves and "st.global.v2.b64" in moves, moves
+    assert not {m for m in moves if m.startswith("st.")} - {"st.global.v2.b64"}, moves
+    assert re.search(r"\b(atom|red)\.global\S*\.add\.[us]32", digested), "no digest atomic"
+    assert not re.search(r"\b(atom|red)\.global", ptx), "an atomic without a digest"
 
 
 def test_copy_between_two_gpus_pull_and_push(device):

@@ -47,11 +47,15 @@ if numba is not None:
         return sig, codegen
 
     def _copy_runs(src_ptrs, dst_ptrs, src_ids, dst_ids, src_base, dst_base, n, src_n, dst_n,
-                   run, word):
+                   run, word, parts, t0):
         """Work item ``w`` = (tensor ``t``, pair ``i``): run ``src_ids[i]`` of ``src_ptrs[t]``
         (or, when ``src_base`` is not 0, run ``t * n + i`` of the staging buffer at
-        ``src_base``) to the same on the destination side; ``run`` counts ``word`` units."""
+        ``src_base``) to the same on the destination side; ``run`` counts ``word`` units.
+        ``parts`` of ``tensors * n`` (else empty): ``parts[w]`` gets the digest of the words
+        item ``w`` moved (:mod:`kvflow.kernels.digest`; ``word`` 4 or 8; positions from
+        cache tensor ``t0``)."""
         tensors = src_ptrs.shape[0] if src_base == 0 else dst_ptrs.shape[0]
+        digest = parts.shape[0] > 0
         for w in numba.prange(tensors * n):
             t = w // n
             i = w - t * n
@@ -72,8 +76,34 @@ if numba is not None:
             if word == 8:
                 src = numba.carray(_as_ptr(sp), run, np.uint64)
                 dst = numba.carray(_as_ptr(dp), run, np.uint64)
+                if digest:
+                    acc = np.int64(0)
+                    p = np.int64(t + t0) * run * 2
+                    for k in range(run):
+                        v = src[k]
+                        dst[k] = v
+                        x = np.int64(v & np.uint64(0xFFFFFFFF))
+                        y = np.int64(v >> np.uint64(32))
+                        acc += (x * ((((p + 2 * k) * 0x9E3779B1) & 0xFFFFFFFF) | 1)) & 0xFFFFFFFF
+                        acc += (y * ((((p + 2 * k + 1) * 0x9E3779B1) & 0xFFFFFFFF) | 1)) \
+                            & 0xFFFFFFFF
+                    parts[w] = acc
+                else:
+                    for k in range(run):
+                        dst[k] = src[k]
+            elif word == 4:
+                src4 = numba.carray(_as_ptr(sp), run, np.uint32)
+                dst4 = numba.carray(_as_ptr(dp), run, np.uint32)
+                acc = np.int64(0)
+                p = np.int64(t + t0) * run
                 for k in range(run):
-                    dst[k] = src[k]
+                    v4 = src4[k]
+                    dst4[k] = v4
+                    if digest:
+                        acc += (np.int64(v4) * ((((p + k) * 0x9E3779B1) & 0xFFFFFFFF) | 1)) \
+                            & 0xFFFFFFFF
+                if digest:
+                    parts[w] = acc
             else:
                 src8 = numba.carray(_as_ptr(sp), run, np.uint8)
                 dst8 = numba.carray(_as_ptr(dp), run, np.uint8)
@@ -87,20 +117,29 @@ _NONE = np.zeros(0, dtype=np.int64)  # the unused side's table or ids
 
 
 def copy_runs(src_ptrs, dst_ptrs, src_ids, dst_ids, src_n: int, dst_n: int, run_bytes: int,
-              *, src_base: int = 0, dst_base: int = 0, n: int | None = None) -> None:
+              *, src_base: int = 0, dst_base: int = 0, n: int | None = None,
+              digest: torch.Tensor | None = None, tensor0: int = 0) -> None:
     """Copy run ``src_ids[i]`` of each ``src_ptrs[t]`` to run ``dst_ids[i]`` of ``dst_ptrs[t]``.
 
     Arrays are numpy int64 (ids int32 or int64); runs are ``run_bytes`` long; ids outside
     ``[0, src_n)`` / ``[0, dst_n)`` (padding -1 included) are skipped. A side given as
     ``*_base`` (an address) is a staging buffer instead: run ``(t, i)`` at
-    ``base + (t * n + i) * run_bytes``, and its table and ids are ignored.
+    ``base + (t * n + i) * run_bytes``, and its table and ids are ignored. ``digest``
+    (int32 ``[n]``; ``run_bytes`` a multiple of 4): pair ``i``'s digest is written to
+    ``digest[i]`` from the same pass over the words (per work item, then summed over tensors:
+    the same bits whatever the threads' order); positions count from cache tensor
+    ``tensor0`` (the layer range's first).
     """
     n = (src_ids if src_base == 0 else dst_ids).shape[0] if n is None else n
     tensors = (src_ptrs if src_base == 0 else dst_ptrs).shape[0]
     fn = _parallel if tensors * n * run_bytes >= PARALLEL_MIN_BYTES else _serial
-    word = 8 if run_bytes % 8 == 0 else 1
+    word = 8 if run_bytes % 8 == 0 else 4 if run_bytes % 4 == 0 else 1
+    parts = _NONE if digest is None else np.zeros(tensors * n, dtype=np.int64)
     fn(src_ptrs, dst_ptrs, src_ids, dst_ids, src_base, dst_base, n, src_n, dst_n,
-       run_bytes // word, word)
+       run_bytes // word, word, parts, tensor0)
+    if digest is not None:  # mod 2**32, as int32 (kvflow.kernels.digest)
+        total = parts.reshape(tensors, n).sum(axis=0) & 0xFFFFFFFF
+        digest.numpy()[:] = total.astype(np.uint32).view(np.int32)
 
 
 def _ptrs(cache, start: int, stop: int) -> np.ndarray:
@@ -124,18 +163,24 @@ class NumbaCPUBackend:
     def unavailable_reason(self):
         return None if numba is not None else f"numba is not installed ({_IMPORT_ERROR})"
 
-    def gather(self, cache, ids, out, start, stop, max_ctas=None):
+    digests = True  # digest=: in the copy's own pass
+
+    def gather(self, cache, ids, out, start, stop, max_ctas=None, digest=None):
         copy_runs(_ptrs(cache, start, stop), _NONE, _ids(ids), _NONE, cache.num_blocks, 0,
-                  cache.spec.block_bytes, dst_base=out.data_ptr())
+                  cache.spec.block_bytes, dst_base=out.data_ptr(), digest=digest,
+                  tensor0=start * cache.spec.tensors_per_layer)
 
-    def scatter(self, src, cache, ids, start, stop, max_ctas=None):
+    def scatter(self, src, cache, ids, start, stop, max_ctas=None, digest=None):
         copy_runs(_NONE, _ptrs(cache, start, stop), _NONE, _ids(ids), 0, cache.num_blocks,
-                  cache.spec.block_bytes, src_base=src.data_ptr())
+                  cache.spec.block_bytes, src_base=src.data_ptr(), digest=digest,
+                  tensor0=start * cache.spec.tensors_per_layer)
 
-    def copy(self, src_cache, dst_cache, src_ids, dst_ids, start, stop, max_ctas=None):
+    def copy(self, src_cache, dst_cache, src_ids, dst_ids, start, stop, max_ctas=None,
+             digest=None):
         copy_runs(_ptrs(src_cache, start, stop), _ptrs(dst_cache, start, stop), _ids(src_ids),
                   _ids(dst_ids), src_cache.num_blocks, dst_cache.num_blocks,
-                  src_cache.spec.block_bytes)
+                  src_cache.spec.block_bytes, digest=digest,
+                  tensor0=start * src_cache.spec.tensors_per_layer)
 
     def reblock(self, job, max_ctas=None, check=False):
         """Copy between different specs (:mod:`.reblock`), one call over all layers."""

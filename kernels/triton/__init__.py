@@ -22,6 +22,7 @@ import os
 
 import torch
 
+from .. import digest as fallback
 from ..errors import OP_CODES, record_for
 from ..graphs import no_repeat_check
 from ..registry import register_backend
@@ -43,6 +44,7 @@ class TritonBackend:
     name = "triton"
     directions = DIRECTIONS
     device_checks = True  # check=True: ids are checked by the kernel, on the device
+    digests = True  # digest=: in the copy's launch (runs not 4-byte aligned: the reference)
 
     @property
     def devices(self) -> set[str]:
@@ -55,37 +57,45 @@ class TritonBackend:
             return None
         return "no CUDA device (set TRITON_INTERPRET=1 to run on CPU tensors)"
 
-    def gather(self, cache, ids, out, start, stop, max_ctas=None, check=False):
+    def gather(self, cache, ids, out, start, stop, max_ctas=None, check=False, digest=None):
         dev, n, ptr = cache.device, ids.shape[0], out.data_ptr()
         info = _info(cache, dev)
         a = alignment(info.align, ptr)
         i64 = ids.dtype == torch.int64
-        key = ("gather", start, stop, max_ctas, i64, check, a)
+        dg = digest is not None and a >= 4  # else the reference digest, after the copy
+        key = ("gather", start, stop, max_ctas, i64, check, a, dg)
         plan = info.plans.get(key)
         if plan is None or plan.config is not _launch.current_config():
             plan = info.plans[key] = _new_plan(cache, dev, a, stop - start, True, False, i64,
-                                               False, check, False, max_ctas)
+                                               False, check, False, max_ctas, digest=dg)
         plan.launch(info.table + start * info.layer_bytes, 0, 0, ptr, ids.data_ptr(), 0, n,
-                    cache.num_blocks, n, info.errors, info.ready, 0, 0, _GATHER)
+                    cache.num_blocks, n, info.errors, info.ready, 0, 0, _GATHER,
+                    digest.data_ptr() if dg else 0, start * cache.spec.tensors_per_layer)
+        if digest is not None and not dg:
+            fallback.gathered(cache, ids, out, start, digest)
 
-    def scatter(self, src, cache, ids, start, stop, max_ctas=None, check=False):
+    def scatter(self, src, cache, ids, start, stop, max_ctas=None, check=False, digest=None):
         dev, n, ptr = cache.device, ids.shape[0], src.data_ptr()
         info = _info(cache, dev)
         a = alignment(info.align, ptr)
         i64 = ids.dtype == torch.int64
         dup = check and not _capturing(dev)
-        key = ("scatter", start, stop, max_ctas, i64, check, dup, a)
+        dg = digest is not None and a >= 4
+        key = ("scatter", start, stop, max_ctas, i64, check, dup, a, dg)
         plan = info.plans.get(key)
         if plan is None or plan.config is not _launch.current_config():
             plan = info.plans[key] = _new_plan(cache, dev, a, stop - start, False, True, False,
-                                               i64, check, dup, max_ctas)
+                                               i64, check, dup, max_ctas, digest=dg)
         st = stamps(cache, dev) if dup else None
         plan.launch(0, info.table + start * info.layer_bytes, ptr, 0, 0, ids.data_ptr(), n, n,
                     cache.num_blocks, info.errors, info.ready, st.addr if st else 0,
-                    st.next() if st else 0, _SCATTER)
+                    st.next() if st else 0, _SCATTER, digest.data_ptr() if dg else 0,
+                    start * cache.spec.tensors_per_layer)
+        if digest is not None and not dg:
+            fallback.scattered(src, cache, ids, start, digest)
 
     def copy(self, src_cache, dst_cache, src_ids, dst_ids, start, stop, max_ctas=None,
-             direction="pull", check=False, same=False):
+             direction="pull", check=False, same=False, digest=None):
         if direction not in DIRECTIONS:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
         dev = dst_cache.device if direction == "pull" else src_cache.device
@@ -101,11 +111,13 @@ class TritonBackend:
         dup = check and not _capturing(dev)
         shared = same and dup  # one cache: stamp the destinations first, in their own launch
         plans = di.plans
-        key = ("copy", start, stop, max_ctas, s64, d64, check, dup, shared, a)
+        dg = digest is not None and a >= 4
+        key = ("copy", start, stop, max_ctas, s64, d64, check, dup, shared, a, dg)
         plan = plans.get(key)
         if plan is None or plan.config is not _launch.current_config():
             plan = plans[key] = _new_plan(dst_cache, dev, a, stop - start, True, True, s64, d64,
-                                          check, dup and not shared, max_ctas, shared=shared)
+                                          check, dup and not shared, max_ctas, shared=shared,
+                                          digest=dg)
         st = stamps(dst_cache, dev) if dup else None
         args = (si.table + start * si.layer_bytes, di.table + start * di.layer_bytes, 0, 0,
                 src_ids.data_ptr(), dst_ids.data_ptr(), src_ids.shape[0], src_cache.num_blocks,
@@ -118,7 +130,10 @@ class TritonBackend:
                 stamp = plans[key] = _new_plan(dst_cache, dev, a, 1, True, True, s64, d64, True,
                                                True, None, stamp_only=True)
             stamp.launch(*args)
-        plan.launch(*args)
+        plan.launch(*args, digest.data_ptr() if dg else 0, start * dst_cache.spec.tensors_per_layer)
+        if digest is not None and not dg:
+            fallback.copied(src_cache, src_ids, dst_ids, dst_cache.num_blocks, start, stop,
+                            digest)
 
 
     def reblock(self, job, max_ctas=None, check=False):

@@ -43,18 +43,24 @@ import triton.language as tl
 
 
 def _copy_runs(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
-               n, src_n, dst_n, total, errors, ready, stamps, call, op,
+               n, src_n, dst_n, total, errors, ready, stamps, call, op, digest, tensor0,
                WORD: tl.constexpr, ALIGN: tl.constexpr, RUN: tl.constexpr,
                CHUNK: tl.constexpr, BLOCK: tl.constexpr, EVEN: tl.constexpr,
                SRC_CACHE: tl.constexpr, DST_CACHE: tl.constexpr, STREAM: tl.constexpr,
                SRC_I64: tl.constexpr, DST_I64: tl.constexpr, CHECK: tl.constexpr,
-               DUP: tl.constexpr, SHARED: tl.constexpr, STAMP_ONLY: tl.constexpr):
+               DUP: tl.constexpr, SHARED: tl.constexpr, STAMP_ONLY: tl.constexpr,
+               DIGEST: tl.constexpr, WPW: tl.constexpr):
     """Copy ``total`` work items; see the module docstring. RUN, CHUNK, BLOCK are in words;
     every pointer argument is an int64 address (so a new buffer never recompiles).
 
     Copies within one cache take two launches: ``STAMP_ONLY`` (one item per pair: check and
     stamp the destination ids, copy nothing), then the copy with ``SHARED``, which reports a
-    pair whose source block carries this call's stamp (it is also a destination)."""
+    pair whose source block carries this call's stamp (it is also a destination).
+
+    ``DIGEST``: each valid item also adds the digest of the words it moved
+    (:mod:`kvflow.kernels.digest`; ``WPW`` 32-bit words per ``WORD``, 1 or 2) into the int32
+    ``digest[i]`` of its pair with one wrapping integer atomic add (order-independent); positions count
+    from the cache's tensor 0 (``tensor0``: the layer range's first tensor)."""
     NCHUNK: tl.constexpr = (RUN + CHUNK - 1) // CHUNK
     ar = tl.arange(0, BLOCK)
     err = errors.to(tl.pointer_type(tl.int64))
@@ -99,6 +105,10 @@ def _copy_runs(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
         if valid:
             sp = tl.multiple_of(sp + c * CHUNK, ALIGN)
             dp = tl.multiple_of(dp + c * CHUNK, ALIGN)
+            if DIGEST:  # 32-bit lanes: one multiply, add and or per 32-bit word
+                acc = tl.zeros([BLOCK], tl.uint32)
+                lane_c = ((ar.to(tl.int64) * WPW * 0x9E3779B1) & 0xFFFFFFFF).to(tl.uint32)
+                step_c = tl.full([], 0x9E3779B1, tl.int64).to(tl.uint32)
             for k in range(0, CHUNK, BLOCK):
                 offs = k + ar
                 if EVEN:
@@ -106,14 +116,25 @@ def _copy_runs(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
                         v = tl.load(sp + offs, eviction_policy="evict_first")
                         tl.store(dp + offs, v, cache_modifier=".cs")
                     else:
-                        tl.store(dp + offs, tl.load(sp + offs))
+                        v = tl.load(sp + offs)
+                        tl.store(dp + offs, v)
                 else:
                     m = c * CHUNK + offs < RUN
                     if STREAM:
-                        v = tl.load(sp + offs, mask=m, eviction_policy="evict_first")
+                        v = tl.load(sp + offs, mask=m, other=0, eviction_policy="evict_first")
                         tl.store(dp + offs, v, mask=m, cache_modifier=".cs")
                     else:
-                        tl.store(dp + offs, tl.load(sp + offs, mask=m), mask=m)
+                        v = tl.load(sp + offs, mask=m, other=0)
+                        tl.store(dp + offs, v, mask=m)
+                if DIGEST:  # kvflow.kernels.digest: sum of word * m(pos), mod 2**32
+                    p0 = ((j.to(tl.int64) + tensor0) * RUN + c * CHUNK + k) * WPW
+                    pc = ((p0 * 0x9E3779B1) & 0xFFFFFFFF).to(tl.uint32) + lane_c  # p * C
+                    acc += v.to(tl.uint32) * (pc | 1)  # the low word (or the only one)
+                    if WPW == 2:
+                        acc += (v >> 32).to(tl.uint32) * ((pc + step_c) | 1)
+            if DIGEST:
+                total = tl.sum(acc, axis=0).to(tl.int32, bitcast=True)
+                tl.atomic_add(digest.to(tl.pointer_type(tl.int32)) + i, total)
         if CHECK:  # after the copy, so the checks' memory traffic never delays it
             if first:
                 code = tl.full([], -1, tl.int32)  # op * 16 + side * 4 + kind (kernels/errors.py)
@@ -220,7 +241,7 @@ _JIT: dict[bool, Any] = {}
 # Runtime ints that change per call: never specialise on them (a value of 1 would become a
 # constant and the compiled kernel would be wrong for the next call), so one compile serves all.
 _RUNTIME = ("src_table", "dst_table", "src_stage", "dst_stage", "src_ids", "dst_ids", "n",
-            "src_n", "dst_n", "total", "errors", "ready", "stamps", "call", "op")
+            "src_n", "dst_n", "total", "errors", "ready", "stamps", "call", "op", "digest", "tensor0")
 
 
 def kernel():

@@ -70,14 +70,19 @@ class Plan:
         launch before it that only stamps (one work item per pair).
     max_ctas : int or None
         Grid cap; None fills the GPU.
+    digest : bool
+        Also add each pair's digest (:mod:`kvflow.kernels.digest`) into the ``digest`` array
+        of :meth:`launch`; needs 4- or 8-byte words (``align >= 4``).
     """
 
     def __init__(self, *, device: torch.device, run_bytes: int, align: int, num_tensors: int,
                  src_cache: bool, dst_cache: bool, src_i64: bool, dst_i64: bool, check: bool,
                  dup: bool, max_ctas: int | None, config: Any = None, shared: bool = False,
-                 stamp_only: bool = False) -> None:
+                 stamp_only: bool = False, digest: bool = False) -> None:
         cfg = self.config = config or _cr.CONFIG
         word = min(align, 8)
+        if digest and word < 4:
+            raise ValueError(f"a digest launch needs 4-byte aligned runs, got alignment {align}")
         run = run_bytes // word
         sms = sm_count(device)
         capped = max_ctas is not None and max_ctas < sms
@@ -96,16 +101,20 @@ class Plan:
                            EVEN=run % chunk == 0, SRC_CACHE=src_cache, DST_CACHE=dst_cache,
                            STREAM=cfg.capped_streaming if capped else cfg.streaming,
                            SRC_I64=src_i64, DST_I64=dst_i64, CHECK=check, DUP=dup,
-                           SHARED=shared, STAMP_ONLY=stamp_only)
+                           SHARED=shared, STAMP_ONLY=stamp_only, DIGEST=digest,
+                           WPW=2 if word == 8 else 1)
         self.const_values = tuple(self.consts.values())
         self.compiled = None
 
     def launch(self, src_table: int, dst_table: int, src_stage: int, dst_stage: int,
                src_ids: int, dst_ids: int, n: int, src_n: int, dst_n: int, errors: int,
-               ready: int, stamps: int, call: int, op: int) -> None:
+               ready: int, stamps: int, call: int, op: int, digest: int = 0,
+               tensor0: int = 0) -> None:
         """Enqueue one copy of ``n`` pairs on the device's current stream (no wait).
 
-        Every address is an int (0 for a side that is not used). Raises ValueError when the
+        Every address is an int (0 for a side that is not used; ``digest``: an int32 array
+        of ``n``, zeroed by the caller, when the plan digests; ``tensor0``: the cache tensor
+        the layer range starts at, for the digest's positions). Raises ValueError when the
         work items would overflow the kernel's int32 index."""
         total = self.per_pair * n
         if total >= MAX_ITEMS:
@@ -117,10 +126,11 @@ class Plan:
             # metadata or hooks: (grid, stream, function, packed metadata, ..., all args).
             k.run(grid, 1, 1, _raw_stream(self.index), k.function, k.packed_metadata, None,
                   None, None, src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids, n,
-                  src_n, dst_n, total, errors, ready, stamps, call, op, *self.const_values)
+                  src_n, dst_n, total, errors, ready, stamps, call, op, digest,
+                  tensor0, *self.const_values)
             return
         args = (src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids, n, src_n, dst_n,
-                total, errors, ready, stamps, call, op)
+                total, errors, ready, stamps, call, op, digest, tensor0)
         if self.index is None:  # Triton's interpreter: no compiled kernel to keep
             _cr.kernel()[(grid,)](*args, **self.consts, num_warps=self.warps)
             return

@@ -12,6 +12,10 @@ Two kinds of call per (op, backend, max_ctas), both rotating over the same pre-b
 
 Block ids are random (seeded): gather reads any ``n`` blocks, scatter writes ``n`` distinct ones,
 copy moves ``n`` blocks to ``n`` other blocks of the same cache (disjoint sets).
+
+``gather+digest``, ``scatter+digest``, ``copy+digest``: the op with ``digest=`` (``--kv-verify``,
+:mod:`kvflow.kernels.digest`), into an int32 ``[n]`` buffer pre-built per rotation as a caller
+would keep it; :meth:`KernelCase.verify` also checks the digest against the torch reference.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class KernelCase:
         perms = [torch.randperm(cache.num_blocks, generator=gen) for _ in range(rot)]
         self.ids = [p[:n].to(dev) for p in perms]
         self.dst_ids = [p[n:2 * n].to(dev) for p in perms]
+        self.digests = [torch.empty(n, dtype=torch.int32, device=dev) for _ in range(rot)]
         self.bufs = []
         for _ in range(rot):
             b = staging_buffer(cache.spec, n, device=dev)
@@ -63,6 +68,17 @@ class KernelCase:
         if not as_called:
             kw["validate"] = False
         ids, dst, bufs = self.ids, self.dst_ids, self.bufs
+        op, digest = _split(op)
+        if digest:
+            dg = self.digests
+            if op == "gather":
+                return [lambda i=i: gather_blocks(c, ids[i], bufs[i], digest=dg[i], **kw)
+                        for i in range(self.rot)]
+            if op == "scatter":
+                return [lambda i=i: scatter_blocks(bufs[i], c, ids[i], digest=dg[i], **kw)
+                        for i in range(self.rot)]
+            return [lambda i=i: copy_blocks(c, c, ids[i], dst[i], digest=dg[i], **kw)
+                    for i in range(self.rot)]
         if op == "gather":
             return [lambda i=i: gather_blocks(c, ids[i], bufs[i], **kw) for i in range(self.rot)]
         if op == "scatter":
@@ -78,23 +94,34 @@ class KernelCase:
 
         from kvflow.cache import staging_buffer
         from kvflow.kernels import copy_blocks, gather_blocks, scatter_blocks
+        from kvflow.kernels import block_digest
         c, ids, buf = self.cache, self.ids[0], self.bufs[0]
         ref = staging_buffer(c.spec, self.n, device=c.device)
         scramble(buf)
+        op, digest = _split(op)
+        kw = {"digest": self.digests[0]} if digest else {}
+        ok = True
         if op == "gather":
-            gather_blocks(c, ids, buf, backend=backend, max_ctas=max_ctas)
+            gather_blocks(c, ids, buf, backend=backend, max_ctas=max_ctas, **kw)
             gather_blocks(c, ids, ref, backend="torch")
-            return torch.equal(as_bytes(buf), as_bytes(ref))
-        if op == "scatter":
-            scatter_blocks(buf, c, ids, backend=backend, max_ctas=max_ctas)
+        elif op == "scatter":
+            scatter_blocks(buf, c, ids, backend=backend, max_ctas=max_ctas, **kw)
             gather_blocks(c, ids, ref, backend="torch")
-            return torch.equal(as_bytes(buf), as_bytes(ref))
-        dst = self.dst_ids[0]
-        scatter_blocks(buf, c, dst, backend="torch")  # dst blocks now differ from src blocks
-        copy_blocks(c, c, ids, dst, backend=backend, max_ctas=max_ctas)
-        gather_blocks(c, ids, ref, backend="torch")
-        gather_blocks(c, dst, buf, backend="torch")
-        return torch.equal(as_bytes(buf), as_bytes(ref))
+        else:
+            dst = self.dst_ids[0]
+            scatter_blocks(buf, c, dst, backend="torch")  # dst blocks now differ from src blocks
+            copy_blocks(c, c, ids, dst, backend=backend, max_ctas=max_ctas, **kw)
+            gather_blocks(c, ids, ref, backend="torch")
+            gather_blocks(c, dst, buf, backend="torch")
+        if digest:
+            ok = torch.equal(self.digests[0], block_digest(c, ids))
+        return ok and torch.equal(as_bytes(buf), as_bytes(ref))
+
+
+def _split(op: str) -> tuple[str, bool]:
+    """``"gather+digest"`` -> ``("gather", True)``; ``"gather"`` -> ``("gather", False)``."""
+    base, _, extra = op.partition("+")
+    return base, extra == "digest"
 
 
 def check_errors() -> None:

@@ -32,6 +32,8 @@ from .kernel_case import KernelCase, check_errors
 from .presets import reps_for
 
 OPS = ("gather", "scatter", "copy")
+#: the ops with ``digest=`` (--kv-verify; not in the presets: name them in --ops)
+DIGEST_OPS = ("gather+digest", "scatter+digest", "copy+digest")
 
 
 def pick_backends(requested: list[str] | None, device) -> tuple[list[str], dict[str, str]]:
@@ -93,6 +95,10 @@ def run_kernels(opts: dict[str, Any], env: dict[str, Any], progress: bool = True
     from .schema import as_called_fields, make_row
     from .timing import (calls_per_batch, copy_ceiling, last_level_cache_bytes, median,
                          rotations_for, time_as_called, time_calls)
+    unknown = sorted(set(opts["ops"]) - set(OPS + DIGEST_OPS))
+    if unknown:
+        raise SystemExit(f"kvflow.bench kernels: --ops: unknown {','.join(unknown)}; known: "
+                         f"{','.join(OPS + DIGEST_OPS)}")
     device = torch.device(opts["device"])
     backends, left_out = pick_backends(opts.get("backends"), device)
     llc = last_level_cache_bytes(device)
@@ -110,7 +116,7 @@ def run_kernels(opts: dict[str, Any], env: dict[str, Any], progress: bool = True
         scramble(cache.buffer)
         for tokens in opts["tokens"]:
             n = spec.num_blocks_for(tokens)
-            need = 2 * n if "copy" in opts["ops"] else n
+            need = 2 * n if any(op.startswith("copy") for op in opts["ops"]) else n
             if need > opts["num_blocks"]:
                 skipped.append({"layout": layout, "dtype": dtype, "tokens": tokens,
                                 "reason": f"needs {need} blocks; --num-blocks is {opts['num_blocks']}"})
@@ -170,12 +176,13 @@ def run_kernels(opts: dict[str, Any], env: dict[str, Any], progress: bool = True
 def format_table(rows: list[dict]) -> str:
     """Compact text table: op, backend, layout, dtype, tokens, max_ctas, then as called (GB/s,
     ratio to the same-run ceiling, speed-up over torch) and device time (GB/s, ratio)."""
-    head = f"{'op':8} {'backend':10} {'layout':6} {'dtype':14} {'tokens':>7} {'ctas':>5} " \
+    w = max([8] + [len(r["op"]) for r in rows])  # 8, or the digest ops' names
+    head = f"{'op':{w}} {'backend':10} {'layout':6} {'dtype':14} {'tokens':>7} {'ctas':>5} " \
            f"{'called GB/s':>11} {'ratio':>6} {'xtorch':>7} {'device GB/s':>11} {'ratio':>6}"
     lines = [head, "-" * len(head)]
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for r in rows:
-        lines.append(f"{r['op']:8} {r['backend']:10} {r['layout']:6} {r['dtype']:14} "
+        lines.append(f"{r['op']:{w}} {r['backend']:10} {r['layout']:6} {r['dtype']:14} "
                      f"{r['tokens']:>7} {fmt(r.get('max_ctas'), 'd'):>5} "
                      f"{fmt(r.get('as_called_gbps'), '.2f'):>11} {fmt(r.get('as_called_ratio'), '.2f'):>6} "
                      f"{fmt(r.get('as_called_baseline_ratio'), '.2f'):>7} "
@@ -200,7 +207,8 @@ def load_plugin(ref: str) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     cli.add_common(p)
-    p.add_argument("--ops", type=cli.csv(), help="comma list of gather,scatter,copy")
+    p.add_argument("--ops", type=cli.csv(), help="comma list of gather,scatter,copy and "
+                   "gather+digest,scatter+digest,copy+digest (digest=, --kv-verify)")
     p.add_argument("--backends", type=cli.csv(), help="comma list (default: every available one)")
     p.add_argument("--layouts", type=cli.csv(), help="comma list of NHD,HND,MLA")
     p.add_argument("--dtypes", type=cli.csv(), help="comma list, e.g. bfloat16,float8_e4m3fn")

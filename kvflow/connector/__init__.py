@@ -47,7 +47,7 @@ BYTES_ONLY = ("tcp", "nixl")
 CONFIG_CHOICES: dict[str, dict[str, tuple[str, ...]]] = {"nixl": {"mode": ("direct", "staged")}}
 
 __all__ = ["BYTES_ONLY", "CONFIG_CHOICES", "CONFIG_KEYS", "CONNECTORS", "Handoff", "KVReceiver", "KVSender", "Peer", "PrefillJob",
-           "SlotsTaken", "TransferError", "TransferStats", "check_connector_config", "make_receiver",
+           "SlotsTaken", "TransferError", "TransferStats", "KVVerifyError", "check_connector_config", "make_receiver",
            "make_sender", "resolve_connector", "scales_refusal"]
 
 _BASE = ("Handoff", "KVReceiver", "KVSender", "Peer", "PrefillJob", "SlotsTaken", "TransferError",
@@ -57,6 +57,8 @@ _BASE = ("Handoff", "KVReceiver", "KVSender", "Peer", "PrefillJob", "SlotsTaken"
 def __getattr__(name: str) -> Any:  # the contract loads torch: import it on first use
     if name in _BASE:
         return getattr(importlib.import_module("kvflow.connector.base"), name)
+    if name == "KVVerifyError":  # --kv-verify's mismatch (kvflow.connector.verify)
+        return importlib.import_module("kvflow.connector.verify").KVVerifyError
     raise AttributeError(f"module 'kvflow.connector' has no attribute {name!r}")
 
 

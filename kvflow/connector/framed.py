@@ -16,7 +16,7 @@ from __future__ import annotations
 import abc
 from typing import Any
 
-from .base import Handoff, KVSender, Peer, PrefillJob
+from .base import Handoff, KVSender, Peer, PrefillJob, TransferError
 from .reblocked import differs
 
 
@@ -28,6 +28,8 @@ class FramedSender(KVSender):
     holds_blocks: bool = True
     #: A layer unsignalled this long fails the request (seconds).
     signal_timeout_s: float = 30.0
+    #: ``--kv-verify``: send a digest of every block (:mod:`.verify`); set by the instance.
+    verify: bool = False
 
     def __init__(self, spec, device: Any = "cpu", **kw: Any) -> None:
         super().__init__(spec, device, **kw)
@@ -37,10 +39,12 @@ class FramedSender(KVSender):
     # ---- the kind's messages -----------------------------------------------------------
     @abc.abstractmethod
     def send(self, link: Any, req_id: str, cache: Any, src_ids: list[int], *, first_token: int,
-             num_prompt_tokens: int) -> Any:
+             num_prompt_tokens: int, corrupt: bool = False) -> Any:
         """Send the request's KV (or a pointer to it) over ``link`` (a zmq socket). Returns
         an object P must keep alive until D's ack (a staging buffer ZMQ sends zero-copy), or
-        None.
+        None. With :attr:`verify` the message carries the blocks' digests; ``corrupt`` (a
+        test fault, ``KVFLOW_FAULT_KV_CORRUPT``) then flips a byte of the last sent block
+        after its digest was taken.
 
         Raises
         ------
@@ -103,6 +107,9 @@ class FramedSender(KVSender):
         self.link_to(job.decode_id)  # before any compute
         if (self.layerwise is not None and self.goes_layerwise(len(job.token_ids))
                 and not self.reblocks(job.decode_id)):
+            if self.verify:  # refused at start (kvflow.serve.checks): never unchecked
+                raise TransferError(f"kv verify: {job.req_id} would move layer by layer, "
+                                    f"which --kv-verify does not check")
             logits = self.layerwise.run(engine, job)
             self.layerwise.finish(job.req_id, job.sample(logits))
             return Handoff(holds_blocks=True)
@@ -119,8 +126,16 @@ class FramedSender(KVSender):
         blocks when D's spec differs: D skips its hit by token, :mod:`.reblocked`)."""
         # D holds logical blocks 0..num_cached_blocks-1 (prefix hit): send only the rest
         skip = 0 if self.reblocks(job.decode_id) else min(job.num_cached_blocks, len(job.blocks))
+        corrupt = False
+        if self.verify:
+            if self.reblocks(job.decode_id):
+                raise TransferError(f"kv verify: D {job.decode_id}'s KV cache spec differs "
+                                    f"from P's; --kv-verify does not check re-blocked moves")
+            from kvflow.serve import faults
+            corrupt = faults.fails("corrupt", job.token_ids)
         keep = self.send(self.link_to(job.decode_id), job.req_id, self.cache, job.blocks[skip:],
-                         first_token=first_token, num_prompt_tokens=len(job.token_ids))
+                         first_token=first_token, num_prompt_tokens=len(job.token_ids),
+                         corrupt=corrupt)
         self.messages_sent += 1
         return Handoff(self.holds_blocks, keep)
 

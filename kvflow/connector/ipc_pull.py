@@ -26,13 +26,14 @@ from typing import Any
 import torch
 
 from kvflow.cache import PagedKVCache
-from kvflow.kernels import copy_blocks, payload_bytes
+from kvflow.kernels import block_digest, copy_blocks, payload_bytes
 from kvflow.protocol import KVLayer, KVReady, encode
 
 from .base import KVReceiver, Peer, TransferError, TransferStats, as_ids, check_send_allowed
 from .framed import FramedSender
 from .layerwise.parts import LayerParts
 from .reblocked import differs, tables
+from .verify import check, expect, new_digest
 
 
 class IpcPullSender(FramedSender):
@@ -55,11 +56,17 @@ class IpcPullSender(FramedSender):
     def export(self) -> dict[str, str]:
         return {"shm_name": self.export_name}
 
-    def send(self, link, req_id, cache, src_ids, *, first_token, num_prompt_tokens):
+    def send(self, link, req_id, cache, src_ids, *, first_token, num_prompt_tokens,
+             corrupt=False):
         check_send_allowed("IpcPullSender.send")
+        t_start = time.time()
+        digests = block_digest(cache, list(src_ids)).tolist() if self.verify else []
+        if corrupt and src_ids:  # test fault: after the digest, in the memory D reads
+            from kvflow.serve.faults import flip_byte
+            flip_byte(cache.tensors()[-1][src_ids[-1]])
         link.send(encode(KVReady(req_id=req_id, src_block_ids=list(src_ids),
                                  first_token=first_token, num_prompt_tokens=num_prompt_tokens,
-                                 t_start=time.time())))
+                                 t_start=t_start, block_digests=digests)))
         return None
 
     def send_part(self, link, cache, src_ids, layers, **fields):
@@ -88,6 +95,7 @@ class IpcPullReceiver(KVReceiver):
     name = "ipc-pull"
     reads_peer_memory = True
     copy_kwargs: dict = {}  # extra copy_blocks arguments (the CUDA receiver sets direction)
+    verify = False  # --kv-verify: check P's digests after the copy (set by the instance)
 
     def __init__(self, spec=None, device: Any = "cpu", *, backend: str = "auto",
                  head_start: int | None = None) -> None:
@@ -136,6 +144,9 @@ class IpcPullReceiver(KVReceiver):
     def receive(self, header: Any, frames, cache, dst_ids, peer_id: str | None = None) -> TransferStats:
         src_cache = self.peer_for(peer_id)
         if isinstance(header, KVLayer):
+            if self.verify:  # refused at start (kvflow.serve.checks): never unchecked
+                raise TransferError(f"kv verify: {header.req_id} moves layer by layer, which "
+                                    f"--kv-verify does not check")
             return self.parts.receive(header, frames, cache, dst_ids,
                                       lambda *a: self._pull_part(src_cache, *a))
         if not isinstance(header, KVReady):
@@ -144,16 +155,27 @@ class IpcPullReceiver(KVReceiver):
         if frames:
             raise TransferError(f"ipc KVReady carries no payload frames, got {len(frames)}")
         if differs(src_cache.spec, cache.spec):
+            self._no_verify(header)
             return self.pull_reblocked(src_cache, header, cache, dst_ids)
         src = as_ids(header.src_block_ids)
         if src.numel() != len(dst_ids):
             raise TransferError(f"KVReady for {header.req_id} names {src.numel()} blocks; "
                                 f"D allocated {len(dst_ids)} for the prompt")
+        sent = expect(header, src.numel()) if self.verify else None
+        digest = None if sent is None else new_digest(src.numel(), cache.device)
         t0 = time.perf_counter()
-        copy_blocks(src_cache, cache, src, as_ids(dst_ids), backend=self.backend)
+        copy_blocks(src_cache, cache, src, as_ids(dst_ids), backend=self.backend, digest=digest)
+        if sent is not None:
+            check(header.req_id, sent, digest)
         ms = (time.perf_counter() - t0) * 1e3
         n = int((src >= 0).sum())
         return TransferStats(blocks=n, payload_bytes=payload_bytes(cache.spec, n), copy_ms=ms)
+
+    def _no_verify(self, header: Any) -> None:
+        """Refuse an unchecked (re-blocked) move under ``--kv-verify``."""
+        if self.verify:
+            raise TransferError(f"kv verify: {header.req_id} comes from a P of another KV cache "
+                                f"spec; --kv-verify does not check re-blocked moves")
 
     def pull_reblocked(self, src_cache, header: KVReady, cache, dst_ids) -> TransferStats:
         """A :class:`KVReady` from a P of another spec: one re-blocked ``copy_blocks`` of the
@@ -239,16 +261,21 @@ class CudaIpcPullReceiver(IpcPullReceiver):
         if frames:
             raise TransferError(f"ipc KVReady carries no payload frames, got {len(frames)}")
         if differs(peer.spec, cache.spec):
+            self._no_verify(header)
             return self.pull_reblocked(peer, header, cache, dst_ids)
         src = as_ids(header.src_block_ids)
         if src.numel() != len(dst_ids):
             raise TransferError(f"KVReady for {header.req_id} names {src.numel()} blocks; "
                                 f"D allocated {len(dst_ids)} for the prompt")
+        run_on = cache.device if self.direction == "pull" else peer.device
+        sent = expect(header, src.numel()) if self.verify else None
+        digest = None if sent is None else new_digest(src.numel(), run_on)
         t0 = time.perf_counter()
         copy_blocks(peer, cache, src, as_ids(dst_ids), backend=self.backend,
-                    direction=self.direction)
-        run_on = cache.device if self.direction == "pull" else peer.device
+                    direction=self.direction, digest=digest)
         torch.cuda.current_stream(run_on).synchronize()  # P may reuse its blocks after the ack
+        if sent is not None:
+            check(header.req_id, sent, digest)
         ms = (time.perf_counter() - t0) * 1e3
         n = int((src >= 0).sum())
         return TransferStats(blocks=n, payload_bytes=payload_bytes(cache.spec, n), copy_ms=ms)

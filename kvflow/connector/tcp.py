@@ -28,12 +28,14 @@ import torch
 
 from kvflow.cache import PagedKVCache, staging_buffer, staging_shape
 from kvflow.kernels import gather_blocks, payload_bytes, scatter_blocks
+from kvflow.kernels.digest import fold
 from kvflow.protocol import KVData, KVLayer, encode
 
 from .base import KVReceiver, TransferError, TransferStats, as_ids, check_send_allowed
 from .framed import FramedSender
 from .layerwise.parts import LayerParts
 from .reblocked import differs, tables
+from .verify import check, expect, new_digest
 
 
 def layer_frames(staging: torch.Tensor) -> list[memoryview]:
@@ -68,19 +70,25 @@ class TcpSender(FramedSender):
                       backend=self.backend)
         super().warmup(engine, chunk_size)
 
-    def send(self, link, req_id, cache, src_ids, *, first_token, num_prompt_tokens):
+    def send(self, link, req_id, cache, src_ids, *, first_token, num_prompt_tokens,
+             corrupt=False):
         check_send_allowed("TcpSender.send")
         t_start = time.time()
         ids = as_ids(src_ids)
+        digest = new_digest(ids.numel(), cache.device) if self.verify else None
         t0 = time.perf_counter()
         staging = gather_blocks(cache, ids, staging_buffer(cache.spec, ids.numel(), device=cache.device),
-                                backend=self.backend)
+                                backend=self.backend, digest=digest)
         if staging.device.type != "cpu":
             staging = staging.cpu()
         gather_ms = (time.perf_counter() - t0) * 1e3
+        if corrupt and ids.numel():  # test fault: after the digest, as on the wire
+            from kvflow.serve.faults import flip_byte
+            flip_byte(staging[-1, -1, -1])
         header = KVData(req_id=req_id, num_blocks=ids.numel(), num_frames=staging.shape[0],
                         first_token=first_token, num_prompt_tokens=num_prompt_tokens,
-                        t_start=t_start, gather_ms=gather_ms)
+                        t_start=t_start, gather_ms=gather_ms,
+                        block_digests=[] if digest is None else digest.tolist())
         link.send_multipart([encode(header)] + layer_frames(staging), copy=False)
         return staging  # ZMQ reads this memory after send returns: keep it until the ack
 
@@ -107,6 +115,7 @@ class TcpReceiver(KVReceiver):
 
     name = "tcp"
     host_local = False  # P may live on another host
+    verify = False  # --kv-verify: check P's digests after the scatter (set by the instance)
 
     def __init__(self, spec=None, device: Any = "cpu", *, backend: str = "auto",
                  head_start: int | None = None) -> None:
@@ -133,12 +142,18 @@ class TcpReceiver(KVReceiver):
     def receive(self, header: Any, frames: list[Any], cache, dst_ids, peer_id=None) -> TransferStats:
         spec = cache.spec
         if isinstance(header, KVLayer):
+            if self.verify:  # refused at start (kvflow.serve.checks): never unchecked
+                raise TransferError(f"kv verify: {header.req_id} moves layer by layer, which "
+                                    f"--kv-verify does not check")
             return self.parts.receive(header, frames, cache, dst_ids, self._scatter_part)
         if not isinstance(header, KVData):
             raise TransferError(f"tcp expects a KVData or KVLayer header, got "
                                 f"{type(header).__name__}")
         src_spec = self.peer_specs.get(self.peer_id if peer_id is None else peer_id, spec)
         if differs(src_spec, spec):
+            if self.verify:
+                raise TransferError(f"kv verify: {header.req_id} comes from a P of another KV "
+                                    f"cache spec; --kv-verify does not check re-blocked moves")
             return self._scatter_reblocked(header, frames, cache, dst_ids, src_spec)
         n = header.num_blocks
         if n != len(dst_ids):
@@ -154,12 +169,20 @@ class TcpReceiver(KVReceiver):
             if buf.nbytes != layer_bytes:
                 raise TransferError(f"KVData for {header.req_id}: layer {layer} frame has "
                                     f"{buf.nbytes} bytes, expected {layer_bytes}")
+        sent = expect(header, n) if self.verify else None
+        digest = new_digest(n, cache.device) if sent is not None else None
+        total_digest = torch.zeros(n, dtype=torch.int64, device=cache.device) if sent is not None \
+            else None  # the layers' digests, summed (mod 2**32 by fold)
         t0 = time.perf_counter()
         total = 0
         for layer, buf in enumerate(bufs if n else ()):  # zero blocks (prefix hit): nothing to write
             scatter_blocks(frame_tensor(buf, spec, n, layer, cache.device), cache, ids, layer,
-                           backend=self.backend)
+                           backend=self.backend, digest=digest)
+            if digest is not None:  # a range's digest is the sum of its layers'
+                total_digest += digest.to(torch.int64)
             total += buf.nbytes
+        if sent is not None:
+            check(header.req_id, sent, fold(total_digest))
         ms = (time.perf_counter() - t0) * 1e3
         return TransferStats(blocks=n, payload_bytes=total, copy_ms=ms)
 

@@ -98,8 +98,9 @@ class Arrivals:
             log.exception("%s: transfer of %s failed", self.instance_id, msg.req_id)
             self._ack(msg.req_id, ident, str(exc))
             # with an acking connector P may still be writing nothing; without one (ipc-push)
-            # this message was P's last word: the blocks are free now
-            self._end(msg.req_id, DecodeState.FAILED, f"KV transfer failed: {exc}",
+            # this message was P's last word: the blocks are free now (never decoded from,
+            # never in the prefix cache)
+            self._end(msg.req_id, DecodeState.FAILED, _failure(exc, seq),
                       lend=self.receiver.acks)
             return
         if stats is None:  # a layerwise part: more layers to come
@@ -125,3 +126,15 @@ class Arrivals:
         if self.prefix is not None:  # the prompt's full blocks now hold their KV
             self.prefix.insert(req.prompt_token_ids, req.block_table[:n])
         self.loop.take_first(seq, msg.first_token)  # P sent it to the router already
+
+
+def _failure(exc: Exception, seq: Seq) -> str:
+    """The error of a failed transfer; a ``--kv-verify`` mismatch names the logical block."""
+    from kvflow.connector import KVVerifyError
+    if isinstance(exc, KVVerifyError):
+        logical = seq.num_cached_blocks + exc.index
+        return (f"kv verify failed: logical block {logical} (D block "
+                f"{seq.req.block_table[logical]}) of {exc.req_id} arrived with digest "
+                f"{exc.got & 0xFFFFFFFF:#010x}, P sent {exc.sent & 0xFFFFFFFF:#010x}; the "
+                f"request's blocks are freed, not decoded from")
+    return f"KV transfer failed: {exc}"

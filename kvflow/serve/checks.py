@@ -22,7 +22,9 @@ from .config import ServeConfig, build_parser, flag_name
 from .startup import StartupError
 
 _INSTANCE_ROLES = ("prefill", "decode", "colocated")
-_CONNECTOR_FLAGS = ("kv_connector", "kv_connector_config", "layerwise_min_tokens")
+_CONNECTOR_FLAGS = ("kv_connector", "kv_connector_config", "layerwise_min_tokens", "kv_verify")
+#: the connector kinds whose transfers ``--kv-verify`` checks
+VERIFIED_KINDS = ("ipc-pull", "tcp")
 #: A lease must outlast this many of D's renewal periods (``heartbeat_s``): one renewal may be
 #: late or lost and the lease still holds.
 LEASE_RENEWALS = 2
@@ -107,6 +109,7 @@ def check_config(cfg: ServeConfig, given: set[str]) -> None:
     if cfg.max_model_len is not None and cfg.max_model_len > limit:
         raise StartupError(f"--max-model-len {cfg.max_model_len} exceeds the model's "
                            f"max_position_embeddings={limit} ({cfg.model}); use at most {limit}")
+    _check_verify(cfg, limit)
     _check_roles(cfg)
     if cfg.backend != "auto" and cfg.backend not in BACKEND_NAMES:
         raise StartupError(f"--backend {cfg.backend} is unknown; use auto or one of "
@@ -170,6 +173,31 @@ def _check_connector(cfg: ServeConfig, given: set[str]) -> None:
         if type(value) is not int or value < 1:
             raise StartupError(f"--kv-connector-config: {key} must be an integer >= 1, got "
                                f"{json.dumps(value)}")
+
+
+def _check_verify(cfg: ServeConfig, model_limit: int) -> None:
+    """``--kv-verify`` only where every transfer is checked: the kinds of
+    :data:`VERIFIED_KINDS`, whole-prompt (not layerwise) moves, equal P and D specs."""
+    if not cfg.kv_verify or "colocated" in (cfg.mode, cfg.role):
+        return
+    kind = resolve_connector(cfg.kv_connector, cfg.device)
+    if kind not in VERIFIED_KINDS:
+        raise StartupError(f"--kv-verify checks the {' and '.join(VERIFIED_KINDS)} connectors, "
+                           f"not {kind} (--kv-connector {cfg.kv_connector}); use --kv-connector "
+                           f"{VERIFIED_KINDS[0]} or {VERIFIED_KINDS[1]}, or leave --kv-verify out")
+    max_len = cfg.max_model_len or min(model_limit, 2048)
+    threshold = 16384 if cfg.layerwise_min_tokens is None else cfg.layerwise_min_tokens
+    if threshold <= max_len:
+        raise StartupError(f"--kv-verify does not check layer-by-layer transfers, and prompts "
+                           f"from --layerwise-min-tokens {threshold} tokens (<= --max-model-len "
+                           f"{max_len}) would move so; set --layerwise-min-tokens above {max_len}")
+    for name, mine in (("decode_block_size", cfg.block_size), ("decode_kv_layout", cfg.kv_layout),
+                       ("decode_kv_dtype", cfg.kv_dtype or cfg.dtype)):
+        value = getattr(cfg, name)
+        if value is not None and value != mine:
+            raise StartupError(f"--kv-verify does not check re-blocked transfers: "
+                               f"{flag_name(name)} {value} differs from P's {mine}; leave one "
+                               f"of them out")
 
 
 def _check_roles(cfg: ServeConfig) -> None:

@@ -141,6 +141,11 @@ class ServeConfig:
         "seconds that the instance waits"))
     enable_prefix_caching: bool = field(default=False, metadata=_flag(
         "D keeps a prefix cache of full prompt blocks; a hit moves only the missing blocks"))
+    kv_verify: bool = field(default=False, metadata=_flag(
+        "fail closed on corrupted KV: P sends a digest of every block it sends (tcp: from its "
+        "gather's launch), D checks it after its copy/scatter; a mismatch ends the request "
+        "with HTTP 502 and its blocks are freed, never decoded from (ipc-pull and tcp; "
+        "docs/reliability.md)"))
     kv_lease_s: float = field(default=5.0, metadata=_flag(
         "P holds blocks it sent only while D renews this lease (or until D's ack); seconds"))
     receive_timeout_s: float = field(default=120.0, metadata=_flag(

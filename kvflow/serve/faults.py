@@ -14,6 +14,11 @@ variable                           effect
 ``KVFLOW_FAULT_RECEIVE_FAIL``      comma-separated token ids: D fails the arrived transfer of
                                    requests whose prompt contains this run (after P's first
                                    token went out), as a broken copy would
+``KVFLOW_FAULT_KV_CORRUPT``        comma-separated token ids: with ``--kv-verify``, P flips one
+                                   byte of the last block it sends of requests whose prompt
+                                   contains this run, after taking its digest (tcp: in the
+                                   staging buffer on the wire; ipc-pull: in P's exported cache
+                                   that D reads), as a corruption in flight would
 ``KVFLOW_DEBUG_KV_DIGEST``         (a diagnostic, not a fault) D and colocated add
                                    ``kv_digest`` to the ``kvflow`` object: a digest of the
                                    prompt's full blocks, equal across modes iff their bytes are
@@ -48,9 +53,11 @@ def delay_s(kind: str, token_ids: Sequence[int]) -> float:
 
 
 def fails(kind: str, token_ids: Sequence[int]) -> bool:
-    """Whether fault ``kind`` ("receive": ``KVFLOW_FAULT_RECEIVE_FAIL``) fails the request
+    """Whether fault ``kind`` ("receive": ``KVFLOW_FAULT_RECEIVE_FAIL``, "corrupt":
+    ``KVFLOW_FAULT_KV_CORRUPT``) fails the request
     with prompt ``token_ids``: its variable names a run of token ids the prompt contains."""
-    value = os.environ.get({"receive": "KVFLOW_FAULT_RECEIVE_FAIL"}[kind], "")
+    value = os.environ.get({"receive": "KVFLOW_FAULT_RECEIVE_FAIL",
+                            "corrupt": "KVFLOW_FAULT_KV_CORRUPT"}[kind], "")
     return bool(value) and _contains(token_ids, [int(x) for x in value.split(",")])
 
 
@@ -72,3 +79,11 @@ def kv_digest(cache, block_ids: Sequence[int], num_tokens: int) -> list[int] | N
         total += int(w.sum())
         weighted += int((w * pos).sum())
     return [total % 2**61, weighted % 2**61]  # fits msgpack's int64
+
+
+def flip_byte(block) -> None:
+    """``KVFLOW_FAULT_KV_CORRUPT``: flip every bit of the last byte of ``block`` (a contiguous
+    tensor holding one block's bytes) in place."""
+    import torch
+    raw = block.reshape(-1).view(torch.uint8)
+    raw[-1] ^= 0xFF

@@ -80,6 +80,11 @@ class PrefillInstance(Instance):
                 bind_ucx_to_host(cfg.host)
         except ValueError as exc:  # unknown connector or option: one line
             raise StartupError(str(exc)) from None
+        if cfg.kv_verify:  # checked with the flags too (kvflow.serve.checks); never ignored
+            if not hasattr(self.connector, "verify"):
+                raise StartupError(f"--kv-verify checks the ipc-pull and tcp connectors, not "
+                                   f"{self.connector.name}")
+            self.connector.verify = True
         self.cache = self.connector.make_cache(self.num_blocks)
         self.engine = Engine(self.model, self.cache)
         self.allocator = BlockAllocator(self.num_blocks)
