@@ -46,8 +46,9 @@ BYTES_ONLY = ("tcp", "nixl")
 #: Keys whose value is one of a few strings (the other keys take an int >= 1).
 CONFIG_CHOICES: dict[str, dict[str, tuple[str, ...]]] = {"nixl": {"mode": ("direct", "staged")}}
 
-__all__ = ["BYTES_ONLY", "CONFIG_CHOICES", "CONFIG_KEYS", "CONNECTORS", "Handoff", "KVReceiver", "KVSender", "Peer", "PrefillJob",
-           "SlotsTaken", "TransferError", "TransferStats", "KVVerifyError", "check_connector_config", "make_receiver",
+__all__ = ["BYTES_ONLY", "CONFIG_CHOICES", "CONFIG_KEYS", "CONNECTORS", "Handoff", "KVReceiver",
+           "KVSender", "KVVerifyError", "Peer", "PrefillJob", "SlotsTaken", "TransferError",
+           "TransferStats", "bind_to_host", "check_connector_config", "make_receiver",
            "make_sender", "resolve_connector", "scales_refusal"]
 
 _BASE = ("Handoff", "KVReceiver", "KVSender", "Peer", "PrefillJob", "SlotsTaken", "TransferError",
@@ -60,6 +61,22 @@ def __getattr__(name: str) -> Any:  # the contract loads torch: import it on fir
     if name == "KVVerifyError":  # --kv-verify's mismatch (kvflow.connector.verify)
         return importlib.import_module("kvflow.connector.verify").KVVerifyError
     raise AttributeError(f"module 'kvflow.connector' has no attribute {name!r}")
+
+
+def bind_to_host(kind: str, host: str) -> None:
+    """Make connector ``kind``'s own listeners bind to ``host`` (``--host``), before its
+    sender or receiver opens them: for ``nixl``, UCX's TCP listeners on that address's
+    interface (:func:`kvflow.connector.nixl_net.bind_ucx_to_host`); other kinds bind their
+    sockets where serve tells them already.
+
+    Raises
+    ------
+    ValueError
+        ``host`` is an address of no interface of this machine (naming ``--host``).
+    """
+    if kind == "nixl":
+        from .nixl_net import bind_ucx_to_host
+        bind_ucx_to_host(host)
 
 
 def resolve_connector(name: str, device: str = "cpu") -> str:

@@ -58,7 +58,7 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
 
     # ---- start-up -------------------------------------------------------------------
     def setup(self) -> None:
-        from kvflow.connector import make_receiver
+        from kvflow.connector import bind_to_host, make_receiver
         from kvflow.engine import Engine
         from kvflow.blocks import BlockAllocator
         cfg = self.cfg
@@ -66,9 +66,7 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
             self.receiver = make_receiver(cfg.kv_connector, self.spec, cfg.device,
                                           backend=cfg.backend, config=cfg.kv_connector_config,
                                           max_model_len=self.max_model_len)
-            if self.receiver.name == "nixl":  # before its agent: UCX on --host only
-                from kvflow.connector.nixl_net import bind_ucx_to_host
-                bind_ucx_to_host(cfg.host)
+            bind_to_host(self.receiver.name, cfg.host)  # before its transport listens
         except ValueError as exc:  # unknown connector or option: one line
             raise StartupError(str(exc)) from None
         if cfg.kv_verify:  # checked with the flags too (kvflow.serve.checks); never ignored

@@ -65,7 +65,7 @@ class PrefillInstance(Instance):
 
     # ---- start-up -------------------------------------------------------------------
     def setup(self) -> None:
-        from kvflow.connector import make_sender
+        from kvflow.connector import bind_to_host, make_sender
         from kvflow.engine import Engine
         from kvflow.blocks import BlockAllocator
         cfg = self.cfg
@@ -75,9 +75,7 @@ class PrefillInstance(Instance):
                                          instance_id=self.instance_id, backend=cfg.backend,
                                          layerwise_min_tokens=cfg.layerwise_min_tokens,
                                          max_model_len=self.max_model_len)
-            if self.connector.name == "nixl":  # before its agent: UCX on --host only
-                from kvflow.connector.nixl_net import bind_ucx_to_host
-                bind_ucx_to_host(cfg.host)
+            bind_to_host(self.connector.name, cfg.host)  # before its transport listens
         except ValueError as exc:  # unknown connector or option: one line
             raise StartupError(str(exc)) from None
         if cfg.kv_verify:  # checked with the flags too (kvflow.serve.checks); never ignored
