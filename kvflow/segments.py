@@ -286,23 +286,22 @@ def unlink_own(shm_dir: str | None = None) -> list[str]:
     this process: :meth:`Owner.me`); returns the names removed. An instance calls it last on
     its way out, after closing its cache and connector, so that leaving by ``os._exit`` (no
     interpreter finalization, no ``weakref.finalize`` at exit) leaves nothing in /dev/shm."""
-    directory = shm_dir or SHM_DIR
     me = Owner.me()
-    removed = []
-    try:
-        entries = sorted(os.listdir(directory))
-    except OSError:
-        return removed
-    for entry in entries:
-        parsed = parse_name(entry)
-        if parsed is not None and parsed.owner == me and unlink(entry, directory):
-            removed.append(entry)
-    return removed
+    return _unlink_where(lambda owner: owner == me, shm_dir)
 
 
 def clean_stale(shm_dir: str | None = None) -> list[str]:
     """Unlink every kvflow segment (all kinds) whose owner is judged dead; leave live owners'
     and those that cannot be judged. Returns the names removed."""
+    removed = _unlink_where(lambda owner: owner_state(owner) == DEAD, shm_dir)
+    if removed:
+        log.info("removed stale shared-memory segments of dead owners: %s", removed)
+    return removed
+
+
+def _unlink_where(owned, shm_dir: str | None) -> list[str]:
+    """Unlink every kvflow segment of ``shm_dir`` (default :data:`SHM_DIR`) whose parsed owner
+    satisfies ``owned(owner)``; the names removed (one gone meanwhile is skipped)."""
     directory = shm_dir or SHM_DIR
     removed = []
     try:
@@ -311,13 +310,6 @@ def clean_stale(shm_dir: str | None = None) -> list[str]:
         return removed
     for entry in entries:
         parsed = parse_name(entry)
-        if parsed is None or owner_state(parsed.owner) != DEAD:
-            continue
-        try:
-            os.unlink(os.path.join(directory, entry))
+        if parsed is not None and owned(parsed.owner) and unlink(entry, directory):
             removed.append(entry)
-        except FileNotFoundError:
-            pass
-    if removed:
-        log.info("removed stale shared-memory segments of dead owners: %s", removed)
     return removed

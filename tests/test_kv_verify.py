@@ -73,7 +73,7 @@ def test_a_corrupted_block_fails_the_request_and_frees_it(servers, kind):
      "--kv-verify does not check re-blocked transfers: --decode-block-size 32 differs from "
      "P's 16; leave one of them out"),
     (["--kv-verify", "--mode", "colocated"],
-     "--kv-verify True has no effect with --mode colocated (one instance prefills and decodes: "
+     "--kv-verify has no effect with --mode colocated (one instance prefills and decodes: "
      "no KV moves); leave it out"),
 ])
 def test_unchecked_transfers_are_refused_at_start(argv, line):

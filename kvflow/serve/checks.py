@@ -154,8 +154,9 @@ def _check_connector(cfg: ServeConfig, given: set[str]) -> None:
             if name in given:
                 value = getattr(cfg, name)
                 shown = json.dumps(value) if isinstance(value, dict) else value
+                named = flag_name(name) if isinstance(value, bool) else f"{flag_name(name)} {shown}"
                 where = "--mode colocated" if cfg.mode == "colocated" else "--role colocated"
-                raise StartupError(f"{flag_name(name)} {shown} has no effect with {where} (one "
+                raise StartupError(f"{named} has no effect with {where} (one "
                                    f"instance prefills and decodes: no KV moves); leave it out")
     kind = resolve_connector(cfg.kv_connector, cfg.device)
     options = CONFIG_KEYS[kind]
