@@ -184,3 +184,18 @@ def every_block_back(pd: PD):
     assert not pd.d.lent
     pd.d.prefix.clear()
     assert pd.free() == start
+
+
+def greedy_tokens(model, spec, token_ids, max_tokens: int = 8) -> list[int]:
+    """The reference of the served tests: greedy tokens of one engine of ``spec`` doing the
+    prefill and the decode in one cache (no transfer)."""
+    from kvflow import PagedKVCache
+    from kvflow.engine import Engine
+    from kvflow.serve.sampling import sample_token
+    eng = Engine(model, PagedKVCache(spec, 32))
+    table = list(range(-(-(len(token_ids) + max_tokens) // spec.block_size)))
+    out = [sample_token(eng.prefill(token_ids, table), 0.0, 0, 0)]
+    while len(out) < max_tokens:
+        logits = eng.decode([(out[-1], len(token_ids) + len(out) - 1, table)])
+        out.append(sample_token(logits[0], 0.0, 0, len(out)))
+    return out

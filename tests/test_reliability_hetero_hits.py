@@ -8,12 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvflow import PagedKVCache
-from kvflow.engine import Engine
-from kvflow.protocol import Tokens
-from kvflow.serve.sampling import sample_token
 
-from .reliability_harness import PD, every_block_back
+from .reliability_harness import PD, every_block_back, greedy_tokens
 from .test_reliability_pd import tokens_of
 
 PROMPT = list(range(30, 180))          # 150 tokens: 9.4 of P's blocks, 6.25 of D's
@@ -34,14 +30,7 @@ def blocks_come_back(pd):
 
 def colocated(pd, token_ids, max_tokens=8):
     """Greedy tokens of one engine with P's spec (16-token blocks) doing prefill and decode."""
-    bs = pd.p.spec.block_size
-    eng = Engine(pd.p.model, PagedKVCache(pd.p.spec, 32))
-    table = list(range(-(-(len(token_ids) + max_tokens) // bs)))
-    out = [sample_token(eng.prefill(token_ids, table), 0.0, 0, 0)]
-    while len(out) < max_tokens:
-        logits = eng.decode([(out[-1], len(token_ids) + len(out) - 1, table)])
-        out.append(sample_token(logits[0], 0.0, 0, len(out)))
-    return out
+    return greedy_tokens(pd.p.model, pd.p.spec, token_ids, max_tokens)
 
 
 def test_block_sizes_16_and_24_with_a_d_prefix_hit_are_token_identical(pd):

@@ -10,12 +10,9 @@ import time
 import pytest
 import torch
 
-from kvflow import PagedKVCache
-from kvflow.engine import Engine
 from kvflow.protocol import KVAck, KVReady, LeaseRenew, Rejected, Tokens
-from kvflow.serve.sampling import sample_token
 
-from .reliability_harness import PD, every_block_back, time_out_on_d
+from .reliability_harness import PD, every_block_back, greedy_tokens, time_out_on_d
 
 BS = 16
 TEXT = list(range(1, 200))  # token ids 1..199 (byte tokenizer: all in the vocabulary)
@@ -35,14 +32,8 @@ def blocks_come_back(pd):
 
 def colocated(pd, token_ids, max_tokens=8):
     """Greedy tokens of one engine doing prefill and decode in one cache (the reference)."""
-    cache = PagedKVCache(pd.d.spec, 32)
-    eng = Engine(pd.d.model, cache)
-    table = list(range(-(-(len(token_ids) + max_tokens) // BS)))
-    out = [sample_token(eng.prefill(token_ids, table), 0.0, 0, 0)]
-    while len(out) < max_tokens:
-        logits = eng.decode([(out[-1], len(token_ids) + len(out) - 1, table)])
-        out.append(sample_token(logits[0], 0.0, 0, len(out)))
-    return out
+    assert pd.d.spec.block_size == BS
+    return greedy_tokens(pd.d.model, pd.d.spec, token_ids, max_tokens)
 
 
 def tokens_of(msgs):
