@@ -105,8 +105,12 @@ class EventLoop:
         :attr:`beats`; where no thread runs (an instance driven by hand, without
         :meth:`open_channels`), from here every ``heartbeat_s``."""
         now = time.monotonic()
-        if force or (self.beats is None and now - self._last_hb >= self.cfg.heartbeat_s):
-            self._last_hb = now
+        if force:
+            self.report_blocks()
+        if self.beats is not None or now - self._last_hb < self.cfg.heartbeat_s:
+            return  # the thread beats and watches the parent
+        self._last_hb = now
+        if not force:
             self.report_blocks()
         if self.cfg.parent_pid and os.getppid() != self.cfg.parent_pid:
             log.error("%s: parent %d is gone; exiting", self.instance_id, self.cfg.parent_pid)
