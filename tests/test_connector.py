@@ -62,9 +62,10 @@ def test_connector_config_keys():
 
 
 def test_serve_imports_no_concrete_connector():
-    """kvflow/serve reaches connectors through ``kvflow.connector`` only (the factory)."""
+    """kvflow/serve reaches connectors through ``kvflow.connector`` only (the factory and its
+    registry, ``kvflow.connector.kinds``)."""
     pkg = SERVE.parent / "connector"
-    kinds = {p.stem for p in pkg.glob("*.py") if p.stem != "__init__"} | {"layerwise"}
+    kinds = {p.stem for p in pkg.glob("*.py") if p.stem not in ("__init__", "kinds")} | {"layerwise"}
     assert {"ipc_pull", "ipc_push", "tcp", "cuda_ipc", "shm"} <= kinds
     bad = []
     for path in sorted(SERVE.glob("*.py")):
@@ -77,7 +78,8 @@ def test_serve_imports_no_concrete_connector():
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             bad += [f"{path.name}: {n}" for n in names
-                    if n.startswith(("kvflow.connector.", "kvflow.transfer", "kvflow.layerwise"))]
+                    if n.startswith(("kvflow.connector.", "kvflow.transfer", "kvflow.layerwise"))
+                    and n != "kvflow.connector.kinds"]
     assert bad == []
 
 

@@ -67,7 +67,8 @@ def test_advertised_host_replaces_a_wildcard():
 def test_unknown_mode_is_refused_naming_the_value():
     with pytest.raises(ValueError) as e:
         make_sender("nixl", SPEC, config={"mode": "bulk"})
-    assert str(e.value) == "kv_connector_config mode must be one of direct, staged; got 'bulk'"
+    assert str(e.value) == ("kv_connector_config key 'mode' of connector 'nixl' must be one of "
+                            "direct, staged; got 'bulk'")
 
 
 def test_write_timeout_is_a_config_key_of_p_that_d_ignores():
@@ -76,7 +77,8 @@ def test_write_timeout_is_a_config_key_of_p_that_d_ignores():
     make_receiver("nixl", SPEC, config={"write_timeout_s": 7})  # one config for P and D
     with pytest.raises(ValueError) as e:
         make_sender("nixl", SPEC, config={"write_timeout_s": 0})
-    assert str(e.value) == "kv_connector_config write_timeout_s must be > 0 seconds; got 0"
+    assert str(e.value) == ("kv_connector_config key 'write_timeout_s' of connector 'nixl' must be "
+                            "a number of seconds > 0; got 0")
 
 
 # ---- two halves in one process, then in two -------------------------------------------------

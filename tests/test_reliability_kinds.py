@@ -131,8 +131,8 @@ def test_fp8_on_one_side_only_is_mapped_or_refused_per_connector(p_spec, d_spec,
         return
     tail = ("; the tcp connector does not carry the fp8 scales of P (p-1) that a D of another "
             "spec needs; use ipc-pull or ipc-push, or equal specs" if connector == "tcp" else
-            "; the nixl connector moves only equal specs (re-blocking connectors: ipc-pull, tcp, "
-            "ipc-push)")
+            "; the nixl connector moves only equal specs (re-blocking connectors: ipc-pull, ipc-push, "
+            "tcp)")
     for role, (mine, me, theirs, them) in sides.items():
         assert got[role] == (f"KV cache spec mismatch, pairing refused: dtype: {mine.dtype} "
                              f"({me}) vs {theirs.dtype} ({them})" + tail), role

@@ -288,7 +288,7 @@ def test_push_options_need_ipc_push(capsys):
     from kvflow.serve.__main__ import parse_args
     with pytest.raises(SystemExit):
         parse_args(["--kv-connector", "tcp", "--kv-connector-config", '{"max_ctas": 8}'])
-    assert capsys.readouterr().err == ("kvflow.serve: error: --kv-connector-config: 'max_ctas' is "
-                                       "not an option of the tcp connector; it takes no options\n")
+    assert capsys.readouterr().err == ("kvflow.serve: error: --kv-connector-config key 'max_ctas' "
+                                       "is not an option of connector 'tcp' (it takes none)\n")
     cfg = parse_args(["--kv-connector", "ipc-push", "--kv-connector-config", '{"max_ctas": 8}'])
     assert cfg.kv_connector_config == {"max_ctas": 8}

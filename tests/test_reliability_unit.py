@@ -73,7 +73,7 @@ def test_a_mappable_mismatch_pairs_only_over_a_reblocking_connector(field, their
         assert check_pairing(SPEC, "p-1", theirs, "d-2", kind) == ""
     assert check_pairing(SPEC, "p-1", theirs, "d-2", "nixl") == (
         f"KV cache spec mismatch, pairing refused: {words}; the nixl connector moves only "
-        f"equal specs (re-blocking connectors: ipc-pull, tcp, ipc-push)")
+        f"equal specs (re-blocking connectors: ipc-pull, ipc-push, tcp)")
 
 
 def test_mla_maps_only_to_mla():

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from kvflow.serve.__main__ import build_parser, check_args, parse_args
-from kvflow.serve.config import ServeConfig, cli_fields, default_of, flag_name
+from kvflow.serve.config import ServeConfig, cli_fields, default_of, flag_name, meta
 from kvflow.serve.server import instance_config
 from kvflow.serve.startup import StartupError
 
@@ -24,9 +24,9 @@ def test_every_field_is_a_flag_with_help_and_its_default():
     for f in cli_fields():
         action = actions[f.name]
         assert action.option_strings == [flag_name(f.name)]
-        assert f.metadata["help"] and f.metadata["help"] in action.help, f.name
+        assert meta(f, "help") and meta(f, "help") in action.help, f.name
         if f.type != "bool":
-            shown = f.metadata["default_text"] or default_of(f)
+            shown = meta(f, "default_text") or default_of(f)
             assert action.help.endswith(f"(default: {shown})"), f.name
     internal = {f.name for f in dataclasses.fields(ServeConfig)} - {f.name for f in cli_fields()}
     assert internal == {"heartbeat_s", "parent_pid"} and not internal & set(actions)
@@ -93,15 +93,28 @@ def line_of(argv: list[str]) -> str:
     (["--kv-connector-config", "[8]"],
      "--kv-connector-config must be a JSON object such as '{\"max_ctas\": 16}', got '[8]'"),
     (["--kv-connector-config", '{"max_ctas": 8}'],  # auto on CPU is ipc-pull
-     "--kv-connector-config: 'max_ctas' is not an option of the ipc-pull connector; it takes "
-     "no options"),
+     "--kv-connector-config key 'max_ctas' is not an option of connector 'ipc-pull' (it takes "
+     "none)"),
     (["--kv-connector", "ipc-push", "--kv-connector-config", '{"max_cta": 8}'],
-     "--kv-connector-config: 'max_cta' is not an option of the ipc-push connector; it takes "
-     "layers_per_copy, max_ctas"),
+     "--kv-connector-config key 'max_cta' is not an option of connector 'ipc-push' (it takes "
+     "layers_per_copy, max_ctas)"),
     (["--kv-connector", "ipc-push", "--kv-connector-config", '{"max_ctas": 0}'],
-     "--kv-connector-config: max_ctas must be an integer >= 1, got 0"),
+     "--kv-connector-config key 'max_ctas' of connector 'ipc-push' must be an int >= 1; got 0"),
     (["--kv-connector", "ipc-push", "--kv-connector-config", '{"layers_per_copy": true}'],
-     "--kv-connector-config: layers_per_copy must be an integer >= 1, got true"),
+     "--kv-connector-config key 'layers_per_copy' of connector 'ipc-push' must be an int >= 1; "
+     "got True"),
+    (["--kv-connector", "ipc-push", "--kv-connector-config", '{"layers_per_copy": 2.0}'],
+     "--kv-connector-config key 'layers_per_copy' of connector 'ipc-push' must be an int >= 1; "
+     "got 2.0"),
+    (["--kv-connector", "nixl", "--kv-connector-config", '{"write_timeout_s": 0}'],
+     "--kv-connector-config key 'write_timeout_s' of connector 'nixl' must be a number of "
+     "seconds > 0; got 0"),
+    (["--kv-connector", "nixl", "--kv-connector-config", '{"mode": "stagd"}'],
+     "--kv-connector-config key 'mode' of connector 'nixl' must be one of direct, staged; got "
+     "'stagd'"),
+    (["--kv-connector", "nixl", "--kv-connector-config", '{"staging_slots": "4"}'],
+     "--kv-connector-config key 'staging_slots' of connector 'nixl' must be an int >= 1; got "
+     "'4'"),
     (["--mode", "colocated", "--kv-connector", "tcp"],
      "--kv-connector tcp has no effect with --mode colocated (one instance prefills and "
      "decodes: no KV moves); leave it out"),
@@ -147,3 +160,27 @@ def test_a_kv_cache_larger_than_this_machine_names_num_blocks():
         f"of memory; lower --num-blocks, or leave it out to size the cache by a profile run from "
         f"--memory-budget-mb")
     assert parse_args(["--num-blocks", str(n - 1)]).num_blocks == n - 1
+
+
+def test_a_float_write_timeout_is_taken_as_the_nixl_connector_takes_it():
+    """issue 27: '{"write_timeout_s": 2.5}' was refused ("integer >= 1"); nixl takes any
+    number > 0 seconds, and the flag check and the connector agree."""
+    from kvflow.connector import make_sender
+    from kvflow.layout import KVCacheSpec
+    cfg = parse_args(["--kv-connector", "nixl", "--kv-connector-config",
+                      '{"write_timeout_s": 2.5, "mode": "staged", "staging_slots": 2}'])
+    assert cfg.kv_connector_config == {"write_timeout_s": 2.5, "mode": "staged",
+                                       "staging_slots": 2}
+    import torch
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=8, block_size=4, dtype=torch.float32)
+    tx = make_sender(cfg.kv_connector, spec, config=cfg.kv_connector_config)
+    assert (tx.timeout_s, tx.mode) == (2.5, "staged")
+    assert parse_args(["--kv-connector", "nixl", "--kv-connector-config",
+                       '{"write_timeout_s": 1}']).kv_connector_config == {"write_timeout_s": 1}
+
+
+def test_layerwise_help_gives_each_kinds_default():
+    """issue 27: --help said 16384 where nixl's default is 0; the text comes from the kinds."""
+    action = {a.dest: a for a in build_parser()._actions}["layerwise_min_tokens"]
+    assert action.help.endswith("(default: the connector's: 16384 (ipc-pull, ipc-push, tcp), "
+                                "0 (nixl); docs/gpu_serving.md gives the measurements)")

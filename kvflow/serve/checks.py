@@ -16,15 +16,13 @@ import json
 import os
 import re
 
-from kvflow.connector import CONFIG_CHOICES, CONFIG_KEYS, resolve_connector
+from kvflow.connector import kinds
 
 from .config import ServeConfig, build_parser, flag_name
 from .startup import StartupError
 
 _INSTANCE_ROLES = ("prefill", "decode", "colocated")
 _CONNECTOR_FLAGS = ("kv_connector", "kv_connector_config", "layerwise_min_tokens", "kv_verify")
-#: the connector kinds whose transfers ``--kv-verify`` checks
-VERIFIED_KINDS = ("ipc-pull", "tcp")
 #: A lease must outlast this many of D's renewal periods (``heartbeat_s``): one renewal may be
 #: late or lost and the lease still holds.
 LEASE_RENEWALS = 2
@@ -158,36 +156,35 @@ def _check_connector(cfg: ServeConfig, given: set[str]) -> None:
                 where = "--mode colocated" if cfg.mode == "colocated" else "--role colocated"
                 raise StartupError(f"{named} has no effect with {where} (one "
                                    f"instance prefills and decodes: no KV moves); leave it out")
-    kind = resolve_connector(cfg.kv_connector, cfg.device)
-    options = CONFIG_KEYS[kind]
-    for key, value in cfg.kv_connector_config.items():
-        if key not in options:
-            takes = (f"it takes {', '.join(options)}" if options else "it takes no options")
-            raise StartupError(f"--kv-connector-config: {key!r} is not an option of the {kind} "
-                               f"connector; {takes}")
-        choices = CONFIG_CHOICES.get(kind, {}).get(key)
-        if choices is not None:
-            if value not in choices:
-                raise StartupError(f"--kv-connector-config: {key} must be one of "
-                                   f"{', '.join(choices)}, got {json.dumps(value)}")
-            continue
-        if type(value) is not int or value < 1:
-            raise StartupError(f"--kv-connector-config: {key} must be an integer >= 1, got "
-                               f"{json.dumps(value)}")
+    try:
+        kinds.check_options(_kind(cfg).name, cfg.kv_connector_config,
+                            where="--kv-connector-config")
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+
+
+def _kind(cfg: ServeConfig) -> kinds.Kind:
+    try:  # argparse limits --kv-connector to the kinds; a child's --config-json may not
+        return kinds.resolve(cfg.kv_connector, cfg.device)
+    except ValueError as exc:
+        raise StartupError(f"--kv-connector: {exc}") from None
 
 
 def _check_verify(cfg: ServeConfig, model_limit: int) -> None:
-    """``--kv-verify`` only where every transfer is checked: the kinds of
-    :data:`VERIFIED_KINDS`, whole-prompt (not layerwise) moves, equal P and D specs."""
+    """``--kv-verify`` only where every transfer is checked: the kinds with the ``kv_verify``
+    capability (:mod:`kvflow.connector.kinds`), whole-prompt (not layerwise) moves, equal P and
+    D specs."""
     if not cfg.kv_verify or "colocated" in (cfg.mode, cfg.role):
         return
-    kind = resolve_connector(cfg.kv_connector, cfg.device)
-    if kind not in VERIFIED_KINDS:
-        raise StartupError(f"--kv-verify checks the {' and '.join(VERIFIED_KINDS)} connectors, "
-                           f"not {kind} (--kv-connector {cfg.kv_connector}); use --kv-connector "
-                           f"{VERIFIED_KINDS[0]} or {VERIFIED_KINDS[1]}, or leave --kv-verify out")
+    kind = _kind(cfg)
+    if not kind.kv_verify:
+        verified = kinds.with_capability("kv_verify")
+        raise StartupError(f"--kv-verify checks the {' and '.join(verified)} connectors, "
+                           f"not {kind.name} (--kv-connector {cfg.kv_connector}); use "
+                           f"--kv-connector {' or '.join(verified)}, or leave --kv-verify out")
     max_len = cfg.max_model_len or min(model_limit, 2048)
-    threshold = 16384 if cfg.layerwise_min_tokens is None else cfg.layerwise_min_tokens
+    threshold = (kind.layerwise_min_tokens if cfg.layerwise_min_tokens is None
+                 else cfg.layerwise_min_tokens)
     if threshold <= max_len:
         raise StartupError(f"--kv-verify does not check layer-by-layer transfers, and prompts "
                            f"from --layerwise-min-tokens {threshold} tokens (<= --max-model-len "

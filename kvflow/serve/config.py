@@ -16,21 +16,40 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvflow.connector import CONFIG_KEYS, CONNECTORS
+from kvflow.connector import kinds
 
-#: the values of ``--kv-connector`` (``auto``: ipc-push on CUDA, ipc-pull on CPU)
-KV_CONNECTORS = ("auto", *CONNECTORS)
 #: the values of ``--kv-layout`` / ``--decode-kv-layout``
 KV_LAYOUTS = ("NHD", "HND")
 #: the values of ``--kv-dtype`` / ``--decode-kv-dtype``
 KV_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
 
 
-def _flag(help: str, *, choices: tuple[str, ...] | None = None, default_text: str | None = None,
+Text = typing.Union[str, typing.Callable[[], str]]
+
+
+def _flag(help: Text, *, choices: Any = None, default_text: Text | None = None,
           metavar: str | None = None) -> dict[str, Any]:
     """Field metadata of one CLI flag: its help text without the default (the parser appends
-    ``default_text``, else the field's default), and its choices."""
+    ``default_text``, else the field's default), and its choices. Each may be a function of no
+    arguments, called when the parser is built: the connector flags' text and choices come from
+    the kinds registered then (:mod:`kvflow.connector.kinds`)."""
     return {"help": help, "choices": choices, "default_text": default_text, "metavar": metavar}
+
+
+def meta(f: dataclasses.Field, key: str) -> Any:
+    """The metadata ``key`` (``help``, ``choices``, ``default_text``) of flag field ``f``, a
+    function's value when it is one."""
+    value = f.metadata.get(key)
+    return value() if callable(value) else value
+
+
+def kv_connectors() -> tuple[str, ...]:
+    """The values of ``--kv-connector``: ``auto`` and every registered kind."""
+    return ("auto", *kinds.kind_names())
+
+
+def _reblocking(what: str) -> typing.Callable[[], str]:
+    return lambda: f"{what}: {', '.join(kinds.with_capability('reblocks'))})"
 
 
 def _internal(help: str) -> dict[str, Any]:
@@ -63,24 +82,14 @@ class ServeConfig:
         "built-in model name (kvflow-tiny: seeded weights, byte tokenizer, no download) or a "
         "local Hugging Face Llama/Qwen2 checkpoint directory"))
     kv_connector: str = field(default="auto", metadata=_flag(
-        "how a request's KV moves from P to D: ipc-pull (D copies from P's exported cache: "
-        "shared memory on CPU, CUDA IPC on GPU), ipc-push (D exports its cache and P writes "
-        "each group of layers into D's blocks while it prefills), tcp (P gathers blocks into "
-        "zero-copy ZMQ frames, D scatters them; P and D may be on different hosts), nixl (P "
-        "writes D's registered host or GPU memory with one-sided NIXL WRITEs; any hosts; extra "
-        "[nixl]); auto: "
-        "ipc-push with --device cuda, ipc-pull on CPU", choices=KV_CONNECTORS))
+        kinds.help_kinds, choices=kv_connectors))
     kv_connector_config: dict = field(default_factory=dict, metadata=_flag(
-        "JSON object of options of the connector, e.g. '{\"max_ctas\": 8}'; " + "; ".join(
-            f"{kind}: " + (", ".join(f"{k} ({v})" for k, v in opts.items()) or "none")
-            for kind, opts in CONFIG_KEYS.items()), default_text="{}", metavar="JSON"))
+        kinds.help_options, default_text="{}", metavar="JSON"))
     layerwise_min_tokens: int | None = field(default=None, metadata=_flag(
         "prompts of at least this many tokens move layer by layer while P still prefills; "
         "shorter ones move after the prefill (above --max-model-len: every one)",
-        default_text="the connector's: 16384 (ipc-pull and tcp: on one H200 the host-signalled "
-                     "path beat moving after the prefill only from 16K tokens; ipc-push: with "
-                     "P's first token sent at once, its copies beside P's compute only slowed "
-                     "the prefill up to 8K tokens, docs/gpu_serving.md)"))
+        default_text=lambda: f"the connector's: {kinds.layerwise_defaults()}; "
+                             f"docs/gpu_serving.md gives the measurements"))
     device: str = field(default="cpu", metadata=_flag(
         "torch device of the model and caches; with cuda and --role all each instance gets its "
         "own GPU (see --prefill-device)", choices=("cpu", "cuda")))
@@ -100,15 +109,14 @@ class ServeConfig:
         "KV cache dtype (fp8: per-tensor scales, 1.0)", choices=KV_DTYPES,
         default_text="--dtype"))
     decode_block_size: int | None = field(default=None, metadata=_flag(
-        "tokens per KV block of the decode instance, when it differs from P's: the connector "
-        "re-blocks (ipc-pull, tcp, ipc-push)", default_text="--block-size"))
+        _reblocking("tokens per KV block of the decode instance, when it differs from P's (the "
+                    "connector re-blocks"), default_text="--block-size"))
     decode_kv_layout: str | None = field(default=None, metadata=_flag(
-        "KV cache layout of the decode instance (the connector maps P's to it: ipc-pull, tcp, "
-        "ipc-push)",
+        _reblocking("KV cache layout of the decode instance (the connector maps P's to it"),
         choices=KV_LAYOUTS, default_text="--kv-layout"))
     decode_kv_dtype: str | None = field(default=None, metadata=_flag(
-        "KV cache dtype of the decode instance (the connector converts P's to it: ipc-pull, "
-        "tcp, ipc-push)", choices=KV_DTYPES, default_text="--kv-dtype"))
+        _reblocking("KV cache dtype of the decode instance (the connector converts P's to it"),
+        choices=KV_DTYPES, default_text="--kv-dtype"))
     max_model_len: int | None = field(default=None, metadata=_flag(
         "longest prompt + generated tokens of one request", default_text="min(model limit, 2048)"))
     max_num_batched_tokens: int = field(default=512, metadata=_flag(
@@ -142,10 +150,11 @@ class ServeConfig:
     enable_prefix_caching: bool = field(default=False, metadata=_flag(
         "D keeps a prefix cache of full prompt blocks; a hit moves only the missing blocks"))
     kv_verify: bool = field(default=False, metadata=_flag(
-        "fail closed on corrupted KV: P sends a digest of every block it sends (tcp: from its "
-        "gather's launch), D checks it after its copy/scatter; a mismatch ends the request "
-        "with HTTP 502 and its blocks are freed, never decoded from (ipc-pull and tcp; "
-        "docs/reliability.md)"))
+        lambda: "fail closed on corrupted KV: P sends a digest of every block it sends (a "
+                "gather computes it in its own launch), D checks it after its copy/scatter; a "
+                "mismatch ends the request with HTTP 502 and its blocks are freed, never "
+                "decoded from (" + " and ".join(kinds.with_capability("kv_verify"))
+                + "; docs/reliability.md)"))
     kv_lease_s: float = field(default=5.0, metadata=_flag(
         "P holds blocks it sent only while D renews this lease (or until D's ack); seconds"))
     receive_timeout_s: float = field(default=120.0, metadata=_flag(
@@ -226,15 +235,16 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                 argument_default=argparse.SUPPRESS)
     hints = typing.get_type_hints(ServeConfig)
     for f in cli_fields():
-        meta, default = f.metadata, default_of(f)
+        default, help = default_of(f), meta(f, "help")
         if hints[f.name] is bool:
-            p.add_argument(flag_name(f.name), action="store_true", help=meta["help"])
+            p.add_argument(flag_name(f.name), action="store_true", help=help)
             continue
         base = [t for t in typing.get_args(hints[f.name]) if t is not type(None)] or [hints[f.name]]
         kind = base[0] if base[0] in (int, float) else str  # dicts arrive as JSON text
-        shown = meta["default_text"] or default
-        metavar = meta["metavar"] or {int: "N", float: "S" if f.name.endswith("_s") else "X"}.get(kind)
-        p.add_argument(flag_name(f.name), type=kind, choices=meta["choices"], metavar=metavar,
-                       help=f"{meta['help']} (default: {shown})")
+        shown = meta(f, "default_text") or default
+        metavar = meta(f, "metavar") or {int: "N", float: "S" if f.name.endswith("_s")
+                                         else "X"}.get(kind)
+        p.add_argument(flag_name(f.name), type=kind, choices=meta(f, "choices"), metavar=metavar,
+                       help=f"{help} (default: {shown})")
     p.add_argument("--config-json", help=argparse.SUPPRESS)
     return p

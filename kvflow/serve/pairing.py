@@ -3,7 +3,8 @@ fingerprint.
 
 P's and D's specs may differ in ``block_size``, ``layout`` (NHD / HND; MLA only with MLA) and
 ``dtype`` (and an fp8 cache's ``scales``): the connectors that move KV with the re-blocking kernels
-(:data:`REBLOCKING`, :mod:`kvflow.kernels.reblock`) map one onto the other. Layers, KV heads and
+(the kinds with the ``reblocks`` capability of :mod:`kvflow.connector.kinds`,
+:mod:`kvflow.kernels.reblock`) map one onto the other. Layers, KV heads and
 head_dim must be equal (each instance runs the whole model). Anything else is refused with both
 values named, before any request is accepted.
 """
@@ -13,16 +14,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from kvflow.connector import scales_refusal
+from kvflow.connector import kinds, scales_refusal
 from kvflow.layout import KVCacheSpec
 
 from .fingerprint import check_fingerprint
 
-#: Connectors that move KV between different specs with the re-blocking kernels (ipc-pull, tcp:
-#: D copies or scatters; ipc-push: P writes into D's mapped cache); nixl writes P's blocks as
-#: they are and needs equal specs.
-REBLOCKING = ("ipc-pull", "tcp", "ipc-push")
-#: Spec fields that may differ between P and D (with a :data:`REBLOCKING` connector).
+#: Spec fields that may differ between P and D (with a connector that ``reblocks``).
 MAPPABLE = ("block_size", "layout", "dtype", "scales")
 
 
@@ -35,14 +32,15 @@ def spec_diff(mine: KVCacheSpec, theirs: KVCacheSpec) -> dict[str, tuple[Any, An
 def check_pairing(mine: KVCacheSpec, my_id: str, peer: dict[str, Any], peer_id: str,
                   connector: str | None = None, my_role: str | None = None) -> str:
     """'' when the peer's KV cache spec equals ours, or differs only in what ``connector``
-    (a kind of :data:`~kvflow.connector.CONNECTORS`; None: none maps) can map; else the
+    (a kind of :data:`~kvflow.connector.KINDS`; None: none maps) can map; else the
     refusal, naming every differing field with both values, e.g. ``KV cache spec mismatch,
     pairing refused: head_dim: 32 (p-1-ab) vs 64 (d-2-cd); P and D may differ only in
-    block_size, layout, dtype``. A connector that moves block bytes only (tcp, nixl) refuses
-    an fp8 spec with ``scales="block_head"`` on either side, equal or not
+    block_size, layout, dtype``. A connector that moves block bytes only (no ``block_scales``:
+    tcp, nixl) refuses an fp8 spec with ``scales="block_head"`` on either side, equal or not
     (:func:`kvflow.connector.scales_refusal`). With ``my_role`` (``"prefill"`` or
-    ``"decode"``) known, tcp also refuses an fp8 P paired with a D of another spec: D's
-    re-blocked scatter would need P's scales, which tcp does not carry."""
+    ``"decode"``) known, a re-blocking kind without ``reblocks_fp8`` (tcp) also refuses an fp8
+    P paired with a D of another spec: D's re-blocked scatter would need P's scales, which it
+    does not carry."""
     try:
         theirs = KVCacheSpec.from_dict(peer)
     except (TypeError, ValueError) as exc:
@@ -58,14 +56,17 @@ def check_pairing(mine: KVCacheSpec, my_id: str, peer: dict[str, Any], peer_id: 
     if fixed or (mine.layout != theirs.layout and "MLA" in (mine.layout, theirs.layout)):
         return (f"KV cache spec mismatch, pairing refused: {words}; P and D may differ only in "
                 f"block_size, layout (NHD/HND) and dtype")
-    if connector not in REBLOCKING:
+    kind = kinds.KINDS.get(connector) if connector else None
+    if kind is None or not kind.reblocks:
+        reblocking = ", ".join(kinds.with_capability("reblocks"))
         return (f"KV cache spec mismatch, pairing refused: {words}; the {connector} connector "
-                f"moves only equal specs (re-blocking connectors: {', '.join(REBLOCKING)})")
+                f"moves only equal specs (re-blocking connectors: {reblocking})")
     p_spec, p_id = (mine, my_id) if my_role == "prefill" else (theirs, peer_id)
-    if connector == "tcp" and my_role in ("prefill", "decode") and p_spec.is_fp8:
-        return (f"KV cache spec mismatch, pairing refused: {words}; the tcp connector does not "
-                f"carry the fp8 scales of P ({p_id}) that a D of another spec needs; use "
-                f"ipc-pull or ipc-push, or equal specs")
+    if not kind.reblocks_fp8 and my_role in ("prefill", "decode") and p_spec.is_fp8:
+        carriers = " or ".join(kinds.with_capability("reblocks_fp8"))
+        return (f"KV cache spec mismatch, pairing refused: {words}; the {connector} connector "
+                f"does not carry the fp8 scales of P ({p_id}) that a D of another spec needs; "
+                f"use {carriers}, or equal specs")
     from kvflow.kernels.reblock import make_mapping
     try:
         make_mapping(mine, theirs, src_name=my_id, dst_name=peer_id)
