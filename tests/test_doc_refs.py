@@ -1,10 +1,14 @@
 """Every repository path the docs name exists: paths under the repository's folders (``docs/``,
 ``bench/`` with ``bench/results/``, ``kvflow/``, ``kernels/``, ``xpu/``, ``tests/``, ``tools/``)
-in README.md and docs/**/*.md, and the relative links of those pages; no file refers to the
-design notes by their old names (DESIGN.md, METHOD.md), which are not in the repository."""
+in README.md and docs/**/*.md, and the relative links of those pages; every section those pages
+name (``docs/x.md, "Name"``, ``x.md#anchor``), every module (``kvflow.x.y``, a name in it), every
+connector kind (``--kv-connector X``) and ``--kv-connector-config`` option exists; no file refers
+to the design notes by their old names (DESIGN.md, METHOD.md), which are not in the
+repository."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -74,3 +78,123 @@ def test_no_reference_to_missing_design_notes():
                 hits.append(f"{name}:{i}: {line.strip()}")
     assert not hits, "references to DESIGN.md / METHOD.md (not in the repository; see docs/design.md):\n" + \
         "\n".join(hits)
+
+
+# ---- sections, modules and connector kinds the docs name --------------------------------------
+# `docs/x.md, "Name"` / `x.md ("Name"` / `[x](x.md), "Name"`: a section (heading) or a bold lead
+# (**Name.** ...) of that page; `x.md#anchor` / `(#anchor)`: a heading's GitHub anchor.
+_SECTION = re.compile(r'((?:\.\./)*[\w./-]*\w\.md)\)?,?\s\(?"([^"\n]{2,80})"')
+_ANCHOR = re.compile(r'\]\(((?:\.\./)*[\w./-]*\.md)?#([\w-]+)\)')
+_MODULE = re.compile(r"(?<![\w./-])kvflow((?:\.[A-Za-z_]\w*)+)")
+_KIND_FLAG = re.compile(r"--kv-connector[ =]([\w-]+)")
+_OPTIONS = re.compile(r"--kv-connector-config '(\{[^']*\})'")
+#: dotted names the docs give that are not modules: fields of a response's ``kvflow`` object,
+#: and modules a page says were removed
+NOT_MODULES = {"kvflow.hops_ms", "kvflow.timings_ms",
+               "kvflow.native_signal"}  # docs/xpu.md, "No native signaller": removed in issue 15
+
+
+def _page_file(page: Path, target: str) -> Path | None:
+    for base in (page.parent, ROOT):
+        if (base / target).is_file():
+            return base / target
+    return None
+
+
+def section_names(path: Path) -> list[str]:
+    """The headings and bold paragraph leads of markdown page ``path`` (code blocks left out)."""
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)
+    return ([m.group(1).strip() for m in re.finditer(r"^#{1,6}\s+(.+)$", text, flags=re.M)]
+            + [m.group(1).strip() for m in re.finditer(r"\*\*([^*\n]+)\*\*", text)])
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: ``Listeners on `--host` only`` -> ``listeners-on---host-only``."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def missing_sections(page: Path) -> list[str]:
+    text, out = page.read_text(), []
+    for m in _SECTION.finditer(text):
+        line, target, name = text.count("\n", 0, m.start()) + 1, m.group(1), m.group(2)
+        path = _page_file(page, target)
+        if path is not None and not any(s == name or s.startswith(name)
+                                        for s in section_names(path)):
+            out.append(f"{line}: {target} has no section {name!r}")
+    for m in _ANCHOR.finditer(text):
+        line, target = text.count("\n", 0, m.start()) + 1, m.group(1)
+        path = _page_file(page, target) if target else page
+        if path is not None and m.group(2) not in {anchor(s) for s in section_names(path)}:
+            out.append(f"{line}: {target or page.name} has no anchor #{m.group(2)}")
+    return out
+
+
+def _module_file(parts: list[str]) -> Path | None:
+    base = ROOT / ("kernels" if parts[:1] == ["kernels"] else "kvflow")
+    rel = parts[1:] if parts[:1] == ["kernels"] else parts
+    path = base.joinpath(*rel)
+    for cand in (path.with_name(path.name + ".py"), path / "__init__.py"):
+        if cand.is_file():
+            return cand
+    return next(iter(path.parent.glob(path.name + ".*.so")), None) if rel else None
+
+
+def missing_module(dotted: str) -> str:
+    """'' when ``kvflow.<dotted>`` is a module of the package, or a module and a name its source
+    defines or imports; else what is missing."""
+    parts = dotted.strip(".").split(".")
+    for n in range(len(parts), 0, -1):
+        path = _module_file(parts[:n])
+        if path is None:
+            continue
+        rest = parts[n:]
+        if rest and path.suffix == ".py" and not re.search(rf"\b{rest[0]}\b", path.read_text()):
+            return f"{path.relative_to(ROOT)} defines no {rest[0]!r}"
+        return ""
+    return "no such module"
+
+
+def test_section_and_module_checks_catch_what_is_gone(tmp_path):
+    (tmp_path / "a.md").write_text('# Top\n\n## Lease `kv_lease_s`\n\n**In serving.** x\n')
+    page = tmp_path / "b.md"
+    page.write_text('see a.md, "In serving" and a.md ("Top" and [l](a.md#lease-kv_lease_s)\n'
+                    'but a.md, "Signals" and [g](a.md#gone) and [h](#nothing)\n')
+    assert missing_sections(page) == ["2: a.md has no section 'Signals'",
+                                      "2: a.md has no anchor #gone", "2: b.md has no anchor #nothing"]
+    assert missing_module(".connector.kinds") == missing_module(".kernels.registry") == ""
+    assert missing_module(".kernels.copy_blocks") == missing_module("._native") == ""
+    assert missing_module(".connector.kinds.KINDS") == ""
+    assert missing_module(".connector.kinds.NOPE") == "kvflow/connector/kinds.py defines no 'NOPE'"
+    assert missing_module(".native_signal") == "no such module"
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_named_sections_modules_and_kinds_exist(page):
+    from kvflow.connector import KINDS, check_connector_config
+
+    text, path = (ROOT / page).read_text(), ROOT / page
+    missing = [f"{page}:{hit}" for hit in missing_sections(path)]
+    for m in _MODULE.finditer(text):
+        dotted, line = "kvflow" + m.group(1).rstrip("."), text.count("\n", 0, m.start()) + 1
+        if dotted not in NOT_MODULES and (why := missing_module(m.group(1))):
+            missing.append(f"{page}:{line}: {dotted}: {why}")
+    for m in _KIND_FLAG.finditer(text):
+        if m.group(1) != "auto" and m.group(1) not in KINDS:
+            missing.append(f"{page}:{text.count(chr(10), 0, m.start()) + 1}: --kv-connector "
+                           f"{m.group(1)} is no connector kind")
+    for m in _OPTIONS.finditer(text):
+        try:
+            options = json.loads(m.group(1))
+        except json.JSONDecodeError:  # a sketch such as '{"mode": ...}': only its keys count
+            options = dict.fromkeys(re.findall(r'"(\w+)"\s*:', m.group(1)))
+        for key, value in options.items():
+            takers = [k for k, kind in KINDS.items() if key in {o.name for o in kind.options}]
+            try:
+                if not takers:
+                    raise ValueError(f"{key!r} is an option of no connector kind")
+                if value is not None:
+                    check_connector_config(takers[0], {key: value})
+            except ValueError as exc:
+                missing.append(f"{page}:{text.count(chr(10), 0, m.start()) + 1}: {exc}")
+    assert not missing, "sections, modules or kinds named by the docs that do not exist:\n" + \
+        "\n".join(missing)

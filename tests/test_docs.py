@@ -1,5 +1,6 @@
 """Every ```python block of the docs pages below runs, top to bottom, in one namespace per page,
-so the docs cannot rot. A failure names the page and the line of the block."""
+so the docs cannot rot. A failure names the page and the line of the block. The connector table
+of docs/design.md is the one the kinds registry generates."""
 
 from __future__ import annotations
 
@@ -33,3 +34,14 @@ def test_doc_page_runs(page, monkeypatch):
     for line, code in blocks:
         # pad with blank lines so tracebacks point at the page's own line numbers
         exec(compile("\n" * (line - 1) + code, str(path), "exec"), namespace)
+
+
+def test_design_connector_table_is_the_registrys():
+    from kvflow.connector.kinds import KINDS, kinds_table
+    text = (ROOT / "docs/design.md").read_text()
+    m = re.search(r"<!-- kinds table: begin -->\n(.*?)<!-- kinds table: end -->", text, flags=re.S)
+    assert m, "docs/design.md lost its kinds table markers"
+    assert m.group(1) == kinds_table(), ("docs/design.md's connector table differs from the "
+                                         "registry; paste kvflow.connector.kinds.kinds_table()")
+    rows = [r for r in m.group(1).splitlines() if r.startswith("| `")]
+    assert [r.split("`")[1] for r in rows] == list(KINDS) == ["ipc-pull", "ipc-push", "tcp", "nixl"]

@@ -66,8 +66,12 @@ class Option:
 
     def describe(self) -> str:
         """``name (rule, default D): help`` -- one option of ``--help``."""
-        default = f"{self.default:g}" if isinstance(self.default, float) else self.default
-        return f"{self.name} ({self.rule}, default {default}): {self.help}"
+        return f"{self.name} ({self.rule}, default {self.shown}): {self.help}"
+
+    @property
+    def shown(self) -> str:
+        """The default as ``--help`` and the docs write it (``30``, not ``30.0``)."""
+        return f"{self.default:g}" if isinstance(self.default, float) else str(self.default)
 
 
 @dataclass(frozen=True)
@@ -285,7 +289,7 @@ def kinds_table() -> str:
             "re-blocks | block scales | head slices | layerwise default | hosts |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     for k in KINDS.values():
-        opts = ", ".join(f"`{o.name}` ({o.default})" for o in k.options) or "none"
+        opts = ", ".join(f"`{o.name}` ({o.shown})" for o in k.options) or "none"
         hosts = "any" if k.cross_host else "one"
         rows.append(f"| `{k.name}` | `{k.module}` | {k.p_half} | {k.d_half} | {opts} | "
                     f"{_yes(k.reblocks)} | {_yes(k.block_scales)} | {_yes(k.head_slices)} | "
