@@ -1,11 +1,13 @@
 """Layer-completion signals from the prefill to the transfer worker.
 
-A per-instance POSIX shared-memory segment (:mod:`.segment`, whose byte layout the C++ sender
-in ``xpu/`` mirrors) holds one slot per layer: the latest prefill step whose layer KV is
-complete. The engine writes it (:class:`LayerSignaller` / :class:`SignalChannel`: a CPU store,
-or the stream-ordered GPU kernel of :mod:`.triton_signal`); the transfer worker reads it
-(:class:`SignalReader`, in any process) with bounded waits. Nothing is created or signalled
-inside a profile / dummy run (:func:`kvflow.context.sends_allowed`).
+A per-instance POSIX shared-memory segment (:mod:`.segment`, the byte layout) holds one slot per
+layer: the latest prefill step whose layer KV is complete. P's layerwise hook writes it
+(:class:`LayerSignaller` / :class:`SignalChannel`: a CPU store after the layer, or the
+stream-ordered GPU kernel of :mod:`.triton_signal`); the transfer worker of
+:mod:`kvflow.connector.layerwise` reads it (:class:`SignalReader`, in any process) with bounded
+waits. This is kvflow's one signal channel: the native C++ signaller that once mirrored the
+layout was removed (docs/xpu.md, "No native signaller"). Nothing is created or signalled inside
+a profile / dummy run (:func:`kvflow.context.sends_allowed`).
 
 >>> from kvflow.signal import SignalChannel, SignalReader
 >>> ch = SignalChannel.create("p0", num_layers=4)
