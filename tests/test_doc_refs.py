@@ -198,3 +198,56 @@ def test_named_sections_modules_and_kinds_exist(page):
                 missing.append(f"{page}:{text.count(chr(10), 0, m.start()) + 1}: {exc}")
     assert not missing, "sections, modules or kinds named by the docs that do not exist:\n" + \
         "\n".join(missing)
+
+
+# ---- flags the docs show: each a flag of today's parser ---------------------------------------
+_COMMAND = re.compile(r"python -m kvflow\.(bench|serve)((?: [a-z][\w-]*)?)([^`\n|]*)")
+
+
+def _flags(text: str) -> set[str]:
+    return set(re.findall(r"(?<![\w-])(--[a-z][\w-]*)", text))
+
+
+def shown_flags(text: str) -> list[tuple[int, str, str]]:
+    """(line, program, flag) of each flag on a ``python -m kvflow.bench STUDY`` or ``python -m
+    kvflow.serve`` command (continued over ``\\`` line ends) and in a ``server_args`` table
+    column (flags of ``kvflow.serve``); program is ``serve`` or ``bench STUDY``."""
+    out = []
+    joined = re.sub(r"\\\n\s*", " ", text)  # continued commands; line numbers of their start
+    for m in _COMMAND.finditer(joined):
+        line = joined.count("\n", 0, m.start()) + 1
+        program = "serve" if m.group(1) == "serve" else f"bench {m.group(2).strip()}"
+        rest = m.group(3) if m.group(1) == "bench" else m.group(2) + m.group(3)
+        out += [(line, program, f) for f in sorted(_flags(rest))]
+    column = None
+    for i, row in enumerate(text.splitlines(), 1):
+        cells = [c.strip() for c in row.strip().strip("|").split("|")] if row.startswith("|") else []
+        if "server_args" in cells:
+            column = cells.index("server_args")
+        elif not cells:
+            column = None
+        elif column is not None and column < len(cells):
+            out += [(i, "serve", f) for f in sorted(_flags(cells[column]))]
+    return out
+
+
+def test_shown_flags_are_found():
+    text = ("`python -m kvflow.bench ipc --full --serve-reps 4` and\n```\npython -m kvflow.serve "
+            "--role router \\\n  --port 1\n```\n| op | server_args |\n|---|---|\n| a | --x-y 1 |\n")
+    assert shown_flags(text) == [(1, "bench ipc", "--full"), (1, "bench ipc", "--serve-reps"),
+                                 (3, "serve", "--port"), (3, "serve", "--role"), (8, "serve", "--x-y")]
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_shown_flags_exist(page):
+    from kvflow.bench.__main__ import build_parser as bench_parser
+    from kvflow.serve.config import build_parser as serve_parser
+
+    studies = next(a for a in bench_parser()._actions if a.dest == "study").choices
+    known = {"serve": {s for a in serve_parser()._actions for s in a.option_strings}}
+    known |= {f"bench {name}": {s for a in p._actions for s in a.option_strings}
+              for name, p in studies.items()}
+    known["bench "] = {"--help", "-h"}
+    missing = [f"{page}:{line}: {program}: {flag}" for line, program, flag in
+               shown_flags((ROOT / page).read_text()) if flag not in known.get(program, ())]
+    assert not missing, "flags the docs show that the parsers lack:\n" + "\n".join(missing)
