@@ -251,3 +251,14 @@ def test_shown_flags_exist(page):
     missing = [f"{page}:{line}: {program}: {flag}" for line, program, flag in
                shown_flags((ROOT / page).read_text()) if flag not in known.get(program, ())]
     assert not missing, "flags the docs show that the parsers lack:\n" + "\n".join(missing)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_no_absolute_path_of_one_machine(page):
+    """Commands in the docs use paths relative to the repository (or /tmp, /dev/shm), never a
+    home or work folder of one machine."""
+    text = (ROOT / page).read_text()
+    hits = [f"{page}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)}"
+            for m in re.finditer(r"(?<![\w.~-])/(?:work|home|Users|root|mnt|data|scratch)/[\w./-]*",
+                                 text)]
+    assert not hits, "absolute paths of one machine:\n" + "\n".join(hits)
