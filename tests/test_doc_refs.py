@@ -109,7 +109,8 @@ def section_names(path: Path) -> list[str]:
 
 
 def anchor(heading: str) -> str:
-    """GitHub's anchor of a heading: ``Listeners on `--host` only`` -> ``listeners-on---host-only``."""
+    """GitHub's anchor of a heading: ``Listeners on `--host` only`` ->
+    ``listeners-on---host-only``."""
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
@@ -160,7 +161,8 @@ def test_section_and_module_checks_catch_what_is_gone(tmp_path):
     page.write_text('see a.md, "In serving" and a.md ("Top" and [l](a.md#lease-kv_lease_s)\n'
                     'but a.md, "Signals" and [g](a.md#gone) and [h](#nothing)\n')
     assert missing_sections(page) == ["2: a.md has no section 'Signals'",
-                                      "2: a.md has no anchor #gone", "2: b.md has no anchor #nothing"]
+                                      "2: a.md has no anchor #gone",
+                                      "2: b.md has no anchor #nothing"]
     assert missing_module(".connector.kinds") == missing_module(".kernels.registry") == ""
     assert missing_module(".kernels.copy_blocks") == missing_module("._native") == ""
     assert missing_module(".connector.kinds.KINDS") == ""
@@ -221,7 +223,8 @@ def shown_flags(text: str) -> list[tuple[int, str, str]]:
         out += [(line, program, f) for f in sorted(_flags(rest))]
     column = None
     for i, row in enumerate(text.splitlines(), 1):
-        cells = [c.strip() for c in row.strip().strip("|").split("|")] if row.startswith("|") else []
+        cells = ([c.strip() for c in row.strip().strip("|").split("|")]
+                 if row.startswith("|") else [])
         if "server_args" in cells:
             column = cells.index("server_args")
         elif not cells:
@@ -235,7 +238,8 @@ def test_shown_flags_are_found():
     text = ("`python -m kvflow.bench ipc --full --serve-reps 4` and\n```\npython -m kvflow.serve "
             "--role router \\\n  --port 1\n```\n| op | server_args |\n|---|---|\n| a | --x-y 1 |\n")
     assert shown_flags(text) == [(1, "bench ipc", "--full"), (1, "bench ipc", "--serve-reps"),
-                                 (3, "serve", "--port"), (3, "serve", "--role"), (8, "serve", "--x-y")]
+                                 (3, "serve", "--port"), (3, "serve", "--role"),
+                                 (8, "serve", "--x-y")]
 
 
 @pytest.mark.parametrize("page", PAGES)

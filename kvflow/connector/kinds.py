@@ -79,9 +79,10 @@ class Kind:
     """One connector kind: where it lives, what it takes, what it can do.
 
     ``module`` holds ``sender`` (P's half) and ``receiver`` (D's half; ``receiver_cuda`` instead
-    on a CUDA device when set; ``receiver_args``: factory arguments D's class takes besides
-spec, device and backend, e.g. ``("max_model_len",)``). ``bind_host``: ``"module:function"`` called with ``--host``
-    before the kind's listeners open (:func:`kvflow.connector.bind_to_host`), or "".
+    on a CUDA device when set); ``receiver_args``: factory arguments D's class takes besides
+    spec, device and backend, e.g. ``("max_model_len",)``; ``bind_host``: ``"module:function"``
+    called with ``--host`` before the kind's listeners open
+    (:func:`kvflow.connector.bind_to_host`), or "".
 
     Capabilities: ``reblocks`` (P and D may differ in block_size, layout, dtype: the
     re-blocking kernels map one onto the other), ``reblocks_fp8`` (an fp8 P may re-block into a
@@ -171,7 +172,8 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
                          "it for long prompts over a slow link", minimum=0, exclusive=True,
                          unit="seconds")),
          block_scales=False, layerwise_min_tokens=0, writes_peer_memory=True, cross_host=True,
-         receiver_args=("max_model_len",), extra="nixl", bind_host="kvflow.connector.nixl_net:bind_ucx_to_host"),
+         receiver_args=("max_model_len",), extra="nixl",
+         bind_host="kvflow.connector.nixl_net:bind_ucx_to_host"),
 )}
 
 
@@ -279,20 +281,17 @@ def layerwise_defaults() -> str:
     return ", ".join(f"{n} ({', '.join(names)})" for n, names in groups.items())
 
 
-def _yes(flag: bool) -> str:
-    return "yes" if flag else "no"
-
-
 def kinds_table() -> str:
     """The connector table of docs/design.md (markdown, one row per kind), ending in a newline."""
     rows = ["| kind | module | P's half | D's half | options (`--kv-connector-config`) | "
             "re-blocks | block scales | head slices | layerwise default | hosts |",
             "|---|---|---|---|---|---|---|---|---|---|"]
+    yes = {True: "yes", False: "no"}
     for k in KINDS.values():
         opts = ", ".join(f"`{o.name}` ({o.shown})" for o in k.options) or "none"
         hosts = "any" if k.cross_host else "one"
         rows.append(f"| `{k.name}` | `{k.module}` | {k.p_half} | {k.d_half} | {opts} | "
-                    f"{_yes(k.reblocks)} | {_yes(k.block_scales)} | {_yes(k.head_slices)} | "
+                    f"{yes[k.reblocks]} | {yes[k.block_scales]} | {yes[k.head_slices]} | "
                     f"{k.layerwise_min_tokens} | {hosts}"
                     + (f" (extra `[{k.extra}]`)" if k.extra else "") + " |")
     return "\n".join(rows) + "\n"
