@@ -1,9 +1,10 @@
 """Typed control messages between the router, prefill (P) and decode (D) instances.
 
-Every message is a :class:`msgspec.Struct` tagged by its class name (field ``type`` on the
-wire) and encoded as MessagePack; a frame is decoded against the union of all known messages,
-so an unknown tag, a missing field or a wrong type is rejected (:class:`ProtocolError`) and
-logged by the receiver, never executed. Nothing is ever unpickled from a socket.
+Every message is a :class:`kvflow.wire.WireMsg` (a :class:`msgspec.Struct` tagged by its class
+name, field ``type`` on the wire) encoded as MessagePack by the one codec of :mod:`kvflow.wire`;
+a frame is decoded against the union of all known messages, so an unknown tag, a missing field
+or a wrong type is rejected (:class:`ProtocolError`) and logged by the receiver, never executed.
+Nothing is ever unpickled from a socket.
 
 Flow of one disaggregated request (docs/design.md, "One request's path")::
 
@@ -31,25 +32,19 @@ are never msgpack-encoded.
 
 from __future__ import annotations
 
-import logging
 from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
+from kvflow.wire import Codec, ProtocolError, WireMsg
+
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
-
-log = logging.getLogger("kvflow.protocol")
 
 PROTOCOL_VERSION = 1
 
 
-class ProtocolError(ValueError):
-    """A frame that is not a known, well-formed kvflow control message."""
-
-
-class _Msg(msgspec.Struct, tag_field="type", tag=str.lower, forbid_unknown_fields=True):
-    pass
+_Msg = WireMsg  # every message below is a kvflow.wire message
 
 
 # ---- instance <-> router -----------------------------------------------------------------
@@ -333,7 +328,7 @@ _INFO_DECODER = msgspec.msgpack.Decoder(NixlAgentInfo)
 
 def encode_agent_info(info: NixlAgentInfo) -> bytes:
     """``info`` as msgpack bytes (for ``Register.connector_md``)."""
-    return _ENCODER.encode(info)
+    return msgspec.msgpack.encode(info)
 
 
 def decode_agent_info(data: bytes) -> NixlAgentInfo:
@@ -358,52 +353,11 @@ Message = Union[Register, Registered, Reregister, Heartbeat, Pair, Unpair, PairR
                 Tokens, Abort, KVReady, KVData, KVLayer, KVPushed, KVAck, LeaseRenew]
 MESSAGE_TYPES = Message.__args__
 
-_ENCODER = msgspec.msgpack.Encoder()
-_DECODER = msgspec.msgpack.Decoder(Message)
-
-
-def encode(msg: Any) -> bytes:
-    """Encode a control message to one msgpack frame.
-
-    Raises
-    ------
-    TypeError
-        If ``msg`` is not one of :data:`MESSAGE_TYPES`.
-    """
-    if not isinstance(msg, MESSAGE_TYPES):
-        raise TypeError(f"msg must be a kvflow.protocol message, got {type(msg).__name__}")
-    return _ENCODER.encode(msg)
-
-
-def decode(frame: Any) -> Any:
-    """Decode one frame (bytes, memoryview or zmq.Frame) to a message.
-
-    Raises
-    ------
-    ProtocolError
-        For an unknown message type, a missing/extra field, a wrong field type or bytes that are
-        not msgpack; the message says which.
-    """
-    buf = getattr(frame, "buffer", frame)
-    try:
-        return _DECODER.decode(buf)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ProtocolError(f"rejected control frame ({_nbytes(buf)} bytes): {exc}") from None
-    except (TypeError, ValueError, RecursionError) as exc:  # not a bytes-like frame at all
-        raise ProtocolError(f"rejected control frame of type {type(buf).__name__}: {exc}") from None
-
-
-def _nbytes(buf: Any) -> int:
-    try:
-        return memoryview(buf).nbytes
-    except TypeError:
-        return -1
-
-
-def decode_or_log(frame: Any, source: str = "?") -> Any | None:
-    """:func:`decode`, but log a rejected frame (naming ``source``) and return None."""
-    try:
-        return decode(frame)
-    except ProtocolError as exc:
-        log.error("from %s: %s", source, exc)
-        return None
+CODEC = Codec(MESSAGE_TYPES, what="kvflow.protocol", reject="rejected control frame",
+              logger="kvflow.protocol")
+#: One control/data-plane frame from a message (TypeError for any other object).
+encode = CODEC.encode
+#: The message in one frame (:class:`ProtocolError` naming the fault).
+decode = CODEC.decode
+#: :func:`decode`, logging a rejected frame (naming its source) and returning None.
+decode_or_log = CODEC.decode_or_log

@@ -1,8 +1,9 @@
 """Typed messages between a decode (D) worker that pulls KV and the prefill (P) worker that
 holds it, for :class:`~kvflow.integrations.vllm.KvflowConnector`.
 
-MessagePack-encoded :class:`msgspec.Struct` tagged by class name; a frame that is not one of
-them is rejected (:class:`~kvflow.protocol.ProtocolError`), never unpickled. KV bytes travel
+:class:`kvflow.wire.WireMsg` messages in the one codec of :mod:`kvflow.wire` (MessagePack,
+tagged by class name); a frame that is not one of them is rejected
+(:class:`~kvflow.wire.ProtocolError`), never unpickled. KV bytes travel
 as raw frames after a :class:`PullReply` header.
 
     transport tcp:
@@ -20,20 +21,16 @@ as raw frames after a :class:`PullReply` header.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Union
+from typing import Annotated, Any
 
 import msgspec
 
-from kvflow.protocol import ProtocolError
+from kvflow.wire import Codec, WireMsg
 
 BlockId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 
 
-class _Msg(msgspec.Struct, tag_field="type", tag=str.lower, forbid_unknown_fields=True):
-    pass
-
-
-class Pull(_Msg):
+class Pull(WireMsg):
     """D -> P: send the blocks ``block_ids`` (P's ids, in logical order) of request ``req_id``;
     with ``nixl``, only check them and keep them held until D's :class:`Release` (D READs)."""
     req_id: str
@@ -44,12 +41,12 @@ class Pull(_Msg):
     staging_blocks: int = 0         # ipc: blocks of that staging cache
 
 
-class Release(_Msg):
+class Release(WireMsg):
     """D -> P: D will not pull ``req_id``; P may free its blocks now."""
     req_id: str
 
 
-class PullReply(_Msg):
+class PullReply(WireMsg):
     """P -> D: ``ok`` and ``num_layers`` raw frames follow (frame ``l`` is
     ``staging[l]`` of ``staging_shape(spec, len(block_ids))``), or ``error`` says why not."""
     req_id: str
@@ -59,12 +56,12 @@ class PullReply(_Msg):
     agent: str = ""                 # nixl: P's agent name (D meets P anew when it changed)
 
 
-class NixlHello(_Msg):
+class NixlHello(WireMsg):
     """D -> P: where are your blocks? (transport nixl, once per P)."""
     spec: dict[str, Any]            # D's KVCacheSpec.to_dict()
 
 
-class NixlInfo(_Msg):
+class NixlInfo(WireMsg):
     """P -> D: P's NIXL agent and cache. Block ``b`` of tensor ``t`` (``PagedKVCache.tensors()``
     order) is ``block_bytes`` bytes at ``addrs[t] + b * block_bytes`` of memory type ``mem``
     (``DRAM`` / ``VRAM``) on ``device_id``; or ``error`` says why not (different spec)."""
@@ -80,21 +77,9 @@ class NixlInfo(_Msg):
 
 
 _MESSAGES = (Pull, Release, PullReply, NixlHello, NixlInfo)
-_DECODER = msgspec.msgpack.Decoder(Union[_MESSAGES])
-_ENCODER = msgspec.msgpack.Encoder()
-
-
-def encode(msg: _Msg) -> bytes:
-    """One msgpack frame; TypeError for anything but a message of this module."""
-    if not isinstance(msg, _MESSAGES):
-        raise TypeError(f"msg must be one of {[m.__name__ for m in _MESSAGES]}, got "
-                        f"{type(msg).__name__}")
-    return _ENCODER.encode(msg)
-
-
-def decode(frame: Any) -> Pull | Release | PullReply | NixlHello | NixlInfo:
-    """Decode one frame; :class:`ProtocolError` naming what is wrong with it."""
-    try:
-        return _DECODER.decode(getattr(frame, "buffer", frame))
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ProtocolError(f"not a kvflow vLLM-connector message: {exc}") from exc
+CODEC = Codec(_MESSAGES, what="kvflow vLLM-connector",
+              reject="not a kvflow vLLM-connector message", logger=__name__)
+#: One msgpack frame of a message of this module (TypeError for anything else).
+encode = CODEC.encode
+#: The message in one frame (:class:`~kvflow.wire.ProtocolError` naming what is wrong).
+decode = CODEC.decode

@@ -28,7 +28,7 @@ from kvflow.cache import PagedKVCache, staging_buffer
 from kvflow.connector.tcp import frame_tensor, layer_frames
 from kvflow.kernels import gather_blocks, scatter_blocks
 from kvflow.layout import KVCacheSpec
-from kvflow.protocol import ProtocolError
+from kvflow.wire import ProtocolError
 
 from .ipc_pull import StagingMaps, check_ipc_pull
 from .link import Puller, PullError
