@@ -177,7 +177,7 @@ def _scales(op, mode) -> np.ndarray:
 
 
 def reblock(job) -> None:
-    """Run a checked :class:`~kvflow.kernels.reference_reblock.Job` on the CPU."""
+    """Run a checked :class:`~kvflow.kernels.contract.Job` on the CPU."""
     mp, s, d = job.mapping, job.src, job.dst
     geo = np.array([job.num_tokens, mp.heads, mp.head_dim,
                     mp.src.block_size, mp.src.block_stride, mp.src.slot_stride,
