@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from .contract import Backend
+
 # Modules that define backends, imported on first lookup (so `import kvflow` compiles nothing).
 _MODULES = {
     "torch": "kvflow.kernels.reference",
@@ -70,7 +72,7 @@ def available_backends() -> dict[str, str]:
     return out
 
 
-def get_backend(name: str, device: torch.device) -> Any:
+def get_backend(name: str, device: torch.device) -> Backend:
     """Resolve ``name`` ("auto" or a backend name) for a cache on ``device``.
 
     Raises
