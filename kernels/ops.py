@@ -10,41 +10,23 @@ from __future__ import annotations
 
 from typing import Any
 
-import weakref
-
 import torch
 
-from kvflow.cache import PagedKVCache, memory_relation, overlaps
-from kvflow.layout import is_int, normalize_layers
+from kvflow.cache import PagedKVCache, overlaps
+from kvflow.layout import normalize_layers
 
 from . import digest as _digest
 from .block_scales import check_stage_scales, move_scales, per_block
-from .errors import raise_pending, shared
+from .errors import shared
 from .registry import get_backend
 from .validate import check_buffer, check_cache, check_ids, check_same_spec, shared_block
+from .validate import check_max_ctas as _check_max_ctas, check_validate as _check_validate
+from .validate import relation as _relation
 
 
-def _check_max_ctas(max_ctas: Any) -> int | None:
-    """``max_ctas`` as a Python int (numpy integers accepted), or None.
-
-    Raises TypeError for a non-integer (bool, float, str), ValueError for one <= 0."""
-    if max_ctas is None:
-        return None
-    if not is_int(max_ctas):
-        raise TypeError(f"max_ctas must be None or a positive int, got {max_ctas!r}")
-    if max_ctas <= 0:
-        raise ValueError(f"max_ctas must be None or a positive int, got {max_ctas!r}")
-    return int(max_ctas)
-
-
-def _check_validate(validate: Any, *devices: torch.device) -> None:
-    """``validate`` must be a bool; when True, a bad id that an earlier call's kernel found on
-    one of ``devices`` is raised now, before anything runs (:mod:`kvflow.kernels.errors`)."""
-    if validate is True:
-        for dev in devices:
-            raise_pending(dev)
-    elif validate is not False:
-        raise TypeError(f"validate must be True or False, got {validate!r}")
+_USE_COPY_SEQUENCE = ("; copy_blocks moves block pairs between caches of one spec: to move a "
+                      "sequence's tokens between block tables of different specs, call "
+                      "copy_sequence")
 
 
 def _check_separate(name: str, buf: torch.Tensor, cache: PagedKVCache) -> None:
@@ -70,19 +52,6 @@ def _check_disjoint(src_cache: PagedKVCache, dst_cache: PagedKVCache, s: torch.T
         if both >= 0:
             raise shared(both)
     return relation == "same"
-
-
-def _relation(src_cache: PagedKVCache, dst_cache: PagedKVCache) -> str:
-    """:func:`memory_relation`, kept per cache pair (a cache's memory never moves); the pair
-    is remembered through a weak reference, so it never keeps a peer's cache alive."""
-    if src_cache is dst_cache:
-        return "same"
-    hit = dst_cache.backend_state.get("relation")
-    if hit is not None and hit[0]() is src_cache:
-        return hit[1]
-    relation = memory_relation(src_cache, dst_cache)
-    dst_cache.backend_state["relation"] = (weakref.ref(src_cache), relation)
-    return relation
 
 
 def _staged(cache: Any, block_ids: Any, name: str, buf: Any, layers: Any, backend: str,
@@ -136,7 +105,7 @@ def gather_blocks(cache: PagedKVCache, block_ids: Any, out: Any, layers: Any = N
         ``[i * out_spec.block_size, ...)`` of the sequence whose block table is ``block_ids``;
         ``num_tokens`` defaults to all both hold; fp8 ``out_spec`` takes float32
         ``out_scales`` of shape ``[tensors]`` or ``[tensors, m, num_kv_heads]`` (written when
-        per block per head); ``head_start`` as in :func:`copy_blocks`. Without ``out_spec``,
+        per block per head); ``head_start`` as in :func:`copy_sequence`. Without ``out_spec``,
         a cache of fp8 ``scales="block_head"`` needs ``out_scales`` float32
         ``[tensors, n, num_kv_heads]``: slot ``i`` gets the scales of block ``block_ids[i]``
         (:mod:`kvflow.kernels.block_scales`); other specs take none.
@@ -253,18 +222,14 @@ def scatter_blocks(src: Any, cache: PagedKVCache, block_ids: Any, layers: Any = 
 
 def copy_blocks(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, dst_ids: Any,
                 layers: Any = None, *, backend: str = "auto", max_ctas: int | None = None,
-                validate: bool = True, direction: str = "pull", num_tokens: Any = None,
-                head_start: Any = None, digest: Any = None) -> PagedKVCache:
-    """Copy blocks from one cache to another (block ``src_ids[i]`` of every tensor in the
-    layer range goes to block ``dst_ids[i]``), or the tokens of one sequence between caches of
-    different specs.
+                validate: bool = True, direction: str = "pull",
+                digest: Any = None) -> PagedKVCache:
+    """Copy block pairs from one cache to another of the same spec: block ``src_ids[i]`` of
+    every tensor in the layer range goes to block ``dst_ids[i]``.
 
-    Different specs (block_size, NHD/HND layout, dtype with fp8 scales, KV-head slices), or
-    ``num_tokens`` / ``head_start`` given: ``src_ids`` and ``dst_ids`` are the block tables of
-    one token sequence on each side, token ``t`` moves from ``(src_ids[t // bs_src],
-    t % bs_src)`` to ``(dst_ids[t // bs_dst], t % bs_dst)`` for ``t < num_tokens``, in one
-    backend call over all layers (the rule, heads and conversions:
-    :mod:`kvflow.kernels.reblock`, :mod:`kvflow.kernels.reference_reblock`, docs/layouts.md).
+    Caches of different specs (block_size, layout, dtype, KV heads) hold a token at different
+    places, so a block of one is no block of the other: :func:`kvflow.kernels.copy_sequence`
+    moves a sequence's tokens from one block table into another (re-blocking).
 
     Equal fp8 specs with ``scales="block_head"``: each moved block's scales (of the layer
     range) move with it, ``dst_cache.scales[j, dst_ids[i]] = src_cache.scales[j, src_ids[i]]``
@@ -286,15 +251,7 @@ def copy_blocks(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, 
     direction : {"pull", "push"}
         Caches on two peer GPUs: ``"pull"`` runs the kernel on ``dst_cache``'s GPU (reading the
         peer), ``"push"`` on ``src_cache``'s GPU (writing the peer). Only backends that list it
-        in their ``directions`` (``triton``, ``numba_cuda``) take ``"push"``; re-blocked copies
-        take ``"pull"`` only.
-    num_tokens : int, optional
-        Tokens of the sequence to move (default: all both block tables hold,
-        ``min(len(src_ids) * bs_src, len(dst_ids) * bs_dst)``); slots past it in the last
-        destination block are left untouched.
-    head_start : int, optional
-        When ``num_kv_heads`` differ: the first of the larger side's heads that the smaller
-        side's heads are (required then).
+        in their ``directions`` (``triton``, ``numba_cuda``) take ``"push"``.
     digest : torch.Tensor, int32, shape [n], optional
         Also write ``digest[i]``, the digest of the bytes pair ``i`` moved (0 for a skipped
         pair), as ``digest`` of :func:`gather_blocks`; on the device the kernel runs on
@@ -304,6 +261,13 @@ def copy_blocks(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, 
     -------
     PagedKVCache
         ``dst_cache``.
+
+    Raises
+    ------
+    ValueError
+        The specs differ (naming each differing field and both values, and copy_sequence), the
+        id counts differ, ids out of range or repeated (``dst_ids``), overlapping caches; also
+        TypeError for an argument of the wrong type, as :func:`gather_blocks`.
     """
     if direction not in ("pull", "push"):
         raise ValueError(f"direction must be 'pull' or 'push', got {direction!r}")
@@ -313,14 +277,8 @@ def copy_blocks(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, 
         dst_cache = check_cache("dst_cache", dst_cache)
     dev, spec = dst_cache.device, dst_cache.spec
     _check_validate(validate, dev, src_cache.device)
-    if num_tokens is not None or head_start is not None or (
-            dst_cache.backend_state.get("checked_spec") is not src_cache.spec
-            and src_cache.spec != spec):
-        _digest.no_reblock(digest)
-        return _reblocked(src_cache, dst_cache, src_ids, dst_ids, layers, backend, max_ctas,
-                          validate, direction, num_tokens, head_start)
     if dst_cache.backend_state.get("checked_spec") is not src_cache.spec:  # specs are frozen
-        check_same_spec("src_cache", src_cache.spec, "dst_cache", spec)
+        check_same_spec("src_cache", src_cache.spec, "dst_cache", spec, _USE_COPY_SEQUENCE)
         dst_cache.backend_state["checked_spec"] = src_cache.spec
     start, stop = (0, spec.num_layers) if layers is None else normalize_layers(layers, spec.num_layers)
     be = get_backend(backend, dev)
@@ -377,24 +335,6 @@ def _staged_reblocked(cache, block_ids, buf, layers, to_stage, spec, scales, bac
                      stage_scales=scales, backend=backend, max_ctas=max_ctas,
                      validate=validate, num_tokens=num_tokens, head_start=head_start)
     return buf
-
-
-def _reblocked(src_cache, dst_cache, src_ids, dst_ids, layers, backend, max_ctas, validate,
-               direction, num_tokens, head_start) -> PagedKVCache:
-    """The re-blocked copy (:mod:`.reblock_ops`), after the checks it shares with a plain one."""
-    from .reblock_ops import copy_reblocked
-    if direction != "pull":
-        raise ValueError(f"direction={direction!r}: a copy between different specs or with "
-                         f"num_tokens / head_start runs as 'pull' only")
-    relation = _relation(src_cache, dst_cache)
-    if relation == "overlapping":
-        raise ValueError("src_cache and dst_cache overlap in memory without being the same "
-                         "cache (same tensors); copy_blocks needs disjoint caches or one cache")
-    if max_ctas is not None:
-        max_ctas = _check_max_ctas(max_ctas)
-    return copy_reblocked(src_cache, dst_cache, src_ids, dst_ids, layers, backend=backend,
-                          max_ctas=max_ctas, validate=validate, num_tokens=num_tokens,
-                          head_start=head_start, relation=relation)
 
 
 def payload_bytes(spec, num_blocks: int, layers: Any = None) -> int:

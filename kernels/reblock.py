@@ -199,8 +199,3 @@ def token_slots(num_tokens: int, block_size: int, device: Any = "cpu"
     (int64 tensors of shape [num_tokens])."""
     t = torch.arange(num_tokens, device=device)
     return t // block_size, t % block_size
-
-
-def dst_blocks(num_tokens: int, block_size: int) -> int:
-    """Destination blocks a copy of ``num_tokens`` tokens writes (ceil division)."""
-    return -(-num_tokens // block_size)

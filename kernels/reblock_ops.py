@@ -1,10 +1,11 @@
-"""``copy_blocks`` between caches of different specs (:mod:`kvflow.kernels.reblock`): the
-checks, then one backend call over all layers of the range.
+"""The ops between caches or buffers of different specs (:mod:`kvflow.kernels.reblock`):
+:func:`copy_sequence`, and the gather / scatter with a staging buffer of another spec that
+:func:`kvflow.kernels.gather_blocks` / :func:`~kvflow.kernels.scatter_blocks` come to. Each
+checks its arguments, then makes one backend call over all layers of the range.
 
-:func:`kvflow.kernels.copy_blocks` comes here when the specs differ or ``num_tokens`` /
-``head_start`` is given. A backend takes part by defining ``reblock(job, max_ctas, check)``
-(a :class:`~kvflow.kernels.reference_reblock.Job`, checked here); ``torch``, ``numba`` and
-``triton`` do.
+A backend takes part by defining ``reblock(job, max_ctas, check)`` (a checked
+:class:`~kvflow.kernels.contract.Job`, :mod:`kvflow.kernels.contract`); ``torch``, ``numba``
+and ``triton`` do.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import torch
 from kvflow.cache import PagedKVCache, overlaps
 from kvflow.layout import normalize_layers
 
+from .contract import Job, Operand
 from .errors import shared
 from .reblock import check_num_tokens, make_mapping
-from .reference_reblock import Job, Operand
 from .registry import get_backend
-from .validate import check_ids, shared_block
+from .validate import (check_cache, check_ids, check_max_ctas, check_validate, relation,
+                       shared_block)
 
 
 def mapping_for(src_cache: PagedKVCache, dst_cache: PagedKVCache, head_start: Any):
@@ -44,21 +46,78 @@ def reblock_backend(backend: Any, device: Any) -> Any:
     return be
 
 
-def copy_reblocked(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, dst_ids: Any,
-                   layers: Any, *, backend: str, max_ctas: int | None, validate: bool,
-                   num_tokens: Any, head_start: Any, relation: str) -> PagedKVCache:
-    """The re-blocked ``copy_blocks`` (arguments as there; ``relation``: the caches' memory
-    relation, ``"same"`` or ``"disjoint"``, already checked)."""
-    mp = mapping_for(src_cache, dst_cache, head_start)
+def copy_sequence(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, dst_ids: Any,
+                  layers: Any = None, *, num_tokens: Any = None, head_start: Any = None,
+                  backend: str = "auto", max_ctas: int | None = None,
+                  validate: bool = True) -> PagedKVCache:
+    """Copy one request's tokens from its block table in one cache into its block table in
+    another, whatever the two specs (re-blocking): block size, layout (NHD, HND; MLA only with
+    MLA), dtype (fp8 with its scales) and KV heads (a slice of them) may differ.
+
+    Token ``t < num_tokens`` moves from slot ``t % bs_src`` of block ``src_ids[t // bs_src]``
+    to slot ``t % bs_dst`` of block ``dst_ids[t // bs_dst]``, in every per-layer tensor of the
+    layer range, converted when the dtypes differ, in one backend call over all layers (the
+    rule, heads and conversions: :mod:`kvflow.kernels.reblock`,
+    :mod:`kvflow.kernels.reference_reblock`, docs/layouts.md). Between caches of one spec it
+    moves the same bytes as :func:`kvflow.kernels.copy_blocks` of the blocks' pairs, except
+    that ``num_tokens`` may end inside a block. The kernel runs on ``dst_cache``'s device
+    (reading a peer GPU's memory if ``src_cache`` is there).
+
+    Parameters
+    ----------
+    src_cache, dst_cache : PagedKVCache
+        The two caches; may be the same cache, or two objects over the same tensors (then the
+        tables must not share a block); any other overlap of their memory is refused.
+    src_ids, dst_ids : torch.Tensor, int32 or int64, shape [n_src] and [n_dst]
+        The request's block table in each cache (a list is accepted); -1 is padding: the
+        tokens it holds are skipped, their destination slots untouched. ``dst_ids`` distinct.
+    layers : None, int, range, slice or (start, stop)
+        Layer range (default: all layers); layer ``l`` maps to layer ``l``.
+    num_tokens : int, optional
+        Tokens to move (default: all both block tables hold,
+        ``min(n_src * bs_src, n_dst * bs_dst)``); slots past it in the last destination block
+        are left untouched.
+    head_start : int, optional
+        When ``num_kv_heads`` differ: the first of the larger side's heads that the smaller
+        side's heads are (required then).
+    backend, max_ctas, validate
+        As :func:`kvflow.kernels.gather_blocks`; the backend must define ``reblock``
+        (``torch``, ``numba``, ``triton``).
+
+    Returns
+    -------
+    PagedKVCache
+        ``dst_cache``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the argument or spec field and the values: specs that do not map (``head_dim``
+        or ``num_layers`` differ, MLA to non-MLA, a layout that does not re-block, a dtype that
+        does not convert), ``head_start`` missing or out of range, ``num_tokens`` more than a
+        block table holds, ids out of range or repeated, caches on two device types or
+        overlapping, a backend without ``reblock``.
+    """
+    if type(src_cache) is not PagedKVCache:
+        src_cache = check_cache("src_cache", src_cache)
+    if type(dst_cache) is not PagedKVCache:
+        dst_cache = check_cache("dst_cache", dst_cache)
     dev, spec = dst_cache.device, dst_cache.spec
+    check_validate(validate, dev, src_cache.device)
+    rel = relation(src_cache, dst_cache)
+    if rel == "overlapping":
+        raise ValueError("src_cache and dst_cache overlap in memory without being the same "
+                         "cache (same tensors); copy_sequence needs disjoint caches or one cache")
+    max_ctas = check_max_ctas(max_ctas)
+    mp = mapping_for(src_cache, dst_cache, head_start)
     start, stop = normalize_layers(layers, spec.num_layers)
     be = reblock_backend(backend, dev)
-    checks = getattr(be, "device_checks", False) and relation != "same"
+    checks = getattr(be, "device_checks", False) and rel != "same"
     s, s_dev = check_ids("src_ids", src_ids, src_cache.num_blocks, dev, validate,
                          device_checks=checks)
     d, d_dev = check_ids("dst_ids", dst_ids, dst_cache.num_blocks, dev, validate, unique=True,
                          device_checks=checks)
-    if relation == "same" and validate:
+    if rel == "same" and validate:
         both = shared_block(s, d)
         if both >= 0:
             raise shared(both)
@@ -66,7 +125,7 @@ def copy_reblocked(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: An
                          mp.dst.block_size)
     if src_cache.device.type != dst_cache.device.type:
         raise ValueError(f"src_cache is on {src_cache.device} and dst_cache on {dst_cache.device}; "
-                         f"copy_blocks moves between caches of one device type")
+                         f"copy_sequence moves between caches of one device type")
     if T:
         if s.device != dev:
             s = s.to(dev, non_blocking=True)
@@ -78,7 +137,6 @@ def copy_reblocked(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: An
                   (stop - start) * tpl, T)
         be.reblock(job, max_ctas, check=s_dev or d_dev)
     return dst_cache
-
 
 
 def _stage_operand(name: str, buf: Any, spec: Any, scales: Any, ntensors: int, layers_n: int,

@@ -31,45 +31,13 @@ NaN and infinite inputs are outside the contract (backends may differ on them).
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import torch
 
-from .reblock import Mapping, Side, token_slots
+from .contract import Job, Operand
+from .reblock import Side, token_slots
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 MIN_AMAX = 2.0 ** -100
-
-
-@dataclasses.dataclass
-class Operand:
-    """One side of a re-blocked op, already checked (:mod:`kvflow.kernels.reblock_ops`).
-
-    ``cache`` with ``ids`` (a block table, int32/int64 on the kernel's device), or ``stage``
-    (a contiguous staging buffer of ``num_blocks`` blocks per tensor, block ``i`` of the
-    sequence in slot ``i``, ``ids`` None). ``j0``: the first per-layer tensor of the range in
-    ``cache.tensors()`` order (0 for a stage); ``scales``: the side's float32 scales, the
-    whole tensor (fp8 only, else None)."""
-
-    spec: Any
-    cache: Any
-    stage: torch.Tensor | None
-    ids: torch.Tensor | None
-    num_blocks: int
-    j0: int
-    scales: torch.Tensor | None
-
-
-@dataclasses.dataclass
-class Job:
-    """A checked re-blocked copy: ``ntensors`` per-layer tensors from ``src`` to ``dst``."""
-
-    mapping: Mapping
-    src: Operand
-    dst: Operand
-    ntensors: int
-    num_tokens: int
 
 
 def tensors_of(op: Operand, ntensors: int) -> list[torch.Tensor]:

@@ -1,21 +1,8 @@
 """Backend registry: one op signature, several implementations, chosen per device.
 
-Backend contract
-----------------
-A backend is an object with
-
-- ``name`` (str) and ``devices`` (set of device types it runs on, e.g. ``{"cpu"}``);
-- ``unavailable_reason() -> str | None``: None when it can run in this process;
-- ``gather(cache, ids, out, start, stop, max_ctas)``,
-  ``scatter(src, cache, ids, start, stop, max_ctas)``,
-  ``copy(src_cache, dst_cache, src_ids, dst_ids, start, stop, max_ctas)``,
-  called with arguments already checked by :mod:`kvflow.kernels.ops` (ids: 1-D int32/int64 on
-  the cache's device; layers as a half-open tensor range of layers ``[start, stop)``).
-  It must skip ids of -1 (and any id outside the cache), leaving the destination untouched.
-- optionally ``device_checks = True``: the ops then pass ``check=True`` when ids on a GPU are
-  to be validated, and the backend checks them on the device and reports through
-  :mod:`kvflow.kernels.errors` (``triton``); other backends get ids whose values were already
-  checked on the host.
+The contract a backend meets (its methods, what they take and guarantee, the optional
+capabilities ``device_checks`` / ``digests`` / ``directions`` / ``reblock``) is
+:mod:`kvflow.kernels.contract`.
 
 Choice (``backend=`` of every op): ``"auto"`` takes ``KVFLOW_BACKEND`` if set, else the first
 available backend of :data:`AUTO_ORDER` for the device; an explicitly named backend (argument or
@@ -29,6 +16,8 @@ import os
 from typing import Any
 
 import torch
+
+from .contract import Backend
 
 # Modules that define backends, imported on first lookup (so `import kvflow` compiles nothing).
 _MODULES = {
@@ -83,7 +72,7 @@ def available_backends() -> dict[str, str]:
     return out
 
 
-def get_backend(name: str, device: torch.device) -> Any:
+def get_backend(name: str, device: torch.device) -> Backend:
     """Resolve ``name`` ("auto" or a backend name) for a cache on ``device``.
 
     Raises

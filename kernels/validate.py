@@ -15,15 +15,16 @@ Shape, dtype and device checks never synchronise with a device. Value checks of 
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 
-from kvflow.cache import PagedKVCache
+from kvflow.cache import PagedKVCache, memory_relation
 from kvflow.dlpack import to_torch
 from kvflow.layout import KVCacheSpec, is_int
 
-from .errors import out_of_range, repeated
+from .errors import out_of_range, raise_pending, repeated
 
 ID_DTYPES = (torch.int32, torch.int64)
 _CPU = torch.device("cpu")
@@ -118,14 +119,53 @@ def _host_checks() -> Any:
     return _CHECKS[0]
 
 
-def check_same_spec(a_name: str, a: KVCacheSpec, b_name: str, b: KVCacheSpec) -> None:
-    """Both caches must have one spec; the error names every differing field with both values."""
+def check_same_spec(a_name: str, a: KVCacheSpec, b_name: str, b: KVCacheSpec,
+                    hint: str = "") -> None:
+    """Both caches must have one spec; the error names every differing field with both values
+    (then ``hint``, e.g. which op to call instead)."""
     if a == b:  # the common case, on every call of copy_blocks: no field-by-field walk
         return
     diffs = [f"{f}: {a_name} has {getattr(a, f)}, {b_name} has {getattr(b, f)}"
              for f in a.to_dict() if getattr(a, f) != getattr(b, f)]
     if diffs:
-        raise ValueError(f"{a_name}.spec and {b_name}.spec differ: " + "; ".join(diffs))
+        raise ValueError(f"{a_name}.spec and {b_name}.spec differ: " + "; ".join(diffs) + hint)
+
+
+def check_max_ctas(max_ctas: Any) -> int | None:
+    """``max_ctas`` as a Python int (numpy integers accepted), or None.
+
+    Raises TypeError for a non-integer (bool, float, str), ValueError for one <= 0."""
+    if max_ctas is None:
+        return None
+    if not is_int(max_ctas):
+        raise TypeError(f"max_ctas must be None or a positive int, got {max_ctas!r}")
+    if max_ctas <= 0:
+        raise ValueError(f"max_ctas must be None or a positive int, got {max_ctas!r}")
+    return int(max_ctas)
+
+
+def check_validate(validate: Any, *devices: torch.device) -> None:
+    """``validate`` must be a bool; when True, a bad id that an earlier call's kernel found on
+    one of ``devices`` is raised now, before anything runs (:mod:`kvflow.kernels.errors`)."""
+    if validate is True:
+        for dev in devices:
+            raise_pending(dev)
+    elif validate is not False:
+        raise TypeError(f"validate must be True or False, got {validate!r}")
+
+
+def relation(src_cache: PagedKVCache, dst_cache: PagedKVCache) -> str:
+    """:func:`~kvflow.cache.memory_relation` of two caches (``"same"``, ``"disjoint"`` or
+    ``"overlapping"``), kept per cache pair (a cache's memory never moves); the pair is
+    remembered through a weak reference, so it never keeps a peer's cache alive."""
+    if src_cache is dst_cache:
+        return "same"
+    hit = dst_cache.backend_state.get("relation")
+    if hit is not None and hit[0]() is src_cache:
+        return hit[1]
+    found = memory_relation(src_cache, dst_cache)
+    dst_cache.backend_state["relation"] = (weakref.ref(src_cache), found)
+    return found
 
 
 def check_buffer(name: str, buf: Any, shape: tuple[int, ...], dtype: torch.dtype,

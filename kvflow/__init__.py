@@ -5,7 +5,7 @@
 
 Public names: :class:`KVCacheSpec`, :class:`PagedKVCache`, :func:`staging_buffer`,
 :func:`staging_shape`, and the ops in :mod:`kvflow.kernels` (``gather_blocks``,
-``scatter_blocks``, ``copy_blocks``).
+``scatter_blocks``, ``copy_blocks``, ``copy_sequence``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ _LAZY = {
     "gather_blocks": "kvflow.kernels",
     "scatter_blocks": "kvflow.kernels",
     "copy_blocks": "kvflow.kernels",
+    "copy_sequence": "kvflow.kernels",
     "available_backends": "kvflow.kernels",
 }
 

@@ -160,13 +160,6 @@ class PagedKVCache:
         self.backend_state = {}
         return self
 
-    @classmethod
-    def from_vllm(cls, kv_caches: Any, *, latent: bool = False) -> "PagedKVCache":
-        """Wrap the per-layer tensors vLLM registers with a KV connector, reading the layout
-        from their shape and strides; see :func:`kvflow.vllm_layout.from_vllm`."""
-        from .vllm_layout import from_vllm
-        return from_vllm(kv_caches, latent=latent)
-
     def memory_span(self) -> tuple[int, int, tuple[int, ...], Any, Any]:
         """The cache's memory, computed once (the tensors of a cache never move):
         ``(lowest address, highest end, every tensor's base address in tensors() order,

@@ -247,19 +247,6 @@ class KVCacheSpec:
         """Shape of one per-layer tensor of a cache with ``num_blocks`` blocks."""
         return (num_blocks, *self.block_shape)
 
-    def tensor_strides(self, num_blocks: int) -> tuple[int, ...]:
-        """Contiguous strides (in elements) of :meth:`tensor_shape`."""
-        shape = self.tensor_shape(num_blocks)
-        strides, acc = [], 1
-        for n in reversed(shape):
-            strides.append(acc)
-            acc *= n
-        return tuple(reversed(strides))
-
-    def token_index(self, token: int) -> tuple[int, int]:
-        """(logical block, slot in block) of a token position."""
-        return divmod(token, self.block_size)
-
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens (ceil division)."""
         return -(-num_tokens // self.block_size)

@@ -18,7 +18,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from kvflow import KVCacheSpec  # noqa: E402
 from kvflow.kernels.reblock import make_mapping  # noqa: E402
-from kvflow.kernels.reference_reblock import Job, Operand  # noqa: E402
+from kvflow.kernels.contract import Job, Operand  # noqa: E402
 from kvflow.kernels.triton import reblock_launch as rl  # noqa: E402
 from kvflow.kernels.triton.reblock import _reblock  # noqa: E402
 

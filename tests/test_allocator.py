@@ -139,7 +139,7 @@ def test_ttft_tpot():
     for t, tok in ((10.5, 5), (10.7, 6), (11.1, 7)):
         r.append_token(tok, now=t)
     assert r.ttft == pytest.approx(0.5) and r.tpot == pytest.approx(0.3)
-    assert r.all_token_ids == [1, 5, 6, 7] and r.num_tokens == 4
+    assert r.prompt_token_ids + r.output_token_ids == [1, 5, 6, 7] and r.num_tokens == 4
 
 
 def test_request_bad_input():

@@ -132,8 +132,8 @@ def test_bad_digest_arguments():
             gather_blocks(cache, ids, out, digest=bad)
         assert str(e.value) == msg
     with pytest.raises(ValueError, match=r"^digest= is not supported for re-blocked moves"):
-        copy_blocks(cache, random_cache(spec, 4, seed=8), ids, ids, num_tokens=3,
-                    digest=torch.zeros(2, dtype=torch.int32))
+        gather_blocks(cache, ids, staging_buffer(spec, 2), num_tokens=3,
+                      digest=torch.zeros(2, dtype=torch.int32))
     odd = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=3, block_size=3,
                       dtype=torch.float16, layout="HND")
     with pytest.raises(ValueError, match=r"^digest needs block_bytes to be a multiple of 4, "

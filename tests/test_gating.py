@@ -63,13 +63,13 @@ def _engine(num_blocks: int = 16):
 class _PD:
     """P engine + signaller + worker + scheduler sending into D's cache with copy_blocks."""
 
-    def __init__(self, mode: str):
+    def __init__(self):
         self.p, self.d = _engine(), _engine()
         self.iid = "t_" + secrets.token_hex(4)
         self.sig = LayerSignaller(self.iid, num_layers=CFG["num_layers"])
         self.sends, self.done = [], threading.Event()
-        self.sched = LayerwiseScheduler(CFG["num_layers"], 4, self._send, mode=mode,
-                                        layerwise_min_tokens=0, on_done=lambda rid: self.done.set())
+        self.sched = LayerwiseScheduler(CFG["num_layers"], 4, self._send,
+                                        on_done=lambda rid: self.done.set())
         self.step = 0
 
     def _send(self, rid, layers, src, dst):
@@ -106,9 +106,9 @@ def _greedy(engine, first: int, pos: int, table: list[int], n: int) -> list[int]
     return out
 
 
-def _run_pd(mode: str):
+def _run_pd():
     """Profile run, real chunked prefill transferred to D, D decodes, then a dummy run."""
-    pd = _PD(mode)
+    pd = _PD()
     t0 = time.perf_counter()
     with forward_context(is_dummy_or_profile_run=True):
         pd.sig.init()  # the server's set-up during start-up: refused
@@ -141,18 +141,16 @@ def _run_pd(mode: str):
     return cache_bytes(pd.d.cache), d_tokens, pd.sends
 
 
-def test_layerwise_and_request_modes_token_identical_on_the_engine():
-    lw_cache, lw_tokens, lw_sends = _run_pd("layerwise")
-    rq_cache, rq_tokens, rq_sends = _run_pd("request")
-    assert_bytes_equal(lw_cache, rq_cache, "D cache, layerwise vs request")
-    assert lw_tokens == rq_tokens
-    assert rq_sends == [("a", range(0, 3))] and len(lw_sends) > 1
+def test_layerwise_transfer_token_identical_on_the_engine():
+    _, _, sends = _run_pd()  # D's blocks equal P's, and D decodes P's tokens (in _run_pd)
+    assert len(sends) > 1 and {layer for _, layers in sends for layer in layers} == \
+        set(range(CFG["num_layers"]))
 
 
 def test_worker_times_out_a_request_whose_layers_never_come():
     errors = []
     with SignalChannel.create("t_" + secrets.token_hex(4), 2) as ch:
-        sched = LayerwiseScheduler(2, 4, lambda *a: None, layerwise_min_tokens=0)
+        sched = LayerwiseScheduler(2, 4, lambda *a: None)
         sched.add_request("a", 4, [1])
         sched.add_chunk("a", 7, 4)
         ch.signal(0, 7)  # layer 1 never signalled

@@ -26,13 +26,13 @@ class Recorder:
 
 def sched(L=3, bs=4, **kw) -> tuple[LayerwiseScheduler, Recorder]:
     rec = Recorder()
-    s = LayerwiseScheduler(L, bs, rec, layerwise_min_tokens=0, on_done=rec.done.append, **kw)
+    s = LayerwiseScheduler(L, bs, rec, on_done=rec.done.append, **kw)
     return s, rec
 
 
 def test_one_chunk_sends_each_layer_once_with_partial_last_block():
     s, rec = sched()
-    assert s.add_request("a", 10, [7, 8, 9]) == "layerwise"
+    assert s.add_request("a", 10, [7, 8, 9]) is None
     s.set_dst_blocks("a", [0, 1, 2])
     s.add_chunk("a", step=1, end_token=10)
     for layer in range(3):
@@ -129,26 +129,6 @@ def test_two_requests_in_one_step():
     assert sorted(rec.calls) == [("a", (0, 1), [1], [5]), ("b", (0, 1), [2, 3], [6, 7])]
 
 
-def test_request_mode_and_threshold():
-    rec = Recorder()
-    s = LayerwiseScheduler(3, 4, rec, layerwise_min_tokens=9)
-    assert s.add_request("short", 8, [0, 1]) == "request"
-    assert s.add_request("long", 9, [2, 3, 4]) == "layerwise"
-    forced = LayerwiseScheduler(3, 4, rec, mode="request", layerwise_min_tokens=0)
-    assert forced.add_request("x", 100, list(range(25))) == "request"
-    s.set_dst_blocks("short", [7, 8])
-    s.add_chunk("short", 1, 4)
-    for layer in range(3):
-        s.on_layer_signal(layer, 1)
-    assert rec.calls == []  # request mode waits for the whole prefill
-    s.add_chunk("short", 2, 8)
-    for layer in (1, 0):
-        s.on_layer_signal(layer, 2)
-    assert rec.calls == []
-    s.on_layer_signal(2, 2)
-    assert rec.calls == [("short", (0, 3), [0, 1], [7, 8])]
-
-
 def test_nothing_sent_inside_a_dummy_run():
     s, rec = sched(L=1)
     s.add_request("a", 4, [1])
@@ -167,14 +147,13 @@ def test_send_error_aborts_the_request():
     def bad_send(*a):
         raise ConnectionError("peer gone")
 
-    s = LayerwiseScheduler(2, 4, bad_send, layerwise_min_tokens=0,
-                           on_error=lambda rid, e: errors.append((rid, str(e))))
+    s = LayerwiseScheduler(2, 4, bad_send, on_error=lambda rid, e: errors.append((rid, str(e))))
     s.add_request("a", 4, [1])
     s.set_dst_blocks("a", [0])
     s.add_chunk("a", 1, 4)
     assert s.on_layer_signal(0, 1) == 0
     assert errors == [("a", "peer gone")] and s.pending_requests() == [] and s.stats.errors == 1
-    s2 = LayerwiseScheduler(1, 4, bad_send, layerwise_min_tokens=0)
+    s2 = LayerwiseScheduler(1, 4, bad_send)
     s2.add_request("b", 4, [1])
     s2.set_dst_blocks("b", [0])
     s2.add_chunk("b", 1, 4)
@@ -204,13 +183,15 @@ def test_bad_input_messages(call, message):
 
 
 def test_constructor_messages():
-    with pytest.raises(ValueError, match=r"^mode must be one of \('layerwise', 'request'\), got 'x'$"):
-        LayerwiseScheduler(2, 4, print, mode="x")
+    with pytest.raises(ValueError, match=r"^num_layers must be a positive int, got True$"):
+        LayerwiseScheduler(True, 4, print)
     with pytest.raises(ValueError, match=r"^block_size must be a positive int, got 0$"):
         LayerwiseScheduler(2, 0, print)
+    with pytest.raises(TypeError, match=r"^send must be callable, got 3$"):
+        LayerwiseScheduler(2, 4, 3)
 
 
-def _transfer(mode: str, order_seed: int):
+def _transfer(order_seed: int):
     """Chunked prefill of two requests on P (random bytes), layer signals in a shuffled order,
     D's ids arriving midway; copy_blocks as the send. Returns (D cache, P cache, sends)."""
     spec = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=8, block_size=4,
@@ -222,7 +203,7 @@ def _transfer(mode: str, order_seed: int):
         sent.append((rid, layers))
         copy_blocks(p, d, src, dst, layers=layers, backend="torch")
 
-    s = LayerwiseScheduler(4, 4, send, mode=mode, layerwise_min_tokens=0)
+    s = LayerwiseScheduler(4, 4, send)
     s.add_request("a", 14, [3, 9, 1, 12])
     s.add_request("b", 5, [0, 7])
     rng = random.Random(order_seed)
@@ -241,16 +222,16 @@ def _transfer(mode: str, order_seed: int):
     return d, p, sent
 
 
-def test_layerwise_and_request_modes_give_byte_identical_decode_caches():
-    d_lw, p, sent_lw = _transfer("layerwise", 1)
-    d_lw2, _, _ = _transfer("layerwise", 2)
-    d_rq, _, sent_rq = _transfer("request", 1)
-    assert_bytes_equal(cache_bytes(d_lw), cache_bytes(d_rq), "layerwise vs request")
-    assert_bytes_equal(cache_bytes(d_lw2), cache_bytes(d_rq), "layerwise (other order) vs request")
+def test_two_signal_orders_give_byte_identical_decode_caches():
+    d1, p, sent1 = _transfer(1)
+    d2, _, sent2 = _transfer(2)
+    assert_bytes_equal(cache_bytes(d2), cache_bytes(d1), "two orders of the layer signals")
     for src, dst in zip([3, 9, 1, 12, 0, 7], [15, 2, 8, 4, 5, 6]):
-        for tp, td in zip(p.tensors(), d_rq.tensors()):
+        for tp, td in zip(p.tensors(), d1.tensors()):
             assert_bytes_equal(td[dst], tp[src], f"block {src}->{dst}")
     untouched = [i for i in range(16) if i not in (15, 2, 8, 4, 5, 6)]
-    assert all(int(t[untouched].view(torch.uint8).abs().sum()) == 0 for t in d_rq.tensors())
-    assert sorted(sent_rq) == [("a", range(0, 4)), ("b", range(0, 4))]
-    assert len(sent_lw) > len(sent_rq)
+    assert all(int(t[untouched].view(torch.uint8).abs().sum()) == 0 for t in d1.tensors())
+    for sent in (sent1, sent2):  # layer by layer: every (request, layer) sent, none twice at once
+        assert {(rid, layer) for rid, layers in sent for layer in layers} == \
+            {(rid, layer) for rid in "ab" for layer in range(4)}
+        assert len(sent) > 2

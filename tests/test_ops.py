@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvflow import KVCacheSpec, PagedKVCache, staging_buffer
-from kvflow.kernels import copy_blocks, gather_blocks, payload_bytes, scatter_blocks
+from kvflow.kernels import copy_blocks, copy_sequence, gather_blocks, payload_bytes, scatter_blocks
 from kvflow.layout import normalize_layers
 
 from .conftest import (DEVICES, DTYPES, GEOMETRY, LAYOUTS, assert_bytes_equal, backends_for,
@@ -165,6 +165,58 @@ def test_copy_blocks_same_cache_disjoint_ids(device, backend, id_dtype):
     for j, t in enumerate(cache.tensors()):  # block 2 now holds block 3, block 15 block 9
         assert_bytes_equal(t[2], t[3], f"tensor {j} block 2")
         assert_bytes_equal(t[15], t[9], f"tensor {j} block 15")
+
+
+HINT = ("; copy_blocks moves block pairs between caches of one spec: to move a sequence's "
+        "tokens between block tables of different specs, call copy_sequence")
+
+
+@pytest.mark.parametrize("change,diff", [
+    (dict(block_size=8), "block_size: src_cache has 4, dst_cache has 8"),
+    (dict(layout="HND", dtype=torch.float16),
+     "dtype: src_cache has torch.bfloat16, dst_cache has torch.float16; layout: src_cache has "
+     "NHD, dst_cache has HND"),
+    (dict(num_kv_heads=1), "num_kv_heads: src_cache has 2, dst_cache has 1"),
+])
+def test_copy_blocks_refuses_other_specs_naming_them_and_copy_sequence(change, diff):
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4,
+                       dtype=torch.bfloat16, layout="NHD")
+    src, dst = random_cache(spec, 4, seed=20), random_cache(spec.with_(**change), 4, seed=21)
+    before = cache_bytes(dst)
+    with pytest.raises(ValueError) as e:
+        copy_blocks(src, dst, [0, 1], [2, 3], backend="torch")
+    assert str(e.value) == "src_cache.spec and dst_cache.spec differ: " + diff + HINT
+    assert_bytes_equal(cache_bytes(dst), before, "a refused copy_blocks wrote")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'num_tokens'"):
+        copy_blocks(src, src, [0], [1], num_tokens=3)  # a partial block is copy_sequence's
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND", "MLA"])  # vLLM's LBHNC / LBNHC: copy_blocks only
+def test_copy_sequence_of_one_spec_equals_copy_blocks_of_its_pairs(layout):
+    """Between caches of one spec a sequence's tokens are its blocks' bytes: copy_sequence of
+    two block tables writes what copy_blocks of their pairs writes, on every re-blocking
+    backend; with num_tokens inside the last block, that block's later slots stay."""
+    spec, g = make_spec(layout, torch.bfloat16), GEOMETRY
+    src = random_cache(spec, g.num_blocks, seed=22)
+    s_list = _src_ids(g.num_blocks, g.num_ids, seed=23)
+    d_list = _dst_ids(g.num_blocks + 3, g.num_ids, seed=24)
+    want = random_cache(spec, g.num_blocks + 3, seed=25)
+    copy_blocks(src, want, s_list, d_list, (1, 3), backend="torch")
+    for backend in [b for b in backends_for("cpu") if b in ("torch", "numba", "triton")]:
+        got = random_cache(spec, g.num_blocks + 3, seed=25)
+        assert copy_sequence(src, got, s_list, d_list, (1, 3), backend=backend) is got
+        assert_bytes_equal(cache_bytes(got), cache_bytes(want), f"{backend} {layout}")
+    T = (g.num_ids - 1) * spec.block_size + 1   # whole blocks, then one token of the last
+    want = random_cache(spec, g.num_blocks + 3, seed=25)
+    copy_blocks(src, want, s_list[:-1], d_list[:-1], backend="torch")
+    s_last, d_last = s_list[-1], d_list[-1]
+    assert s_last >= 0 and d_last >= 0
+    slot = 1 if layout == "HND" else 0          # the block's slot dimension
+    for w, t in zip(want.tensors(), src.tensors()):
+        w[d_last].select(slot, 0).copy_(t[s_last].select(slot, 0))
+    got = random_cache(spec, g.num_blocks + 3, seed=25)
+    copy_sequence(src, got, s_list, d_list, num_tokens=T, backend="torch")
+    assert_bytes_equal(cache_bytes(got), cache_bytes(want), f"{layout} num_tokens={T}")
 
 
 @param_case

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvflow.cache import PagedKVCache
-from kvflow.kernels import copy_blocks, payload_bytes
+from kvflow.kernels import copy_sequence, payload_bytes
 from kvflow.protocol import Tokens
 
 from .reliability_harness import PD
@@ -21,8 +21,8 @@ SETUPS = {"bs16->64": {"decode_block_size": 64}, "nhd->hnd": {"decode_kv_layout"
 def reference(pd: PD, p_table, d_ids, num_tokens: int) -> PagedKVCache:
     """What the torch reference writes into D's blocks ``d_ids`` (-1: left as zeros)."""
     want = PagedKVCache(pd.d.spec, pd.d.num_blocks)
-    copy_blocks(pd.p.cache, want, torch.tensor(p_table[:pd.p.spec.num_blocks_for(num_tokens)]),
-                torch.tensor(d_ids), num_tokens=num_tokens, backend="torch")
+    copy_sequence(pd.p.cache, want, torch.tensor(p_table[:pd.p.spec.num_blocks_for(num_tokens)]),
+                  torch.tensor(d_ids), num_tokens=num_tokens, backend="torch")
     return want
 
 

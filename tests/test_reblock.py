@@ -1,4 +1,4 @@
-"""copy_blocks between caches of different specs (issue #19), torch reference: exact values
+"""copy_sequence between caches of different specs (issue #19), torch reference: exact values
 of the token map (block_size, NHD<->HND, head slices, num_tokens, -1 padding), fp8 conversion
 with per-tensor and per-block-per-head scales, the argument checks' exact messages, and a
 property test against a loop-by-loop expectation over random geometry pairs."""
@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvflow import KVCacheSpec, PagedKVCache
-from kvflow.kernels import copy_blocks
+from kvflow.kernels import copy_sequence
 from kvflow.kernels.reblock import make_mapping, side_strides
 
 from .conftest import assert_bytes_equal, cache_bytes
@@ -39,8 +39,8 @@ def test_worked_example_bs4_nhd_to_bs8_hnd():
     # docs/layouts.md: 10 tokens, P's blocks [7, 2, 5] of 4 tokens -> D's blocks [3, 1] of 8
     src = _numbered(F32, 8)
     dst = PagedKVCache(F32.with_(block_size=8, layout="HND"), 4)
-    copy_blocks(src, dst, torch.tensor([7, 2, 5]), torch.tensor([3, 1]), num_tokens=10,
-                backend="torch")
+    copy_sequence(src, dst, torch.tensor([7, 2, 5]), torch.tensor([3, 1]), num_tokens=10,
+                  backend="torch")
     k = dst.tensors()[0]                     # layer 0 K, [blocks, heads, 8 slots, 4]
     # D block 3 = tokens 0..7 = P block 7 slots 0..3, then P block 2 slots 0..3 (dim 0, head 0)
     assert k[3, 0, :, 0].tolist() == [224, 232, 240, 248, 64, 72, 80, 88]
@@ -56,8 +56,8 @@ def test_padding_and_partial_block_leave_slots_untouched():
     dst = poisoned_cache(F32.with_(block_size=2), 8, seed=1)
     before = [t.clone() for t in dst.tensors()]
     # bs 4 -> 2: tokens 0..3 from P block 1 (-> D 0, 5), tokens 4..7 padded on P, 8..9 -> D 6
-    copy_blocks(src, dst, torch.tensor([1, -1, 3]), torch.tensor([0, 5, 2, -1, 6, 7]),
-                num_tokens=9, backend="torch")
+    copy_sequence(src, dst, torch.tensor([1, -1, 3]), torch.tensor([0, 5, 2, -1, 6, 7]),
+                  num_tokens=9, backend="torch")
     v1 = dst.tensors()[3]                    # layer 1 V, NHD [blocks, 2 slots, heads, dim]
     assert v1[0, :, 0, 0].tolist() == [3032, 3040]
     assert v1[5, :, 1, 3].tolist() == [3055, 3063]
@@ -73,7 +73,7 @@ def test_head_slices_fan_out_and_fan_in():
     halves = []
     for start in (0, 2):                      # a TP=2 decode: each D holds 2 of the 4 heads
         half = PagedKVCache(F32.with_(num_kv_heads=2, block_size=8), 3)
-        copy_blocks(full, half, ids, torch.tensor([2, 0]), head_start=start, backend="torch")
+        copy_sequence(full, half, ids, torch.tensor([2, 0]), head_start=start, backend="torch")
         for j, t in enumerate(half.tensors()):    # 12 tokens: D block 2 = P blocks 4, 0; ...
             p = full.tensors()[j][:, start:start + 2].transpose(1, 2)    # P as NHD, 2 heads
             assert torch.equal(t[2], torch.cat([p[4], p[0]]))
@@ -81,8 +81,8 @@ def test_head_slices_fan_out_and_fan_in():
         halves.append(half)
     back = PagedKVCache(full.spec, 6)            # fan-in: both halves into one full cache
     for start, half in zip((0, 2), halves):
-        copy_blocks(half, back, torch.tensor([2, 0]), torch.tensor([1, 3, 5]), head_start=start,
-                    backend="torch")
+        copy_sequence(half, back, torch.tensor([2, 0]), torch.tensor([1, 3, 5]), head_start=start,
+                      backend="torch")
     for j, t in enumerate(back.tensors()):
         assert torch.equal(t[[1, 3, 5]], full.tensors()[j][[4, 0, 2]])
 
@@ -92,13 +92,13 @@ def test_fp8_per_tensor_scale_values():
     src.tensors()[0][0, 0, 0] = torch.tensor([1.0, -2.5, 1000.0, 0.0])
     dst = PagedKVCache(F32.with_(dtype=torch.float8_e4m3fn, num_layers=1), 2)
     dst.scales.copy_(torch.tensor([0.5, 4.0]))          # K scale 0.5, V scale 4
-    copy_blocks(src, dst, [0], [1], backend="torch")
+    copy_sequence(src, dst, [0], [1], backend="torch")
     q = dst.tensors()[0][1, 0, 0]
     # 1/0.5 = 2: 2.0 -> 0x40, -5.0 -> 0xCA, 2000 saturates to 448 -> 0x7E, 0 -> 0
     assert q.view(torch.uint8).tolist() == [0x40, 0xCA, 0x7E, 0x00]
     assert dst.scales.tolist() == [0.5, 4.0]             # per-tensor scales are only read
     back = PagedKVCache(src.spec, 2)
-    copy_blocks(dst, back, [1], [0], backend="torch")   # dequantize: q * 0.5
+    copy_sequence(dst, back, [1], [0], backend="torch")   # dequantize: q * 0.5
     assert back.tensors()[0][0, 0, 0].tolist() == [1.0, -2.5, 224.0, 0.0]
 
 
@@ -109,7 +109,7 @@ def test_fp8_block_head_scales_from_amax():
     src.tensors()[0][1, 0, 0] = torch.tensor([0.25, 0.0, 0.0, 0.0])   # head 0, token 2
     dst = PagedKVCache(spec.with_(dtype=torch.float8_e4m3fn, scales="block_head",
                                   block_size=4), 2)
-    copy_blocks(src, dst, [0, 1], [1], num_tokens=3, backend="torch")
+    copy_sequence(src, dst, [0, 1], [1], num_tokens=3, backend="torch")
     s = dst.scales[0]                                     # K: [blocks, heads]
     assert s[1, 0].item() == 7.0 / 448                   # amax 7 of head 0 over 3 tokens
     assert s[1, 1] == torch.tensor(2.0 ** -100) / 448    # head 1 all zero: MIN_AMAX / 448
@@ -124,7 +124,7 @@ def test_convert_matches_loop_expectation(dst_dtype):
     src = finite_cache(F32.with_(dtype=torch.float8_e4m3fn, scales="block_head"), 5, seed=4)
     dst = poisoned_cache(F32.with_(dtype=dst_dtype, block_size=8, layout="HND"), 4, seed=5)
     out, scales = expect_copy(src, dst, [3, 0, -1, 4], [2, 0], 14, (0, 2))
-    copy_blocks(src, dst, [3, 0, -1, 4], [2, 0], num_tokens=14, backend="torch")
+    copy_sequence(src, dst, [3, 0, -1, 4], [2, 0], num_tokens=14, backend="torch")
     for j, t in enumerate(dst.tensors()):
         assert_bytes_equal(t, out[j], f"tensor {j}")
     if scales is not None:
@@ -161,9 +161,6 @@ BAD = [
     (dict(block_size=8), dict(num_tokens=-1), ValueError, "num_tokens must be >= 0, got -1"),
     (dict(block_size=8), dict(num_tokens="4"), TypeError,
      "num_tokens must be None or an int, got '4'"),
-    (dict(block_size=8), dict(direction="push"), ValueError,
-     "direction='push': a copy between different specs or with num_tokens / head_start runs "
-     "as 'pull' only"),
     (dict(block_size=8), dict(backend="native"), ValueError,
      "backend 'native' cannot move blocks between different specs (block_size, layout, dtype, "
      "heads) or a partial block (num_tokens); use 'torch', 'numba' or 'triton'"),
@@ -178,8 +175,8 @@ def test_bad_arguments_exact_message(change, kw, exc, msg):
     if kw.get("backend") == "native":
         pytest.importorskip("kvflow._native")
     with pytest.raises(exc) as e:
-        copy_blocks(src, dst, torch.tensor([1, 2, 3]), torch.tensor([0, 1]),
-                    **{"backend": "torch", **kw})
+        copy_sequence(src, dst, torch.tensor([1, 2, 3]), torch.tensor([0, 1]),
+                      **{"backend": "torch", **kw})
     assert str(e.value) == msg
     assert_bytes_equal(cache_bytes(dst), before, "a refused call wrote")
 
@@ -187,11 +184,11 @@ def test_bad_arguments_exact_message(change, kw, exc, msg):
 def test_bad_ids_exact_message():
     src, dst = finite_cache(F32, 8, seed=1), poisoned_cache(F32.with_(block_size=8), 4, seed=2)
     with pytest.raises(ValueError) as e:
-        copy_blocks(src, dst, [1, 8], [0], backend="torch")
+        copy_sequence(src, dst, [1, 8], [0], backend="torch")
     assert str(e.value) == ("src_ids[1]=8 is out of range for a cache of 8 blocks (valid: 0..7, "
                             "or -1 for padding)")
     with pytest.raises(ValueError) as e:
-        copy_blocks(src, dst, [1, 2, 3, 4], [3, 3], backend="torch")
+        copy_sequence(src, dst, [1, 2, 3, 4], [3, 3], backend="torch")
     assert str(e.value) == ("dst_ids repeats destination block 3; destination ids must be "
                             "distinct (only -1 padding may repeat)")
 
@@ -199,11 +196,11 @@ def test_bad_ids_exact_message():
 def test_same_spec_partial_block_within_one_cache():
     cache = _numbered(F32, 4)
     before = [t.clone() for t in cache.tensors()]
-    copy_blocks(cache, cache, [1], [2], num_tokens=3, backend="torch")   # copy-on-write fork
+    copy_sequence(cache, cache, [1], [2], num_tokens=3, backend="torch")   # copy-on-write fork
     for j, t in enumerate(cache.tensors()):
         assert torch.equal(t[2, :3], before[j][1, :3]) and torch.equal(t[2, 3], before[j][2, 3])
     with pytest.raises(ValueError, match="src_ids and dst_ids share block 1 of one cache"):
-        copy_blocks(cache, cache, [1], [1], num_tokens=3, backend="torch")
+        copy_sequence(cache, cache, [1], [1], num_tokens=3, backend="torch")
 
 
 # ---- properties over random geometry pairs -------------------------------------------------
@@ -260,9 +257,9 @@ def test_reference_matches_loop_expectation(problem):
     out, scales = expect_copy(src, dst, s_ids, d_ids, T, (0, src_spec.num_layers),
                               head_start or 0)
     src_before = cache_bytes(src)
-    copy_blocks(src, dst, torch.tensor(s_ids, dtype=torch.int64),
-                torch.tensor(d_ids, dtype=torch.int32), num_tokens=num_tokens,
-                head_start=head_start, backend="torch")
+    copy_sequence(src, dst, torch.tensor(s_ids, dtype=torch.int64),
+                  torch.tensor(d_ids, dtype=torch.int32), num_tokens=num_tokens,
+                  head_start=head_start, backend="torch")
     for j, t in enumerate(dst.tensors()):
         assert_bytes_equal(t, out[j], f"tensor {j}")
     if scales is not None:

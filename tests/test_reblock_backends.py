@@ -1,4 +1,4 @@
-"""Every backend's re-blocked copy_blocks equals the torch reference byte for byte (scales
+"""Every backend's copy_sequence equals the torch reference byte for byte (scales
 included): a matrix of the issue's cases (block_size 16<->64 scaled down, NHD<->HND, bf16<->fp8
 with per-tensor and per-block-per-head scales, head slices both ways, num_tokens, -1 padding,
 a layer range) and a property test over random geometry pairs. The reference itself is checked
@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from kvflow import KVCacheSpec, PagedKVCache
-from kvflow.kernels import copy_blocks
+from kvflow.kernels import copy_sequence
 
 from .conftest import DEVICES, assert_bytes_equal, backends_for, cache_bytes
 from .reblock_cases import finite_cache, poisoned_cache
@@ -62,8 +62,8 @@ def test_backend_matches_reference(device, backend, pair, layers, num_tokens):
     results = []
     for be in ("torch", backend):
         dst = poisoned_cache(dst_spec, n_dst + 2, seed=2, device=device)
-        copy_blocks(src, dst, _ids(s_ids, device), _ids(d_ids, device, torch.int32), layers,
-                    num_tokens=num_tokens, head_start=head_start, backend=be)
+        copy_sequence(src, dst, _ids(s_ids, device), _ids(d_ids, device, torch.int32), layers,
+                      num_tokens=num_tokens, head_start=head_start, backend=be)
         results.append((cache_bytes(dst), None if dst.scales is None else dst.scales.cpu()))
     assert_bytes_equal(results[1][0], results[0][0], f"{backend} {pair}")
     if results[0][1] is not None:
@@ -83,9 +83,9 @@ def test_backend_property_random_pairs(backend, problem):
     results = []
     for be in ("torch", backend):
         dst = poisoned_cache(dst_spec, nbd, seed + 1)
-        copy_blocks(src, dst, torch.tensor(s_ids, dtype=torch.int64),
-                    torch.tensor(d_ids, dtype=torch.int64), num_tokens=num_tokens,
-                    head_start=head_start, backend=be)
+        copy_sequence(src, dst, torch.tensor(s_ids, dtype=torch.int64),
+                      torch.tensor(d_ids, dtype=torch.int64), num_tokens=num_tokens,
+                      head_start=head_start, backend=be)
         results.append((cache_bytes(dst), dst.scales))
     assert_bytes_equal(results[1][0], results[0][0], backend)
     if results[0][1] is not None:
@@ -106,10 +106,10 @@ def test_nan_and_inf_convert_like_the_reference_on_every_backend(device):
         t[0, 0, 0] = row.to(device)
     for dtype in (torch.float8_e4m3fn, torch.bfloat16, torch.float16):
         want = PagedKVCache(spec.with_(dtype=dtype), 2, device=device)
-        copy_blocks(src, want, [0], [1], backend="torch", num_tokens=1)
+        copy_sequence(src, want, [0], [1], backend="torch", num_tokens=1)
         for backend in [b for b in backends_for(device) if b not in ("torch", "native")]:
             got = PagedKVCache(spec.with_(dtype=dtype), 2, device=device)
-            copy_blocks(src, got, [0], [1], backend=backend, num_tokens=1)
+            copy_sequence(src, got, [0], [1], backend=backend, num_tokens=1)
             for w, g in zip(want.tensors(), got.tensors()):
                 assert torch.equal(w.view(torch.uint8), g.view(torch.uint8)), (backend, dtype)
             assert got.tensors()[0][1, 0, 0].float().isnan().tolist() == \

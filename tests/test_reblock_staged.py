@@ -1,6 +1,6 @@
 """gather_blocks / scatter_blocks with a staging buffer of another spec (issue #19): every
 backend equals the torch reference (scales included); a gather into D's spec then a scatter
-into D equals copy_blocks from P to D; argument checks name the argument."""
+into D equals copy_sequence from P to D; argument checks name the argument."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvflow import KVCacheSpec, PagedKVCache, staging_buffer
-from kvflow.kernels import copy_blocks, gather_blocks, scatter_blocks
+from kvflow.kernels import copy_sequence, gather_blocks, scatter_blocks
 
 from .conftest import assert_bytes_equal, backends_for, cache_bytes
 from .reblock_cases import finite_cache, finite_, poisoned_cache
@@ -57,7 +57,7 @@ def test_staged_transfer_equals_direct_copy(be):
     p = finite_cache(P, 8, seed=1)
     d_direct, d_staged = (poisoned_cache(d_spec, 4, seed=2) for _ in range(2))
     ids = [5, 0, 4, 3, 7, 2]   # no padding: a staging buffer has no -1 to skip a slot with
-    copy_blocks(p, d_direct, ids, [3, 1], num_tokens=11, backend=be)
+    copy_sequence(p, d_direct, ids, [3, 1], num_tokens=11, backend=be)
     buf = gather_blocks(p, ids, staging_buffer(d_spec, 2).zero_(), backend=be, out_spec=d_spec,
                         num_tokens=11)                 # P gathers in D's spec ...
     scatter_blocks(buf, d_staged, [3, 1], backend=be, num_tokens=11)   # ... D scatters

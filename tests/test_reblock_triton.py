@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvflow import KVCacheSpec
-from kvflow.kernels import copy_blocks
+from kvflow.kernels import copy_sequence
 
 from .conftest import assert_bytes_equal, backends_for, cache_bytes
 from .reblock_cases import finite_cache, poisoned_cache
@@ -63,7 +63,7 @@ def test_grid_cap_gives_reference_bytes(max_ctas):
     got = []
     for be, cap in (("torch", None), ("triton", max_ctas)):
         dst = poisoned_cache(dspec, 3, seed=2, device=dev)
-        copy_blocks(src, dst, s_ids, d_ids, num_tokens=19, backend=be, max_ctas=cap)
+        copy_sequence(src, dst, s_ids, d_ids, num_tokens=19, backend=be, max_ctas=cap)
         got.append((cache_bytes(dst), dst.scales.cpu()))
     assert_bytes_equal(got[1][0], got[0][0], f"max_ctas={max_ctas}")
     assert_bytes_equal(got[1][1], got[0][1], "scales")

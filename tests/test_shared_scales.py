@@ -18,7 +18,7 @@ from kvflow.connector.base import PrefillJob, TransferError
 from kvflow.connector.ipc_pull import IpcPullSender
 from kvflow.connector.ipc_push import PushReceiver, PushSender
 from kvflow.connector.shm import map_peer_cache
-from kvflow.kernels import copy_blocks
+from kvflow.kernels import copy_sequence
 from kvflow.protocol import decode
 from kvflow.segments import create, unlink
 
@@ -68,7 +68,7 @@ def push(d_spec: KVCacheSpec, before=None) -> tuple[PushReceiver, PagedKVCache, 
         for w, x in zip(want.tensors(), d.tensors()):
             w.copy_(x)
         want.scales.copy_(d.scales)
-        copy_blocks(p, want, torch.tensor(SRC), torch.tensor(DST), num_tokens=T, backend="torch")
+        copy_sequence(p, want, torch.tensor(SRC), torch.tensor(DST), num_tokens=T, backend="torch")
         assert tx.reblocks("d0")
         tx.send_prefilled(PrefillJob("r1", [0] * T, SRC, "d0", DST), first_token=1)
         (frame,) = link.frames.pop()
@@ -98,7 +98,7 @@ def test_push_into_fp8_tensor_d_quantizes_with_d_owners_scale():
         assert torch.equal(d.scales, set_by_owner)
         same_bytes(d, want)
         ones = PagedKVCache(d.spec, NB)  # what P would have written believing the scales 1.0
-        copy_blocks(p, ones, torch.tensor(SRC), torch.tensor(DST), num_tokens=T, backend="torch")
+        copy_sequence(p, ones, torch.tensor(SRC), torch.tensor(DST), num_tokens=T, backend="torch")
         assert not torch.equal(ones.tensors()[0][DST].view(torch.uint8),
                                d.tensors()[0][DST].view(torch.uint8))
     finally:
@@ -123,7 +123,7 @@ def test_pull_from_fp8_block_head_p_dequantizes_with_p_scales():
         tx.send(link, "r1", p, SRC, first_token=1, num_prompt_tokens=T)
         (frame,) = link.frames.pop()
         rx.receive(decode(frame), [], d, DST, "p0")
-        copy_blocks(p, want, torch.tensor(SRC), torch.tensor(DST), num_tokens=T, backend="torch")
+        copy_sequence(p, want, torch.tensor(SRC), torch.tensor(DST), num_tokens=T, backend="torch")
         same_bytes(d, want)
         for j, (src, dst) in enumerate(zip(p.tensors(), d.tensors())):  # value = fp8 * P's scale
             for t in range(T):

@@ -1,7 +1,7 @@
 """fp8 per-block scales through CUDA IPC, two processes on one GPU (issue #19): an exported
 fp8 ``block_head`` cache keeps its scales in the exported allocation, so
 
-(a) ipc-push: P (a child process) maps D's export and ``copy_blocks`` an fp32 prompt into it;
+(a) ipc-push: P (a child process) maps D's export and ``copy_sequence`` an fp32 prompt into it;
     D then holds exactly the blocks and the per-block scales of the torch reference;
 (b) ipc-pull: D maps P's export (non-1.0 scales, P a child process) and copies into an fp32
     cache (dequantized with P's scales) and, between equal specs, into an fp8 block_head cache
@@ -24,7 +24,7 @@ import torch
 
 from kvflow import KVCacheSpec, PagedKVCache
 from kvflow.connector.shm import export_new_cache
-from kvflow.kernels import copy_blocks
+from kvflow.kernels import copy_blocks, copy_sequence
 from kvflow.segments import unlink
 
 from .reblock_cases import finite_cache
@@ -95,7 +95,7 @@ _P_PUSHER = """
     from kvflow.connector.ipc_push import map_decode_cache
     d = map_decode_cache({name!r}, D_BH, NB, dev)
     p = load_(PagedKVCache(FP32, NB, device=dev), filled(FP32, 1))
-    copy_blocks(p, d, torch.tensor(SRC), torch.tensor(DST), num_tokens=T)
+    copy_sequence(p, d, torch.tensor(SRC), torch.tensor(DST), num_tokens=T)
     sync(dev)
     print("PUSHED", flush=True)
 """
@@ -128,8 +128,8 @@ def test_push_into_exported_fp8_block_head_cache():
         out, err = p.communicate(timeout=100)
         assert p.returncode == 0 and out.split() == ["PUSHED"], out + err
         want = filled(D_BH, 3)
-        copy_blocks(filled(FP32, 1), want, torch.tensor(SRC), torch.tensor(DST), num_tokens=T,
-                    backend="torch")
+        copy_sequence(filled(FP32, 1), want, torch.tensor(SRC), torch.tensor(DST), num_tokens=T,
+                      backend="torch")
         assert not torch.equal(want.scales[:, DST], filled(D_BH, 3).scales[:, DST])
         same(d, want)  # D's own cache object: P's blocks and the scales P's copy computed
     finally:
@@ -148,10 +148,10 @@ def test_pull_from_exported_fp8_block_head_cache():
         assert not torch.equal(src.scales, torch.ones_like(src.scales))
         same(peer, src)  # P's blocks and its non-1.0 scales, seen through the mapping
         d = load_(PagedKVCache(D_FP32, NB, device=dev), filled(D_FP32, 6))
-        copy_blocks(peer, d, torch.tensor(SRC), torch.tensor(DST), num_tokens=T)
+        copy_sequence(peer, d, torch.tensor(SRC), torch.tensor(DST), num_tokens=T)
         want = filled(D_FP32, 6)
-        copy_blocks(src, want, torch.tensor(SRC), torch.tensor(DST), num_tokens=T,
-                    backend="torch")
+        copy_sequence(src, want, torch.tensor(SRC), torch.tensor(DST), num_tokens=T,
+                      backend="torch")
         sync(dev)
         same(d, want)  # value = fp8 * P's scale, exactly
         e = load_(PagedKVCache(BH, NB, device=dev), filled(BH, 7))

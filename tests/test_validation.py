@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvflow import KVCacheSpec, PagedKVCache, staging_buffer, staging_shape
-from kvflow.kernels import copy_blocks, gather_blocks, scatter_blocks
+from kvflow.kernels import copy_blocks, copy_sequence, gather_blocks, scatter_blocks
 from kvflow.kernels import registry
 
 from .conftest import backends_for, cache_bytes, random_bytes_, random_cache
@@ -198,19 +198,20 @@ def test_src_dst_length_mismatch(caches):
 
 # ---- caches and buffers ---------------------------------------------------------------------
 def test_spec_mismatch_names_both_values(caches):
-    # block_size, dtype and NHD/HND differences map (tests/test_reblock.py); head_dim does not
+    # copy_sequence maps block_size, dtype and NHD/HND differences (tests/test_reblock.py);
+    # head_dim does not (copy_blocks refuses any difference: tests/test_ops.py)
     src = random_cache(SPEC.with_(head_dim=16, block_size=8), NB, seed=5)
     dst = caches[1]
     rejects(ValueError, "head_dim: src_cache has 16, dst_cache has 8; a head moves whole, so "
             "head_dim must be equal",
-            lambda: copy_blocks(src, dst, torch.tensor([0]), torch.tensor([0])), dst)
+            lambda: copy_sequence(src, dst, torch.tensor([0]), torch.tensor([0])), dst)
 
 
 def test_spec_mismatch_layout(caches):
     src = random_cache(SPEC.with_(layout="MLA", num_kv_heads=1, head_dim=16), NB, seed=6)
     rejects(ValueError, "layout: src_cache has 'MLA', dst_cache has 'NHD'; an MLA cache maps "
             "only to an MLA cache",
-            lambda: copy_blocks(src, caches[1], torch.tensor([0]), torch.tensor([0])), caches[1])
+            lambda: copy_sequence(src, caches[1], torch.tensor([0]), torch.tensor([0])), caches[1])
 
 
 def test_cache_not_a_cache(caches):

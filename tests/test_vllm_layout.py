@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from kvflow import PagedKVCache, staging_buffer
+from kvflow import staging_buffer
 from kvflow.kernels import copy_blocks, gather_blocks, scatter_blocks
 from kvflow.vllm_layout import from_vllm, vllm_like
 
@@ -68,7 +68,7 @@ def test_latent_reads_mla_and_kv_sharing_is_kept_once():
     cache = from_vllm(kv, latent=True)
     assert (cache.spec.layout, cache.spec.num_layers, cache.spec.head_dim) == ("MLA", 2, 576)
     assert cache.tensors()[0].shape == (8, 32, 576)
-    assert PagedKVCache.from_vllm(list(kv.values())[:2]).spec.head_dim == 288  # K|V reading
+    assert from_vllm(list(kv.values())[:2]).spec.head_dim == 288  # K|V reading
 
 
 def test_refuses_cross_layer_layout_naming_shape_and_stride():

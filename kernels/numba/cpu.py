@@ -9,8 +9,8 @@ Python loop per block); runs are copied with 8-byte words when ``block_bytes`` a
 The pointer tables are int64 base addresses (:meth:`PagedKVCache.ptr_table`, built once per
 cache and layer range); a staging buffer is passed as its base address (run ``(t, i)`` at
 ``base + (t * n + i) * block_bytes``), so a call allocates nothing. Copies below
-:data:`PARALLEL_MIN_BYTES` run serially on the calling thread. Compiled lazily on first use and
-cached on disk (``cache=True``), so import compiles nothing.
+:data:`~.pointers.PARALLEL_MIN_BYTES` run serially on the calling thread. Compiled lazily on
+first use and cached on disk (``cache=True``), so import compiles nothing.
 """
 
 from __future__ import annotations
@@ -22,30 +22,14 @@ from ..registry import register_backend
 
 try:
     import numba
-    from numba import types
-    from numba.core import cgutils
-    from numba.extending import intrinsic
+
+    from .pointers import PARALLEL_MIN_BYTES, as_ptr
     _IMPORT_ERROR = None
 except ImportError as exc:  # pragma: no cover - numba is a core dependency
     numba = None
     _IMPORT_ERROR = str(exc)
 
-
-# Copies of fewer payload bytes than this run on the calling thread: waking numba's thread
-# pool costs more than it saves for small copies, and under load (a server's decode loop and
-# transfer thread on 2 cores) a wake-up alone took milliseconds (issue #16).
-PARALLEL_MIN_BYTES = 4 << 20
-
 if numba is not None:
-    @intrinsic
-    def _as_ptr(typingctx, addr):
-        """Reinterpret an int64 address as a void pointer (for numba.carray)."""
-        sig = types.voidptr(addr)
-
-        def codegen(context, builder, signature, args):
-            return builder.inttoptr(args[0], cgutils.voidptr_t)
-        return sig, codegen
-
     def _copy_runs(src_ptrs, dst_ptrs, src_ids, dst_ids, src_base, dst_base, n, src_n, dst_n,
                    run, word, parts, t0):
         """Work item ``w`` = (tensor ``t``, pair ``i``): run ``src_ids[i]`` of ``src_ptrs[t]``
@@ -74,8 +58,8 @@ if numba is not None:
             else:
                 dp = dst_base + (t * n + i) * run * word
             if word == 8:
-                src = numba.carray(_as_ptr(sp), run, np.uint64)
-                dst = numba.carray(_as_ptr(dp), run, np.uint64)
+                src = numba.carray(as_ptr(sp), run, np.uint64)
+                dst = numba.carray(as_ptr(dp), run, np.uint64)
                 if digest:
                     acc = np.int64(0)
                     p = np.int64(t + t0) * run * 2
@@ -92,8 +76,8 @@ if numba is not None:
                     for k in range(run):
                         dst[k] = src[k]
             elif word == 4:
-                src4 = numba.carray(_as_ptr(sp), run, np.uint32)
-                dst4 = numba.carray(_as_ptr(dp), run, np.uint32)
+                src4 = numba.carray(as_ptr(sp), run, np.uint32)
+                dst4 = numba.carray(as_ptr(dp), run, np.uint32)
                 acc = np.int64(0)
                 p = np.int64(t + t0) * run
                 for k in range(run):
@@ -105,8 +89,8 @@ if numba is not None:
                 if digest:
                     parts[w] = acc
             else:
-                src8 = numba.carray(_as_ptr(sp), run, np.uint8)
-                dst8 = numba.carray(_as_ptr(dp), run, np.uint8)
+                src8 = numba.carray(as_ptr(sp), run, np.uint8)
+                dst8 = numba.carray(as_ptr(dp), run, np.uint8)
                 for k in range(run):
                     dst8[k] = src8[k]
 

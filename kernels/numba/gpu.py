@@ -144,7 +144,7 @@ def _noop(a):  # the smallest kernel: compiled once to prove the toolchain works
 
 
 class NumbaCUDABackend:
-    """Backend object for :mod:`kvflow.kernels.registry` (see its contract)."""
+    """A backend of :mod:`kvflow.kernels.registry` (contract: :mod:`kvflow.kernels.contract`)."""
 
     name = "numba_cuda"
     directions = ("pull", "push")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .cpu import _as_ptr, PARALLEL_MIN_BYTES
+from .pointers import PARALLEL_MIN_BYTES, as_ptr
 from .floats import KINDS, decode, encode
 
 _FP8_MAX = {3: 448.0, 4: 57344.0}
@@ -65,13 +65,13 @@ def _reblock(src_ptrs, dst_ptrs, src_ids, dst_ids, geo, fmt, src_sc, dst_sc, con
         db = np.int64(dst_ids[k])
         if db < 0 or db >= dnb:
             continue
-        sp8 = numba.carray(_as_ptr(src_ptrs[j]), s_len * s_isz, np.uint8)
-        dp8 = numba.carray(_as_ptr(dst_ptrs[j]), d_len * d_isz, np.uint8)
+        sp8 = numba.carray(as_ptr(src_ptrs[j]), s_len * s_isz, np.uint8)
+        dp8 = numba.carray(as_ptr(dst_ptrs[j]), d_len * d_isz, np.uint8)
         if not convert:
             row = D * s_isz
             wide = row % 8 == 0 and src_ptrs[j] % 8 == 0 and dst_ptrs[j] % 8 == 0
-            sp64 = numba.carray(_as_ptr(src_ptrs[j]), s_len * s_isz // 8 + 1, np.uint64)
-            dp64 = numba.carray(_as_ptr(dst_ptrs[j]), d_len * s_isz // 8 + 1, np.uint64)
+            sp64 = numba.carray(as_ptr(src_ptrs[j]), s_len * s_isz // 8 + 1, np.uint64)
+            dp64 = numba.carray(as_ptr(dst_ptrs[j]), d_len * s_isz // 8 + 1, np.uint64)
             for sl in range(bs_d):
                 t = k * bs_d + sl
                 if t >= T:
@@ -89,10 +89,10 @@ def _reblock(src_ptrs, dst_ptrs, src_ids, dst_ids, geo, fmt, src_sc, dst_sc, con
                         for b in range(row):
                             dp8[do + b] = sp8[so + b]
             continue
-        sp16 = numba.carray(_as_ptr(src_ptrs[j]), s_len * s_isz // 2 + 1, np.uint16)
-        sp32 = numba.carray(_as_ptr(src_ptrs[j]), s_len * s_isz // 4 + 1, np.uint32)
-        dp16 = numba.carray(_as_ptr(dst_ptrs[j]), d_len * d_isz // 2 + 1, np.uint16)
-        dp32 = numba.carray(_as_ptr(dst_ptrs[j]), d_len * d_isz // 4 + 1, np.uint32)
+        sp16 = numba.carray(as_ptr(src_ptrs[j]), s_len * s_isz // 2 + 1, np.uint16)
+        sp32 = numba.carray(as_ptr(src_ptrs[j]), s_len * s_isz // 4 + 1, np.uint32)
+        dp16 = numba.carray(as_ptr(dst_ptrs[j]), d_len * d_isz // 2 + 1, np.uint16)
+        dp32 = numba.carray(as_ptr(dst_ptrs[j]), d_len * d_isz // 4 + 1, np.uint32)
         for h in range(n):
             inv = np.float32(1.0)
             if d_sm == 1:
@@ -177,7 +177,7 @@ def _scales(op, mode) -> np.ndarray:
 
 
 def reblock(job) -> None:
-    """Run a checked :class:`~kvflow.kernels.reference_reblock.Job` on the CPU."""
+    """Run a checked :class:`~kvflow.kernels.contract.Job` on the CPU."""
     mp, s, d = job.mapping, job.src, job.dst
     geo = np.array([job.num_tokens, mp.heads, mp.head_dim,
                     mp.src.block_size, mp.src.block_stride, mp.src.slot_stride,

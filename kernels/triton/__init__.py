@@ -39,7 +39,7 @@ DIRECTIONS = ("pull", "push")
 
 
 class TritonBackend:
-    """Backend object for :mod:`kvflow.kernels.registry` (see its contract)."""
+    """A backend of :mod:`kvflow.kernels.registry` (contract: :mod:`kvflow.kernels.contract`)."""
 
     name = "triton"
     directions = DIRECTIONS

@@ -173,7 +173,7 @@ def _scales_addr(op) -> int:
 
 def launch(job, device: torch.device, max_ctas: int | None, check: bool, info_of,
            capturing: bool) -> None:
-    """Run a checked :class:`~kvflow.kernels.reference_reblock.Job` as one launch."""
+    """Run a checked :class:`~kvflow.kernels.contract.Job` as one launch."""
     s_tab, s_ids, s64, s_al, s_ts = _side(job.src, job.ntensors, device, info_of)
     d_tab, d_ids, d64, d_al, d_ts = _side(job.dst, job.ntensors, device, info_of)
     dup = check and not capturing and job.dst.cache is not None

@@ -6,7 +6,7 @@ Studies (``--help`` on each; none needs a GPU package to print it):
   (plus the SM-contention study on a GPU);
 - ``calls``: host microseconds per call of each op, back to back with no sync inside (default
   arguments, ``validate=False``, host ids, torch, a bare Triton launch, a CUDA-graph replay);
-- ``reblock``: copy_blocks between P and D caches of different specs (block size, layout,
+- ``reblock``: copy_sequence between P and D caches of different specs (block size, layout,
   fp8) vs the same-run ``copy_`` ceiling of the bytes written (and read);
 - ``sweep``: launch settings of the Triton copy kernel, repeated and interleaved (GPU);
 - ``layerwise``: per-layer copies beside a Llama-3-8B-shaped prefill: how much hides;
@@ -34,7 +34,7 @@ import sys
 STUDIES = {
     "kernels": ("kernels", "gather/scatter/copy sweep vs torch and the copy_ ceiling"),
     "calls": ("calls", "host time per call of gather/scatter/copy (no sync inside)"),
-    "reblock": ("reblock", "copy_blocks between different P and D specs vs the copy_ ceiling"),
+    "reblock": ("reblock", "copy_sequence between different P and D specs vs the copy_ ceiling"),
     "sweep": ("sweep", "launch settings of the triton copy kernel (GPU)"),
     "layerwise": ("layerwise", "per-layer copies beside a prefill: the hidden fraction"),
     "ipc": ("ipc", "P->D copies between two GPUs, and the served modes on two GPUs"),

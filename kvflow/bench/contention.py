@@ -18,8 +18,8 @@ import torch
 from kvflow.cache import PagedKVCache, staging_buffer
 from kvflow.kernels import gather_blocks, payload_bytes
 
+from .backends import pick_backends
 from .cases import make_spec
-from .kernels import pick_backends
 from .schema import make_row
 from .timing import median, time_calls, time_on_stream
 

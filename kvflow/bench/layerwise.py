@@ -193,7 +193,7 @@ class Bench:
                     ends["t2"] = self._stamp(self.side)
 
             from kvflow.connector.layerwise import LayerwiseScheduler, LayerwiseWorker
-            sched = LayerwiseScheduler(L, self.spec.block_size, send, layerwise_min_tokens=0,
+            sched = LayerwiseScheduler(L, self.spec.block_size, send,
                                        on_done=lambda rid: done.set())
             sched.add_request("r", self.tokens, self.src_l)
             sched.set_dst_blocks("r", self.dst_l)

@@ -1,4 +1,4 @@
-"""copy_blocks between P and D caches of different specs (issue #19): payload GB/s on both
+"""copy_sequence between P and D caches of different specs (issue #19): payload GB/s on both
 sides' bytes and the ratio to the same-run copy ceiling, as called and in device time.
 
 Cases (``--cases``; Llama-3-8B geometry: 32 layers, 8 KV heads, head_dim 128, bf16 NHD unless
@@ -51,16 +51,18 @@ def _side_bytes(spec, tokens: int) -> int:
 
 
 def setup(case: str, opts: dict, device, rotations: int):
-    """``rotations`` closures, each one copy_blocks call of ``opts['tokens']`` tokens between
-    a P and a D cache (fresh random block tables per rotation), plus (src_bytes, dst_bytes)."""
+    """``rotations`` closures, each one copy_sequence call of ``opts['tokens']`` tokens between
+    a P and a D cache (fresh random block tables per rotation; ``same``: copy_blocks of the
+    tables' block pairs), plus (src_bytes, dst_bytes)."""
     import functools
 
     import torch
 
     from kvflow.cache import PagedKVCache
-    from kvflow.kernels import copy_blocks
+    from kvflow.kernels import copy_blocks, copy_sequence
     geometry = {k: opts[k] for k in ("num_layers", "num_kv_heads", "head_dim")} | {"block_size": 64}
     ps, ds = specs(case, geometry)
+    op = copy_blocks if ps == ds else copy_sequence
     T = opts["tokens"]
     g = torch.Generator().manual_seed(opts["seed"])
     fns = []
@@ -75,7 +77,7 @@ def setup(case: str, opts: dict, device, rotations: int):
         kw = {} if opts["backend"] == "auto" else {"backend": opts["backend"]}
         if d.scales is not None:
             d.scales.fill_(0.05)
-        fns.append(functools.partial(copy_blocks, p, d, s_ids, d_ids, **kw))
+        fns.append(functools.partial(op, p, d, s_ids, d_ids, **kw))
     return fns, _side_bytes(ps, T), _side_bytes(ds, T), ps, ds
 
 

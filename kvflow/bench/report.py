@@ -77,13 +77,13 @@ def transfer_table(rows: list[dict]) -> list[str]:
 
 
 def reblock_table(rows: list[dict]) -> list[str]:
-    """copy_blocks between two specs (``python -m kvflow.bench reblock``): both sides' bytes,
+    """copy_sequence between two specs (``python -m kvflow.bench reblock``): both sides' bytes,
     as called and device time, and the ratios to the same-run copy_ ceiling of the bytes
     written, of the bytes read, and of the copy's memory traffic."""
     body = [[r["case"], r["tokens"], r["src_bytes"] / 2**20, r["dst_bytes"] / 2**20,
              r["time_s"] * 1e6, r["gbps"], r["ratio"], r["ratio_read"], r["ratio_traffic"],
              r["device_ratio"]] for r in rows]
-    return (["**copy_blocks between two specs**, as called (back-to-back calls, default "
+    return (["**copy_sequence between two specs**, as called (back-to-back calls, default "
              "arguments); GB/s of bytes written; ratios to the same-run copy_ ceiling of the "
              "bytes written (the headline), of the bytes read, and of the memory traffic; the "
              "last column is the written ratio in device time.", ""]

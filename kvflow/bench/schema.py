@@ -130,12 +130,6 @@ def make_row(env: dict[str, Any], *, op: str, backend: str, spec: Any, tokens: i
     return row
 
 
-#: The as-called figures of a kernel row (:func:`as_called_fields`); rows made before they existed
-#: lack them, and the report marks those tables "device time only".
-AS_CALLED_FIELDS = ("as_called_s", "as_called_p10_s", "as_called_p90_s", "as_called_gbps",
-                    "as_called_ratio", "as_called_baseline_ratio", "as_called_calls")
-
-
 def as_called_fields(times_s: list[float], payload_bytes: int, ceiling_s: float | None,
                      baseline_s: float | None = None, *, calls: int | None = None) -> dict[str, Any]:
     """The as-called figures of a row, from seconds per call of each batch of back-to-back

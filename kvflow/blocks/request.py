@@ -169,10 +169,6 @@ class Request:
         """Prompt plus generated tokens."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
     def append_token(self, token_id: int, now: float | None = None) -> None:
         """Record a generated token and its time (the first one sets ``first_token_time``)."""
         now = time.monotonic() if now is None else now

@@ -154,7 +154,7 @@ def make_receiver(name: str, spec: Any = None, device: Any = "cpu", *,
 
     ``head_start`` (ipc-pull and tcp): D's cache holds KV heads ``[head_start, head_start +
     spec.num_kv_heads)`` of P's (a tensor-parallel decode instance); every transfer re-blocks
-    with it (:mod:`.reblocked`, :func:`kvflow.kernels.copy_blocks`).
+    with it (:mod:`.reblocked`, :func:`kvflow.kernels.copy_sequence`).
 
     Raises
     ------

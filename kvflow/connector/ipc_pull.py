@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from kvflow.cache import PagedKVCache
-from kvflow.kernels import block_digest, copy_blocks, payload_bytes
+from kvflow.kernels import block_digest, copy_blocks, copy_sequence, payload_bytes
 from kvflow.protocol import KVLayer, KVReady, encode
 
 from .base import KVReceiver, Peer, TransferError, TransferStats, as_ids, check_send_allowed
@@ -178,14 +178,14 @@ class IpcPullReceiver(KVReceiver):
                                 f"spec; --kv-verify does not check re-blocked moves")
 
     def pull_reblocked(self, src_cache, header: KVReady, cache, dst_ids) -> TransferStats:
-        """A :class:`KVReady` from a P of another spec: one re-blocked ``copy_blocks`` of the
+        """A :class:`KVReady` from a P of another spec: one ``copy_sequence`` of the
         whole prompt (:mod:`.reblocked`), on D's device (a re-blocked copy runs as "pull", whatever
         ``direction`` the plain copies take); waits for it on CUDA."""
         src, dst = tables(header.src_block_ids, src_cache.spec, dst_ids, cache.spec,
                           header.num_prompt_tokens, header.req_id)
         t0 = time.perf_counter()
-        copy_blocks(src_cache, cache, src, dst, num_tokens=header.num_prompt_tokens,
-                    head_start=self.head_start, backend=self.backend)
+        copy_sequence(src_cache, cache, src, dst, num_tokens=header.num_prompt_tokens,
+                      head_start=self.head_start, backend=self.backend)
         if cache.device.type == "cuda":  # P may reuse its blocks after the ack
             torch.cuda.synchronize(cache.device)
             torch.cuda.synchronize(src_cache.device)

@@ -6,7 +6,7 @@ The whole prompt moves after the prefill (never layer by layer): token ``t`` goe
 ``src[t // bs_P]`` to D's block ``dst[t // bs_D]`` by the re-blocking kernels
 (:mod:`kvflow.kernels.reblock`), ``num_tokens`` = the prompt's length. ipc-pull and tcp: P sends
 its whole table, D copies or scatters. ipc-push: P writes into D's mapped cache with one
-``copy_blocks`` over all layers (:func:`push_prompt`). D's prefix hit (its first blocks, which it
+``copy_sequence`` over all layers (:func:`push_prompt`). D's prefix hit (its first blocks, which it
 already holds) becomes id -1 in D's table: those tokens are read from nothing and written
 nowhere.
 """
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from kvflow.cache import PagedKVCache
-from kvflow.kernels import copy_blocks
+from kvflow.kernels import copy_sequence
 
 from .base import TransferError
 
@@ -56,8 +56,8 @@ def tables(src_ids: Any, src_spec: Any, dst_ids: Any, dst_spec: Any, num_tokens:
 def push_prompt(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, dst_ids: Any,
                 num_cached_blocks: int, num_tokens: int, req_id: str, backend: str) -> int:
     """ipc-push between different specs: write a ``num_tokens``-token prompt from P's
-    ``src_cache`` into D's mapped ``dst_cache`` (another spec) with one re-blocked
-    ``copy_blocks`` over all layers, and wait for it.
+    ``src_cache`` into D's mapped ``dst_cache`` (another spec) with one
+    :func:`~kvflow.kernels.copy_sequence` over all layers, and wait for it.
 
     The kernel runs on ``dst_cache``'s device, which for ipc-push is P's own GPU (D's cache is
     mapped there, :func:`~kvflow.connector.ipc_push.map_decode_cache`): P pushes.
@@ -95,7 +95,7 @@ def push_prompt(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, 
                             f"{need_s} and {need_d}")
     src, dst = tables(list(src_ids[:need_s]), src_cache.spec,
                       list(dst_ids[num_cached_blocks:need_d]), dst_cache.spec, num_tokens, req_id)
-    copy_blocks(src_cache, dst_cache, src, dst, num_tokens=num_tokens, backend=backend)
+    copy_sequence(src_cache, dst_cache, src, dst, num_tokens=num_tokens, backend=backend)
     if dst_cache.device.type == "cuda":  # D may read its blocks once KVPushed arrives
         torch.cuda.current_stream(dst_cache.device).synchronize()
     return need_d - num_cached_blocks
@@ -105,4 +105,4 @@ def warm(src_spec: Any, dst_spec: Any, device: Any, backend: str) -> None:
     """Compile the re-blocked copy from ``src_spec`` to ``dst_spec`` on ``device`` (one token
     between two one-block caches), so a request does not wait for it."""
     a, b = PagedKVCache(src_spec, 1, device=device), PagedKVCache(dst_spec, 1, device=device)
-    copy_blocks(a, b, [0], [0], num_tokens=1, backend=backend)
+    copy_sequence(a, b, [0], [0], num_tokens=1, backend=backend)

@@ -15,7 +15,7 @@ from kvflow.cache import PagedKVCache
 from kvflow.context import forward_context
 
 from .attention import attend, dense_causal_attention, read_kv, write_kv
-from .profile import measure_peak_bytes
+from .memory import measure_peak_bytes
 
 # Prefill rows are padded to a multiple of this (see Engine._prefill_chunk).
 ROW_TILE = 16
@@ -240,7 +240,7 @@ class Engine:
         and nothing is signalled or sent) with dense attention over the step's own K/V: no
         cache block is written. Peak = bytes of tensors created during the forward and alive
         at once (CUDA: ``torch.cuda.max_memory_allocated`` above the start; CPU: tracked by
-        :func:`kvflow.engine.profile.measure_peak_bytes`); weights and the cache excluded.
+        :func:`kvflow.engine.memory.measure_peak_bytes`); weights and the cache excluded.
 
         Raises
         ------

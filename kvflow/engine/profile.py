@@ -1,4 +1,5 @@
-"""Profile run: measure peak activation memory and size the KV cache from a memory budget.
+"""Profile run: size the KV cache from a memory budget and the peak activation memory of one
+forward (measured by :mod:`kvflow.engine.memory`).
 
 Formula (vLLM's, ``determine_num_available_blocks``, in bytes)::
 
@@ -13,65 +14,13 @@ start) comes from :mod:`kvflow.serve.budget`.
 
 from __future__ import annotations
 
-import weakref
-from typing import Any, Callable
+from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from kvflow.cache import PagedKVCache
 
-
-class _LiveBytes(TorchDispatchMode):
-    """Counts bytes of storages created by ops (not views or in-place results of inputs) while
-    they are alive; ``peak`` is the maximum of that sum."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self._seen: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
-            st = t.untyped_storage()
-            key = id(st)
-            if key in inputs or key in self._seen:
-                continue
-            self._seen.add(key)
-            self.live += st.nbytes()
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(st, self._release, key, st.nbytes())
-        return out
-
-    def _release(self, key: int, nbytes: int) -> None:
-        self.live -= nbytes
-        self._seen.discard(key)
-
-
-def measure_peak_bytes(fn: Callable[[], Any], device: Any) -> int:
-    """Run ``fn()`` and return the peak bytes of memory it allocated (its result dropped).
-
-    CUDA: ``torch.cuda.max_memory_allocated`` minus the allocation before the call. CPU:
-    the peak sum of live storages created by the ops of ``fn`` (a ``TorchDispatchMode``),
-    which is what the allocator would have to hold, without allocator rounding.
-    """
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - before
-    with _LiveBytes() as mode:
-        fn()
-    return mode.peak
+from .engine import Engine
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -137,8 +86,6 @@ def determine_num_blocks(model, spec, *, memory_budget_bytes: int, max_num_batch
         when it is too small for one block (the message and attributes give weights,
         activations, block bytes).
     """
-    from .engine import Engine
-
     b = memory_budget_bytes
     if isinstance(b, bool) or not isinstance(b, int) or b <= 0:
         raise ValueError(f"memory_budget_bytes must be a positive int, got {b!r}")

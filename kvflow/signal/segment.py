@@ -64,11 +64,6 @@ _INSTANCE_RE = re.compile(r"^[A-Za-z0-9_]{1,64}$")
 MAX_LAYERS = 1 << 16
 
 
-def new_segment_name(instance_id: str) -> str:
-    """A fresh ``kvflow-sig-<instance_id>-<owner>-<16 hex>`` name owned by this process."""
-    return segments.new_name(KIND, check_instance_id(instance_id), nhex=16)
-
-
 def is_segment_name(name: str) -> bool:
     """True for a signal segment name (with or without the leading ``/`` of shm_open)."""
     parsed = segments.parse_name(name.lstrip("/")) if isinstance(name, str) else None

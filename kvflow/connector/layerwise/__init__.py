@@ -8,9 +8,9 @@ scheduler, worker, a socket per D); :class:`LayerParts` is D's bookkeeping of ar
 """
 
 from .parts import LayerParts
-from .scheduler import MODES, LayerwiseScheduler, LayerwiseStats, SendFn
+from .scheduler import LayerwiseScheduler, LayerwiseStats, SendFn
 from .sender import LayerwiseSender
 from .worker import LayerwiseWorker
 
 __all__ = ["LayerParts", "LayerwiseScheduler", "LayerwiseSender", "LayerwiseStats",
-           "LayerwiseWorker", "MODES", "SendFn"]
+           "LayerwiseWorker", "SendFn"]

@@ -3,12 +3,10 @@
 P runs a request's prefill in chunks, one chunk per engine step; after layer ``l`` of step ``s``
 the KV of layer ``l`` is complete for every token the request's chunks up to step ``s`` cover.
 A layer signal ``(l, s)`` means "layer ``l`` complete through step ``s``" (the slot of
-:mod:`kvflow.signal` keeps the latest step, so a reader may skip steps). Then:
-
-- ``layerwise`` mode: the request's newly *full* blocks of layer ``l`` (and, once its last
-  chunk is done, the partial last block) are sent at once;
-- ``request`` mode (and any request shorter than ``layerwise_min_tokens``): nothing is sent
-  until every layer has completed the last chunk; then all blocks of all layers in one send.
+:mod:`kvflow.signal` keeps the latest step, so a reader may skip steps). Then
+the request's newly *full* blocks of layer ``l`` (and, once its last chunk is done, the partial
+last block) are sent at once. Whether a prompt goes layerwise at all (``layerwise_min_tokens``)
+is decided before it is registered here, by the connector.
 
 D's destination block ids may arrive after the signals: ready blocks wait and are replayed when
 they come. Every block of every layer is sent exactly once; signals may arrive out of layer
@@ -17,8 +15,8 @@ step no live request ran (finished / aborted), sends nothing. Nothing is sent in
 or dummy run (:func:`kvflow.context.sends_allowed`).
 
 The send callable is ``send(request_id, layers, src_block_ids, dst_block_ids)`` where
-``layers`` is a ``range`` of consecutive layers (one layer in ``layerwise`` mode; several when
-a replay catches up; all in ``request`` mode) and the id lists pair P's block ``src[i]`` with
+``layers`` is a ``range`` of consecutive layers (one layer; several when layers stand at the same
+blocks, e.g. when a replay catches up) and the id lists pair P's block ``src[i]`` with
 D's block ``dst[i]`` — e.g. ``copy_blocks(p_cache, d_cache, src, dst, layers=layers)``.
 """
 
@@ -30,8 +28,6 @@ import time
 from typing import Callable, Sequence
 
 from kvflow.context import sends_allowed
-
-MODES = ("layerwise", "request")
 
 SendFn = Callable[[str, range, list[int], list[int]], None]
 
@@ -61,7 +57,6 @@ class _Request:
     request_id: str
     num_tokens: int
     src: list[int]
-    mode: str
     dst: list[int] | None = None
     chunks: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (step, end_token)
     ready: list[int] = dataclasses.field(default_factory=list)  # per layer: blocks complete
@@ -87,10 +82,6 @@ class LayerwiseScheduler:
         Tokens per block.
     send : callable
         ``send(request_id, layers: range, src_block_ids: list[int], dst_block_ids: list[int])``.
-    mode : {"layerwise", "request"}
-        ``request`` forces request mode for every request.
-    layerwise_min_tokens : int
-        Prompts with fewer tokens use request mode (default 0: none).
     on_done : callable, optional
         ``on_done(request_id)`` after the last send of a request (its state is then gone).
     on_error : callable, optional
@@ -101,23 +92,15 @@ class LayerwiseScheduler:
     the calling thread.
     """
 
-    def __init__(self, num_layers: int, block_size: int, send: SendFn, *, mode: str = "layerwise",
-                 layerwise_min_tokens: int = 0,
+    def __init__(self, num_layers: int, block_size: int, send: SendFn, *,
                  on_done: Callable[[str], None] | None = None,
                  on_error: Callable[[str, BaseException], None] | None = None) -> None:
         for name, v in (("num_layers", num_layers), ("block_size", block_size)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if isinstance(layerwise_min_tokens, bool) or not isinstance(layerwise_min_tokens, int) \
-                or layerwise_min_tokens < 0:
-            raise ValueError(f"layerwise_min_tokens must be a non-negative int, got "
-                             f"{layerwise_min_tokens!r}")
         if not callable(send):
             raise TypeError(f"send must be callable, got {send!r}")
-        self.num_layers, self.block_size, self.mode = num_layers, block_size, mode
-        self.layerwise_min_tokens = layerwise_min_tokens
+        self.num_layers, self.block_size = num_layers, block_size
         self._send, self._on_done, self._on_error = send, on_done, on_error
         self._lock = threading.Lock()
         self._reqs: dict[str, _Request] = {}
@@ -125,8 +108,8 @@ class LayerwiseScheduler:
         self.stats = LayerwiseStats()
 
     # ---- registration -----------------------------------------------------------------
-    def add_request(self, request_id: str, num_tokens: int, src_block_ids: Sequence[int]) -> str:
-        """Register a prefill request with P's block table; returns its mode.
+    def add_request(self, request_id: str, num_tokens: int, src_block_ids: Sequence[int]) -> None:
+        """Register a prefill request with P's block table.
 
         Raises
         ------
@@ -141,14 +124,12 @@ class LayerwiseScheduler:
         if len(src) != need:
             raise ValueError(f"src_block_ids has {len(src)} blocks; {num_tokens} tokens in blocks of "
                              f"{self.block_size} need {need}")
-        mode = self.mode if num_tokens >= self.layerwise_min_tokens else "request"
         with self._lock:
             if request_id in self._reqs:
                 raise ValueError(f"request_id={request_id!r} is already registered")
-            self._reqs[request_id] = _Request(request_id, num_tokens, src, mode,
+            self._reqs[request_id] = _Request(request_id, num_tokens, src,
                                               ready=[0] * self.num_layers,
                                               sent=[0] * self.num_layers, since=time.perf_counter())
-        return mode
 
     def add_chunk(self, request_id: str, step: int, end_token: int) -> None:
         """Step ``step`` computes the request's prompt up to ``end_token`` (exclusive).
@@ -289,26 +270,21 @@ class LayerwiseScheduler:
             return []
         n = len(r.src)
         out = []
-        if r.mode == "request":
-            if all(x == n for x in r.ready) and all(x == 0 for x in r.sent):
-                out.append((r.request_id, range(self.num_layers), r.src, r.dst, True))
-                r.sent = [n] * self.num_layers
-        else:
-            layer = 0
-            while layer < self.num_layers:
-                lo, hi = r.sent[layer], r.ready[layer]
-                if hi <= lo:
-                    layer += 1
-                    continue
-                stop = layer + 1
-                while stop < self.num_layers and (r.sent[stop], r.ready[stop]) == (lo, hi):
-                    stop += 1
-                out.append((r.request_id, range(layer, stop), r.src[lo:hi], r.dst[lo:hi], False))
-                for j in range(layer, stop):
-                    r.sent[j] = hi
-                layer = stop
-            if out and all(x == n for x in r.sent):
-                out[-1] = out[-1][:4] + (True,)
+        layer = 0
+        while layer < self.num_layers:
+            lo, hi = r.sent[layer], r.ready[layer]
+            if hi <= lo:
+                layer += 1
+                continue
+            stop = layer + 1
+            while stop < self.num_layers and (r.sent[stop], r.ready[stop]) == (lo, hi):
+                stop += 1
+            out.append((r.request_id, range(layer, stop), r.src[lo:hi], r.dst[lo:hi], False))
+            for j in range(layer, stop):
+                r.sent[j] = hi
+            layer = stop
+        if out and all(x == n for x in r.sent):
+            out[-1] = out[-1][:4] + (True,)
         if out and out[-1][4]:
             del self._reqs[r.request_id]
         return out

@@ -93,7 +93,6 @@ class LayerwiseSender:
         self.signaller = LayerSignaller(instance_id.replace("-", "_"), spec.num_layers,
                                         device=cache.device)
         self.scheduler = LayerwiseScheduler(spec.num_layers, spec.block_size, self._send_part,
-                                            mode="layerwise", layerwise_min_tokens=0,
                                             on_done=self._all_sent, on_error=self._failed)
         self.worker: LayerwiseWorker | None = None
         self.socks: dict[str, zmq.Socket] = {}  # paired D -> part socket connected to it

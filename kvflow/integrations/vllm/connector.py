@@ -55,6 +55,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from vllm.logger import init_logger
 
 from kvflow.cache import PagedKVCache
+from kvflow.vllm_layout import from_vllm
 
 from .config import check_config
 from .link import PullError
@@ -197,7 +198,7 @@ class KvflowConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Wrap vLLM's per-layer tensors (no copy); P starts serving pulls; with transport
         nixl, P and D register the tensors' memory with a NIXL agent."""
-        self.cache = PagedKVCache.from_vllm(kv_caches)
+        self.cache = from_vllm(kv_caches)
         transport = self.conf["transport"]
         nixl = transport == "nixl"
         log.info("kvflow: %s over %d blocks (%s, transport %s)", self.cache.spec,

@@ -43,7 +43,7 @@ class KVServer:
     Parameters
     ----------
     cache : PagedKVCache
-        P's cache (:meth:`PagedKVCache.from_vllm`).
+        P's cache (:func:`kvflow.vllm_layout.from_vllm`).
     addr : str
         Where to bind, e.g. ``"tcp://127.0.0.1:5601"``.
     backend : str
