@@ -144,6 +144,50 @@ def block_digest(cache: Any, block_ids: Any, layers: Any = None) -> torch.Tensor
     return torch.where(valid, got, torch.zeros_like(got))
 
 
+def digest_blocks(cache: Any, block_ids: Any, layers: Any = None, *,
+                  backend: str = "auto") -> torch.Tensor:
+    """:func:`block_digest` computed by a backend's kernel: one launch that reads the blocks
+    once and writes nothing but the digests (``triton``: a digest-only launch of the copy
+    kernel, ~a gather's reads without its writes); backends without one (or runs not 4-byte
+    aligned) use :func:`block_digest`. For a sender that copies nothing itself (``ipc-pull``:
+    D copies out of P's exported cache).
+
+    Parameters
+    ----------
+    cache : PagedKVCache
+    block_ids : sequence of int or 1-D int32/int64 tensor, shape [n]
+        Block ids; -1 (padding) gives digest 0.
+    layers : None, int, range, slice or (start, stop)
+        Layer range (default: all layers).
+    backend : str
+        As the ops' ``backend`` (``"auto"``, ``"triton"``, ...).
+
+    Returns
+    -------
+    torch.Tensor
+        int32 ``[n]`` on ``cache.device``, equal to ``block_digest(cache, block_ids, layers)``
+        (enqueued on the current stream; read it with ``.tolist()``).
+
+    Raises
+    ------
+    TypeError, ValueError
+        Bad ids (an id outside ``[-1, num_blocks)`` names its index and value), a bad layer
+        range, or ``block_bytes`` not a multiple of 4.
+    """
+    from .registry import get_backend
+    from .validate import check_cache, check_ids
+    cache = check_cache("cache", cache)
+    check_digestible(cache.spec)
+    start, stop = normalize_layers(layers, cache.spec.num_layers)
+    be = get_backend(backend, cache.device)
+    ids, _ = check_ids("block_ids", block_ids, cache.num_blocks, cache.device)
+    out = torch.zeros(ids.shape[0], dtype=torch.int32, device=cache.device)
+    kernel = getattr(be, "digest", None)
+    if ids.shape[0] and not (kernel is not None and kernel(cache, ids, start, stop, out)):
+        out.copy_(block_digest(cache, ids, (start, stop)))
+    return out
+
+
 def staged_digest(buf: torch.Tensor, start: int = 0) -> torch.Tensor:
     """The digests of the slots of a staging buffer ``[layers, tensors, n, *block_shape]``
     (``staging_shape`` order) of layers from ``start``: int32 ``[n]``, slot ``i`` as the

@@ -11,6 +11,7 @@ import torch
 
 from kvflow import KVCacheSpec, PagedKVCache, staging_buffer
 from kvflow.kernels import block_digest, copy_blocks, gather_blocks, scatter_blocks
+from kvflow.kernels.digest import digest_blocks
 
 from .conftest import (DEVICES, DTYPES, GEOMETRY, LAYOUTS, assert_bytes_equal, backends_for,
                        cache_bytes, make_spec, random_bytes_, random_cache)
@@ -87,6 +88,48 @@ def test_four_byte_runs(device, backend):
     d = torch.empty(3, dtype=torch.int32, device=device)
     gather_blocks(cache, torch.tensor([2, -1, 1], device=device), out, backend=backend, digest=d)
     assert d.tolist() == block_digest(cache, [2, -1, 1]).tolist()
+
+
+@pytest.mark.parametrize("device,backend", CASES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_digest_blocks_matches_reference(device, backend, layout):
+    """The read-only digest launch (ipc-pull's P): the reference's bits, over all layers and a
+    range, -1 and repeated ids included; the cache is left as it was; 12-byte runs too."""
+    spec, g = make_spec(layout, torch.bfloat16), GEOMETRY
+    cache = random_cache(spec, g.num_blocks, device, seed=9)
+    before = cache_bytes(cache).clone()
+    ids = [3, -1, g.num_blocks - 1, 3, 0]
+    for layers in (None, (1, 3), 2):
+        got = digest_blocks(cache, ids, layers, backend=backend)
+        want = block_digest(cache, ids, layers)
+        assert got.dtype == torch.int32 and got.device == cache.device
+        assert got.tolist() == want.tolist(), (backend, layers)
+        assert got[1] == 0 and got[0] == got[3] and got[0] != got[2]
+    t_ids = torch.tensor(ids, dtype=torch.int32, device=device)
+    assert digest_blocks(cache, t_ids, backend=backend).tolist() == block_digest(cache, ids).tolist()
+    assert_bytes_equal(cache_bytes(cache), before, f"{backend} digest_blocks wrote the cache")
+    assert digest_blocks(cache, [], backend=backend).tolist() == []
+    odd = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=2, block_size=3,
+                      dtype=torch.float16, layout="HND")  # 12-byte runs: 32-bit words
+    small = random_cache(odd, 4, device, seed=10)
+    assert digest_blocks(small, [2, -1, 1], backend=backend).tolist() == \
+        block_digest(small, [2, -1, 1]).tolist()
+
+
+def test_digest_blocks_bad_arguments():
+    spec = make_spec("NHD", torch.float32)
+    cache = random_cache(spec, 4, seed=11)
+    with pytest.raises(ValueError) as e:
+        digest_blocks(cache, [0, 4])
+    assert str(e.value) == ("block_ids[1]=4 is out of range for a cache of 4 blocks (valid: "
+                            "0..3, or -1 for padding)")
+    with pytest.raises(TypeError, match=r"^cache must be a kvflow.PagedKVCache, got list$"):
+        digest_blocks([], [0])
+    odd = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=3, block_size=3,
+                      dtype=torch.float16, layout="HND")
+    with pytest.raises(ValueError, match=r"^digest needs block_bytes to be a multiple of 4, "
+                                         r"got 18 "):
+        digest_blocks(PagedKVCache(odd, 2), [0])
 
 
 @pytest.mark.parametrize("backend", backends_for("cpu"))

@@ -174,7 +174,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kvflow.kernels.triton import copy_runs as cr
-src_cache, dst_cache, check, digest = json.loads(sys.argv[1])
+src_cache, dst_cache, check, digest, store = json.loads(sys.argv[1])
 sig = {k: "i64" for k in ("src_table", "dst_table", "src_stage", "dst_stage", "src_ids",
                           "dst_ids")}
 sig.update({"n": "i32", "src_n": "i32", "dst_n": "i32", "total": "i32", "errors": "i64",
@@ -183,7 +183,7 @@ sig.update({"n": "i32", "src_n": "i32", "dst_n": "i32", "total": "i32", "errors"
 const = dict(WORD=tl.int64, ALIGN=16, RUN=16384, CHUNK=8192, BLOCK=2048, EVEN=True,
              SRC_CACHE=src_cache, DST_CACHE=dst_cache, STREAM=False, SRC_I64=False,
              DST_I64=True, CHECK=check, DUP=check, SHARED=check, STAMP_ONLY=False,
-             DIGEST=digest, WPW=2)
+             DIGEST=digest, WPW=2, STORE=store)
 sig.update({k: "constexpr" for k in const})
 src = ASTSource(fn=triton.jit(cr._copy_runs), signature=sig, constexprs=const, attrs={})
 try:
@@ -195,7 +195,8 @@ else:
 """
 
 
-def _ptx(src_cache: bool, dst_cache: bool, check: bool, digest: bool = False) -> str:
+def _ptx(src_cache: bool, dst_cache: bool, check: bool, digest: bool = False,
+         store: bool = True) -> str:
     """The sm_90 PTX of one variant, compiled in a fresh process: a session that ran Triton's
     interpreter (``TRITON_INTERPRET=1``) leaves triton.language in a state that the compiler
     cannot use."""
@@ -205,7 +206,7 @@ def _ptx(src_cache: bool, dst_cache: bool, check: bool, digest: bool = False) ->
     import sys
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="0")
     run = subprocess.run([sys.executable, "-c", _PTX,
-                          json.dumps([src_cache, dst_cache, check, digest])],
+                          json.dumps([src_cache, dst_cache, check, digest, store])],
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
@@ -236,7 +237,17 @@ def test_sm90_body_uses_128_bit_accesses(device, src_cache, dst_cache, monkeypat
     assert "ld.global.v2.b64" in moves and "st.global.v2.b64" in moves, moves
     assert not {m for m in moves if m.startswith("st.")} - {"st.global.v2.b64"}, moves
     assert re.search(r"\b(atom|red)\.global\S*\.add\.[us]32", digested), "no digest atomic"
+    # relaxed: no fence, so a program does not wait for its own stores (the H200 cost of
+    # --kv-verify, docs/reliability.md)
+    assert not re.search(r"\bmembar\.|\bfence\.|\.acq_rel\.|\.release\.", digested), \
+        "the digest atomic orders memory"
     assert not re.search(r"\b(atom|red)\.global", ptx), "an atomic without a digest"
+    if src_cache and not dst_cache:  # the digest-only launch (digest_blocks): reads, no stores
+        only = _ptx(True, False, check=False, digest=True, store=False)
+        moves = set(re.findall(r"\b(ld\.global\S*|st\.global\S*)\s", only))
+        assert "ld.global.v2.b64" in moves and not {m for m in moves if m.startswith("st.")}, \
+            moves
+        assert re.search(r"\b(atom|red)\.global\S*\.add\.[us]32", only), "no digest atomic"
 
 
 def test_copy_between_two_gpus_pull_and_push(device):

@@ -74,6 +74,28 @@ class TritonBackend:
         if digest is not None and not dg:
             fallback.gathered(cache, ids, out, start, digest)
 
+    def digest(self, cache, ids, start, stop, digest):
+        """Digest-only launch: ``digest[i]`` (int32 ``[n]``, zeroed) += the digest of block
+        ``ids[i]`` over layers ``[start, stop)``, reading the blocks once and writing nothing
+        (:func:`kvflow.kernels.digest.digest_blocks`); ids outside ``[0, num_blocks)`` are
+        skipped (their digest stays 0). Returns False, launching nothing, for runs that are
+        not 4-byte aligned."""
+        dev, n = cache.device, ids.shape[0]
+        info = _info(cache, dev)
+        if info.align < 4:
+            return False
+        i64 = ids.dtype == torch.int64
+        key = ("digest", start, stop, i64, info.align)
+        plan = info.plans.get(key)
+        if plan is None or plan.config is not _launch.current_config():
+            plan = info.plans[key] = _new_plan(cache, dev, info.align, stop - start, True, False,
+                                               i64, False, False, False, None, digest=True,
+                                               store=False)
+        plan.launch(info.table + start * info.layer_bytes, 0, 0, 0, ids.data_ptr(), 0, n,
+                    cache.num_blocks, n, info.errors, info.ready, 0, 0, _GATHER,
+                    digest.data_ptr(), start * cache.spec.tensors_per_layer)
+        return True
+
     def scatter(self, src, cache, ids, start, stop, max_ctas=None, check=False, digest=None):
         dev, n, ptr = cache.device, ids.shape[0], src.data_ptr()
         info = _info(cache, dev)

@@ -49,7 +49,7 @@ def _copy_runs(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
                SRC_CACHE: tl.constexpr, DST_CACHE: tl.constexpr, STREAM: tl.constexpr,
                SRC_I64: tl.constexpr, DST_I64: tl.constexpr, CHECK: tl.constexpr,
                DUP: tl.constexpr, SHARED: tl.constexpr, STAMP_ONLY: tl.constexpr,
-               DIGEST: tl.constexpr, WPW: tl.constexpr):
+               DIGEST: tl.constexpr, WPW: tl.constexpr, STORE: tl.constexpr):
     """Copy ``total`` work items; see the module docstring. RUN, CHUNK, BLOCK are in words;
     every pointer argument is an int64 address (so a new buffer never recompiles).
 
@@ -59,8 +59,11 @@ def _copy_runs(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
 
     ``DIGEST``: each valid item also adds the digest of the words it moved
     (:mod:`kvflow.kernels.digest`; ``WPW`` 32-bit words per ``WORD``, 1 or 2) into the int32
-    ``digest[i]`` of its pair with one wrapping integer atomic add (order-independent); positions count
-    from the cache's tensor 0 (``tensor0``: the layer range's first tensor)."""
+    ``digest[i]`` of its pair with one wrapping integer atomic add (order-independent, relaxed:
+    no fence, so a program never waits for its own stores before it ends); positions count
+    from the cache's tensor 0 (``tensor0``: the layer range's first tensor). ``STORE`` False
+    (a digest-only launch of a cache side, :func:`kvflow.kernels.digest.digest_blocks`):
+    the words are read and digested, nothing is written."""
     NCHUNK: tl.constexpr = (RUN + CHUNK - 1) // CHUNK
     ar = tl.arange(0, BLOCK)
     err = errors.to(tl.pointer_type(tl.int64))
@@ -98,8 +101,10 @@ def _copy_runs(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
             valid = valid & in_dst
             base = tl.load(dst_table.to(tl.pointer_type(tl.int64)) + j).to(tl.pointer_type(WORD))
             dp = base + d * RUN
-        else:
+        elif STORE:
             dp = dst_stage.to(tl.pointer_type(WORD)) + (j.to(tl.int64) * n + i) * RUN
+        else:  # digest only: no destination, nothing is written
+            dp = sp
         if STAMP_ONLY:
             valid = False
         if valid:
@@ -114,18 +119,22 @@ def _copy_runs(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
                 if EVEN:
                     if STREAM:
                         v = tl.load(sp + offs, eviction_policy="evict_first")
-                        tl.store(dp + offs, v, cache_modifier=".cs")
+                        if STORE:
+                            tl.store(dp + offs, v, cache_modifier=".cs")
                     else:
                         v = tl.load(sp + offs)
-                        tl.store(dp + offs, v)
+                        if STORE:
+                            tl.store(dp + offs, v)
                 else:
                     m = c * CHUNK + offs < RUN
                     if STREAM:
                         v = tl.load(sp + offs, mask=m, other=0, eviction_policy="evict_first")
-                        tl.store(dp + offs, v, mask=m, cache_modifier=".cs")
+                        if STORE:
+                            tl.store(dp + offs, v, mask=m, cache_modifier=".cs")
                     else:
                         v = tl.load(sp + offs, mask=m, other=0)
-                        tl.store(dp + offs, v, mask=m)
+                        if STORE:
+                            tl.store(dp + offs, v, mask=m)
                 if DIGEST:  # kvflow.kernels.digest: sum of word * m(pos), mod 2**32
                     p0 = ((j.to(tl.int64) + tensor0) * RUN + c * CHUNK + k) * WPW
                     pc = ((p0 * 0x9E3779B1) & 0xFFFFFFFF).to(tl.uint32) + lane_c  # p * C
@@ -134,7 +143,7 @@ def _copy_runs(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
                         acc += (v >> 32).to(tl.uint32) * ((pc + step_c) | 1)
             if DIGEST:
                 total = tl.sum(acc, axis=0).to(tl.int32, bitcast=True)
-                tl.atomic_add(digest.to(tl.pointer_type(tl.int32)) + i, total)
+                tl.atomic_add(digest.to(tl.pointer_type(tl.int32)) + i, total, sem="relaxed")
         if CHECK:  # after the copy, so the checks' memory traffic never delays it
             if first:
                 code = tl.full([], -1, tl.int32)  # op * 16 + side * 4 + kind (kernels/errors.py)

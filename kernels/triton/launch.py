@@ -73,16 +73,22 @@ class Plan:
     digest : bool
         Also add each pair's digest (:mod:`kvflow.kernels.digest`) into the ``digest`` array
         of :meth:`launch`; needs 4- or 8-byte words (``align >= 4``).
+    store : bool
+        False: a digest-only launch (``digest`` True, a cache source, no destination): the
+        words are read and digested, nothing is written.
     """
 
     def __init__(self, *, device: torch.device, run_bytes: int, align: int, num_tensors: int,
                  src_cache: bool, dst_cache: bool, src_i64: bool, dst_i64: bool, check: bool,
                  dup: bool, max_ctas: int | None, config: Any = None, shared: bool = False,
-                 stamp_only: bool = False, digest: bool = False) -> None:
+                 stamp_only: bool = False, digest: bool = False, store: bool = True) -> None:
         cfg = self.config = config or _cr.CONFIG
         word = min(align, 8)
         if digest and word < 4:
             raise ValueError(f"a digest launch needs 4-byte aligned runs, got alignment {align}")
+        if not store and not (digest and src_cache and not dst_cache):
+            raise ValueError("store=False is a digest-only launch: digest=True, a cache source "
+                             "and no destination")
         run = run_bytes // word
         sms = sm_count(device)
         capped = max_ctas is not None and max_ctas < sms
@@ -102,7 +108,7 @@ class Plan:
                            STREAM=cfg.capped_streaming if capped else cfg.streaming,
                            SRC_I64=src_i64, DST_I64=dst_i64, CHECK=check, DUP=dup,
                            SHARED=shared, STAMP_ONLY=stamp_only, DIGEST=digest,
-                           WPW=2 if word == 8 else 1)
+                           WPW=2 if word == 8 else 1, STORE=store)
         self.const_values = tuple(self.consts.values())
         self.compiled = None
 

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from kvflow.cache import PagedKVCache
-from kvflow.kernels import block_digest, copy_blocks, copy_sequence, payload_bytes
+from kvflow.kernels import copy_blocks, copy_sequence, payload_bytes
+from kvflow.kernels.digest import digest_blocks
 from kvflow.protocol import KVLayer, KVReady, encode
 
 from .base import KVReceiver, Peer, TransferError, TransferStats, as_ids, check_send_allowed
@@ -60,7 +61,10 @@ class IpcPullSender(FramedSender):
              corrupt=False):
         check_send_allowed("IpcPullSender.send")
         t_start = time.time()
-        digests = block_digest(cache, list(src_ids)).tolist() if self.verify else []
+        # P copies nothing here (D copies out of P's exported cache): one read-only digest
+        # launch of the blocks (kvflow.kernels.digest.digest_blocks)
+        digests = digest_blocks(cache, list(src_ids), backend=self.backend).tolist() \
+            if self.verify else []
         if corrupt and src_ids:  # test fault: after the digest, in the memory D reads
             from kvflow.serve.faults import flip_byte
             flip_byte(cache.tensors()[-1][src_ids[-1]])

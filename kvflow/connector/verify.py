@@ -2,11 +2,13 @@
 
 P puts one digest per sent block (:func:`kvflow.kernels.block_digest`'s definition) in the
 data-plane message (``block_digests`` of :class:`~kvflow.protocol.KVData` /
-:class:`~kvflow.protocol.KVReady`): ``tcp`` from its gather's own launch, ``ipc-pull`` from a
-digest of its blocks after the prefill. D's scatter (tcp) or copy (ipc-pull) computes the digest
-of what it wrote in the same launch, and :func:`check` compares: a mismatch raises
-:class:`KVVerifyError`, and D ends the request (HTTP 502) and frees its blocks without decoding
-from them or putting them in its prefix cache (:mod:`kvflow.serve.arrivals`).
+:class:`~kvflow.protocol.KVReady`): ``tcp`` from its gather's own launch; ``ipc-pull``, where
+P copies nothing (D copies out of P's exported cache), from one read-only digest launch over
+its blocks after the prefill (:func:`kvflow.kernels.digest.digest_blocks`). D's scatter (tcp)
+or copy (ipc-pull) computes the digest of what it wrote in the same launch, and :func:`check`
+compares: a mismatch raises :class:`KVVerifyError`, and D ends the request (HTTP 502) and
+frees its blocks without decoding from them or putting them in its prefix cache
+(:mod:`kvflow.serve.arrivals`).
 """
 
 from __future__ import annotations
