@@ -1,8 +1,9 @@
 """Failure kinds of issue 26 over the ``nixl`` connector, on in-process P + D pairs
 (tests/reliability_harness.py) whose agents talk over UCX's TCP transport: a WRITE failing after
 P's first token went out (with prefix caching, with max_tokens 1), a prompt one token over a
-staging slot, a lost ``free`` notification, a P and a D of one cluster in other nixl modes, and
-an instance paired anew with the same agent metadata. Each ends in a refusal with its exact
+staging slot, a lost ``free`` notification and one that comes before P's write, a P and a D of
+one cluster in other nixl modes, a D whose agent P cannot load, and an instance paired anew
+with the same agent metadata. Each ends in a refusal with its exact
 message or tokens identical to colocated, with every block back on both sides; every wait is
 bounded (``SLOT_TIMEOUT_S`` is cut to 0.3 s where a test waits it out). A D killed mid-WRITE
 over staged nixl is in tests/test_reliability_nixl_kill.py."""
@@ -13,8 +14,8 @@ import time
 
 import pytest
 
-from kvflow.connector.nixl_agent import nixl_available, tcp_tls
 from kvflow.connector import Peer
+from kvflow.connector.nixl_agent import nixl_available, tcp_tls
 from kvflow.protocol import Abort, Pair, PairResult, Prefill, Rejected, Tokens, decode
 from kvflow.serve.decode import DecodeInstance
 from kvflow.serve.prefill import PrefillInstance
@@ -143,6 +144,32 @@ def test_an_instance_paired_anew_with_the_same_agent_metadata_serves_the_same_to
         assert tokens_of(pd.run(prompt)[3]) == want
 
 
+def test_a_d_whose_agent_p_cannot_load_is_never_paired_and_a_prefill_naming_it_is_refused(pd):
+    """A router Pair naming a D whose NIXL agent metadata P cannot load (a D P cannot map): P
+    answers PairResult(ok=False) naming it, holds nothing for it, and a Prefill naming that D
+    is refused with P's exact message; the paired D serves on."""
+    import msgspec
+
+    from kvflow.protocol import decode_agent_info, encode_agent_info
+    info = decode_agent_info(pd.d.receiver.export()["connector_md"])
+    bad = encode_agent_info(msgspec.structs.replace(info, metadata=b"not an agent's metadata"))
+    gone = "d-unmappable"
+    pd.p.on_pair(Pair(peer_id=gone, peer_role="decode", peer_spec=pd.d.spec.to_dict(),
+                      peer_num_blocks=pd.d.num_blocks, data_addr="tcp://127.0.0.1:9",
+                      peer_fingerprint=pd.d.fingerprint, peer_connector_md=bad), [], None)
+    (res,) = pd.own(pd.p, PairResult)
+    assert not res.ok and res.peer_id == gone
+    assert res.error.startswith(f"cannot attach to {gone}: NIXL could not load the agent "
+                                f"metadata of {gone} (23 bytes): ")
+    assert gone not in pd.p.connector.links and gone not in pd.p.connector.peers
+    pd.p.on_prefill(Prefill(req_id="r-gone", token_ids=TEXT[:20], decode_id=gone,
+                            decode_block_ids=[0, 1]), [], None)
+    (rej,) = pd.own(pd.p, Rejected)
+    assert rej.error == (f"prefill instance {pd.p.instance_id} is not paired with decode "
+                         f"instance {gone!r} (paired: {[pd.d.instance_id]})")
+    assert tokens_of(pd.run(TEXT[:20])[3]) == colocated(pd, TEXT[:20])
+
+
 def _staged_pair(**kw):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("UCX_TLS", tcp_tls())
@@ -238,7 +265,8 @@ def test_a_p_of_another_nixl_mode_takes_no_staging_slot_and_a_staged_p_pairs():
     gets the slot."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("UCX_TLS", tcp_tls())
-        d = make_instance(DecodeInstance, "decode", kv_connector="nixl", kv_connector_config=CONFIG["staged"])
+        d = make_instance(DecodeInstance, "decode", kv_connector="nixl",
+                          kv_connector_config=CONFIG["staged"])
         direct = make_instance(PrefillInstance, "prefill", kv_connector="nixl",
                                kv_connector_config=CONFIG["direct"])
         staged = make_instance(PrefillInstance, "prefill", kv_connector="nixl",

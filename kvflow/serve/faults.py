@@ -47,8 +47,9 @@ def _contains(ids: Sequence[int], run: list[int]) -> bool:
 
 
 def delay_s(kind: str, token_ids: Sequence[int]) -> float:
-    """Seconds of injected delay for fault ``kind`` ("prefill", "chunk", "receive" or "write") of a request with
-    prompt ``token_ids``; 0.0 when the fault is off or the prompt does not match."""
+    """Seconds of injected delay for fault ``kind`` ("prefill", "chunk", "receive" or "write")
+    of a request with prompt ``token_ids``; 0.0 when the fault is off or the prompt does not
+    match."""
     value = os.environ.get(_VARS[kind], "")
     if not value:
         return 0.0
