@@ -14,7 +14,10 @@ D's descriptor list once. No etcd, no metadata server. Then it is
 the existing :class:`~kvflow.protocol.KVPushed`; a failed WRITE is ``KVPushed(ok=False)`` and
 the request fails (HTTP 502). D's blocks are lent to P until then (docs/reliability.md, item 5).
 Staged mode adds a staging buffer on both sides and D scatters on ``KVPushed``; D assigns each
-paired P a slot (NIXL notification ``slot K``) and frees it after the scatter (``free REQ``).
+paired P a slot (NIXL notification ``slot K``) and frees it after the scatter (``free REQ``);
+after a failed request of a P it sends both again (one may have been lost). P takes the newest
+``slot``, keeps a ``free`` that came before its write (D ended that request first), and
+refuses a request with more blocks than a slot holds.
 
 Neither agent runs NIXL's progress thread (it polls while idle): kvflow's progress driver
 (:mod:`.nixl_progress`) progresses P's agent while its WRITEs are in flight and D's while it
