@@ -4,8 +4,10 @@ processes (tests/test_reliability_peers.py's ``Cluster``). P sleeps 2 s after ea
 group's WRITE of a marked prompt (``KVFLOW_FAULT_WRITE_DELAY_S``; kvflow-tiny's 4 layers, one
 per WRITE), so the kill lands between two WRITEs into D's staging slot. The client gets HTTP
 502 naming the dead D within a bound, P frees every block, and the new D gets the staging
-slot and serves tokens identical to colocated; a prompt filling the slot's 16 blocks and one
-of 257 tokens, one over it (refused, HTTP 400), close the module."""
+slot and serves tokens identical to colocated. Before it, a WRITE failing after P's first
+token (``KVFLOW_FAULT_WRITE_FAIL``, prompts marked 8,8,8) streams that token and then an error;
+after it, a prompt filling the slot's 16 blocks and one of 257 tokens, one over it (refused,
+HTTP 400), close the module."""
 
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL not installed
 STAGED = ["--kv-connector", "nixl", "--kv-connector-config",
           '{"mode": "staged", "layers_per_copy": 1, "staging_slots": 1}']
 UCX = {"UCX_TLS": tcp_tls()}
-SLOW_WRITES = dict(UCX, KVFLOW_FAULT_WRITE_DELAY_S="2", KVFLOW_FAULT_MATCH="7,7,7")
+SLOW_WRITES = dict(UCX, KVFLOW_FAULT_WRITE_DELAY_S="2", KVFLOW_FAULT_MATCH="7,7,7",
+                   KVFLOW_FAULT_WRITE_FAIL="8,8,8")  # 8,8,8: layer 0 written, then a failure
 PROMPT = "Still serving after the decode instance died."
 
 
@@ -50,6 +53,28 @@ def reference(cl):
 
 def _complete(cl, prompt, n=4):
     return cl.complete(prompt=prompt, max_tokens=n, ignore_eos=True)
+
+
+def test_a_write_failing_after_the_first_token_streams_it_then_an_error(cl, reference):
+    """Served over staged nixl: P's token streams, then the error event names the failed
+    WRITE; not streamed it is a 502; with max_tokens 1 the answer is P's token. Every block
+    comes back on both sides."""
+    from .test_serve_first_token import stream, tokens
+    start = {i["pid"]: i["num_blocks"] for i in cl.health()["instances"]}
+    prompt = "\x08\x08\x08 the WRITE breaks after layer 0"
+    d_id = cl.inst(cl.d.pid)["id"]
+    events = stream(cl, prompt, 4)
+    assert tokens(events) == reference(prompt, 1)  # P's token went out, nothing after it
+    err = events[-1][1]["error"]
+    assert err["type"] == "server_error", err
+    assert err["message"].endswith(f"NIXL WRITE of layers [1, 2) to {d_id} failed: injected "
+                                   f"by KVFLOW_FAULT_WRITE_FAIL"), err
+    r = _complete(cl, prompt)
+    assert r.status_code == 502 and "KVFLOW_FAULT_WRITE_FAIL" in r.json()["error"]["message"]
+    r = _complete(cl, prompt, 1)
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == reference(prompt, 1)
+    cl.wait(lambda h: all(i["free_blocks"] == start[i["pid"]] and i["num_running"] == 0
+                          for i in h["instances"]), 10, "every block back", fresh=True)
 
 
 def test_d_killed_mid_write_is_a_502_p_frees_and_a_new_d_gets_the_slot(cl, reference):
