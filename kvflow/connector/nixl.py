@@ -14,7 +14,10 @@ D's descriptor list once. No etcd, no metadata server. Then it is
 the existing :class:`~kvflow.protocol.KVPushed`; a failed WRITE is ``KVPushed(ok=False)`` and
 the request fails (HTTP 502). D's blocks are lent to P until then (docs/reliability.md, item 5).
 Staged mode adds a staging buffer on both sides and D scatters on ``KVPushed``; D assigns each
-paired P a slot (NIXL notification ``slot K``) and frees it after the scatter (``free REQ``).
+paired P a slot (NIXL notification ``slot K``) and frees it after the scatter (``free REQ``);
+after a failed request of a P it sends both again (one may have been lost). P takes the newest
+``slot``, keeps a ``free`` that came before its write (D ended that request first), and
+refuses a request with more blocks than a slot holds.
 
 Neither agent runs NIXL's progress thread (it polls while idle): kvflow's progress driver
 (:mod:`.nixl_progress`) progresses P's agent while its WRITEs are in flight and D's while it
@@ -181,6 +184,7 @@ class NixlSender(PushSender):
     def plan(self, job: PrefillJob):
         stats = super().plan(job)
         if sends_allowed():
+            self.copier.check(job, stats.dst)
             self.copier.begin(job, stats.dst)
         return stats
 
@@ -228,6 +232,7 @@ class NixlReceiver(KVReceiver):
         self.slot_bytes = 0
         self.slots: dict[str, int] = {}  # paired P -> its staging slot
         self.received: set[str] = set()  # staged: requests scattered (their slot is freed)
+        self.freed: dict[str, str] = {}  # staged: paired P -> the last request freed by receive
         self.expected: set[str] = set()  # requests whose KV may come (the agent polls fast)
 
     def make_cache(self, num_blocks: int) -> PagedKVCache:
@@ -269,7 +274,7 @@ class NixlReceiver(KVReceiver):
         SlotsTaken
             Every slot is taken (the pairing may succeed once one frees).
         TransferError
-            Bad agent info.
+            Bad agent info, or P runs another mode.
         """
         if self.mode != "staged":
             return
@@ -278,6 +283,9 @@ class NixlReceiver(KVReceiver):
             info = decode_agent_info(peer.connector_md)
         except ProtocolError as exc:
             raise TransferError(f"prefill instance {peer.id}: {exc}") from None
+        if info.mode != self.mode:  # P refuses too; a P that never writes holds no slot
+            raise TransferError(f"nixl mode mismatch, pairing refused: {self.mode} (this "
+                                f"decode instance) vs {info.mode} ({peer.id})")
         free = sorted(set(range(self.staging_slots)) - set(self.slots.values()))
         if not free:
             raise SlotsTaken(f"all {self.staging_slots} staging slots of this decode instance "
@@ -289,6 +297,7 @@ class NixlReceiver(KVReceiver):
 
     def detach(self, peer_id: str) -> None:
         self.slots.pop(peer_id, None)
+        self.freed.pop(peer_id, None)
         if self.agent is not None:
             self.agent.remove_peer(peer_id)
 
@@ -322,9 +331,24 @@ class NixlReceiver(KVReceiver):
         finally:
             if self.mode == "staged":
                 self.received.add(header.req_id)
+                if not header.ok:
+                    self._resend_slot(peer_id or "")
                 self.agent.notify(peer_id or "", b"free " + header.req_id.encode())
+                self.freed[peer_id or ""] = header.req_id
         return TransferStats(blocks=header.num_blocks, payload_bytes=header.payload_bytes,
                              copy_ms=header.copy_ms, layerwise=header.layerwise)
+
+    def _resend_slot(self, peer_id: str) -> None:
+        """P ``peer_id`` failed a request: it may have timed out waiting for a notice that was
+        lost (its ``slot``, or the ``free`` of the request before). Send both again: each is
+        still true (the slot is P's; this D read that request's slot for the last time), and
+        P takes the newest ``slot`` and ignores a ``free`` it does not wait for."""
+        slot = self.slots.get(peer_id)
+        if slot is None:
+            return
+        self.agent.notify(peer_id, b"slot %d" % slot)
+        if peer_id in self.freed:
+            self.agent.notify(peer_id, b"free " + self.freed[peer_id].encode())
 
     def _scatter(self, peer_id: str | None, dst_ids, cache: PagedKVCache) -> None:
         slot = self.slots.get(peer_id or "")

@@ -43,6 +43,8 @@ from .nixl_plan import desc_indices
 
 #: Seconds P waits for a D's staging slot (its ``slot`` or ``free`` notification).
 SLOT_TIMEOUT_S = 10.0
+#: ``free`` notices a staged P keeps for requests it has not written (yet) into D's slot.
+EARLY_FREES = 256
 
 
 @dataclasses.dataclass
@@ -63,6 +65,9 @@ class NixlPeer:
         Staged: descriptors per slot.
     last_req : str
         Staged: the request last written into the slot ('' : none).
+    early : dict
+        Staged: requests D sent ``free`` for before P wrote them (D ended them first: it will
+        not read the slot for them), oldest first, at most :data:`EARLY_FREES`.
     spec : KVCacheSpec or None
         D's spec (equal to P's: nixl pairs only equal specs).
     """
@@ -74,6 +79,7 @@ class NixlPeer:
     slot_descs: int = 0
     last_req: str = ""
     spec: Any = None
+    early: dict = dataclasses.field(default_factory=dict)
 
 
 class NixlWriter:
@@ -105,6 +111,8 @@ class NixlWriter:
         self.handles: list[Any] = []
         self.job: Any = None  # the request being written (staged)
         self._ids: tuple[Any, Any] | None = None  # (job, its ids) of the staged gathers
+        self.fault_delay_s, self.fault_fail, self.dropped = 0.0, False, ""  # test faults
+        self.posted = 0  # WRITEs posted for the request
 
     # ---- the LayerCopier interface ---------------------------------------------------
     def start(self) -> None:
@@ -122,11 +130,12 @@ class NixlWriter:
         if self.mode != "staged" or peer is None:
             return
         deadline = time.monotonic() + SLOT_TIMEOUT_S
-        while peer.slot is None:
-            got = self.agent.take(peer.id, b"slot ")
-            if got is not None:
+        while True:  # the newest notice is D's current slot (D sends it again after a failure)
+            while (got := self.agent.take(peer.id, b"slot ")) is not None:
                 peer.slot = int(got.split()[1])
-            elif time.monotonic() > deadline:
+            if peer.slot is not None:
+                break
+            if time.monotonic() > deadline:
                 raise TransferError(f"decode instance {peer.id} assigned this prefill instance "
                                     f"no staging slot within {SLOT_TIMEOUT_S:g} s")
             else:
@@ -138,13 +147,46 @@ class NixlWriter:
             else:
                 time.sleep(1e-4)
 
+    def check(self, job: Any, peer: NixlPeer) -> None:
+        """Before :meth:`begin`: arm the test faults of ``job`` (:mod:`kvflow.serve.faults`);
+        staged, check that its blocks fit one slot of D's staging buffer (else its WRITE would
+        land in the next P's slot, or past the buffer).
+
+        Raises
+        ------
+        TransferError
+            Staged: the request moves more blocks than a slot holds.
+        """
+        from kvflow.serve import faults
+        self.fault_delay_s = faults.delay_s("write", job.token_ids)
+        self.fault_fail, self.dropped = faults.fails("write", job.token_ids), ""
+        self.posted = 0
+        if self.mode != "staged":
+            return
+        spec = self.cache.spec
+        nb = spec.num_blocks_for(len(job.token_ids))
+        n = nb - min(job.num_cached_blocks, nb)
+        fits = peer.slot_descs // spec.num_tensors
+        if n > fits:
+            raise TransferError(f"request {job.req_id} moves {n} blocks ({len(job.token_ids)} "
+                                f"tokens, {job.num_cached_blocks} cached on D); a staging slot "
+                                f"of decode instance {peer.id} holds {fits}")
+
     def _drain_free(self, peer: NixlPeer) -> bool:
         """Take every ``free`` notice D sent: the one of ``peer.last_req`` frees the slot; the
         rest are dropped (D tells every paired P of a request that ended before its KV came,
         as it does not know which P prefilled it). True while the slot is still taken."""
         while (got := self.agent.take(peer.id, b"free ")) is not None:
-            if got[len(b"free "):].decode() == peer.last_req:
+            req = got[len(b"free "):].decode()
+            if req == peer.last_req:
                 peer.last_req = ""
+            else:  # maybe one P writes later: D ended it first and will never read its slot
+                peer.early[req] = None
+                while len(peer.early) > EARLY_FREES:
+                    del peer.early[next(iter(peer.early))]
+        if peer.last_req in peer.early:
+            del peer.early[peer.last_req]
+            peer.last_req = ""
         return bool(peer.last_req)
 
     def pairs(self, blocks, dst_ids, first: int, stop: int, skip: int, peer: NixlPeer | None):
@@ -206,9 +248,13 @@ class NixlWriter:
                 handles, self.handles = handles + self.handles, []
             if handles:
                 self.agent.wait(handles, self.timeout_s, f"{len(handles)} layer groups")
+            if self.dropped:  # KVFLOW_FAULT_WRITE_FAIL: the later groups were never posted
+                raise TransferError(f"NIXL WRITE of {self.dropped} failed: injected by "
+                                    f"KVFLOW_FAULT_WRITE_FAIL")
         finally:
             self.agent.drop(self.handles)
             self.handles = []
+            self.dropped = ""
         if stats is not None:
             stats.exposed_ms = (time.perf_counter() - t0) * 1e3
 
@@ -226,18 +272,25 @@ class NixlWriter:
         tpl = self.cache.spec.tensors_per_layer
         tensors = range(layers.start * tpl, layers.stop * tpl)
         what = f"layers [{layers.start}, {layers.stop}) to {peer.id}"
+        if self.fault_fail and self.posted:  # KVFLOW_FAULT_WRITE_FAIL: only the first goes
+            self.dropped = self.dropped or what
+            return
         if self.mode == "direct":
             src, dst = pairs
             self._settle()
             self.handles.append(self.agent.write(
                 self.local, desc_indices(src, tensors, self.cache.num_blocks), peer.remote,
                 desc_indices(dst, tensors, peer.num_blocks), what))
+            self.posted += 1
         else:
             handle = self._write_staged(peer, layers, tensors, what)
             if handle is not None:  # None: no block to move (D's prefix cache holds them all)
                 self.handles.append(handle)
+                self.posted += 1
             peer.last_req = self.job.req_id
         stats.copy_ms += (time.perf_counter() - t0) * 1e3
+        if self.fault_delay_s:  # KVFLOW_FAULT_WRITE_DELAY_S: kill or abort D meanwhile
+            time.sleep(self.fault_delay_s)
 
     def _ids_of(self, job: Any) -> Any:
         """P's ids of the blocks ``job`` moves, once per request: on a GPU a device tensor (one

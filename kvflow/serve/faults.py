@@ -9,11 +9,17 @@ variable                           effect
                                    forward: no heartbeat can go out meanwhile)
 ``KVFLOW_FAULT_RECEIVE_DELAY_S``   D keeps an arrived transfer in flight (RECEIVING) this long
                                    before copying it (a slow transfer: abort or kill D now)
+``KVFLOW_FAULT_WRITE_DELAY_S``     nixl P sleeps this long after posting each WRITE (layer
+                                   group) of a request (kill or abort D mid-WRITE now)
 ``KVFLOW_FAULT_MATCH``             comma-separated token ids: faults apply only to requests
                                    whose prompt contains this run of ids (unset: to every one)
 ``KVFLOW_FAULT_RECEIVE_FAIL``      comma-separated token ids: D fails the arrived transfer of
                                    requests whose prompt contains this run (after P's first
                                    token went out), as a broken copy would
+``KVFLOW_FAULT_WRITE_FAIL``        comma-separated token ids: nixl P posts the first WRITE (layer
+                                   group) of requests whose prompt contains this run, drops
+                                   the rest and reports the request's WRITEs failed after its
+                                   first token went out (D's blocks: partly written)
 ``KVFLOW_FAULT_KV_CORRUPT``        comma-separated token ids: with ``--kv-verify``, P flips one
                                    byte of the last block it sends of requests whose prompt
                                    contains this run, after taking its digest (tcp: in the
@@ -32,7 +38,7 @@ import os
 from typing import Sequence
 
 _VARS = {"prefill": "KVFLOW_FAULT_PREFILL_DELAY_S", "receive": "KVFLOW_FAULT_RECEIVE_DELAY_S",
-         "chunk": "KVFLOW_FAULT_CHUNK_DELAY_S"}
+         "chunk": "KVFLOW_FAULT_CHUNK_DELAY_S", "write": "KVFLOW_FAULT_WRITE_DELAY_S"}
 
 
 def _contains(ids: Sequence[int], run: list[int]) -> bool:
@@ -41,8 +47,9 @@ def _contains(ids: Sequence[int], run: list[int]) -> bool:
 
 
 def delay_s(kind: str, token_ids: Sequence[int]) -> float:
-    """Seconds of injected delay for fault ``kind`` ("prefill", "chunk" or "receive") of a request with
-    prompt ``token_ids``; 0.0 when the fault is off or the prompt does not match."""
+    """Seconds of injected delay for fault ``kind`` ("prefill", "chunk", "receive" or "write")
+    of a request with prompt ``token_ids``; 0.0 when the fault is off or the prompt does not
+    match."""
     value = os.environ.get(_VARS[kind], "")
     if not value:
         return 0.0
@@ -54,10 +61,11 @@ def delay_s(kind: str, token_ids: Sequence[int]) -> float:
 
 def fails(kind: str, token_ids: Sequence[int]) -> bool:
     """Whether fault ``kind`` ("receive": ``KVFLOW_FAULT_RECEIVE_FAIL``, "corrupt":
-    ``KVFLOW_FAULT_KV_CORRUPT``) fails the request
+    ``KVFLOW_FAULT_KV_CORRUPT``, "write": ``KVFLOW_FAULT_WRITE_FAIL``) fails the request
     with prompt ``token_ids``: its variable names a run of token ids the prompt contains."""
     value = os.environ.get({"receive": "KVFLOW_FAULT_RECEIVE_FAIL",
-                            "corrupt": "KVFLOW_FAULT_KV_CORRUPT"}[kind], "")
+                            "corrupt": "KVFLOW_FAULT_KV_CORRUPT",
+                            "write": "KVFLOW_FAULT_WRITE_FAIL"}[kind], "")
     return bool(value) and _contains(token_ids, [int(x) for x in value.split(",")])
 
 
