@@ -88,9 +88,10 @@ def listening(pid: int) -> list[tuple[str, int]]:
     """``(address, port)`` of every TCP socket process ``pid`` holds in state LISTEN (its fds'
     ``socket:[inode]`` links matched against ``/proc/net/tcp`` and ``tcp6``); [] once it is
     gone."""
+    proc = Path("/proc", str(pid))  # its sockets; whether it lives is kvflow.segments' to say
     inodes = set()
     try:
-        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        fds = list((proc / "fd").iterdir())
     except OSError:  # exited
         return []
     for fd in fds:
@@ -103,7 +104,7 @@ def listening(pid: int) -> list[tuple[str, int]]:
     out = []
     for table in ("tcp", "tcp6"):
         try:
-            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+            lines = (proc / "net" / table).read_text().splitlines()[1:]
         except OSError:
             continue
         for line in lines:
