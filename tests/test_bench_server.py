@@ -19,8 +19,6 @@ import pytest
 from kvflow.bench.server import (Launch, free_port, http_ok, listening, port_free, serve_cmd,
                                  wait_healthy)
 
-from .serve_server import SMALL
-
 #: a /health server on the port in argv[1]; argv[2]: seconds to wait before binding
 _FAKE = ("import http.server, sys, time\n"
          "time.sleep(float(sys.argv[2]))\n"
@@ -106,17 +104,26 @@ def test_bad_attempts_refused():
         Launch(_fake(), attempts=0)
 
 
+def _answers(url: str) -> bool:
+    """Any HTTP answer at ``url``/health (a router without instances says 503 "starting")."""
+    try:
+        httpx.get(url + "/health", timeout=2)
+        return True
+    except httpx.HTTPError:
+        return False
+
+
 def test_two_routers_started_at_once_on_the_same_port_both_serve(tmp_path):
-    """What free_port's race did at load, made certain: two `python -m kvflow.serve` get the
-    same first port at once. One binds it, the other is started again on another port; each
-    answers from its own router, with its own instance (colocated: the fewest processes)."""
+    """What free_port's race did at load, made certain: two `python -m kvflow.serve --role
+    router` get the same first port at once. One binds it, the other is started again on
+    another port; each answers from its own router (its own control socket)."""
     first = free_port()
-    launches, errors = [], []
+    launches = []
 
     def start(i: int) -> None:
         picks = itertools.chain([first], iter(free_port, None))
-        launches.append(Launch(serve_cmd(*SMALL, "--mode", "colocated"), pick=lambda: next(picks),
-                               log_path=str(tmp_path / f"serve{i}.log")))
+        launches.append(Launch(serve_cmd("--role", "router"), pick=lambda: next(picks),
+                               log_path=str(tmp_path / f"router{i}.log")))
 
     threads = [threading.Thread(target=start, args=(i,)) for i in range(2)]
     for t in threads:
@@ -124,25 +131,23 @@ def test_two_routers_started_at_once_on_the_same_port_both_serve(tmp_path):
     for t in threads:
         t.join()
     try:
-        for launch in launches:
-            try:
-                wait_healthy(launch, timeout=240)
-            except RuntimeError as exc:
-                errors.append(exc)
-        assert errors == []
+        deadline = time.monotonic() + 120
+        for la in launches:
+            while not la.poll(lambda: _answers(la.url)):
+                assert time.monotonic() < deadline, la.output()
+                time.sleep(0.1)
         assert sorted(len(la.taken) for la in launches) == [0, 1]
         assert sorted(la.port == first for la in launches) == [False, True]
-        pids = []
+        controls = []
         for la in launches:
             assert ("127.0.0.1", la.port) in listening(la.proc.pid)
             health = httpx.get(la.url + "/health", timeout=10).json()
-            pids.append({i["pid"] for i in health["instances"]})
-            r = httpx.post(la.url + "/v1/completions", timeout=60,
-                           json={"prompt": "two routers", "max_tokens": 4})
-            assert r.status_code == 200, r.text
-        assert len(pids[0]) == 1 and len(pids[1]) == 1 and not pids[0] & pids[1], pids
+            assert health["status"] == "starting" and health["instances"] == [], health
+            controls.append(health["control_addr"])
+            assert f"router listening on {la.url} " in la.output(), la.output()
+        assert controls[0] != controls[1], controls
     finally:
         for la in launches:
             la.proc.send_signal(signal.SIGINT)
         for la in launches:
-            la.proc.wait(60)
+            assert la.proc.wait(60) == 0, la.output()
