@@ -4,7 +4,7 @@ A port handed to a process started later can be taken meanwhile (``bind(0)``, cl
 number on: any ``connect()`` or ``bind(0)`` on the host may get it next; under load that cost a
 test module 44 errors). Two rules close that race:
 
-- :func:`free_port` picks below the kernel's ephemeral range (``ip_local_port_range``), where
+- :func:`free_port` picks outside the kernel's ephemeral range (``ip_local_port_range``), where
   no outgoing connection and no ``bind(0)`` of any process lands, and never twice in a process;
 - :class:`Launch` starts the command on such a port and, when the process exits because its port
   was taken after all (the port cannot be bound now, or the output says "is in use"), starts it
@@ -58,23 +58,30 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now, below the ephemeral range (so no ``connect()`` or
-    ``bind(0)`` of another process takes it meanwhile) and not handed out before by this
-    process. Another process may still bind it: start servers with :class:`Launch`.
+    """A TCP port free on ``host`` now, outside the kernel's ephemeral range (the larger side
+    of it; so no ``connect()`` or ``bind(0)`` of another process takes it meanwhile) and not
+    handed out before by this process. Another process may still bind it: start servers with
+    :class:`Launch`.
 
     Raises
     ------
     RuntimeError
         No free port found after 200 tries.
     """
-    lo, _ = _ephemeral_range()
-    first = 20000 if lo > 25000 else 1024
+    lo, hi = _ephemeral_range()
+    below, above = (max(1024, lo - 12768), lo), (hi + 1, 65536)
+    span = max(below, above, key=lambda r: r[1] - r[0])
     for _ in range(200):
-        port = random.randrange(first, lo)
+        if span[1] - span[0] >= 1000:
+            port = random.randrange(*span)
+        else:  # the ephemeral range covers (nearly) every port: take one the kernel picks
+            with socket.socket() as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
         if port not in _handed and port_free(port, host):
             _handed.add(port)
             return port
-    raise RuntimeError(f"no free TCP port on {host} in {first}..{lo - 1} after 200 tries")
+    raise RuntimeError(f"no free TCP port on {host} in {span[0]}..{span[1] - 1} after 200 tries")
 
 
 def _addr(hexaddr: str) -> str:
