@@ -1,19 +1,19 @@
-"""A `python -m kvflow.serve` process for tests: start on a free port, wait for /health 200,
-query it, stop it with a signal and check that nothing is left behind."""
+"""A `python -m kvflow.serve` process for tests: start on a free port (again on another when
+the port was taken: :class:`kvflow.bench.server.Launch`), wait for /health 200, query it, stop it
+with a signal and check that nothing is left behind."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 
 import httpx
 
+from kvflow.bench.server import Launch, http_ok, serve_cmd
 from kvflow.segments import process_exited
 
 SMALL = ["--max-model-len", "512", "--memory-budget-mb", "32", "--max-num-batched-tokens", "256"]
@@ -21,12 +21,6 @@ SMALL = ["--max-model-len", "512", "--memory-budget-mb", "32", "--max-num-batche
 
 def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited across exec, as SIG_IGN is
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pid_alive(pid: int) -> bool:
@@ -45,36 +39,56 @@ class Server:
     def __init__(self, *args: str, env: dict | None = None, sigint_ignored: bool = False) -> None:
         """Start ``python -m kvflow.serve`` with ``args``; ``sigint_ignored``: with SIGINT
         ignored on entry, as a non-interactive shell starts a background job (``cmd &``)."""
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="kvflow-serve-", suffix=".log", delete=False)
+        log = tempfile.NamedTemporaryFile("w+", prefix="kvflow-serve-", suffix=".log", delete=False)
+        log.close()
         small = SMALL if "--num-blocks" not in args else SMALL[:2] + SMALL[4:]  # no budget then
-        cmd = [sys.executable, "-m", "kvflow.serve", "--port", str(self.port), *small, *args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, **(env or {})),
-                                     preexec_fn=_ignore_sigint if sigint_ignored else None)
-        self.client = httpx.Client(base_url=self.url, timeout=60)
+        self.launch = Launch(serve_cmd(*small, *args), log_path=log.name,
+                             env=dict(os.environ, **(env or {})),
+                             preexec_fn=_ignore_sigint if sigint_ignored else None)
+        self._client: httpx.Client | None = None
         self.t_start = time.monotonic()
         self.seen_pids: set[int] = set()
         self.seen_shm: set[str] = set()
 
+    @property
+    def proc(self) -> subprocess.Popen:
+        return self.launch.proc
+
+    @property
+    def port(self) -> int:
+        return self.launch.port
+
+    @property
+    def url(self) -> str:
+        return self.launch.url
+
+    @property
+    def client(self) -> httpx.Client:
+        """A client of :attr:`url` (a new one when a retry moved the server to another port)."""
+        if self._client is None or str(self._client.base_url).rstrip("/") != self.url:
+            if self._client is not None:
+                self._client.close()
+            self._client = httpx.Client(base_url=self.url, timeout=60)
+        return self._client
+
     def output(self) -> str:
-        self.log.flush()
-        with open(self.log.name) as f:
-            return f.read()
+        return self.launch.output()
 
     def wait_healthy(self, timeout: float = 150.0) -> float:
+        """Seconds from the start until /health was 200, from this server's own process.
+
+        Raises
+        ------
+        RuntimeError
+            The server exited (its output attached), or its port was taken at every attempt.
+        TimeoutError
+            No /health 200 within ``timeout`` seconds of the start.
+        """
         deadline = self.t_start + timeout
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                r = self.client.get("/health", timeout=2)
-                if r.status_code == 200:
-                    self.remember(r.json())
-                    return time.monotonic() - self.t_start
-            except httpx.TransportError:
-                pass
+            if self.launch.poll(lambda: http_ok(self.url)):
+                self.health()
+                return time.monotonic() - self.t_start
             time.sleep(0.1)
         raise TimeoutError(f"no /health 200 within {timeout} s:\n{self.output()}")
 
@@ -145,7 +159,8 @@ class Server:
             self.proc.kill()
             raise
         finally:
-            self.client.close()
+            if self._client is not None:
+                self._client.close()
 
 
 @contextlib.contextmanager

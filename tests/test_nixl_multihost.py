@@ -17,9 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvflow.bench.server import free_port
 from kvflow.connector.nixl_agent import nixl_available
-
-from .serve_server import free_port
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "tutorials" / "multihost.md"
 HOSTS = {"ROUTER": "127.0.0.2", "PREFILL": "127.0.0.3", "DECODE": "127.0.0.4"}

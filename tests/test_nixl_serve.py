@@ -15,9 +15,10 @@ import time
 
 import pytest
 
+from kvflow.bench.server import listening
 from kvflow.connector.nixl_agent import nixl_available, tcp_tls
 
-from .procnet import cpu_seconds, listening
+from .procnet import cpu_seconds
 from .serve_server import Server, healthy
 from .test_serve_first_token import stream, tokens
 from .test_serve import MAX_TOKENS, prompt_of

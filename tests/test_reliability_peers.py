@@ -21,7 +21,9 @@ import pytest
 from kvflow.segments import Owner
 from kvflow.segments import SHM_DIR
 
-from .serve_server import free_port, heartbeats_after, pid_alive
+from kvflow.bench.server import free_port
+
+from .serve_server import heartbeats_after, pid_alive
 
 MARK = "\x07\x07\x07"
 FAULTS = {"KVFLOW_FAULT_PREFILL_DELAY_S": "3", "KVFLOW_FAULT_RECEIVE_DELAY_S": "3",

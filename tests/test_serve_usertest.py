@@ -15,7 +15,9 @@ import time
 import httpx
 import pytest
 
-from .serve_server import Server, free_port, pid_alive
+from kvflow.bench.server import free_port
+
+from .serve_server import Server, pid_alive
 
 
 @pytest.fixture(scope="module")

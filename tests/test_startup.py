@@ -16,7 +16,9 @@ import time
 import pytest
 import torch
 
-from .serve_server import free_port, pid_alive
+from kvflow.bench.server import free_port
+
+from .serve_server import pid_alive
 
 SMALL = ["--max-model-len", "256", "--num-blocks", "64", "--max-num-batched-tokens", "64"]  # no profile run
 

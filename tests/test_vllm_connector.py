@@ -30,11 +30,12 @@ pytest.importorskip("transformers")
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
+from kvflow.bench.server import free_port  # noqa: E402
 from kvflow.connector.nixl_agent import nixl_available  # noqa: E402
 from kvflow.integrations.vllm.params import prompt_hash  # noqa: E402
 from kvflow.integrations.vllm.tiny_llama import build  # noqa: E402
 
-from .vllm_pd import Procs, complete, free_port, kv_usage, kvflow_config, tokens  # noqa: E402
+from .vllm_pd import Procs, complete, kv_usage, kvflow_config, tokens  # noqa: E402
 from .vllm_pd import engine_cmd  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)

@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
 
+from kvflow.bench.server import free_port  # noqa: E402
 from kvflow.connector.nixl_agent import nixl_available, tcp_tls  # noqa: E402
 from kvflow.integrations.vllm.config import check_config  # noqa: E402
 from kvflow.integrations.vllm.ipc_pull import IpcPuller, staging_blocks_for  # noqa: E402
@@ -23,7 +24,6 @@ from kvflow.integrations.vllm.link import PullError  # noqa: E402
 from kvflow.integrations.vllm.transfer import KVPuller, KVServer  # noqa: E402
 from kvflow.vllm_layout import from_vllm, vllm_like  # noqa: E402
 
-from .vllm_pd import free_port  # noqa: E402
 
 SHAPE = (12, 2, 32, 64)  # blocks, KV heads, block_size, K+V of head_dim 32
 NIXL = pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(),

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,12 +17,6 @@ from kvflow.connector.nixl_agent import tcp_tls
 from .reap import reap, spawn
 
 BLOCK_SIZE = 32
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def engine_cmd(model: str, port: int, kv: dict | None) -> list[str]:

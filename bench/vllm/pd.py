@@ -54,8 +54,9 @@ import time
 import httpx
 import torch
 
+from kvflow.bench.server import free_port
 from kvflow.integrations.vllm.tiny_llama import build
-from tests.vllm_pd import Procs, complete, engine_cmd, free_port, kvflow_config, metric, tokens
+from tests.vllm_pd import Procs, complete, engine_cmd, kvflow_config, metric, tokens
 
 LENGTHS = (128, 512, 1000)
 TRANSPORTS = ("tcp", "nixl", "ipc")
