@@ -19,7 +19,8 @@ Flow of one disaggregated request (docs/design.md, "One request's path")::
                                       finished Tokens when D has the KV)
     router --Abort--> P, D (on done-by-error, timeout, client disconnect, peer death)
     router --Unpair--> P  (a paired D died: P drops only that D's link)
-    D --LeaseRenew--> P   (every heartbeat: "I still mean to read these requests' blocks")
+    D --LeaseRenew--> P   (every heartbeat, from D's heartbeat thread on its lease socket:
+                           "I still mean to read these requests' blocks")
 
 Prefix hit on D: ``Allocated.num_cached_blocks = k`` says D already holds the request's logical
 blocks ``0..k-1``; the router passes ``Prefill.num_cached_blocks = k`` and P sends only its logical
@@ -70,6 +71,7 @@ class Register(_Msg):
     model: str = ""                 # the instance's --model
     tokenizer: str = ""             # its tokenizer's digest: the router's must be equal
     connector_md: bytes = b""       # nixl: an encoded NixlAgentInfo (agent metadata, cache)
+    lease_addr: str = ""            # D: ZMQ address of its lease socket (LeaseRenew to P's)
     version: int = PROTOCOL_VERSION
 
 
@@ -109,6 +111,7 @@ class Pair(_Msg):
     peer_host_id: str = ""          # the peer's Register.host_id: its pid is comparable when equal
     peer_fingerprint: dict[str, Any] = {}  # the peer's Register.fingerprint, checked too
     peer_connector_md: bytes = b""  # the peer's Register.connector_md (nixl: NixlAgentInfo)
+    lease_addr: str = ""            # to P: D's lease socket (P connects; D's LeaseRenew come on it)
 
 
 class Unpair(_Msg):
@@ -284,8 +287,10 @@ class KVAck(_Msg):
 
 
 class LeaseRenew(_Msg):
-    """D -> P, every heartbeat: D still means to read the blocks P sent (or will send) for
-    ``req_ids``; P frees a sent request's blocks when neither a renewal nor an ack came within
+    """D -> P, every heartbeat, from D's heartbeat thread (:mod:`kvflow.serve.heartbeat`, on
+    the socket of :attr:`Register.lease_addr`, so a long decode step does not delay it): D
+    still means to read the blocks P sent (or will send) for ``req_ids``; P ignores ids it does
+    not hold, and frees a sent request's blocks when neither a renewal nor an ack came within
     its lease (``--kv-lease-s``)."""
     req_ids: list[str]
 

@@ -224,7 +224,8 @@ class Controller:
                                     peer_num_blocks=d.reg.num_blocks, data_addr=d.reg.data_addr,
                                     shm_name=d.reg.shm_name, peer_pid=d.reg.pid,
                                     peer_host_id=d.reg.host_id, peer_fingerprint=d.reg.fingerprint,
-                                    peer_connector_md=d.reg.connector_md))
+                                    peer_connector_md=d.reg.connector_md,
+                                    lease_addr=d.reg.lease_addr))
             await self.send(d, Pair(peer_id=p.id, peer_role="prefill", peer_spec=p.reg.spec,
                                     peer_num_blocks=p.reg.num_blocks, shm_name=p.reg.shm_name,
                                     peer_pid=p.reg.pid, peer_host_id=p.reg.host_id,
@@ -310,6 +311,7 @@ class Controller:
                                "liveness": i.liveness,
                                "max_model_len": i.reg.max_model_len, "spec": i.reg.spec,
                                "shm_name": i.reg.shm_name, "data_addr": i.reg.data_addr,
+                               "lease_addr": i.reg.lease_addr,
                                "paired_with": sorted(i.pair_ok),
                                "spec_differs": self._spec_differs(i)}
                               for i in self.instances.values()],

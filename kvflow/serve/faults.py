@@ -7,6 +7,9 @@ variable                           effect
 ``KVFLOW_FAULT_PREFILL_DELAY_S``   P sleeps this long before a prefill (P is "prefilling")
 ``KVFLOW_FAULT_CHUNK_DELAY_S``     P sleeps this long inside each prefill chunk (a slow
                                    forward: no heartbeat can go out meanwhile)
+``KVFLOW_FAULT_STEP_DELAY_S``      D (or colocated) sleeps this long in each decode step whose
+                                   batch holds a matching request (a slow step: the loop
+                                   handles no message meanwhile)
 ``KVFLOW_FAULT_RECEIVE_DELAY_S``   D keeps an arrived transfer in flight (RECEIVING) this long
                                    before copying it (a slow transfer: abort or kill D now)
 ``KVFLOW_FAULT_MATCH``             comma-separated token ids: faults apply only to requests
@@ -32,7 +35,7 @@ import os
 from typing import Sequence
 
 _VARS = {"prefill": "KVFLOW_FAULT_PREFILL_DELAY_S", "receive": "KVFLOW_FAULT_RECEIVE_DELAY_S",
-         "chunk": "KVFLOW_FAULT_CHUNK_DELAY_S"}
+         "chunk": "KVFLOW_FAULT_CHUNK_DELAY_S", "step": "KVFLOW_FAULT_STEP_DELAY_S"}
 
 
 def _contains(ids: Sequence[int], run: list[int]) -> bool:
@@ -41,7 +44,7 @@ def _contains(ids: Sequence[int], run: list[int]) -> bool:
 
 
 def delay_s(kind: str, token_ids: Sequence[int]) -> float:
-    """Seconds of injected delay for fault ``kind`` ("prefill", "chunk" or "receive") of a request with
+    """Seconds of injected delay for fault ``kind`` ("prefill", "chunk", "step" or "receive") of a request with
     prompt ``token_ids``; 0.0 when the fault is off or the prompt does not match."""
     value = os.environ.get(_VARS[kind], "")
     if not value:

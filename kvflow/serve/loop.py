@@ -3,9 +3,10 @@ messages to ``on_<type>`` handlers, heartbeats.
 
 :meth:`EventLoop.serve_forever` polls the sockets, hands each decoded message to its handler,
 does one unit of work (:meth:`EventLoop.work`: a prefill on P, a decode step on D) and its
-housekeeping (:meth:`EventLoop.heartbeat`: expiries, lease renewals). The heartbeat that tells
-the router this instance lives (free blocks, running requests) goes out every ``heartbeat_s``
-from a thread of its own (:mod:`kvflow.serve.heartbeat`), which no compute blocks. Malformed frames are logged and dropped
+housekeeping (:meth:`EventLoop.heartbeat`: expiries; on D, what to renew). The heartbeat that
+tells the router this instance lives (free blocks, running requests) and D's lease renewals to
+its P's go out every ``heartbeat_s`` from a thread of its own (:mod:`kvflow.serve.heartbeat`),
+which no compute blocks. Malformed frames are logged and dropped
 (:func:`kvflow.protocol.decode_or_log`); a handler that raises is logged and the loop goes on.
 """
 
@@ -63,8 +64,14 @@ class EventLoop:
         self.beats = HeartbeatThread(self.ctx, self.instance_id, self.cfg.router_url,
                                      self.heartbeat_message, self.cfg.heartbeat_s,
                                      parent_pid=self.cfg.parent_pid or 0,
-                                     on_orphan=lambda: setattr(self, "stopping", True))
+                                     on_orphan=lambda: setattr(self, "stopping", True),
+                                     renewals=self.lease_renewals())
         self.beats.start()
+
+    def lease_renewals(self):
+        """The :class:`~kvflow.serve.heartbeat.Renewals` the heartbeat thread sends (D: its
+        lease renewals to P's), or None; called once, in :meth:`open_channels`."""
+        return None
 
     # ---- sending --------------------------------------------------------------------
     def send_ctrl(self, msg: Any) -> None:
