@@ -10,7 +10,8 @@ with the other's KV cache spec and model fingerprint, checks them and answers
 both (colocated: one instance). Every P is paired with every D (N x M); :meth:`Controller.pick`
 chooses a (P, D) per request and the Prefill names that D, so a P with several D's sends each
 request to its own D. When a D dies its P's get :class:`~kvflow.protocol.Unpair`; when a P
-dies, its D's do.
+dies, its D's do: every instance that was sent a Pair naming the dead one, also one whose
+pairing is not (yet) accepted, e.g. a D waiting for a free staging slot to pair with it.
 Liveness (:mod:`kvflow.serve.liveness`): an instance whose process has exited is dead at
 once; one that went silent is *late* while its process lives on this host (up to
 ``hung_after_s``), or, where its process cannot be seen, up to ``dead_after_s``; then dead.
@@ -83,6 +84,7 @@ class Controller:
         self.shm_names: set[str] = set()
         self.exited: set[str] = set()  # instances declared dead whose process was seen to exit
         self._asked: dict[bytes, float] = {}  # unknown instance -> when it was asked to register
+        self.pairs_sent: dict[str, set[str]] = {}  # instance -> peers it was sent a Pair for
         self._tasks: list[asyncio.Task] = []
         self._rr = 0
 
@@ -220,6 +222,8 @@ class Controller:
                 self.errors.append(f"kv connector mismatch: {p.id} uses {p.reg.kv_connector!r}, "
                                    f"{d.id} uses {d.reg.kv_connector!r}; not paired")
                 continue
+            self.pairs_sent.setdefault(p.id, set()).add(d.id)
+            self.pairs_sent.setdefault(d.id, set()).add(p.id)
             await self.send(p, Pair(peer_id=d.id, peer_role="decode", peer_spec=d.reg.spec,
                                     peer_num_blocks=d.reg.num_blocks, data_addr=d.reg.data_addr,
                                     shm_name=d.reg.shm_name, peer_pid=d.reg.pid,
@@ -265,13 +269,17 @@ class Controller:
             self.exited.add(info.id)
         self.errors.append(f"{info.role} instance {info.id} (pid {info.reg.pid}) {why}")
         log.error("%s", self.errors[-1])
+        self.pairs_sent.pop(info.id, None)
         for other in self.instances.values():
             # a P drops only this D's link; a D frees what it keeps for this P (lent blocks, a
-            # staging slot): at once if it exited, else kv_lease_s later
-            if info.id in other.pair_ok:
+            # staging slot): at once if it exited, else kv_lease_s later; a D still waiting to
+            # pair with it (no free staging slot) drops that pairing
+            sent = self.pairs_sent.get(other.id, set())
+            if info.id in other.pair_ok or info.id in sent:
                 asyncio.ensure_future(self.send(other, Unpair(peer_id=info.id, reason=why,
                                                               exited=exited)))
             other.pair_ok.discard(info.id)
+            sent.discard(info.id)
         if self.metrics is not None:
             self.metrics.forget(info.id, info.role)
         if info.reg.shm_name:  # kept while its owner lives: it may register again

@@ -161,14 +161,19 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
                 return
 
     def on_unpair(self, msg: Unpair, frames, ident) -> None:
-        """Prefill instance ``msg.peer_id`` died. The router saw it exit: forget it now (the
+        """Prefill instance ``msg.peer_id`` died. One that only waited for a slot
+        (``waiting_pairs``) is dropped, nothing else. The router saw it exit: forget it now (the
         connector's state for it, e.g. a nixl staging slot and agent, and every block lent to
         it). Only silent (it may still write): a connector whose P's may live on other hosts
         forgets it ``kv_lease_s`` later unless it pairs again; lent blocks follow
         :mod:`kvflow.serve.lent`."""
         log.warning("%s: prefill instance %s died (%s)", self.instance_id, msg.peer_id,
                     msg.reason or "no reason given")
-        self.waiting_pairs.pop(msg.peer_id, None)
+        if self.waiting_pairs.pop(msg.peer_id, None) is not None \
+                and msg.peer_id not in self.lent.peer_pids:
+            # it only waited for a free slot: never attached, nothing of it to forget
+            log.info("%s: dropped the waiting pairing with %s", self.instance_id, msg.peer_id)
+            return
         if msg.exited:
             self._forget_peer(msg.peer_id)
         elif not self.receiver.host_local:
