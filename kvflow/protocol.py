@@ -19,6 +19,7 @@ Flow of one disaggregated request (docs/design.md, "One request's path")::
                                       finished Tokens when D has the KV)
     router --Abort--> P, D (on done-by-error, timeout, client disconnect, peer death)
     router --Unpair--> P  (a paired D died: P drops only that D's link)
+    P, D --Leaving--> router (a clean stop: logged as a stop, not a death)
     D --LeaseRenew--> P   (every heartbeat, from D's heartbeat thread on its lease socket:
                            "I still mean to read these requests' blocks")
 
@@ -97,6 +98,15 @@ class Heartbeat(_Msg):
     free_blocks: int
     num_running: int = 0
     seq: int = 0
+
+
+class Leaving(_Msg):
+    """Instance -> router, once, when it stops cleanly (SIGINT/SIGTERM, after its current
+    step; before it closes its sockets): the router forgets it and logs a stop at INFO, not a
+    death (a crash, or a process gone without this message, stays an ERROR). ``reason``: what
+    stopped it, e.g. "SIGINT"."""
+    instance_id: str
+    reason: str = ""
 
 
 class Pair(_Msg):
@@ -358,7 +368,7 @@ def decode_agent_info(data: bytes) -> NixlAgentInfo:
         raise ProtocolError(f"rejected nixl agent info ({len(data)} bytes): {exc}") from None
 
 
-Message = Union[Register, Registered, Reregister, Heartbeat, Pair, Unpair, PairResult, Allocate,
+Message = Union[Register, Registered, Reregister, Heartbeat, Leaving, Pair, Unpair, PairResult, Allocate,
                 Allocated, Rejected, Prefill,
                 Tokens, Abort, KVReady, KVData, KVLayer, KVPushed, KVAck, LeaseRenew]
 MESSAGE_TYPES = Message.__args__

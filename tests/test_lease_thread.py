@@ -30,14 +30,16 @@ OTHER = [(7 * i) % 200 + 30 for i in range(36)]                # allocated befor
 
 
 class LoggedCluster(Cluster):
-    """A :class:`Cluster` whose instances' stderr goes to ``<logdir>/<role>-<n>.log``."""
+    """A :class:`Cluster` whose processes' stderr goes to ``<logdir>/<role>-<n>.log``
+    (``logs[0]``: the router's, started with ``router_args`` too)."""
 
-    def __init__(self, logdir, **kw) -> None:
-        self.logdir, self.logs = logdir, []
+    def __init__(self, logdir, router_args=(), **kw) -> None:
+        self.logdir, self.logs, self.router_args = logdir, [], list(router_args)
         super().__init__(**kw)
 
     def spawn(self, role, *args, env=None):
-        extra = [] if role == "router" else ["--router-url", f"tcp://127.0.0.1:{self.cport}", *COMMON]
+        extra = self.router_args if role == "router" else \
+            ["--router-url", f"tcp://127.0.0.1:{self.cport}", *COMMON]
         path = self.logdir / f"{role}-{len(self.logs)}.log"
         self.logs.append(path)
         with open(path, "wb") as log:

@@ -33,7 +33,7 @@ from typing import Any, Callable
 import zmq
 import zmq.asyncio
 
-from kvflow.protocol import (Heartbeat, Pair, PairResult, Register, Registered,
+from kvflow.protocol import (Heartbeat, Leaving, Pair, PairResult, Register, Registered,
                              Reregister, Tokens, Unpair, decode_or_log, encode)
 
 from .config import ServeConfig
@@ -85,6 +85,7 @@ class Controller:
         self.exited: set[str] = set()  # instances declared dead whose process was seen to exit
         self._asked: dict[bytes, float] = {}  # unknown instance -> when it was asked to register
         self.pairs_sent: dict[str, set[str]] = {}  # instance -> peers it was sent a Pair for
+        self.left: set[str] = set()  # instances that stopped cleanly (Leaving)
         self._tasks: list[asyncio.Task] = []
         self._rr = 0
 
@@ -150,6 +151,7 @@ class Controller:
                 await self._answer(ident, Registered(ok=False, error=refused))
                 return
             await self._answer(ident, Registered(ok=True))
+            self.left.discard(msg.instance_id)
             info = InstanceInfo(msg, ident, now, msg.free_blocks, heartbeat_at=now)
             self.instances[msg.instance_id] = info
             self.registered_pids.add(msg.pid)
@@ -168,6 +170,8 @@ class Controller:
                 return
             ident = name.encode()
         info = self.instances.get(name)
+        if info is None and name in self.left:  # a beat that overtook its own Leaving
+            return
         if info is None:
             log.error("%s from unregistered instance %r; dropped", type(msg).__name__, ident)
             if isinstance(msg, Heartbeat) and now - self._asked.get(ident, 0.0) >= 1.0:
@@ -195,6 +199,10 @@ class Controller:
                 info.pair_ok.add(msg.peer_id)
             else:
                 self.errors.append(msg.error)
+        elif isinstance(msg, Leaving):  # a clean stop: forgotten now, logged as a stop
+            self.left.add(info.id)
+            self.instance_died(info, f"stopped by {msg.reason or 'its own request'}",
+                               stopped=True)
         elif hasattr(msg, "req_id"):
             st = self.requests.get(msg.req_id)
             if st is not None:
@@ -260,15 +268,22 @@ class Controller:
                             info.id, state, now - info.last_seen)
                 info.liveness = state
 
-    def instance_died(self, info: InstanceInfo, why: str, *, exited: bool = False) -> None:
+    def instance_died(self, info: InstanceInfo, why: str, *, exited: bool = False,
+                      stopped: bool = False) -> None:
         """Forget a dead instance, fail the requests that still need it, unlink its segment.
         ``exited``: its process was seen to exit (else it only went silent and may still run:
-        the survivors keep what it may still read or write, :class:`~kvflow.protocol.Abort`)."""
+        the survivors keep what it may still read or write, :class:`~kvflow.protocol.Abort`).
+        ``stopped``: a clean stop (its :class:`~kvflow.protocol.Leaving`): logged at INFO, not
+        an error; its process may still be closing, so survivors judge it as a silent one."""
         self.instances.pop(info.id, None)
         if exited:
             self.exited.add(info.id)
-        self.errors.append(f"{info.role} instance {info.id} (pid {info.reg.pid}) {why}")
-        log.error("%s", self.errors[-1])
+        text = f"{info.role} instance {info.id} (pid {info.reg.pid}) {why}"
+        if stopped:
+            log.info("%s", text)
+        else:
+            self.errors.append(text)
+            log.error("%s", text)
         self.pairs_sent.pop(info.id, None)
         for other in self.instances.values():
             # a P drops only this D's link; a D frees what it keeps for this P (lent blocks, a
@@ -292,7 +307,8 @@ class Controller:
             if needs:
                 st.queue.put_nowait(Tokens(req_id=req_id, token_ids=[], finished=True,
                                            finish_reason="error",
-                                           error=f"{info.role} instance {info.id} died ({why})"))
+                                           error=f"{info.role} instance {info.id} " +
+                                                 (why if stopped else f"died ({why})")))
 
     def _spec_differs(self, info: InstanceInfo) -> dict:
         """``{peer id: {field: [ours, theirs]}}`` for each paired peer whose KV cache spec
