@@ -167,7 +167,7 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
         it). Only silent (it may still write): a connector whose P's may live on other hosts
         forgets it ``kv_lease_s`` later unless it pairs again; lent blocks follow
         :mod:`kvflow.serve.lent`."""
-        log.warning("%s: prefill instance %s died (%s)", self.instance_id, msg.peer_id,
+        log.warning("%s: prefill instance %s is gone (%s)", self.instance_id, msg.peer_id,
                     msg.reason or "no reason given")
         if self.waiting_pairs.pop(msg.peer_id, None) is not None \
                 and msg.peer_id not in self.lent.peer_pids:
