@@ -20,7 +20,9 @@ Flow of one disaggregated request (docs/design.md, "One request's path")::
                                       finished Tokens when D has the KV)
     router --Abort--> P, D (on done-by-error, timeout, client disconnect, peer death)
     router --Unpair--> P  (a paired D died: P drops only that D's link)
-    D --LeaseRenew--> P   (every heartbeat: "I still mean to read these requests' blocks")
+    P, D --Leaving--> router (a clean stop: logged as a stop, not a death)
+    D --LeaseRenew--> P   (every heartbeat, from D's heartbeat thread on its lease socket:
+                           "I still mean to read these requests' blocks")
 
 Prefix hit on D: ``Allocated.num_cached_blocks = k`` says D already holds the request's logical
 blocks ``0..k-1``; the router passes ``Prefill.num_cached_blocks = k`` and P sends only its logical
@@ -65,6 +67,7 @@ class Register(_Msg):
     model: str = ""                 # the instance's --model
     tokenizer: str = ""             # its tokenizer's digest: the router's must be equal
     connector_md: bytes = b""       # nixl: an encoded NixlAgentInfo (agent metadata, cache)
+    lease_addr: str = ""            # D: ZMQ address of its lease socket (LeaseRenew to P's)
     version: int = PROTOCOL_VERSION
 
 
@@ -92,6 +95,15 @@ class Heartbeat(_Msg):
     seq: int = 0
 
 
+class Leaving(_Msg):
+    """Instance -> router, once, when it stops cleanly (SIGINT/SIGTERM, after its current
+    step; before it closes its sockets): the router forgets it and logs a stop at INFO, not a
+    death (a crash, or a process gone without this message, stays an ERROR). ``reason``: what
+    stopped it, e.g. "SIGINT"."""
+    instance_id: str
+    reason: str = ""
+
+
 class Pair(_Msg):
     """Router -> P and D: meet this peer (its spec is checked before any request)."""
     peer_id: str
@@ -104,6 +116,7 @@ class Pair(_Msg):
     peer_host_id: str = ""          # the peer's Register.host_id: its pid is comparable when equal
     peer_fingerprint: dict[str, Any] = {}  # the peer's Register.fingerprint, checked too
     peer_connector_md: bytes = b""  # the peer's Register.connector_md (nixl: NixlAgentInfo)
+    lease_addr: str = ""            # to P: D's lease socket (P connects; D's LeaseRenew come on it)
 
 
 class Unpair(_Msg):
@@ -279,8 +292,10 @@ class KVAck(_Msg):
 
 
 class LeaseRenew(_Msg):
-    """D -> P, every heartbeat: D still means to read the blocks P sent (or will send) for
-    ``req_ids``; P frees a sent request's blocks when neither a renewal nor an ack came within
+    """D -> P, every heartbeat, from D's heartbeat thread (:mod:`kvflow.serve.heartbeat`, on
+    the socket of :attr:`Register.lease_addr`, so a long decode step does not delay it): D
+    still means to read the blocks P sent (or will send) for ``req_ids``; P ignores ids it does
+    not hold, and frees a sent request's blocks when neither a renewal nor an ack came within
     its lease (``--kv-lease-s``)."""
     req_ids: list[str]
 
@@ -348,7 +363,7 @@ def decode_agent_info(data: bytes) -> NixlAgentInfo:
         raise ProtocolError(f"rejected nixl agent info ({len(data)} bytes): {exc}") from None
 
 
-Message = Union[Register, Registered, Reregister, Heartbeat, Pair, Unpair, PairResult, Allocate,
+Message = Union[Register, Registered, Reregister, Heartbeat, Leaving, Pair, Unpair, PairResult, Allocate,
                 Allocated, Rejected, Prefill,
                 Tokens, Abort, KVReady, KVData, KVLayer, KVPushed, KVAck, LeaseRenew]
 MESSAGE_TYPES = Message.__args__

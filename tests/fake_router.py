@@ -34,7 +34,8 @@ class FakeRouter:
         rp, rd = self.regs[p.instance_id], self.regs[d.instance_id]
         self.to(p, Pair(peer_id=rd.instance_id, peer_role="decode", peer_spec=rd.spec,
                         peer_num_blocks=rd.num_blocks, data_addr=rd.data_addr, shm_name=rd.shm_name,
-                        peer_pid=rd.pid, peer_fingerprint=rd.fingerprint))
+                        peer_pid=rd.pid, peer_fingerprint=rd.fingerprint,
+                        lease_addr=rd.lease_addr))
         self.to(d, Pair(peer_id=rp.instance_id, peer_role="prefill", peer_spec=rp.spec,
                         peer_num_blocks=rp.num_blocks, shm_name=rp.shm_name, peer_pid=rp.pid,
                         peer_fingerprint=rp.fingerprint))

@@ -62,6 +62,9 @@ class PD:
         self.d = make_instance(DecodeInstance, "decode", num_blocks=d_blocks,
                                kv_connector=kv_connector, enable_prefix_caching=prefix,
                                kv_lease_s=lease_s, **cfg)
+        # driven by hand: D's loop renews (captured, delivered by renew()), not its thread
+        self.d.beats.stop()
+        self.d.beats = None
         self.link = FakeLink()  # what P sends to D (ipc-push: P also maps D's exported cache)
         self.p.connector.attach(Peer(self.d.instance_id, self.d.spec, self.d.num_blocks,
                                      **self.d.receiver.export()), link=self.link)

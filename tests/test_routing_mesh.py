@@ -147,7 +147,8 @@ def test_unpaired_d_is_refused_and_only_its_link_goes(connector, mode):
         (rej,) = mesh.wait_for(Rejected, req_id="b")
         assert rej.error == (f"prefill instance {p.instance_id} is not paired with decode "
                              f"instance {d1.instance_id!r} (paired: {[d0.instance_id]})")
-        assert list(p.connector.links) == [d0.instance_id] and len(p.sockets) == 2  # router + d0's link
+        assert list(p.connector.links) == [d0.instance_id] and list(p.lease_links) == [d0.instance_id]
+        assert len(p.sockets) == 3  # router + d0's link + d0's lease link
         if connector == "ipc-push":
             assert list(p.connector.peers) == [d0.instance_id]
         if p.connector.layerwise_enabled and connector != "ipc-push":

@@ -285,7 +285,9 @@ def test_threshold_above_max_model_len_creates_nothing_layerwise(connector):
         assert h.p.connector.layerwise_min_tokens == 16384 and h.p.connector.layerwise is None
         assert not [t for t in set(threading.enumerate()) - threads if t.name == "kvflow-layerwise"]
         assert not [s for s in set(os.listdir(SHM_DIR)) - segs if s.startswith("kvflow-sig-")]
-        assert len(h.p.sockets) == 2  # the router's and D's link: no layerwise socket
+        # the router's, D's link and D's lease link: no layerwise socket
+        assert sorted(h.p.sockets.values()) == ["decode " + h.d.instance_id,
+                                                "decode " + h.d.instance_id + " leases", "router"]
         got, kv, _ = h.request("after", prompt(100), 16384)
         assert kv["layerwise"] is False and len(got) == MAX_TOKENS
         assert h.blocks_back() == h.free0

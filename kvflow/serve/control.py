@@ -10,7 +10,8 @@ with the other's KV cache spec and model fingerprint, checks them and answers
 both (colocated: one instance). Every P is paired with every D (N x M); :meth:`Controller.pick`
 chooses a (P, D) per request and the Prefill names that D, so a P with several D's sends each
 request to its own D. When a D dies its P's get :class:`~kvflow.protocol.Unpair`; when a P
-dies, its D's do.
+dies, its D's do: every instance that was sent a Pair naming the dead one, also one whose
+pairing is not (yet) accepted, e.g. a D waiting for a free staging slot to pair with it.
 Liveness (:mod:`kvflow.serve.liveness`): an instance whose process has exited is dead at
 once; one that went silent is *late* while its process lives on this host (up to
 ``hung_after_s``), or, where its process cannot be seen, up to ``dead_after_s``; then dead.
@@ -32,7 +33,7 @@ from typing import Any, Callable
 import zmq
 import zmq.asyncio
 
-from kvflow.protocol import (Heartbeat, Pair, PairResult, Register, Registered,
+from kvflow.protocol import (Heartbeat, Leaving, Pair, PairResult, Register, Registered,
                              Reregister, Tokens, Unpair, decode_or_log, encode)
 
 from .config import ServeConfig
@@ -83,6 +84,8 @@ class Controller:
         self.shm_names: set[str] = set()
         self.exited: set[str] = set()  # instances declared dead whose process was seen to exit
         self._asked: dict[bytes, float] = {}  # unknown instance -> when it was asked to register
+        self.pairs_sent: dict[str, set[str]] = {}  # instance -> peers it was sent a Pair for
+        self.left: set[str] = set()  # instances that stopped cleanly (Leaving)
         self._tasks: list[asyncio.Task] = []
         self._rr = 0
 
@@ -148,6 +151,7 @@ class Controller:
                 await self._answer(ident, Registered(ok=False, error=refused))
                 return
             await self._answer(ident, Registered(ok=True))
+            self.left.discard(msg.instance_id)
             info = InstanceInfo(msg, ident, now, msg.free_blocks, heartbeat_at=now)
             self.instances[msg.instance_id] = info
             self.registered_pids.add(msg.pid)
@@ -166,6 +170,8 @@ class Controller:
                 return
             ident = name.encode()
         info = self.instances.get(name)
+        if info is None and name in self.left:  # a beat that overtook its own Leaving
+            return
         if info is None:
             log.error("%s from unregistered instance %r; dropped", type(msg).__name__, ident)
             if isinstance(msg, Heartbeat) and now - self._asked.get(ident, 0.0) >= 1.0:
@@ -193,6 +199,10 @@ class Controller:
                 info.pair_ok.add(msg.peer_id)
             else:
                 self.errors.append(msg.error)
+        elif isinstance(msg, Leaving):  # a clean stop: forgotten now, logged as a stop
+            self.left.add(info.id)
+            self.instance_died(info, f"stopped by {msg.reason or 'its own request'}",
+                               stopped=True)
         elif hasattr(msg, "req_id"):
             st = self.requests.get(msg.req_id)
             if st is not None:
@@ -220,11 +230,14 @@ class Controller:
                 self.errors.append(f"kv connector mismatch: {p.id} uses {p.reg.kv_connector!r}, "
                                    f"{d.id} uses {d.reg.kv_connector!r}; not paired")
                 continue
+            self.pairs_sent.setdefault(p.id, set()).add(d.id)
+            self.pairs_sent.setdefault(d.id, set()).add(p.id)
             await self.send(p, Pair(peer_id=d.id, peer_role="decode", peer_spec=d.reg.spec,
                                     peer_num_blocks=d.reg.num_blocks, data_addr=d.reg.data_addr,
                                     shm_name=d.reg.shm_name, peer_pid=d.reg.pid,
                                     peer_host_id=d.reg.host_id, peer_fingerprint=d.reg.fingerprint,
-                                    peer_connector_md=d.reg.connector_md))
+                                    peer_connector_md=d.reg.connector_md,
+                                    lease_addr=d.reg.lease_addr))
             await self.send(d, Pair(peer_id=p.id, peer_role="prefill", peer_spec=p.reg.spec,
                                     peer_num_blocks=p.reg.num_blocks, shm_name=p.reg.shm_name,
                                     peer_pid=p.reg.pid, peer_host_id=p.reg.host_id,
@@ -255,22 +268,33 @@ class Controller:
                             info.id, state, now - info.last_seen)
                 info.liveness = state
 
-    def instance_died(self, info: InstanceInfo, why: str, *, exited: bool = False) -> None:
+    def instance_died(self, info: InstanceInfo, why: str, *, exited: bool = False,
+                      stopped: bool = False) -> None:
         """Forget a dead instance, fail the requests that still need it, unlink its segment.
         ``exited``: its process was seen to exit (else it only went silent and may still run:
-        the survivors keep what it may still read or write, :class:`~kvflow.protocol.Abort`)."""
+        the survivors keep what it may still read or write, :class:`~kvflow.protocol.Abort`).
+        ``stopped``: a clean stop (its :class:`~kvflow.protocol.Leaving`): logged at INFO, not
+        an error; its process may still be closing, so survivors judge it as a silent one."""
         self.instances.pop(info.id, None)
         if exited:
             self.exited.add(info.id)
-        self.errors.append(f"{info.role} instance {info.id} (pid {info.reg.pid}) {why}")
-        log.error("%s", self.errors[-1])
+        text = f"{info.role} instance {info.id} (pid {info.reg.pid}) {why}"
+        if stopped:
+            log.info("%s", text)
+        else:
+            self.errors.append(text)
+            log.error("%s", text)
+        self.pairs_sent.pop(info.id, None)
         for other in self.instances.values():
             # a P drops only this D's link; a D frees what it keeps for this P (lent blocks, a
-            # staging slot): at once if it exited, else kv_lease_s later
-            if info.id in other.pair_ok:
+            # staging slot): at once if it exited, else kv_lease_s later; a D still waiting to
+            # pair with it (no free staging slot) drops that pairing
+            sent = self.pairs_sent.get(other.id, set())
+            if info.id in other.pair_ok or info.id in sent:
                 asyncio.ensure_future(self.send(other, Unpair(peer_id=info.id, reason=why,
                                                               exited=exited)))
             other.pair_ok.discard(info.id)
+            sent.discard(info.id)
         if self.metrics is not None:
             self.metrics.forget(info.id, info.role)
         if info.reg.shm_name:  # kept while its owner lives: it may register again
@@ -283,7 +307,8 @@ class Controller:
             if needs:
                 st.queue.put_nowait(Tokens(req_id=req_id, token_ids=[], finished=True,
                                            finish_reason="error",
-                                           error=f"{info.role} instance {info.id} died ({why})"))
+                                           error=f"{info.role} instance {info.id} " +
+                                                 (why if stopped else f"died ({why})")))
 
     def _spec_differs(self, info: InstanceInfo) -> dict:
         """``{peer id: {field: [ours, theirs]}}`` for each paired peer whose KV cache spec
@@ -310,6 +335,7 @@ class Controller:
                                "liveness": i.liveness,
                                "max_model_len": i.reg.max_model_len, "spec": i.reg.spec,
                                "shm_name": i.reg.shm_name, "data_addr": i.reg.data_addr,
+                               "lease_addr": i.reg.lease_addr,
                                "paired_with": sorted(i.pair_ok),
                                "spec_differs": self._spec_differs(i)}
                               for i in self.instances.values()],

@@ -10,11 +10,14 @@ from the second on -> DONE. Abort, transfer error and timeout
 (``receive_timeout_s`` without KV) end the request too; every end frees its blocks, except
 blocks P may still write (:mod:`kvflow.serve.lent`).
 
-Lease: every ``heartbeat_s`` (from its loop) D sends its P's a :class:`~kvflow.protocol.LeaseRenew` naming the
-requests whose KV it still means to read; P frees sent blocks whose lease (``kv_lease_s``) ran
-out. Before reading P's memory (a connector with ``reads_peer_memory``), D checks that P's lease
-still holds (with a 20% margin) and otherwise refuses the transfer rather than read blocks P may
-have reused. docs/reliability.md has the cases.
+Lease: every ``heartbeat_s`` D's heartbeat thread (:class:`~kvflow.serve.heartbeat.Renewals`,
+on D's lease socket, not from the loop: a long decode step does not delay it) sends its P's a
+:class:`~kvflow.protocol.LeaseRenew` naming the requests whose KV it still means to read (the
+loop keeps that set current, :meth:`DecodeInstance._want_renewals`); P frees sent blocks whose
+lease (``kv_lease_s``) ran out. Before reading P's memory (a connector with
+``reads_peer_memory``), D checks that P's lease still holds (with a 20% margin, counted from
+the last renewal that left for that P) and otherwise refuses the transfer rather than read
+blocks P may have reused. docs/reliability.md has the cases.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from kvflow.segments import DEAD, process_state
 
 from .advertise import advertised_host
 from .arrivals import Arrivals, InFlight
+from .heartbeat import Renewals, lease_socket
 from .instance import Instance
 from .lent import LentBlocks
 from .pairing import check_peer, peer_of
@@ -53,6 +57,8 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
         self.receiver = None  # kvflow.connector.KVReceiver, built by setup()
         self._last_peer_check = 0.0
         self._last_renew = 0.0
+        self.renewals: Renewals | None = None  # sent by the heartbeat thread (open_channels)
+        self.lease_addr = ""
         self.waiting_pairs: dict[str, Pair] = {}  # P refused for want of a slot -> its Pair
         self.unpaired: dict[str, float] = {}  # P declared dead, not seen exit -> when (monotonic)
 
@@ -91,6 +97,8 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
     @kv_lease_s.setter
     def kv_lease_s(self, value: float) -> None:
         self.lent.kv_lease_s = value
+        if self.renewals is not None:
+            self.renewals.gap_s = 0.8 * value
 
     def open_channels(self) -> None:
         super().open_channels()
@@ -102,11 +110,20 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
         self.data_addr = f"tcp://{advertised_host(self.cfg.host, self.cfg.advertise_host)}:{port}"
         self.sockets[self.data] = "prefill link"
 
+    def lease_renewals(self) -> Renewals:
+        """D's lease socket (P's connect to :attr:`lease_addr` at pairing) and its renewals,
+        for the heartbeat thread (:meth:`~kvflow.serve.loop.EventLoop.open_channels`)."""
+        sock, port = lease_socket(self.ctx, self.cfg.host)
+        self.lease_addr = f"tcp://{advertised_host(self.cfg.host, self.cfg.advertise_host)}:{port}"
+        self.renewals = Renewals(sock, 0.8 * self.kv_lease_s)
+        return self.renewals
+
     def connector_name(self) -> str:
         return self.receiver.name
 
     def register_extra(self) -> dict[str, str]:
-        return {"data_addr": self.data_addr, **self.receiver.export()}
+        return {"data_addr": self.data_addr, "lease_addr": self.lease_addr,
+                **self.receiver.export()}
 
     # ---- control handlers -----------------------------------------------------------
     def on_pair(self, msg: Pair, frames, ident) -> None:
@@ -144,14 +161,19 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
                 return
 
     def on_unpair(self, msg: Unpair, frames, ident) -> None:
-        """Prefill instance ``msg.peer_id`` died. The router saw it exit: forget it now (the
+        """Prefill instance ``msg.peer_id`` died. One that only waited for a slot
+        (``waiting_pairs``) is dropped, nothing else. The router saw it exit: forget it now (the
         connector's state for it, e.g. a nixl staging slot and agent, and every block lent to
         it). Only silent (it may still write): a connector whose P's may live on other hosts
         forgets it ``kv_lease_s`` later unless it pairs again; lent blocks follow
         :mod:`kvflow.serve.lent`."""
-        log.warning("%s: prefill instance %s died (%s)", self.instance_id, msg.peer_id,
+        log.warning("%s: prefill instance %s is gone (%s)", self.instance_id, msg.peer_id,
                     msg.reason or "no reason given")
-        self.waiting_pairs.pop(msg.peer_id, None)
+        if self.waiting_pairs.pop(msg.peer_id, None) is not None \
+                and msg.peer_id not in self.lent.peer_pids:
+            # it only waited for a free slot: never attached, nothing of it to forget
+            log.info("%s: dropped the waiting pairing with %s", self.instance_id, msg.peer_id)
+            return
         if msg.exited:
             self._forget_peer(msg.peer_id)
         elif not self.receiver.host_local:
@@ -171,6 +193,7 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
         self.loop.allocate(msg)
         if msg.req_id in self.seqs:  # admitted: P may write its blocks from now on
             self.receiver.expect(msg.req_id)
+            self._want_renewals()  # renewed from now on, even if the next decode step is long
 
     def on_abort(self, msg: Abort, frames, ident) -> None:
         # a P that got the Prefill may still write the blocks, even one the router declared
@@ -234,19 +257,45 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
                           f"no KV from prefill within {self.receive_timeout_s:g} s")
             elif s.req.state in (DecodeState.ALLOCATED, DecodeState.RECEIVING):
                 waiting.append(s.req.request_id)
-        if waiting and self.peer_id and (force or now - self._last_renew >= self.cfg.heartbeat_s):
-            self._last_renew = now
+        self._want_renewals(waiting)
+        if self.beats is None and waiting and self.peer_id \
+                and (force or now - self._last_renew >= self.cfg.heartbeat_s):
+            self._last_renew = now  # no heartbeat thread (an instance driven by hand)
             self._renew(waiting)
         super().heartbeat(force)
 
+    def _renew_peers(self) -> list[str]:
+        """The P's a renewal goes to: every paired one (D does not know which one prefills a
+        request before its KV arrives; a P ignores ids it does not hold)."""
+        return list(self.lent.peer_pids) or ([self.peer_id] if self.peer_id else [])
+
+    def _want_renewals(self, waiting: list[str] | None = None) -> None:
+        """Tell the heartbeat thread what to renew now: the requests D still means to read
+        (``waiting``; default: those ALLOCATED or RECEIVING) with every paired P."""
+        if self.renewals is None:
+            return
+        if waiting is None:
+            waiting = [r for r, s in self.seqs.items()
+                       if s.req.state in (DecodeState.ALLOCATED, DecodeState.RECEIVING)]
+        self.renewals.want(self._renew_peers(), waiting)
+
     def _renew(self, req_ids: list[str]) -> None:
-        """LeaseRenew to every paired P (D does not know which one prefills a request before
-        its KV arrives; a P ignores ids it does not hold) for requests D still means to read."""
+        """LeaseRenew from the loop, on the data socket, where no heartbeat thread runs."""
         wall = time.time()
-        for peer in self.lent.peer_pids or [self.peer_id]:
+        for peer in self._renew_peers():
             self.send(self.data, LeaseRenew(req_ids=req_ids), ident=peer.encode())
-        for r in req_ids:
-            self.seqs[r].t_renewed = wall
+            if self.renewals is not None:
+                self.renewals.record(peer, req_ids, wall)
+
+    def _receive(self, msg, frames, ident) -> None:
+        """Before the lease check (:meth:`Arrivals._lease_ok`): the request's ``t_renewed`` is
+        the last renewal sent to this P (``ident``) that kept its lease alive since P's send,
+        0.0 if a gap longer than 0.8 x the lease came first (P may have freed the blocks)."""
+        seq = self.seqs.get(msg.req_id)
+        if seq is not None and self.renewals is not None:
+            seq.t_renewed = self.renewals.renewed_since(
+                msg.req_id, ident.decode() if ident else None, getattr(msg, "t_start", 0.0))
+        super()._receive(msg, frames, ident)
 
     def close(self) -> None:
         super().close()

@@ -7,6 +7,9 @@ variable                           effect
 ``KVFLOW_FAULT_PREFILL_DELAY_S``   P sleeps this long before a prefill (P is "prefilling")
 ``KVFLOW_FAULT_CHUNK_DELAY_S``     P sleeps this long inside each prefill chunk (a slow
                                    forward: no heartbeat can go out meanwhile)
+``KVFLOW_FAULT_STEP_DELAY_S``      D (or colocated) sleeps this long in each decode step whose
+                                   batch holds a matching request (a slow step: the loop
+                                   handles no message meanwhile)
 ``KVFLOW_FAULT_RECEIVE_DELAY_S``   D keeps an arrived transfer in flight (RECEIVING) this long
                                    before copying it (a slow transfer: abort or kill D now)
 ``KVFLOW_FAULT_WRITE_DELAY_S``     nixl P sleeps this long after posting each WRITE (layer
@@ -38,7 +41,8 @@ import os
 from typing import Sequence
 
 _VARS = {"prefill": "KVFLOW_FAULT_PREFILL_DELAY_S", "receive": "KVFLOW_FAULT_RECEIVE_DELAY_S",
-         "chunk": "KVFLOW_FAULT_CHUNK_DELAY_S", "write": "KVFLOW_FAULT_WRITE_DELAY_S"}
+         "chunk": "KVFLOW_FAULT_CHUNK_DELAY_S", "write": "KVFLOW_FAULT_WRITE_DELAY_S",
+         "step": "KVFLOW_FAULT_STEP_DELAY_S"}
 
 
 def _contains(ids: Sequence[int], run: list[int]) -> bool:
@@ -47,9 +51,9 @@ def _contains(ids: Sequence[int], run: list[int]) -> bool:
 
 
 def delay_s(kind: str, token_ids: Sequence[int]) -> float:
-    """Seconds of injected delay for fault ``kind`` ("prefill", "chunk", "receive" or "write")
-    of a request with prompt ``token_ids``; 0.0 when the fault is off or the prompt does not
-    match."""
+    """Seconds of injected delay for fault ``kind`` ("prefill", "chunk", "step", "receive" or
+    "write") of a request with prompt ``token_ids``; 0.0 when the fault is off or the prompt
+    does not match."""
     value = os.environ.get(_VARS[kind], "")
     if not value:
         return 0.0

@@ -3,9 +3,10 @@ messages to ``on_<type>`` handlers, heartbeats.
 
 :meth:`EventLoop.serve_forever` polls the sockets, hands each decoded message to its handler,
 does one unit of work (:meth:`EventLoop.work`: a prefill on P, a decode step on D) and its
-housekeeping (:meth:`EventLoop.heartbeat`: expiries, lease renewals). The heartbeat that tells
-the router this instance lives (free blocks, running requests) goes out every ``heartbeat_s``
-from a thread of its own (:mod:`kvflow.serve.heartbeat`), which no compute blocks. Malformed frames are logged and dropped
+housekeeping (:meth:`EventLoop.heartbeat`: expiries; on D, what to renew). The heartbeat that
+tells the router this instance lives (free blocks, running requests) and D's lease renewals to
+its P's go out every ``heartbeat_s`` from a thread of its own (:mod:`kvflow.serve.heartbeat`),
+which no compute blocks. Malformed frames are logged and dropped
 (:func:`kvflow.protocol.decode_or_log`); a handler that raises is logged and the loop goes on.
 """
 
@@ -20,7 +21,7 @@ from typing import Any
 import zmq
 
 from kvflow.context import sends_allowed
-from kvflow.protocol import Heartbeat, decode_or_log, encode
+from kvflow.protocol import Heartbeat, Leaving, decode_or_log, encode
 
 from .heartbeat import HeartbeatThread, next_seq
 
@@ -37,6 +38,7 @@ class EventLoop:
 
     instance_id: str
     cfg: Any
+    LEAVE_LINGER_MS = 300  # how long a stopping instance waits for its Leaving to go
 
     def __init__(self) -> None:
         self.stopping = False
@@ -47,6 +49,7 @@ class EventLoop:
         self.messages_sent = 0
         self.beats: HeartbeatThread | None = None
         self.stop_signal: tuple[int, float] | None = None  # (signum, monotonic time received)
+        self._ctrl_linger_ms = 0
 
     def open_channels(self) -> None:
         """Create the ZMQ context and the control socket to the router (after the profile
@@ -63,8 +66,14 @@ class EventLoop:
         self.beats = HeartbeatThread(self.ctx, self.instance_id, self.cfg.router_url,
                                      self.heartbeat_message, self.cfg.heartbeat_s,
                                      parent_pid=self.cfg.parent_pid or 0,
-                                     on_orphan=lambda: setattr(self, "stopping", True))
+                                     on_orphan=lambda: setattr(self, "stopping", True),
+                                     renewals=self.lease_renewals())
         self.beats.start()
+
+    def lease_renewals(self):
+        """The :class:`~kvflow.serve.heartbeat.Renewals` the heartbeat thread sends (D: its
+        lease renewals to P's), or None; called once, in :meth:`open_channels`."""
+        return None
 
     # ---- sending --------------------------------------------------------------------
     def send_ctrl(self, msg: Any) -> None:
@@ -165,11 +174,28 @@ class EventLoop:
                     self.work()
                 self.heartbeat()
         finally:
+            self._leave()
             self.close()
             if self.stop_signal is not None:
                 signum, t0 = self.stop_signal
                 log.info("%s: stopped by %s in %.2f s (sockets and cache closed)", self.instance_id,
                          signal.Signals(signum).name, time.monotonic() - t0)
+
+    def _leave(self) -> None:
+        """A stop by SIGINT/SIGTERM tells the router (:class:`~kvflow.protocol.Leaving`), so
+        that it logs a stop, not a death; :meth:`close` then gives the message up to
+        ``LEAVE_LINGER_MS`` to leave."""
+        if self.stop_signal is None or self.ctrl is None or self.ctrl.closed:
+            return
+        if self.beats is not None:  # no beat may follow the Leaving (the router would ask
+            self.beats.stop()       # this instance to register again)
+            self.beats = None
+        name = signal.Signals(self.stop_signal[0]).name
+        try:
+            self.ctrl.send(encode(Leaving(instance_id=self.instance_id, reason=name)), zmq.NOBLOCK)
+            self._ctrl_linger_ms = self.LEAVE_LINGER_MS
+        except zmq.ZMQError:  # the router is gone or its queue is full: it judges the exit
+            pass
 
     def _on_stop_signal(self, signum: int, frame) -> None:
         """SIGINT / SIGTERM while serving: only set ``stopping``; the loop ends after the
@@ -183,7 +209,7 @@ class EventLoop:
             self.beats.stop()
             self.beats = None
         for sock in list(self.sockets):
-            sock.close(0)
+            sock.close(self._ctrl_linger_ms if sock is self.ctrl else 0)
         self.sockets.clear()
         if self.ctx is not None:
             self.ctx.term()

@@ -12,6 +12,9 @@ Per request: queued -> prefill (the connector runs :meth:`Engine.prefill`, chunk
 :mod:`kvflow.serve.first_token`) -> :class:`Held` until D's :class:`~kvflow.protocol.KVAck`. An
 Abort, a failed prefill or transfer (also a layerwise one reported after the prefill), or a
 lease that ends without D's renewal (``kv_lease_s``, docs/reliability.md) frees the blocks.
+D's renewals come on a socket of their own (a DEALER to D's ``Pair.lease_addr``, from D's
+heartbeat thread); P reads them before it judges a lease, so a long prefill of its own does not
+expire a lease whose renewals wait unread.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class PrefillInstance(Instance):
         self.pending: dict[str, Held] = {}
         self.received: dict[str, float] = {}  # queued request -> time.monotonic() of its Prefill
         self.connector = None  # kvflow.connector.KVSender, built by setup()
+        self.lease_links: dict[str, Any] = {}  # D id -> DEALER to its lease socket
 
     # ---- start-up -------------------------------------------------------------------
     def setup(self) -> None:
@@ -115,6 +119,8 @@ class PrefillInstance(Instance):
             try:
                 link = self.connector.attach(peer_of(msg), self.ctx)
                 self.sockets[link] = f"decode {msg.peer_id}"
+                if msg.lease_addr:
+                    self._lease_link(msg.peer_id, msg.lease_addr)
             except Exception as exc:
                 error = f"cannot attach to {msg.peer_id}: {exc}"
         if error:
@@ -127,11 +133,25 @@ class PrefillInstance(Instance):
                     msg.reason or "no reason given")
         self._unpair(msg.peer_id)
 
+    def _lease_link(self, peer_id: str, addr: str) -> None:
+        """Connect to D ``peer_id``'s lease socket at ``addr`` (its LeaseRenew come on it)."""
+        import zmq
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.instance_id.encode())  # D renews by P's id
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(addr)
+        self.lease_links[peer_id] = sock
+        self.sockets[sock] = f"decode {peer_id} leases"
+
     def _unpair(self, peer_id: str) -> None:
-        """Detach D ``peer_id`` (its link and whatever the connector holds for it)."""
+        """Detach D ``peer_id`` (its links and whatever the connector holds for it)."""
         link = self.connector.links.get(peer_id)
         if link is not None:
             self.sockets.pop(link, None)
+        lease = self.lease_links.pop(peer_id, None)
+        if lease is not None:
+            self.sockets.pop(lease, None)
+            lease.close(0)
         self.connector.detach(peer_id)
 
     def _not_paired(self, decode_id: str) -> str:
@@ -252,10 +272,12 @@ class PrefillInstance(Instance):
                                           f"{self.instance_id} failed: {exc}"))
 
     def _expire(self) -> None:
+        for sock in list(self.lease_links.values()):  # renewals that came during a long
+            self.drain(sock)                          # prefill count before any lease ends
         now = time.monotonic()
         for req_id, held in list(self.pending.items()):
             if now - held.t_renewed > self.kv_lease_s:
-                log.error("%s: no ack or lease renewal for %s in %.0f s; blocks freed",
+                log.error("%s: no ack or lease renewal for %s in %g s; blocks freed",
                           self.instance_id, req_id, self.kv_lease_s)
                 self._release(req_id)
 
@@ -268,6 +290,10 @@ class PrefillInstance(Instance):
     def close(self) -> None:
         for link in self.connector.links.values() if self.connector is not None else ():
             self.sockets.pop(link, None)
+        for sock in self.lease_links.values():
+            self.sockets.pop(sock, None)
+            sock.close(0)
+        self.lease_links.clear()
         if self.connector is not None:
             self.connector.close()  # before the ZMQ context ends: it owns sockets
         super().close()

@@ -22,6 +22,7 @@ from typing import Any
 from kvflow.protocol import Allocate, Allocated, Rejected, Tokens
 from kvflow.blocks import AdmissionError, NoFreeBlocksError, PrefixCache, Request, admission_check
 
+from . import faults
 from .sampling import sample_token, stop_reason
 from .timings import stamp
 
@@ -37,7 +38,7 @@ class Seq:
     kvflow: dict[str, Any] = dataclasses.field(default_factory=dict)
     t_alloc: float = dataclasses.field(default_factory=time.monotonic)
     num_cached_blocks: int = 0      # logical blocks 0..k-1 came from the prefix cache
-    t_renewed: float = 0.0          # time.time() of the last LeaseRenew that named it
+    t_renewed: float = 0.0          # time.time() of the last LeaseRenew that kept its lease (D)
     reported: bool = False          # this instance sent the router its kvflow block
 
 
@@ -190,6 +191,9 @@ class DecodeLoop:
         """One decode step of every running request; a failed step ends them all."""
         batch = self.running()
         items = [(s.req.output_token_ids[-1], s.req.num_tokens - 1, s.req.block_table) for s in batch]
+        delay = max((faults.delay_s("step", s.req.prompt_token_ids) for s in batch), default=0.0)
+        if delay:  # test fault: a slow decode step (the loop is blocked meanwhile)
+            time.sleep(delay)
         try:
             logits = self.inst.engine.decode(items)
         except Exception as exc:
