@@ -180,11 +180,5 @@ def test_the_registry_users_of_serve_name_no_kind():
             for hit in kind_literals(SERVE / name)] == []
 
 
-LEFT = ("decode.py:74 and prefill.py:83 (--kv-verify's refusal names 'ipc-pull and tcp'; "
-        "should read kinds.with_capability('kv_verify'), or rely on the flag check of "
-        "kvflow/serve/checks.py)")
-
-
-@pytest.mark.xfail(strict=True, reason=f"serve files owned by others still name kinds: {LEFT}")
 def test_serve_names_no_kind_but_through_the_registry():
     assert [hit for path in sorted(SERVE.glob("*.py")) for hit in kind_literals(path)] == []

@@ -27,7 +27,7 @@ import time
 
 import zmq
 
-from kvflow.connector import SlotsTaken
+from kvflow.connector import SlotsTaken, kinds
 from kvflow.protocol import Abort, Allocate, KVPushed, LeaseRenew, Pair, PairResult, Unpair
 from kvflow.blocks import DecodeState, PrefixCache
 from kvflow.segments import DEAD, process_state
@@ -77,7 +77,8 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
             raise StartupError(str(exc)) from None
         if cfg.kv_verify:  # checked with the flags too (kvflow.serve.checks); never ignored
             if not hasattr(self.receiver, "verify"):
-                raise StartupError(f"--kv-verify checks the ipc-pull and tcp connectors, not "
+                verified = " and ".join(kinds.with_capability("kv_verify"))
+                raise StartupError(f"--kv-verify checks the {verified} connectors, not "
                                    f"{self.receiver.name}")
             self.receiver.verify = True
         self.cache = self.receiver.make_cache(self.num_blocks)

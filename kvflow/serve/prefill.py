@@ -69,7 +69,7 @@ class PrefillInstance(Instance):
 
     # ---- start-up -------------------------------------------------------------------
     def setup(self) -> None:
-        from kvflow.connector import bind_to_host, make_sender
+        from kvflow.connector import bind_to_host, kinds, make_sender
         from kvflow.engine import Engine
         from kvflow.blocks import BlockAllocator
         cfg = self.cfg
@@ -84,7 +84,8 @@ class PrefillInstance(Instance):
             raise StartupError(str(exc)) from None
         if cfg.kv_verify:  # checked with the flags too (kvflow.serve.checks); never ignored
             if not hasattr(self.connector, "verify"):
-                raise StartupError(f"--kv-verify checks the ipc-pull and tcp connectors, not "
+                verified = " and ".join(kinds.with_capability("kv_verify"))
+                raise StartupError(f"--kv-verify checks the {verified} connectors, not "
                                    f"{self.connector.name}")
             self.connector.verify = True
         self.cache = self.connector.make_cache(self.num_blocks)
