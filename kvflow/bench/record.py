@@ -14,7 +14,8 @@ main thread sits in a native call (a numba or LLVM compile, a large torch op) an
 the signal after :data:`GRACE_S` seconds, or the study has not stopped :data:`STOP_LIMIT_S`
 seconds after it, a watchdog thread (woken by the signal through :func:`signal.set_wakeup_fd`)
 writes the same file and line and ends the process with that code; a second signal does so at
-once. Where the raise is swallowed (inside a ``__del__`` or a library callback), the next row
+once; before it ends the process it runs the clean-ups registered with :func:`on_exit` (a
+study's servers: stopped, their segments unlinked). Where the raise is swallowed (inside a ``__del__`` or a library callback), the next row
 appended raises it again: the study stops between cases at the latest. A killed run (SIGKILL) leaves its ``.partial.jsonl``.
 """
 
@@ -92,6 +93,14 @@ class RowSink(list):
                       f"({time.perf_counter() - self.t0:.1f} s)")
         if self.check is not None:
             self.check()
+
+    def settle(self, rows) -> None:
+        """Make ``rows`` the study's rows for the result file (e.g. rows pooled over repeated
+        server starts, from the rows saved as measured); the ``.partial.jsonl`` keeps the rows
+        as they were measured. Nothing is printed."""
+        rows = list(rows)
+        with self.lock:
+            self[:] = rows
 
     def _say(self, line: str) -> None:
         if not self.quiet:
@@ -172,11 +181,35 @@ class _Run:
         try:
             say(self.write_partial())
         finally:
+            _run_exit_cleanups()
             sys.stderr.flush()
             os._exit(EXIT_CODES[signal.Signals[self.signame]])
 
 
 _ACTIVE: _Run | None = None
+_CLEANUPS: list = []
+
+
+@contextlib.contextmanager
+def on_exit(fn):
+    """While inside, ``fn()`` runs if the study is ended at once (by the watchdog or a second
+    signal, which leave by ``os._exit`` and so skip every ``finally``); e.g. a server it started
+    is stopped. ``fn`` should bound its own time. The normal way out (the first signal raises
+    :class:`Interrupted`) runs the study's own ``finally`` clauses instead."""
+    _CLEANUPS.append(fn)
+    try:
+        yield fn
+    finally:
+        with contextlib.suppress(ValueError):
+            _CLEANUPS.remove(fn)
+
+
+def _run_exit_cleanups() -> None:
+    for fn in reversed(list(_CLEANUPS)):
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - the process ends next; say it, run the rest
+            say(f"clean-up {getattr(fn, '__name__', fn)} failed: {type(exc).__name__}: {exc}")
 
 
 def rows(env: dict[str, Any], opts: dict[str, Any] | None = None) -> list:

@@ -1,8 +1,12 @@
 """The one server launcher of the studies: ``python -m kvflow.serve`` on a free loopback port,
-healthy before use, stopped with SIGINT (SIGKILL after 15 s) afterwards.
+healthy before use, stopped afterwards by :func:`stop_server` (SIGINT; SIGKILL to every process
+of its tree still running after 15 s; then the ``kvflow-*`` segments those left are unlinked).
 
-Server flags are the serve CLI's own (``--mode``, ``--kv-connector``, ``--kv-connector-config``,
-``--layerwise-min-tokens``, ...; ``python -m kvflow.serve --help``).
+While it runs, the server is registered with :func:`kvflow.bench.record.on_exit`, so a study
+that the watchdog or a second signal ends at once (``os._exit``) stops it too: no orphan process,
+no segment left in /dev/shm. Server flags are the serve CLI's own (``--mode``,
+``--kv-connector``, ``--kv-connector-config``, ``--layerwise-min-tokens``, ...;
+``python -m kvflow.serve --help``).
 """
 
 from __future__ import annotations
@@ -16,6 +20,11 @@ import subprocess
 import sys
 import time
 from typing import Iterator
+
+#: Seconds a server has to stop after SIGINT in a normal stop (it takes ~0.5 s at load 10).
+STOP_GRACE_S = 15.0
+#: The same after a second signal or the watchdog (the study is ending at once).
+HURRY_GRACE_S = 3.0
 
 
 def free_port() -> int:
@@ -47,30 +56,117 @@ def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None)
     raise RuntimeError(f"{url}/health was not 200 within {timeout} s")
 
 
+def process_tree(pid: int) -> set[int]:
+    """``pid`` and the pids of every live process below it (read from /proc; the server's
+    instances start sessions of their own, so its process group does not hold them). Only
+    ``{pid}`` where /proc is absent."""
+    parent: dict[int, int] = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                try:
+                    with open(f"/proc/{name}/stat") as f:
+                        text = f.read()
+                except OSError:
+                    continue
+                fields = text[text.rindex(")") + 2:].split()
+                if fields[0] not in "ZX":
+                    parent[int(name)] = int(fields[1])
+    tree, frontier = {pid}, {pid}
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier and p not in tree}
+        tree |= frontier
+    return tree
+
+
+def _signal(pids: set[int], sig: int) -> None:
+    for p in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, sig)
+
+
+def _running(tree: dict[int, int | None]) -> set[int]:
+    """The pids of ``tree`` (pid -> start time) still running as the same process (a pid that
+    was reused by another process is not one of them: it is never signalled)."""
+    from kvflow.segments import process_exited, process_start_time
+    return {p for p, start in tree.items()
+            if not process_exited(p) and process_start_time(p) == start}
+
+
+def unlink_segments_of(pids: set[int]) -> list[str]:
+    """Unlink the ``kvflow-*`` segments whose owner is one of ``pids`` and has exited (what a
+    SIGKILLed instance leaves); returns their names."""
+    from kvflow.segments import DEAD, SHM_DIR, owner_state, parse_name, unlink
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in sorted(os.listdir(SHM_DIR)):
+            parsed = parse_name(entry)
+            if (parsed is not None and parsed.owner.pid in pids
+                    and owner_state(parsed.owner) == DEAD and unlink(entry)):
+                removed.append(entry)
+    return removed
+
+
+class Server:
+    """A started ``python -m kvflow.serve`` (``proc``, ``url``) and its stop, which two threads
+    may call at once (the study's ``finally`` and the watchdog), and more than once."""
+
+    def __init__(self, proc: subprocess.Popen, url: str) -> None:
+        self.proc, self.url = proc, url
+        self.tree: dict[int, int | None] = {}  # pid -> start time, filled at the stop
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> set[int]:
+        """SIGINT to the server (a second call sends it again: the server hurries); SIGKILL to
+        every process of its tree still running after ``grace_s`` s; then unlink the segments
+        of its processes. Returns the pids that needed SIGKILL (empty after a clean stop)."""
+        proc = self.proc
+        if proc.poll() is None:
+            from kvflow.segments import process_start_time
+            for pid in process_tree(proc.pid):  # before the signal: its children re-parent
+                self.tree.setdefault(pid, process_start_time(pid))
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + grace_s  # no lock: a hurried call must not wait on this one
+        while _running(self.tree) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        killed = _running(self.tree)
+        _signal(killed, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+        deadline = time.monotonic() + 10
+        while _running(self.tree) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        removed = unlink_segments_of(set(self.tree))
+        if killed or removed:
+            from .record import say
+            say(f"kvflow.bench: the server (pid {proc.pid}) did not stop within {grace_s:g} s: "
+                f"killed pids {sorted(killed)}, unlinked segments {removed}")
+        return killed
+
+
 @contextlib.contextmanager
 def started_server(mode: str = "disagg", extra_args: str | list[str] = "", timeout: float = 120.0,
                    log_path: str | None = None) -> Iterator[str]:
-    """Start ``python -m kvflow.serve --mode mode [extra_args]`` on a free port; yield its URL.
+    """Start ``python -m kvflow.serve --mode mode [extra_args]`` on a free port; yield its URL;
+    stop it on the way out (:meth:`Server.stop`), also when the study is interrupted.
 
     ``log_path`` takes the server's stdout and stderr (default: inherited)."""
+    from .record import on_exit
     port = free_port()
     extra = shlex.split(extra_args) if isinstance(extra_args, str) else list(extra_args)
     cmd = [sys.executable, "-m", "kvflow.serve", "--host", "127.0.0.1", "--port", str(port),
            "--mode", mode, *extra]
     log = open(log_path, "w") if log_path else None
-    proc = subprocess.Popen(cmd, start_new_session=True, stdout=log,
-                            stderr=subprocess.STDOUT if log else None)
-    url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(url, timeout, proc)
-        yield url
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
+        proc = subprocess.Popen(cmd, start_new_session=True, stdout=log,
+                                stderr=subprocess.STDOUT if log else None)
+        server = Server(proc, f"http://127.0.0.1:{port}")
+        with on_exit(lambda: server.stop(HURRY_GRACE_S)):
             try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                wait_healthy(server.url, timeout, proc)
+                yield server.url
+            finally:
+                server.stop()
+    finally:
         if log:
             log.close()
