@@ -79,6 +79,7 @@ def _interrupt(study: list[str], tmp_path: Path, sig: signal.Signals) -> dict:
     threading.Thread(target=_lines, args=(proc.stdout, q), daemon=True).start()
     seen: list[str] = []
     name = study[0]
+    tree: set[int] = set()
     try:
         _wait_for(q, rf"^{name}: row 1: ", 150, seen)
         os.kill(proc.pid, signal.SIGSTOP)  # no row lands between the read and the signal
@@ -96,6 +97,11 @@ def _interrupt(study: list[str], tmp_path: Path, sig: signal.Signals) -> dict:
         left_segments = _owned_segments(tree)
     finally:
         reap.reap(proc, grace_s=5)
+        for pid in tree - {proc.pid}:  # a server left behind (the test fails): end it here
+            if reap.live(pid):
+                os.kill(pid, signal.SIGKILL)
+        for seg in _owned_segments(tree):
+            segments.unlink(seg)
     log = Path(tempfile.gettempdir()) / f"kvflow-soak-server-{proc.pid}.log"  # soak's server log
     server_lines = seen
     if log.exists():
