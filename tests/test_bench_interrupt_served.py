@@ -6,7 +6,9 @@ SIGINT or SIGTERM and lets it go on (SIGCONT). It must exit 130 / 143 with one l
 result file; the file holds exactly the rows the partial file held, marked interrupted; the
 server stopped cleanly (its own "stopped" line, no SIGKILL); no process of the study's tree and
 no ``kvflow-*`` segment of it is left. Then the server stop's fallback (SIGKILL to a tree that
-ignores SIGINT, its segments unlinked) and the watchdog's clean-ups, without a server.
+ignores SIGINT, its segments unlinked) run by the watchdog, with a stand-in server; and a
+complete ``serve`` file, where load steps of one rate are pooled (against
+``test_bench_loadgen``'s fake server).
 
 Every wait is bounded.
 """
@@ -28,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from kvflow import segments
+from kvflow.bench import loadgen
 from kvflow.bench.record import partial_path
 from kvflow.bench.schema import read_results
 from . import reap
@@ -66,6 +69,24 @@ def _wait_for(q: queue.Queue, pattern: str, timeout_s: float, seen: list[str]) -
     raise AssertionError(f"no line matching {pattern!r} within {timeout_s} s; got {seen[-20:]}")
 
 
+def _wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
+    """Until every thread of ``pid`` is stopped (state T): SIGSTOP takes effect a moment after
+    ``kill`` returns."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                continue
+        if states and all(st in "tT" for st in states):
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"pid {pid} not stopped within {timeout_s} s")
+
+
 def _owned_segments(pids: set[int]) -> list[str]:
     return sorted(e for e in os.listdir(segments.SHM_DIR)
                   if (p := segments.parse_name(e)) is not None and p.owner.pid in pids)
@@ -83,6 +104,7 @@ def _interrupt(study: list[str], tmp_path: Path, sig: signal.Signals) -> dict:
     try:
         _wait_for(q, rf"^{name}: row 1: ", 150, seen)
         os.kill(proc.pid, signal.SIGSTOP)  # no row lands between the read and the signal
+        _wait_stopped(proc.pid)
         tree = reap.descendants(proc.pid) | {proc.pid}
         owned = _owned_segments(tree)
         (partial,) = tmp_path.glob("*.partial.jsonl")
@@ -107,9 +129,9 @@ def _interrupt(study: list[str], tmp_path: Path, sig: signal.Signals) -> dict:
     if log.exists():
         server_lines = log.read_text().splitlines()
         log.unlink()
-    return {"server_lines": server_lines, "header": header, "saved": saved, "stop": stop, "code": code, "stop_s": stop_s,
-            "tree": tree, "owned": owned, "left": left, "left_segments": left_segments,
-            "seen": seen}
+    return {"server_lines": server_lines, "header": header, "saved": saved, "stop": stop,
+            "code": code, "stop_s": stop_s, "tree": tree, "owned": owned, "left": left,
+            "left_segments": left_segments, "seen": seen}
 
 
 def _check_common(got: dict, name: str, sig: signal.Signals, code: int, tmp_path: Path) -> dict:
@@ -218,7 +240,11 @@ def test_watchdog_stops_the_server_and_unlinks_what_its_killed_tree_left(tmp_pat
     parent = child = 0
     segment = ""
     try:
-        parent, word, child, segment = proc.stdout.readline().split()
+        first = proc.stdout.readline().split()
+        if len(first) != 4:  # the stand-in did not start: say why
+            proc.kill()
+            raise AssertionError(f"{first}: {proc.communicate(timeout=10)[1][-2000:]}")
+        parent, word, child, segment = first
         parent, child = int(parent), int(child)
         assert word == "tree" and segment in os.listdir(segments.SHM_DIR)
         assert proc.stdout.readline().strip() == "stuck"
@@ -253,8 +279,11 @@ def test_serve_steps_of_one_rate_are_pooled_in_the_complete_file(fake_url, tmp_p
     assert main(["serve", "--quick", "--url", fake_url, "--rate", "20,20,inf", "--out-dir",
                  str(tmp_path), "--slo-ttft-ms", "5000", "--slo-tpot-ms", "5000"]) == 0
     err = capsys.readouterr().err
-    steps = [line.split(": ", 2)[1] for line in err.splitlines() if line.startswith("serve: row ")]
-    assert steps == ["row 1", "row 2", "row 3"]  # each load step saved as it was measured
+    steps = [re.sub(r" \([\d.]+ s\)$", "", line) for line in err.splitlines()
+             if line.startswith("serve: row ")]
+    tokens = round(sum(w.prompt_tokens for w in loadgen.build_workload(8, "16:48", "4:8")) / 8)
+    assert steps == [f"serve: row {k}: serve disagg {tokens} tokens {rate} req/s 8/8 done"
+                     for k, rate in ((1, 20), (2, 20), (3, "inf"))]  # each step saved as measured
     (path,) = tmp_path.glob("serve-*.json")
     data = read_results(path)
     assert data["complete"] is True and not partial_path(path).exists()

@@ -15,8 +15,9 @@ the signal after :data:`GRACE_S` seconds, or the study has not stopped :data:`ST
 seconds after it, a watchdog thread (woken by the signal through :func:`signal.set_wakeup_fd`)
 writes the same file and line and ends the process with that code; a second signal does so at
 once; before it ends the process it runs the clean-ups registered with :func:`on_exit` (a
-study's servers: stopped, their segments unlinked). Where the raise is swallowed (inside a ``__del__`` or a library callback), the next row
-appended raises it again: the study stops between cases at the latest. A killed run (SIGKILL) leaves its ``.partial.jsonl``.
+study's servers: stopped, their segments unlinked). Where the raise is swallowed (inside a
+``__del__`` or a library callback), the next row appended raises it again: the study stops
+between cases at the latest. A killed run (SIGKILL) leaves its ``.partial.jsonl``.
 """
 
 from __future__ import annotations
@@ -56,12 +57,13 @@ def partial_path(path: Path) -> Path:
 
 class RowSink(list):
     """The row list of a study run by :func:`run_study`: every ``append``/``extend``/``+=``
-    writes the new rows to the ``.partial.jsonl`` at once (flushed) and prints a progress line."""
+    writes the new rows to the ``.partial.jsonl`` at once (flushed) and prints a progress line;
+    once a signal came it saves no more rows (it raises :class:`Interrupted` instead)."""
 
     def __init__(self, path: Path, header: dict[str, Any], study: str, quiet: bool,
                  check=None) -> None:
         super().__init__()
-        self.check = check  # called after each row: raises Interrupted once a signal came
+        self.check = check  # called before and after each row: raises Interrupted after a signal
         self.path, self.header, self.study, self.quiet = Path(path), header, study, quiet
         self.lock = threading.RLock()
         self.done = False  # the result file is written (complete or interrupted)
@@ -78,6 +80,8 @@ class RowSink(list):
 
     def extend(self, rows) -> None:
         rows = list(rows)
+        if self.check is not None:
+            self.check()  # a row measured after the signal is not saved (the study stops)
         with self.lock:
             if self._file is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -121,13 +125,22 @@ class RowSink(list):
 
 
 def describe(row: dict) -> str:
-    """``gather torch NHD bfloat16 64 tokens 12.31 GB/s``: a row in one progress line."""
+    """``gather torch NHD bfloat16 64 tokens 12.31 GB/s`` (a served load step: ``serve disagg 24
+    tokens 4 req/s 3/3 done``; a soak window: ``... window 2 (2.0-3.0 s) 17/18 done``): a row in
+    one progress line."""
     words = [str(row[k]) for k in ("op", "backend", "layout", "dtype") if row.get(k)]
     if row.get("tokens"):
         words.append(f"{row['tokens']} tokens")
     gbps = row.get("as_called_gbps") or row.get("gbps")
-    if gbps:
+    served = row.get("op") in ("serve", "soak", "soak_window")  # GB/s of an E2E time: none
+    if gbps and not served:
         words.append(f"{gbps:.3g} GB/s")
+    if "rate" in row and row.get("op") == "serve":  # a served load step: rate None is inf
+        words.append(f"{'inf' if row['rate'] is None else format(row['rate'], 'g')} req/s")
+    if row.get("window") is not None:  # a soak window
+        words.append(f"window {row['window']} ({row.get('t0_s')}-{row.get('t1_s')} s)")
+    if "completed" in row or "ok" in row:
+        words.append(f"{row.get('completed', row.get('ok'))}/{row.get('requests')} done")
     return " ".join(words)
 
 

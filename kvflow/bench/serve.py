@@ -5,8 +5,9 @@
 Each mode is started ``--starts`` times (default 2, modes interleaved) and a row pools every
 start. Each load step (start, mode, rate) is saved as a row as soon as it is measured, and the
 first SIGINT or SIGTERM stops the study with those rows and stops the server it started
-(:func:`run_serve`). Rows are :func:`kvflow.bench.schema.make_row` rows with ``op="serve"``, ``backend`` = the
-mode, ``time_s`` = the median E2E latency, plus the keys of :func:`kvflow.bench.loadgen.summarize`,
+(:func:`run_serve`). Rows are :func:`kvflow.bench.schema.make_row` rows with ``op="serve"``,
+``backend`` = the mode, ``time_s`` = the median E2E latency, plus the keys of
+:func:`kvflow.bench.loadgen.summarize`,
 the per-request ``ttft_ms`` / ``tpot_ms`` lists (for the CDF plots of the report), ``hops_ms``
 (the per-hop medians) and every response's ``kvflow``. The printed headline is
 TTFT(disagg) / TTFT(colocated) with the time to the second token (TTST) and the per-hop
