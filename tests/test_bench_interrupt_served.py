@@ -10,6 +10,8 @@ ignores SIGINT, its segments unlinked) run by the watchdog, with a stand-in serv
 complete ``serve`` file, where load steps of one rate are pooled (against
 ``test_bench_loadgen``'s fake server).
 
+A second signal during a slow clean stop: one line, and the clean-ups run to their end.
+
 Every wait is bounded.
 """
 
@@ -290,3 +292,59 @@ def test_serve_steps_of_one_rate_are_pooled_in_the_complete_file(fake_url, tmp_p
     assert [(r["rate"], r["requests"], r["completed"], r["starts"], r["start"])
             for r in data["rows"]] == [(20.0, 16, 16, 1, None), (None, 8, 8, 1, None)]
     assert len(data["rows"][0]["ttft_ms"]) == 16
+
+
+_SLOW_STOP = """
+import sys, time
+from pathlib import Path
+from types import SimpleNamespace
+from kvflow.bench import cli, record
+from kvflow.bench.schema import make_row
+env = {"device": "Test CPU", "device_type": "cpu", "torch": None, "triton": None, "numba": None,
+       "commit": "abc", "date": "2026-12-02T03:00:00+00:00"}
+
+def stopped():  # a server's stop that takes its time (as Server.stop)
+    time.sleep(1.0)
+    Path(sys.argv[1], "stopped").write_text("yes")
+
+def study(args):
+    rows = cli.rows(env, {"x": 1})
+    with record.on_exit(stopped):
+        try:
+            rows.append(make_row(env, op="serve", backend="disagg", spec=None, tokens=16,
+                                 blocks=0, payload_bytes=0, times_s=[0.1], ceiling_s=None))
+            print("row", flush=True)
+            time.sleep(60)
+        finally:
+            time.sleep(5)  # a slow clean stop: the second signal comes in here
+    return 0
+
+args = SimpleNamespace(study="serve", out_dir=sys.argv[1], name=None, no_progress=True,
+                       _argv=["serve"])
+sys.exit(record.run_study(args, study))
+"""
+
+
+def test_second_signal_runs_the_clean_ups_before_the_process_ends(tmp_path):
+    proc = reap.spawn([sys.executable, "-c", _SLOW_STOP, str(tmp_path)], cwd=ROOT, text=True,
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline().strip() == "row"
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)  # the main thread is in the study's finally by now
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        reap.reap(proc, grace_s=5)
+    path = tmp_path / "serve-cpu-20261202-030000.json"
+    assert proc.returncode == 130, err
+    # one line (whichever thread took the second signal), then the clean-up ran to its end
+    assert [line for line in err.splitlines() if "interrupted" in line] == [
+        f"serve: interrupted by SIGINT: 1 rows in {path} (marked interrupted)"], err
+    assert (tmp_path / "stopped").exists(), err
+    assert (tmp_path / "stopped").read_text() == "yes"
+    assert read_results(path)["interrupted"] == "SIGINT"
+    assert 1.3 <= took < 5, took  # the clean-up's 1 s, not the study's 5 s finally

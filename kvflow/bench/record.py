@@ -213,8 +213,10 @@ def on_exit(fn):
     try:
         yield fn
     finally:
-        with contextlib.suppress(ValueError):
-            _CLEANUPS.remove(fn)
+        run = _ACTIVE
+        if run is None or not run.exiting.locked():  # else the watchdog is about to run it
+            with contextlib.suppress(ValueError):
+                _CLEANUPS.remove(fn)
 
 
 def _run_exit_cleanups() -> None:
@@ -323,6 +325,17 @@ def exit_fast(code: int) -> None:
         os._exit(code)
 
 
+def _await_exit_now(run: _Run) -> None:
+    """If the watchdog (a second signal) is already ending the process, let it: it says the
+    line and runs the :func:`on_exit` clean-ups (a server's stop) before ``os._exit``."""
+    deadline = time.monotonic() + STOP_LIMIT_S
+    while run.exiting.locked() and time.monotonic() < deadline:
+        try:
+            time.sleep(0.05)
+        except Interrupted:
+            pass
+
+
 def run_study(args, fn) -> int:
     """Run ``fn(args)`` (a study's ``run``) with its rows saved as measured; on the first SIGINT
     or SIGTERM write the rows so far, say where, and return 130 or 143 (see the module doc).
@@ -336,6 +349,7 @@ def run_study(args, fn) -> int:
                 return int(fn(args) or 0)
             except Interrupted as exc:
                 run.signame = exc.signame
+                _await_exit_now(run)
                 say(run.write_partial())
                 return EXIT_CODES[signal.Signals[exc.signame]]
             finally:
