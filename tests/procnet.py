@@ -1,5 +1,5 @@
 """A process's CPU time, read from /proc (Linux; no psutil). Its listening sockets:
-:func:`kvflow.bench.server.listening`."""
+:func:`kvflow.bench.ports.listening`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A `python -m kvflow.serve` process for tests: start on a free port (again on another when
-the port was taken: :class:`kvflow.bench.server.Launch`), wait for /health 200, query it, stop it
+the port was taken: :class:`kvflow.bench.ports.Launch`), wait for /health 200, query it, stop it
 with a signal and check that nothing is left behind."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 
 import httpx
 
-from kvflow.bench.server import Launch, http_ok, serve_cmd
+from kvflow.bench.ports import Launch, http_ok, serve_cmd
 from kvflow.segments import process_exited
 
 SMALL = ["--max-model-len", "512", "--memory-budget-mb", "32", "--max-num-batched-tokens", "256"]

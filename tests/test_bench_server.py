@@ -16,8 +16,8 @@ import time
 import httpx
 import pytest
 
-from kvflow.bench.server import (Launch, free_port, http_ok, listening, port_free, serve_cmd,
-                                 wait_healthy)
+from kvflow.bench.ports import (Launch, free_port, http_ok, listening, port_free, serve_cmd,
+                                wait_healthy)
 
 #: a /health server on the port in argv[1]; argv[2]: seconds to wait before binding
 _FAKE = ("import http.server, sys, time\n"

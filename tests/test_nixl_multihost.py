@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvflow.bench.server import free_port
+from kvflow.bench.ports import free_port
 from kvflow.connector.nixl_agent import nixl_available
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "tutorials" / "multihost.md"

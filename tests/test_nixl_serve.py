@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from kvflow.bench.server import listening
+from kvflow.bench.ports import listening
 from kvflow.connector.nixl_agent import nixl_available, tcp_tls
 
 from .procnet import cpu_seconds

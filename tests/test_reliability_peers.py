@@ -21,7 +21,7 @@ import pytest
 from kvflow.segments import Owner
 from kvflow.segments import SHM_DIR
 
-from kvflow.bench.server import free_port
+from kvflow.bench.ports import free_port
 
 from .serve_server import heartbeats_after, pid_alive
 

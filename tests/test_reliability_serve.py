@@ -150,7 +150,9 @@ def test_quick_soak_passes(server, tmp_path):
                          timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert run.returncode == 0, run.stdout + run.stderr
     (out,) = tmp_path.glob("soak-*.json")
-    res = json.loads(out.read_text())["rows"][0]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["op"] for r in rows] == ["soak_window"] * 3 + ["soak"]  # 12 s in 4 s windows
+    res = rows[-1]
     assert res["requests"] > 0 and res["pass"] is True
     assert (res["leaked_blocks"], res["hung"], res["server_restarts"]) == (0, 0, 0)
     assert res["ok"] + res["errors"] + res["aborted"] == res["requests"]

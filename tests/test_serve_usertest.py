@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from kvflow.bench.server import free_port
+from kvflow.bench.ports import free_port
 
 from .serve_server import Server, pid_alive
 

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from kvflow.bench.server import free_port
+from kvflow.bench.ports import free_port
 
 from .serve_server import pid_alive
 

@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
 
-from kvflow.bench.server import free_port  # noqa: E402
+from kvflow.bench.ports import free_port  # noqa: E402
 from kvflow.connector.nixl_agent import nixl_available, tcp_tls  # noqa: E402
 from kvflow.integrations.vllm.config import check_config  # noqa: E402
 from kvflow.integrations.vllm.ipc_pull import IpcPuller, staging_blocks_for  # noqa: E402

@@ -54,7 +54,7 @@ import time
 import httpx
 import torch
 
-from kvflow.bench.server import free_port
+from kvflow.bench.ports import free_port
 from kvflow.integrations.vllm.tiny_llama import build
 from tests.vllm_pd import Procs, complete, engine_cmd, kvflow_config, metric, tokens
 

@@ -34,8 +34,9 @@ def skip_reason(device: Any) -> str | None:
     return None
 
 
-def run_contention(opts: dict[str, Any], env: dict[str, Any]) -> list[dict]:
+def run_contention(opts: dict[str, Any], env: dict[str, Any], sink: list | None = None) -> list[dict]:
     """One row per (GPU backend, tokens, max_ctas); ``max_ctas`` None means an uncapped grid.
+    Each row is also appended to ``sink`` (the study's row list, saved as measured) at once.
 
     Rows have ``op="contention"``, ``time_s`` = the matmul's median time beside the copy,
     ``baseline_ratio`` = alone / beside, and extra keys ``max_ctas``, ``prefill_tokens``,
@@ -84,14 +85,17 @@ def run_contention(opts: dict[str, Any], env: dict[str, Any]) -> list[dict]:
                 beside = time_on_stream(mm, reps)
                 torch.cuda.synchronize(dev)
                 t_b = median(beside)
-                rows.append(make_row(
+                row = make_row(
                     env, op="contention", backend=backend, spec=spec, tokens=tokens, blocks=n,
                     payload_bytes=payload, times_s=beside, ceiling_s=None, baseline_s=t_mm,
                     seed=opts["seed"], max_ctas=max_ctas, prefill_tokens=opts["prefill_tokens"],
                     prefill_alone_ms=t_mm * 1e3, prefill_beside_ms=t_b * 1e3,
                     slowdown=t_b / t_mm - 1, copy_alone_gbps=payload / t_copy / 1e9,
                     config={"matmul": [opts["prefill_tokens"], HIDDEN, INTERMEDIATE],
-                            "background_copies": k, "reps": reps, "device": str(dev)}))
+                            "background_copies": k, "reps": reps, "device": str(dev)})
+                rows.append(row)
+                if sink is not None:
+                    sink.append(row)
         del cache, out
         torch.cuda.empty_cache()
     return rows

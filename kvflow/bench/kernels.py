@@ -211,9 +211,8 @@ def run(args) -> int:
             copts = dict(preset("contention", opts["preset"]), **{
                 k: opts[k] for k in ("device", "seed", "backends", "mla_dim", "num_layers",
                                      "num_kv_heads", "head_dim", "block_size")})
-            crows = contention.run_contention(copts, env)
+            crows = contention.run_contention(copts, env, rows)  # each row saved as measured
             print(contention.format_table(crows))
-            rows += crows
     print(f"kernels: {len(rows)} rows in {time.perf_counter() - t0:.1f} s")
     cli.finish(args, opts, env, rows, {"skipped": skipped}, t0=t0)
     return 0

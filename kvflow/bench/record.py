@@ -14,8 +14,10 @@ main thread sits in a native call (a numba or LLVM compile, a large torch op) an
 the signal after :data:`GRACE_S` seconds, or the study has not stopped :data:`STOP_LIMIT_S`
 seconds after it, a watchdog thread (woken by the signal through :func:`signal.set_wakeup_fd`)
 writes the same file and line and ends the process with that code; a second signal does so at
-once. Where the raise is swallowed (inside a ``__del__`` or a library callback), the next row
-appended raises it again: the study stops between cases at the latest. A killed run (SIGKILL) leaves its ``.partial.jsonl``.
+once; before it ends the process it runs the clean-ups registered with :func:`on_exit` (a
+study's servers: stopped, their segments unlinked). Where the raise is swallowed (inside a
+``__del__`` or a library callback), the next row appended raises it again: the study stops
+between cases at the latest. A killed run (SIGKILL) leaves its ``.partial.jsonl``.
 """
 
 from __future__ import annotations
@@ -55,12 +57,13 @@ def partial_path(path: Path) -> Path:
 
 class RowSink(list):
     """The row list of a study run by :func:`run_study`: every ``append``/``extend``/``+=``
-    writes the new rows to the ``.partial.jsonl`` at once (flushed) and prints a progress line."""
+    writes the new rows to the ``.partial.jsonl`` at once (flushed) and prints a progress line;
+    once a signal came it saves no more rows (it raises :class:`Interrupted` instead)."""
 
     def __init__(self, path: Path, header: dict[str, Any], study: str, quiet: bool,
                  check=None) -> None:
         super().__init__()
-        self.check = check  # called after each row: raises Interrupted once a signal came
+        self.check = check  # called before and after each row: raises Interrupted after a signal
         self.path, self.header, self.study, self.quiet = Path(path), header, study, quiet
         self.lock = threading.RLock()
         self.done = False  # the result file is written (complete or interrupted)
@@ -77,6 +80,8 @@ class RowSink(list):
 
     def extend(self, rows) -> None:
         rows = list(rows)
+        if self.check is not None:
+            self.check()  # a row measured after the signal is not saved (the study stops)
         with self.lock:
             if self._file is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -92,6 +97,14 @@ class RowSink(list):
                       f"({time.perf_counter() - self.t0:.1f} s)")
         if self.check is not None:
             self.check()
+
+    def settle(self, rows) -> None:
+        """Make ``rows`` the study's rows for the result file (e.g. rows pooled over repeated
+        server starts, from the rows saved as measured); the ``.partial.jsonl`` keeps the rows
+        as they were measured. Nothing is printed."""
+        rows = list(rows)
+        with self.lock:
+            self[:] = rows
 
     def _say(self, line: str) -> None:
         if not self.quiet:
@@ -112,13 +125,22 @@ class RowSink(list):
 
 
 def describe(row: dict) -> str:
-    """``gather torch NHD bfloat16 64 tokens 12.31 GB/s``: a row in one progress line."""
+    """``gather torch NHD bfloat16 64 tokens 12.31 GB/s`` (a served load step: ``serve disagg 24
+    tokens 4 req/s 3/3 done``; a soak window: ``... window 2 (2.0-3.0 s) 17/18 done``): a row in
+    one progress line."""
     words = [str(row[k]) for k in ("op", "backend", "layout", "dtype") if row.get(k)]
     if row.get("tokens"):
         words.append(f"{row['tokens']} tokens")
     gbps = row.get("as_called_gbps") or row.get("gbps")
-    if gbps:
+    served = row.get("op") in ("serve", "soak", "soak_window")  # GB/s of an E2E time: none
+    if gbps and not served:
         words.append(f"{gbps:.3g} GB/s")
+    if "rate" in row and row.get("op") == "serve":  # a served load step: rate None is inf
+        words.append(f"{'inf' if row['rate'] is None else format(row['rate'], 'g')} req/s")
+    if row.get("window") is not None:  # a soak window
+        words.append(f"window {row['window']} ({row.get('t0_s')}-{row.get('t1_s')} s)")
+    if "completed" in row or "ok" in row:
+        words.append(f"{row.get('completed', row.get('ok'))}/{row.get('requests')} done")
     return " ".join(words)
 
 
@@ -172,11 +194,37 @@ class _Run:
         try:
             say(self.write_partial())
         finally:
+            _run_exit_cleanups()
             sys.stderr.flush()
             os._exit(EXIT_CODES[signal.Signals[self.signame]])
 
 
 _ACTIVE: _Run | None = None
+_CLEANUPS: list = []
+
+
+@contextlib.contextmanager
+def on_exit(fn):
+    """While inside, ``fn()`` runs if the study is ended at once (by the watchdog or a second
+    signal, which leave by ``os._exit`` and so skip every ``finally``); e.g. a server it started
+    is stopped. ``fn`` should bound its own time. The normal way out (the first signal raises
+    :class:`Interrupted`) runs the study's own ``finally`` clauses instead."""
+    _CLEANUPS.append(fn)
+    try:
+        yield fn
+    finally:
+        run = _ACTIVE
+        if run is None or not run.exiting.locked():  # else the watchdog is about to run it
+            with contextlib.suppress(ValueError):
+                _CLEANUPS.remove(fn)
+
+
+def _run_exit_cleanups() -> None:
+    for fn in reversed(list(_CLEANUPS)):
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - the process ends next; say it, run the rest
+            say(f"clean-up {getattr(fn, '__name__', fn)} failed: {type(exc).__name__}: {exc}")
 
 
 def rows(env: dict[str, Any], opts: dict[str, Any] | None = None) -> list:
@@ -277,6 +325,17 @@ def exit_fast(code: int) -> None:
         os._exit(code)
 
 
+def _await_exit_now(run: _Run) -> None:
+    """If the watchdog (a second signal) is already ending the process, let it: it says the
+    line and runs the :func:`on_exit` clean-ups (a server's stop) before ``os._exit``."""
+    deadline = time.monotonic() + STOP_LIMIT_S
+    while run.exiting.locked() and time.monotonic() < deadline:
+        try:
+            time.sleep(0.05)
+        except Interrupted:
+            pass
+
+
 def run_study(args, fn) -> int:
     """Run ``fn(args)`` (a study's ``run``) with its rows saved as measured; on the first SIGINT
     or SIGTERM write the rows so far, say where, and return 130 or 143 (see the module doc).
@@ -290,6 +349,7 @@ def run_study(args, fn) -> int:
                 return int(fn(args) or 0)
             except Interrupted as exc:
                 run.signame = exc.signame
+                _await_exit_now(run)
                 say(run.write_partial())
                 return EXIT_CODES[signal.Signals[exc.signame]]
             finally:

@@ -3,8 +3,11 @@
 (``--compare``), at one or several request rates; one row per (mode, rate).
 
 Each mode is started ``--starts`` times (default 2, modes interleaved) and a row pools every
-start. Rows are :func:`kvflow.bench.schema.make_row` rows with ``op="serve"``, ``backend`` = the
-mode, ``time_s`` = the median E2E latency, plus the keys of :func:`kvflow.bench.loadgen.summarize`,
+start. Each load step (start, mode, rate) is saved as a row as soon as it is measured, and the
+first SIGINT or SIGTERM stops the study with those rows and stops the server it started
+(:func:`run_serve`). Rows are :func:`kvflow.bench.schema.make_row` rows with ``op="serve"``,
+``backend`` = the mode, ``time_s`` = the median E2E latency, plus the keys of
+:func:`kvflow.bench.loadgen.summarize`,
 the per-request ``ttft_ms`` / ``tpot_ms`` lists (for the CDF plots of the report), ``hops_ms``
 (the per-hop medians) and every response's ``kvflow``. The printed headline is
 TTFT(disagg) / TTFT(colocated) with the time to the second token (TTST) and the per-hop
@@ -20,6 +23,7 @@ import time
 from typing import Any
 
 from . import cli, loadgen
+from .record import sink_of
 from .schema import make_row
 from .server import started_server
 
@@ -68,32 +72,48 @@ def measure(url: str, opts: dict[str, Any], rate: float, progress: bool = True) 
 
 def run_serve(opts: dict[str, Any], env: dict[str, Any], progress: bool = True) -> list[dict]:
     """Rows for every (mode, rate) asked for, each pooled over ``starts`` server starts (one
-    with ``url``); see the module docstring."""
+    with ``url``); see the module docstring.
+
+    Each load step (one server start, mode and rate) is a row saved as it is measured
+    (:mod:`kvflow.bench.record`; ``start``: which server start, from 1); where steps share a
+    (mode, rate), the rows returned (and the complete result file) pool them instead
+    (``start`` None, ``starts`` = the server starts pooled). A study stopped by a signal keeps the step
+    rows measured before it, and the server it started is stopped."""
     modes = ["disagg", "colocated"] if opts.get("compare") else [opts["mode"]]
     rates = opts["rate"] if isinstance(opts["rate"], list) else [opts["rate"]]
     own = not (opts.get("url") and not opts.get("compare"))
     starts = int(opts.get("starts") or 2) if own else 1
     if starts < 1:
         raise SystemExit(f"serve: --starts must be >= 1, got {starts}")
+    rows = cli.rows(env, opts)
     got: dict[tuple[str, float], list] = {}
-    for _ in range(starts):
+    for start in range(1, starts + 1):
         for mode in modes:
             ctx = started_server(mode, opts.get("server_args", ""), opts["server_timeout"]) \
                 if own else contextlib.nullcontext(opts["url"])
             with ctx as url:
                 for rate in rates:
-                    m = measure(url, opts, rate, progress)
+                    m = dict(measure(url, opts, rate, progress), start=start)
                     got.setdefault((mode, rate), []).append(m)
-    rows = cli.rows(env, opts)
+                    rows.append(_row(env, opts, mode, rate, m["summary"], m["results"], 1, start))
+    if all(len(ms) == 1 for ms in got.values()):
+        return rows
+    pooled = []
     for (mode, rate), ms in got.items():
         results = [r for m in ms for r in m["results"]]
         summary = loadgen.summarize(results, sum(m["duration_s"] for m in ms),
                                     slo_ttft_ms=opts["slo_ttft_ms"], slo_tpot_ms=opts["slo_tpot_ms"])
-        rows.append(_row(env, opts, mode, rate, summary, results, starts))
-    return rows
+        pooled.append(_row(env, opts, mode, rate, summary, results,
+                           len({m["start"] for m in ms})))
+    sink = sink_of(rows)
+    if sink is None:
+        return pooled
+    sink.settle(pooled)
+    return sink
 
 
-def _row(env, opts, mode, rate, summary, results, starts: int = 1) -> dict:
+def _row(env, opts, mode, rate, summary, results, starts: int = 1,
+         start: int | None = None) -> dict:
     from .hops import hop_medians
     ok = [r for r in results if r.ok]
     moved = [r.kvflow for r in ok if r.kvflow]
@@ -107,7 +127,7 @@ def _row(env, opts, mode, rate, summary, results, starts: int = 1) -> dict:
         ttft_ms=[round(r.ttft_s * 1e3, 3) for r in ok],
         tpot_ms=[round(r.tpot_s * 1e3, 3) for r in ok if r.tpot_s is not None],
         transfer_ms=[k.get("transfer_ms") for k in moved if k.get("transfer_ms") is not None],
-        hops_ms=hop_medians(moved), starts=starts, kvflow=moved,
+        hops_ms=hop_medians(moved), starts=starts, start=start, kvflow=moved,
         config={k: opts.get(k) for k in ("num_requests", "prompt_len", "output_len", "dataset",
                                          "concurrency", "model", "server_args", "url")})
 

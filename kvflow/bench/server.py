@@ -1,233 +1,142 @@
-"""Server processes on a loopback port, for the studies and the tests (the one launcher both use).
+"""The one server launcher of the studies: ``python -m kvflow.serve`` on a free loopback port
+(:mod:`kvflow.bench.ports`: no port race), healthy before use, stopped afterwards by
+:meth:`Server.stop` (SIGINT; SIGKILL to every process of its tree still running after 15 s; then
+the ``kvflow-*`` segments those left are unlinked).
 
-A port handed to a process started later can be taken meanwhile (``bind(0)``, close, pass the
-number on: any ``connect()`` or ``bind(0)`` on the host may get it next; under load that cost a
-test module 44 errors). Two rules close that race:
-
-- :func:`free_port` picks outside the kernel's ephemeral range (``ip_local_port_range``), where
-  no outgoing connection and no ``bind(0)`` of any process lands, and never twice in a process;
-- :class:`Launch` starts the command on such a port and, when the process exits because its port
-  was taken after all (the port cannot be bound now, or the output says "is in use"), starts it
-  again on another, at most ``attempts`` times; it counts the server healthy only when the
-  process it started is the one listening on the port (:func:`listening`, from ``/proc``).
-
-:func:`started_server` runs ``python -m kvflow.serve`` that way for a study. Server flags are
-the serve CLI's own (``--mode``, ``--kv-connector``, ``--kv-connector-config``,
-``--layerwise-min-tokens``, ...; ``python -m kvflow.serve --help``).
+While it runs, the server is registered with :func:`kvflow.bench.record.on_exit`, so a study
+that the watchdog or a second signal ends at once (``os._exit``) stops it too: no orphan process,
+no segment left in /dev/shm. Server flags are the serve CLI's own (``--mode``,
+``--kv-connector``, ``--kv-connector-config``, ``--layerwise-min-tokens``, ...;
+``python -m kvflow.serve --help``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import ipaddress
 import os
-import random
 import shlex
 import signal
-import socket
-import struct
 import subprocess
-import sys
 import time
-from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
-_handed: set[int] = set()  # ports free_port gave out in this process
+from .ports import Launch, serve_cmd, wait_healthy
 
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(lo), int(hi)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
+#: Seconds a server has to stop after SIGINT in a normal stop (it takes ~0.5 s at load 10).
+STOP_GRACE_S = 15.0
+#: The same after a second signal or the watchdog (the study is ending at once).
+HURRY_GRACE_S = 3.0
 
 
-def port_free(port: int, host: str = "127.0.0.1") -> bool:
-    """``host:port`` can be bound by a listening TCP socket now."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                return False
-            raise
-    return True
+def process_tree(pid: int) -> set[int]:
+    """``pid`` and the pids of every live process below it (read from /proc; the server's
+    instances start sessions of their own, so its process group does not hold them). Only
+    ``{pid}`` where /proc is absent."""
+    parent: dict[int, int] = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                try:
+                    with open(f"/proc/{name}/stat") as f:
+                        text = f.read()
+                except OSError:
+                    continue
+                fields = text[text.rindex(")") + 2:].split()
+                if fields[0] not in "ZX":
+                    parent[int(name)] = int(fields[1])
+    tree, frontier = {pid}, {pid}
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier and p not in tree}
+        tree |= frontier
+    return tree
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now, outside the kernel's ephemeral range (the larger side
-    of it; so no ``connect()`` or ``bind(0)`` of another process takes it meanwhile) and not
-    handed out before by this process. Another process may still bind it: start servers with
-    :class:`Launch`.
-
-    Raises
-    ------
-    RuntimeError
-        No free port found after 200 tries.
-    """
-    lo, hi = _ephemeral_range()
-    below, above = (max(1024, lo - 12768), lo), (hi + 1, 65536)
-    span = max(below, above, key=lambda r: r[1] - r[0])
-    for _ in range(200):
-        if span[1] - span[0] >= 1000:
-            port = random.randrange(*span)
-        else:  # the ephemeral range covers (nearly) every port: take one the kernel picks
-            with socket.socket() as s:
-                s.bind((host, 0))
-                port = s.getsockname()[1]
-        if port not in _handed and port_free(port, host):
-            _handed.add(port)
-            return port
-    raise RuntimeError(f"no free TCP port on {host} in {span[0]}..{span[1] - 1} after 200 tries")
+def _signal(pids: set[int], sig: int) -> None:
+    for p in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, sig)
 
 
-def _addr(hexaddr: str) -> str:
-    """``/proc/net/tcp{,6}``'s address column (host-order 32-bit words) as text."""
-    raw = bytes.fromhex(hexaddr)
-    words = b"".join(struct.pack("<I", w) for w in struct.unpack(f">{len(raw) // 4}I", raw))
-    return str(ipaddress.ip_address(words)) if len(raw) == 16 else socket.inet_ntoa(words)
+def _running(tree: dict[int, int | None]) -> set[int]:
+    """The pids of ``tree`` (pid -> start time) still running as the same process (a pid that
+    was reused by another process is not one of them: it is never signalled)."""
+    from kvflow.segments import process_exited, process_start_time
+    return {p for p, start in tree.items()
+            if not process_exited(p) and process_start_time(p) == start}
 
 
-def listening(pid: int) -> list[tuple[str, int]]:
-    """``(address, port)`` of every TCP socket process ``pid`` holds in state LISTEN (its fds'
-    ``socket:[inode]`` links matched against ``/proc/net/tcp`` and ``tcp6``); [] once it is
-    gone."""
-    proc = Path("/proc", str(pid))  # its sockets; whether it lives is kvflow.segments' to say
-    inodes = set()
-    try:
-        fds = list((proc / "fd").iterdir())
-    except OSError:  # exited
-        return []
-    for fd in fds:
-        try:
-            link = os.readlink(fd)
-        except OSError:  # closed meanwhile
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    out = []
-    for table in ("tcp", "tcp6"):
-        try:
-            lines = (proc / "net" / table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            f = line.split()
-            if f[3] == "0A" and f[9] in inodes:  # 0A: TCP_LISTEN
-                host, port = f[1].split(":")
-                out.append((_addr(host), int(port, 16)))
-    return sorted(out)
+def unlink_segments_of(pids: set[int]) -> list[str]:
+    """Unlink the ``kvflow-*`` segments whose owner is one of ``pids`` and has exited (what a
+    SIGKILLed instance leaves); returns their names."""
+    from kvflow.segments import DEAD, SHM_DIR, owner_state, parse_name, unlink
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in sorted(os.listdir(SHM_DIR)):
+            parsed = parse_name(entry)
+            if (parsed is not None and parsed.owner.pid in pids
+                    and owner_state(parsed.owner) == DEAD and unlink(entry)):
+                removed.append(entry)
+    return removed
 
 
-class Launch:
-    """``make_cmd(port)`` started on :func:`free_port`'s port, again on another port when the
-    first was taken (bounded by ``attempts``); ``popen`` gets the rest of Popen's arguments.
-    ``log_path``: each attempt's stdout and stderr go there (truncated at each attempt); None:
-    inherited, and a taken port is known by the bind test alone."""
+class Server:
+    """A started ``python -m kvflow.serve`` (``proc``, ``url``) and its stop, which two threads
+    may call at once (the study's ``finally`` and the watchdog), and more than once."""
 
-    def __init__(self, make_cmd: Callable[[int], list[str]], *, host: str = "127.0.0.1",
-                 attempts: int = 5, log_path: str | None = None,
-                 pick: Callable[[], int] = free_port, **popen) -> None:
-        if attempts < 1:
-            raise ValueError(f"attempts must be >= 1, got {attempts}")
-        self.make_cmd, self.host, self.attempts, self.pick = make_cmd, host, attempts, pick
-        self.log_path, self.popen = log_path, popen
-        self.taken: list[int] = []  # ports found taken, in order
-        self._start()
+    def __init__(self, proc: subprocess.Popen, url: str) -> None:
+        self.proc, self.url = proc, url
+        self.tree: dict[int, int | None] = {}  # pid -> start time, filled at the stop
 
-    def _start(self) -> None:
-        self.port = self.pick()
-        self.url = f"http://{self.host}:{self.port}"
-        out = open(self.log_path, "w") if self.log_path else None
-        try:
-            to_log = {"stdout": out, "stderr": subprocess.STDOUT} if out else {}
-            self.proc = subprocess.Popen(self.make_cmd(self.port), **{**self.popen, **to_log})
-        finally:
-            if out is not None:
-                out.close()
-
-    def output(self) -> str:
-        """This attempt's output ('' when inherited)."""
-        return Path(self.log_path).read_text() if self.log_path else ""
-
-    def _taken(self) -> bool:
-        return f" {self.port} is in use" in self.output() or not port_free(self.port, self.host)
-
-    def poll(self, ok: Callable[[], bool]) -> bool:
-        """One look: True when the process listens on its port and ``ok()`` (say, /health is
-        200); restarts it on a new port when it exited because its port was taken.
-
-        Raises
-        ------
-        RuntimeError
-            The process exited for another reason, or its port was taken ``attempts`` times
-            (naming the ports).
-        """
-        if self.proc.poll() is not None:
-            if self.proc.returncode != 0 and self._taken():
-                self.taken.append(self.port)
-                if len(self.taken) < self.attempts:
-                    self._start()
-                    return False
-                raise RuntimeError(f"ports {self.taken} were each taken by another process "
-                                   f"before the server bound them ({self.attempts} attempts)")
-            raise RuntimeError(f"the server exited with code {self.proc.returncode} before "
-                               f"{self.url} was ready:\n{self.output()[-3000:]}")
-        # a server of another process on this port would answer too: ours must hold it
-        return any(p == self.port for _, p in listening(self.proc.pid)) and ok()
-
-
-def http_ok(url: str, path: str = "/health") -> bool:
-    """GET ``url + path`` answers 200 (False on any connection error)."""
-    import httpx
-    try:
-        return httpx.get(url + path, timeout=2.0).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def wait_healthy(launch: Launch, timeout: float, path: str = "/health") -> None:
-    """Poll ``launch`` (:meth:`Launch.poll`) until its ``path`` is 200.
-
-    Raises
-    ------
-    RuntimeError
-        As :meth:`Launch.poll`, or after ``timeout`` seconds (naming the url).
-    """
-    deadline = time.monotonic() + timeout
-    while not launch.poll(lambda: http_ok(launch.url, path)):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{launch.url}{path} was not 200 within {timeout} s")
-        time.sleep(0.1)
-
-
-def serve_cmd(*args: str, host: str = "127.0.0.1") -> Callable[[int], list[str]]:
-    """``make_cmd`` for :class:`Launch`: ``python -m kvflow.serve --host host --port P *args``."""
-    return lambda port: [sys.executable, "-m", "kvflow.serve", "--host", host, "--port",
-                         str(port), *args]
+    def stop(self, grace_s: float = STOP_GRACE_S) -> set[int]:
+        """SIGINT to the server (a second call sends it again: the server hurries); SIGKILL to
+        every process of its tree still running after ``grace_s`` s; then unlink the segments
+        of its processes. Returns the pids that needed SIGKILL (empty after a clean stop)."""
+        proc = self.proc
+        if proc.poll() is None:
+            from kvflow.segments import process_start_time
+            for pid in process_tree(proc.pid):  # before the signal: its children re-parent
+                self.tree.setdefault(pid, process_start_time(pid))
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + grace_s  # no lock: a hurried call must not wait on this one
+        while _running(self.tree) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        killed = _running(self.tree)
+        _signal(killed, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+        deadline = time.monotonic() + 10
+        while _running(self.tree) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        removed = unlink_segments_of(set(self.tree))
+        if killed or removed:
+            from .record import say
+            say(f"kvflow.bench: the server (pid {proc.pid}) did not stop within {grace_s:g} s: "
+                f"killed pids {sorted(killed)}, unlinked segments {removed}")
+        return killed
 
 
 @contextlib.contextmanager
 def started_server(mode: str = "disagg", extra_args: str | list[str] = "", timeout: float = 120.0,
                    log_path: str | None = None) -> Iterator[str]:
-    """Start ``python -m kvflow.serve --mode mode [extra_args]`` on a free port (:class:`Launch`);
-    yield its URL once healthy; stop it with SIGINT (SIGKILL after 15 s) afterwards.
+    """Start ``python -m kvflow.serve --mode mode [extra_args]`` on a free port
+    (:class:`~kvflow.bench.ports.Launch`: again on another when the port was taken); yield its
+    URL once healthy; stop it on the way out (:meth:`Server.stop`), also when the study is
+    interrupted.
 
     ``log_path`` takes the server's stdout and stderr (default: inherited)."""
+    from .record import on_exit
     extra = shlex.split(extra_args) if isinstance(extra_args, str) else list(extra_args)
     launch = Launch(serve_cmd("--mode", mode, *extra), log_path=log_path, start_new_session=True)
-    try:
-        wait_healthy(launch, timeout)
-        yield launch.url
-    finally:
-        proc = launch.proc
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    server = Server(launch.proc, launch.url)
+
+    def stop(grace_s: float = STOP_GRACE_S) -> None:
+        server.proc, server.url = launch.proc, launch.url  # the attempt that is running
+        server.stop(grace_s)
+
+    with on_exit(lambda: stop(HURRY_GRACE_S)):
+        try:
+            wait_healthy(launch, timeout)
+            yield launch.url
+        finally:
+            stop()
