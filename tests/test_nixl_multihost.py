@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvflow.connector.nixl_agent import nixl_available
+from kvflow.connector.transport.nixl_agent import nixl_available
 
 from .serve_server import free_port
 

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from kvflow.connector.nixl_agent import nixl_available, tcp_tls
+from kvflow.connector.transport.nixl_agent import nixl_available, tcp_tls
 
 from .procnet import cpu_seconds, listening
 from .serve_server import Server, healthy

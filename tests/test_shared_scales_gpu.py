@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from kvflow import KVCacheSpec, PagedKVCache
-from kvflow.connector.shm import export_new_cache
+from kvflow.connector.transport.shm import export_new_cache
 from kvflow.kernels import copy_blocks, copy_sequence
 from kvflow.segments import unlink
 
@@ -68,9 +68,9 @@ def same(got: PagedKVCache, want: PagedKVCache) -> None:
 def map_prefill(name: str, spec: KVCacheSpec, device: torch.device) -> PagedKVCache:
     """D's read-side mapping of P's export (CUDA IPC; a read-only segment on CPU)."""
     if device.type == "cuda":
-        from kvflow.connector.cuda_ipc import import_cache, read_export
+        from kvflow.connector.transport.cuda_ipc import import_cache, read_export
         return import_cache(read_export(name), spec, NB)
-    from kvflow.connector.shm import map_peer_cache
+    from kvflow.connector.transport.shm import map_peer_cache
     return map_peer_cache(name, spec, NB)
 
 
