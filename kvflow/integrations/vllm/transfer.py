@@ -5,9 +5,9 @@ sends one zero-copy frame per layer (:func:`kvflow.connector.transport.frames.la
 D checks every frame, views it without copying and :func:`kvflow.kernels.scatter_blocks` it
 into the blocks D allocated (:func:`kvflow.connector.transport.frames.scatter_frames`).
 nixl: P answers D's :class:`~.messages.NixlHello` with its agent and cache addresses and a
-``Pull(nixl=True)`` with a check only; D READs the blocks itself (:mod:`.nixl_pull`) and then sends ``Release``. ipc: P
-copies the blocks into D's staging cache, mapped once per D (:mod:`.ipc_pull`), and answers; D
-copies them on and sends ``Release``.
+``Pull(nixl=True)`` with a check only; D READs the blocks itself (:mod:`.nixl_pull`) and then
+sends ``Release``. ipc: P copies the blocks into D's staging cache, mapped once per D
+(:mod:`.ipc_pull`), and answers; D copies them on and sends ``Release``.
 
 Works on one host and across hosts (``tcp://``). P only serves a request it holds (announced
 by its scheduler through :meth:`KVServer.hold`, waiting up to ``hold_wait_s`` for it); a pull
