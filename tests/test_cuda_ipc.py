@@ -240,7 +240,7 @@ import sys, torch
 from kvflow.bench.cases import fill_pattern
 from kvflow import KVCacheSpec, PagedKVCache
 from kvflow.kernels import copy_blocks
-from kvflow.connector.ipc_push import map_decode_cache
+from kvflow.connector.transport.shm import map_decode_cache
 spec = KVCacheSpec(**{spec!r})
 mine = torch.device("cuda", {mine})
 p = PagedKVCache(spec, 64, device=mine)

@@ -92,7 +92,7 @@ except BaseException:
 """
 
 _P_PUSHER = """
-    from kvflow.connector.ipc_push import map_decode_cache
+    from kvflow.connector.transport.shm import map_decode_cache
     d = map_decode_cache({name!r}, D_BH, NB, dev)
     p = load_(PagedKVCache(FP32, NB, device=dev), filled(FP32, 1))
     copy_sequence(p, d, torch.tensor(SRC), torch.tensor(DST), num_tokens=T)

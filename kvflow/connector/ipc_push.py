@@ -49,27 +49,9 @@ from .base import (KVReceiver, KVSender, Peer, PrefillJob, TransferError, Transf
                    check_send_allowed)
 from .layer_copy import LAYERS_PER_COPY, LAYERWISE_MAX_CTAS, LayerCopier, PushStats
 from .reblocked import differs, push_prompt, warm
+from .transport.shm import map_decode_cache
 
 log = logging.getLogger("kvflow.connector.ipc_push")
-
-
-def map_decode_cache(shm_name: str, spec, num_blocks: int, device: torch.device) -> PagedKVCache:
-    """Map D's exported cache writable in P's process, usable by kernels on ``device``.
-
-    CPU: the shared-memory segment ``shm_name``; CUDA: the IPC export published under that name,
-    mapped into ``device``'s context (``import_cache(map_on=device)``), so P's kernels write D's
-    GPU memory over NVLink.
-
-    Raises
-    ------
-    TransferError
-        Missing segment or export, size or spec mismatch, a GPU this process cannot see.
-    """
-    if device.type == "cuda":
-        from .transport.cuda_ipc import import_cache, read_export
-        return import_cache(read_export(shm_name), spec, num_blocks, map_on=device)
-    from .transport.shm import map_peer_cache
-    return map_peer_cache(shm_name, spec, num_blocks, writable=True)
 
 
 class PushSender(KVSender):

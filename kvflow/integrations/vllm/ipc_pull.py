@@ -25,9 +25,8 @@ from __future__ import annotations
 import torch
 
 from kvflow.cache import PagedKVCache
-from kvflow.connector.base import TransferError
-from kvflow.connector.ipc_push import map_decode_cache
-from kvflow.connector.transport.shm import export_new_cache
+from kvflow.connector import TransferError
+from kvflow.connector.transport.shm import export_new_cache, map_decode_cache
 from kvflow.kernels import copy_blocks
 from kvflow.layout import KVCacheSpec
 from kvflow.segments import unlink

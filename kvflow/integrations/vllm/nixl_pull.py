@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from kvflow.cache import PagedKVCache
-from kvflow.connector.base import TransferError
+from kvflow.connector import TransferError
 from kvflow.connector.transport.nixl_agent import Agent, block_descs, mem_type
 from kvflow.connector.transport.nixl_plan import coalesce, desc_indices
 
