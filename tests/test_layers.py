@@ -1,4 +1,5 @@
-"""Layers of the package (issue 27): the vLLM connector stands on the connector's face
+"""Layers of the package (issue 27): the transport layer (``kvflow.connector.transport``) is
+below the kinds and their contract; the vLLM connector stands on the connector's face
 (``kvflow.connector``), the transport layer (``kvflow.connector.transport.*``) and the wire
 codec (``kvflow.wire``), plus the modules below the connector (cache, layout, kernels,
 segments, vllm_layout); never on a kind's module (``kvflow.connector.tcp``, ``ipc_push``, ...,
@@ -19,11 +20,16 @@ VLLM_MAY_IMPORT = ("kvflow.integrations.vllm", "kvflow.connector.transport", "kv
                    "kvflow.cache", "kvflow.layout", "kvflow.kernels", "kvflow.segments",
                    "kvflow.vllm_layout")
 VLLM_MAY_IMPORT_EXACTLY = ("kvflow.connector",)  # the face, not its other modules
+# the transport layer is below the kinds: nothing of kvflow.connector outside it, no protocol
+TRANSPORT_MAY_IMPORT = ("kvflow.connector.transport", "kvflow.cache", "kvflow.layout",
+                        "kvflow.kernels", "kvflow.segments", "kvflow.scales")
 
 
-def refused_imports(repo: Path = REPO, package: str = "kvflow.integrations.vllm") -> list[str]:
+def refused_imports(repo: Path = REPO, package: str = "kvflow.integrations.vllm",
+                    may: tuple[str, ...] = VLLM_MAY_IMPORT,
+                    exactly: tuple[str, ...] = VLLM_MAY_IMPORT_EXACTLY) -> list[str]:
     """``"module -> imported"`` for every import by a module of ``package`` of a kvflow module
-    outside :data:`VLLM_MAY_IMPORT` / :data:`VLLM_MAY_IMPORT_EXACTLY`."""
+    that is neither in ``exactly`` nor one of ``may`` or below it."""
     mods = modules(repo, ROOTS)
     known = set(mods)
     out = []
@@ -31,8 +37,7 @@ def refused_imports(repo: Path = REPO, package: str = "kvflow.integrations.vllm"
         if name != package and not name.startswith(package + "."):
             continue
         for dep in sorted(imports(name, path, is_pkg, known)):
-            if dep in VLLM_MAY_IMPORT_EXACTLY or any(
-                    dep == ok or dep.startswith(ok + ".") for ok in VLLM_MAY_IMPORT):
+            if dep in exactly or any(dep == ok or dep.startswith(ok + ".") for ok in may):
                 continue
             out.append(f"{name} -> {dep}")
     return out
@@ -45,6 +50,11 @@ def test_the_vllm_connector_imports_only_the_face_transport_and_wire():
                    *mods["kvflow.integrations.vllm.transfer"], set(mods))
     assert "kvflow.connector.transport.frames" in seen and "kvflow.wire" in seen
     assert refused_imports() == []
+
+
+def test_the_transport_layer_imports_no_kind_nor_the_contract():
+    assert refused_imports(package="kvflow.connector.transport", may=TRANSPORT_MAY_IMPORT,
+                           exactly=()) == []
 
 
 def test_an_import_of_a_kind_module_or_the_protocol_is_named(tmp_path):

@@ -13,4 +13,11 @@ Nothing here knows a kind, a request's lease or a message of the serving protoco
 - :mod:`.nixl_net`: binding UCX's listeners to ``--host``'s interface.
 - :mod:`.frames`: a staging buffer as one zero-copy frame per layer, and the one "check every
   frame, then scatter" of the receiving side.
+
+Their one error is :class:`TransferError` (defined here, below the connector contract
+:mod:`kvflow.connector.base`, which raises it too; ``kvflow.connector.TransferError``).
 """
+
+
+class TransferError(RuntimeError):
+    """A transfer that cannot be done (bad frames, unmapped peer, size mismatch)."""

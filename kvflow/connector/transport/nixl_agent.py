@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ..base import TransferError
+from . import TransferError
 from .nixl_progress import ProgressDriver
 
 #: Modules that provide NIXL's Python API, tried in order.

@@ -27,7 +27,7 @@ from kvflow.layout import KVCacheSpec
 from kvflow.scales import shared_nbytes, shared_parts
 from kvflow.segments import segment_path, unlink
 
-from ..base import TransferError
+from . import TransferError
 
 __all__ = ["SharedCache", "export_new_cache", "map_peer_cache"]
 
