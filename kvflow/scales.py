@@ -18,11 +18,11 @@ their owner (calibration, a checkpoint's ``k_scale``) and only read by the ops; 
 per-head scales are written by the ops that write the block (:mod:`kvflow.kernels.reblock`).
 Caches of other dtypes hold no scales (``None``).
 
-A cache that another process maps (ipc-pull's P, ipc-push's D: :mod:`kvflow.connector.shm`,
-:mod:`kvflow.connector.cuda_ipc`) keeps its scales in the same memory as its blocks, right
-after them at :func:`scales_offset` (16-byte aligned), :func:`shared_nbytes` bytes in all
-(``PagedKVCache(..., scales_in_buffer=True)``): the exporter and every mapping read and write
-one scales tensor.
+A cache that another process maps (ipc-pull's P, ipc-push's D:
+:mod:`kvflow.connector.transport.shm`, :mod:`kvflow.connector.transport.cuda_ipc`) keeps its
+scales in the same memory as its blocks, right after them at :func:`scales_offset` (16-byte
+aligned), :func:`shared_nbytes` bytes in all (``PagedKVCache(..., scales_in_buffer=True)``): the
+exporter and every mapping read and write one scales tensor.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""CUDA IPC transfer (kvflow.connector.cuda_ipc), per-role GPU environments, the ipc study
+"""CUDA IPC transfer (kvflow.connector.transport.cuda_ipc), per-role GPU environments, the ipc study
 (``python -m kvflow.bench ipc``).
 
 CPU here: export messages, publishing, UUID refusal, bad input, device env, the bench's smoke
@@ -22,8 +22,9 @@ from kvflow.bench.schema import read_results
 from kvflow.devices import parent_cards, worker_env_for_cards
 from kvflow.serve.procs import instance_env
 from kvflow.connector import Peer, TransferError
-from kvflow.connector.cuda_ipc import (CudaIpcExport, decode_export, encode_export, import_cache,
-                                       ordinal_of_uuid, publish_export, read_export)
+from kvflow.connector.transport.cuda_ipc import (CudaIpcExport, decode_export, encode_export,
+                                                 import_cache, ordinal_of_uuid, publish_export,
+                                                 read_export)
 from kvflow.connector.ipc_pull import CudaIpcPullReceiver
 from kvflow.segments import Owner
 from kvflow.segments import segment_path, unlink
@@ -82,7 +83,7 @@ def test_import_refuses_before_opening_anything():
 
 
 def test_export_needs_one_cuda_buffer():
-    from kvflow.connector.cuda_ipc import export_cache
+    from kvflow.connector.transport.cuda_ipc import export_cache
     with pytest.raises(TypeError, match="over one CUDA buffer, got one on cpu"):
         export_cache(PagedKVCache(SPEC, 2))
 
@@ -148,7 +149,7 @@ _P_CHILD = """
 import sys, torch
 from kvflow.bench.cases import fill_pattern
 from kvflow import KVCacheSpec, PagedKVCache
-from kvflow.connector.cuda_ipc import export_cache, publish_export
+from kvflow.connector.transport.cuda_ipc import export_cache, publish_export
 from kvflow.segments import unlink
 spec = KVCacheSpec(**{spec!r})
 cache = PagedKVCache(spec, 64, device="cuda:0")
@@ -163,7 +164,7 @@ import sys, torch
 from kvflow.bench.cases import pattern
 from kvflow import KVCacheSpec, PagedKVCache
 from kvflow.kernels import copy_blocks
-from kvflow.connector.cuda_ipc import enable_peer_access, import_cache, read_export
+from kvflow.connector.transport.cuda_ipc import enable_peer_access, import_cache, read_export
 spec = KVCacheSpec(**{spec!r})
 try:
     peer = import_cache(read_export({name!r}), spec, 64)
@@ -218,7 +219,7 @@ _D_EXPORTER = """
 import sys, torch
 from kvflow.bench.cases import pattern
 from kvflow import KVCacheSpec, PagedKVCache
-from kvflow.connector.cuda_ipc import export_cache, publish_export
+from kvflow.connector.transport.cuda_ipc import export_cache, publish_export
 from kvflow.segments import unlink
 spec = KVCacheSpec(**{spec!r})
 cache = PagedKVCache(spec, 64, device="cuda:0")
@@ -239,7 +240,7 @@ import sys, torch
 from kvflow.bench.cases import fill_pattern
 from kvflow import KVCacheSpec, PagedKVCache
 from kvflow.kernels import copy_blocks
-from kvflow.connector.ipc_push import map_decode_cache
+from kvflow.connector.transport.shm import map_decode_cache
 spec = KVCacheSpec(**{spec!r})
 mine = torch.device("cuda", {mine})
 p = PagedKVCache(spec, 64, device=mine)
@@ -327,7 +328,7 @@ def test_receiver_keeps_one_mapping_per_prefill_and_reads_the_senders(monkeypatc
     """The CUDA receiver's bookkeeping, on CPU caches (mapping and stream sync stubbed): two P's
     paired, each KVReady / KVLayer is read from the cache of the P that sent it; a detached P
     is refused by name."""
-    import kvflow.connector.cuda_ipc as ci
+    import kvflow.connector.transport.cuda_ipc as ci
     from kvflow.connector.ipc_pull import CudaIpcPullReceiver
     from kvflow.protocol import KVLayer, KVReady
 

@@ -11,7 +11,7 @@ import torch
 from kvflow import KVCacheSpec, PagedKVCache
 from kvflow.connector import Peer, make_receiver
 from kvflow.connector.ipc_pull import IpcPullSender
-from kvflow.connector.shm import SharedCache
+from kvflow.connector.transport.shm import SharedCache
 from kvflow.connector.tcp import TcpSender
 
 from .zmq_link import recv, zmq_link  # noqa: F401 (zmq_link: a fixture)

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from kvflow.bench.ports import free_port
-from kvflow.connector.nixl_agent import nixl_available
+from kvflow.connector.transport.nixl_agent import nixl_available
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "tutorials" / "multihost.md"
 HOSTS = {"ROUTER": "127.0.0.2", "PREFILL": "127.0.0.3", "DECODE": "127.0.0.4"}

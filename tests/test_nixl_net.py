@@ -1,5 +1,5 @@
-"""kvflow.connector.nixl_net: ``--host`` to the interface UCX may listen on (UCX_NET_DEVICES),
-read from this host's interfaces with the standard library (no NIXL needed)."""
+"""kvflow.connector.transport.nixl_net: ``--host`` to the interface UCX may listen on
+(UCX_NET_DEVICES), read from this host's interfaces with the standard library (no NIXL needed)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import ipaddress
 
 import pytest
 
-from kvflow.connector import nixl_net
-from kvflow.connector.nixl_net import bind_ucx_to_host, interface_addresses, interface_of
+from kvflow.connector.transport import nixl_net
+from kvflow.connector.transport.nixl_net import bind_ucx_to_host, interface_addresses, interface_of
 
 #: TEST-NET-2 (RFC 5737): no interface of a test host has it.
 NOWHERE = "198.51.100.77"

@@ -1,5 +1,5 @@
-"""kvflow.connector.nixl_progress.ProgressDriver: progress every ``idle_s`` while nothing is
-held, every ``busy_s`` while a transfer is (no NIXL needed: the step is a counter)."""
+"""kvflow.connector.transport.nixl_progress.ProgressDriver: progress every ``idle_s`` while
+nothing is held, every ``busy_s`` while a transfer is (no NIXL needed: the step is a counter)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvflow.connector.nixl_progress import ProgressDriver
+from kvflow.connector.transport.nixl_progress import ProgressDriver
 
 
 def _calls_over(driver: ProgressDriver, calls: list, seconds: float) -> int:

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from kvflow.bench.ports import listening
-from kvflow.connector.nixl_agent import nixl_available, tcp_tls
+from kvflow.connector.transport.nixl_agent import nixl_available, tcp_tls
 
 from .procnet import cpu_seconds
 from .serve_server import Server, healthy

@@ -17,7 +17,7 @@ from kvflow.protocol import KVData, KVLayer, KVPushed, KVReady, decode
 from kvflow.connector import Peer, PrefillJob, make_receiver
 from kvflow.connector.ipc_pull import IpcPullSender
 from kvflow.connector.ipc_push import PushReceiver, PushSender
-from kvflow.connector.shm import SharedCache
+from kvflow.connector.transport.shm import SharedCache
 from kvflow.connector.tcp import TcpSender
 
 from .zmq_link import recv, zmq_link  # noqa: F401 (zmq_link: a fixture)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvflow.connector.nixl_agent import nixl_available
+from kvflow.connector.transport.nixl_agent import nixl_available
 from kvflow.layout import KVCacheSpec
 from kvflow.protocol import Pair, PairResult, Unpair
 from kvflow.serve.decode import DecodeInstance

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from kvflow.connector.nixl_agent import nixl_available, tcp_tls
+from kvflow.connector.transport.nixl_agent import nixl_available, tcp_tls
 
 from .reliability_harness import greedy_tokens
 from .test_reliability_peers import Cluster, in_background

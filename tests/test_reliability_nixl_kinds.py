@@ -15,7 +15,7 @@ import time
 import pytest
 
 from kvflow.connector import Peer
-from kvflow.connector.nixl_agent import nixl_available, tcp_tls
+from kvflow.connector.transport.nixl_agent import nixl_available, tcp_tls
 from kvflow.protocol import Abort, Pair, PairResult, Prefill, Rejected, Tokens
 
 from .reliability_harness import PD, every_block_back

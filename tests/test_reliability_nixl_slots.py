@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from kvflow.connector.nixl_agent import nixl_available, tcp_tls
+from kvflow.connector.transport.nixl_agent import nixl_available, tcp_tls
 from kvflow.protocol import Abort, Pair, PairResult, Prefill, Rejected, Tokens, decode
 from kvflow.serve.decode import DecodeInstance
 from kvflow.serve.prefill import PrefillInstance

@@ -21,7 +21,7 @@ import torch
 
 from kvflow import KVCacheSpec, segments
 from kvflow.segments import DEAD, SHM_DIR, Owner, SegmentSpaceError
-from kvflow.connector.shm import SharedCache
+from kvflow.connector.transport.shm import SharedCache
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
 
@@ -160,7 +160,7 @@ def test_process_state_judges_only_peers_of_this_host_and_pid_namespace():
 # ---- (d) one module --------------------------------------------------------------------------
 def test_every_segment_kind_is_named_created_and_judged_by_kvflow_segments():
     from kvflow.signal import SignalChannel
-    from kvflow.connector.cuda_ipc import CudaIpcExport, publish_export, read_export
+    from kvflow.connector.transport.cuda_ipc import CudaIpcExport, publish_export, read_export
     exp = CudaIpcExport(uuid="u", pci_bus_id="", handle=b"h", storage_size=1, storage_offset=0,
                         ref_counter_handle=b"", ref_counter_offset=0, event_handle=b"",
                         event_sync_required=False, buffer_offset=0, nbytes=1, num_blocks=1,

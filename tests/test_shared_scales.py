@@ -17,7 +17,7 @@ from kvflow.connector import Peer, make_receiver
 from kvflow.connector.base import PrefillJob, TransferError
 from kvflow.connector.ipc_pull import IpcPullSender
 from kvflow.connector.ipc_push import PushReceiver, PushSender
-from kvflow.connector.shm import map_peer_cache
+from kvflow.connector.transport.shm import map_peer_cache
 from kvflow.kernels import copy_sequence
 from kvflow.protocol import decode
 from kvflow.segments import create, unlink
@@ -171,7 +171,7 @@ def test_scales_follow_the_blocks_16_byte_aligned_in_one_buffer():
 
 def test_cuda_import_refuses_an_export_without_the_scales():
     """Checked before any handle is opened (runs without a GPU)."""
-    from kvflow.connector.cuda_ipc import CudaIpcExport, import_cache
+    from kvflow.connector.transport.cuda_ipc import CudaIpcExport, import_cache
     exp = CudaIpcExport(uuid="0badc0de", pci_bus_id="0", handle=b"\x01" * 64,
                         storage_size=4096, storage_offset=0, ref_counter_handle=b"",
                         ref_counter_offset=0, event_handle=b"", event_sync_required=False,

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from kvflow import KVCacheSpec, PagedKVCache
-from kvflow.connector.shm import export_new_cache
+from kvflow.connector.transport.shm import export_new_cache
 from kvflow.kernels import copy_blocks, copy_sequence
 from kvflow.segments import unlink
 
@@ -68,9 +68,9 @@ def same(got: PagedKVCache, want: PagedKVCache) -> None:
 def map_prefill(name: str, spec: KVCacheSpec, device: torch.device) -> PagedKVCache:
     """D's read-side mapping of P's export (CUDA IPC; a read-only segment on CPU)."""
     if device.type == "cuda":
-        from kvflow.connector.cuda_ipc import import_cache, read_export
+        from kvflow.connector.transport.cuda_ipc import import_cache, read_export
         return import_cache(read_export(name), spec, NB)
-    from kvflow.connector.shm import map_peer_cache
+    from kvflow.connector.transport.shm import map_peer_cache
     return map_peer_cache(name, spec, NB)
 
 
@@ -92,7 +92,7 @@ except BaseException:
 """
 
 _P_PUSHER = """
-    from kvflow.connector.ipc_push import map_decode_cache
+    from kvflow.connector.transport.shm import map_decode_cache
     d = map_decode_cache({name!r}, D_BH, NB, dev)
     p = load_(PagedKVCache(FP32, NB, device=dev), filled(FP32, 1))
     copy_sequence(p, d, torch.tensor(SRC), torch.tensor(DST), num_tokens=T)

@@ -18,7 +18,7 @@ from kvflow.protocol import KVData, KVReady
 from kvflow.segments import Owner
 from kvflow.connector import Peer, TransferError, make_receiver
 from kvflow.connector.ipc_pull import IpcPullSender
-from kvflow.connector.shm import SharedCache, map_peer_cache
+from kvflow.connector.transport.shm import SharedCache, map_peer_cache
 from kvflow.segments import SHM_DIR, clean_stale
 from kvflow.connector.tcp import TcpSender
 

@@ -31,7 +31,7 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 
 from kvflow.bench.ports import free_port  # noqa: E402
-from kvflow.connector.nixl_agent import nixl_available  # noqa: E402
+from kvflow.connector.transport.nixl_agent import nixl_available  # noqa: E402
 from kvflow.integrations.vllm.params import prompt_hash  # noqa: E402
 from kvflow.integrations.vllm.tiny_llama import build  # noqa: E402
 

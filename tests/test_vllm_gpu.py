@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from kvflow.bench.ports import free_port  # noqa: E402
-from kvflow.connector.nixl_agent import nixl_available  # noqa: E402
+from kvflow.connector.transport.nixl_agent import nixl_available  # noqa: E402
 from kvflow.integrations.vllm.ipc_pull import IpcPuller  # noqa: E402
 from kvflow.integrations.vllm.transfer import KVPuller  # noqa: E402
 

@@ -17,7 +17,7 @@ pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
 
 from kvflow.bench.ports import free_port  # noqa: E402
-from kvflow.connector.nixl_agent import nixl_available, tcp_tls  # noqa: E402
+from kvflow.connector.transport.nixl_agent import nixl_available, tcp_tls  # noqa: E402
 from kvflow.integrations.vllm.config import check_config  # noqa: E402
 from kvflow.integrations.vllm.ipc_pull import IpcPuller, staging_blocks_for  # noqa: E402
 from kvflow.integrations.vllm.link import PullError  # noqa: E402
@@ -42,7 +42,7 @@ def _server(p, transport, **kw):
     addr = f"tcp://127.0.0.1:{free_port()}"
     info = agent = None
     if transport == "nixl":
-        from kvflow.connector.nixl_agent import Agent
+        from kvflow.connector.transport.nixl_agent import Agent
         from kvflow.integrations.vllm.nixl_pull import export
         agent = Agent("test-prefill", progress_thread=False)  # as the connector's P
         info = export(agent, p)
@@ -166,7 +166,7 @@ def test_bad_settings_are_refused_by_name(extra, message):
 
 @pytest.mark.skipif(not nixl_available(), reason="NIXL not installed")
 def test_nixl_p_restarted_on_the_same_address_is_met_anew():
-    from kvflow.connector.nixl_agent import Agent
+    from kvflow.connector.transport.nixl_agent import Agent
     from kvflow.integrations.vllm.nixl_pull import export
     p, d = _caches()
     server, agent = _server(p, "nixl")

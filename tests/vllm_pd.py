@@ -12,7 +12,7 @@ import time
 
 import httpx
 
-from kvflow.connector.nixl_agent import tcp_tls
+from kvflow.connector.transport.nixl_agent import tcp_tls
 
 from .reap import reap, spawn
 

@@ -33,7 +33,7 @@ def main(transport: str, addr: str, device: str) -> None:
     fill(p)
     info = agent = None
     if transport == "nixl":
-        from kvflow.connector.nixl_agent import Agent
+        from kvflow.connector.transport.nixl_agent import Agent
         from kvflow.integrations.vllm.nixl_pull import export
         agent = Agent("test-prefill", progress_thread=False)
         info = export(agent, p)

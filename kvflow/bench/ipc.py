@@ -77,7 +77,7 @@ def p_child(args) -> int:
     """The cross-process P: allocate, fill the pattern, export; exit on a stdin line."""
     import torch
     from kvflow.cache import PagedKVCache
-    from kvflow.connector.cuda_ipc import export_cache, publish_export
+    from kvflow.connector.transport.cuda_ipc import export_cache, publish_export
     from kvflow.segments import unlink
     cache = PagedKVCache(spec_of(False), args.num_blocks, device="cuda:0")
     fill_pattern(cache)
@@ -105,7 +105,7 @@ class KernelBench:
         self.memcpy = libcudart() if self.cuda else None
         self.backend = "triton" if self.cuda or os.environ.get("TRITON_INTERPRET") == "1" else "auto"
         if self.cuda:
-            from kvflow.connector.cuda_ipc import enable_peer_access
+            from kvflow.connector.transport.cuda_ipc import enable_peer_access
             enable_peer_access(self.pd, self.dd)
 
     def ids(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -231,7 +231,7 @@ def run_kernels(a, kb: KernelBench, env, rows, xproc_peer=None, variant=None) ->
 def run_xproc(a, kb: KernelBench, env, rows) -> None:
     import torch
     from kvflow.devices import worker_env
-    from kvflow.connector.cuda_ipc import import_cache, read_export
+    from kvflow.connector.transport.cuda_ipc import import_cache, read_export
     p_index = int(os.environ.get("KVFLOW_BENCH_P_GPU", "0"))
     kb.P = None  # free GPU0 for the child's cache
     torch.cuda.empty_cache()

@@ -46,7 +46,7 @@ def bulk_writer(src: Any, remote_addr: int, remote_md: bytes, remote_mem: tuple[
     """``(once, close)``: ``once()`` WRITEs every byte of registered tensor ``src`` into the
     peer agent's memory at ``remote_addr`` (``remote_md``: its metadata; ``remote_mem``: its
     NIXL memory type and device id) in descriptors of ``chunk`` bytes, and waits for it."""
-    from kvflow.connector.nixl_agent import Agent, mem_type
+    from kvflow.connector.transport.nixl_agent import Agent, mem_type
     a = Agent("bench-src")
     a.register(src)
     name = a.add_peer("dst", remote_md)
@@ -98,7 +98,7 @@ def write_ceiling(nbytes: int, *, warmup: int, reps: int,
     """
     import torch
 
-    from kvflow.connector.nixl_agent import Agent, mem_type
+    from kvflow.connector.transport.nixl_agent import Agent, mem_type
     b = Agent("bench-dst")
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)

@@ -85,7 +85,7 @@ class _Peer:
     def buffer_(self, nbytes: int, device: str) -> dict:
         import torch
 
-        from kvflow.connector.nixl_agent import Agent, mem_type
+        from kvflow.connector.transport.nixl_agent import Agent, mem_type
         self.free()
         self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         self.agent = Agent("bench-dst")

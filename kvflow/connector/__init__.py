@@ -55,8 +55,9 @@ def get_kind(name: str, device: Any = "cpu") -> Kind:
 def bind_to_host(kind: str, host: str) -> None:
     """Make connector ``kind``'s own listeners bind to ``host`` (``--host``), before its
     sender or receiver opens them: the kind's ``bind_host`` hook (for ``nixl``, UCX's TCP
-    listeners on that address's interface, :func:`kvflow.connector.nixl_net.bind_ucx_to_host`);
-    other kinds bind their sockets where serve tells them already.
+    listeners on that address's interface,
+    :func:`kvflow.connector.transport.nixl_net.bind_ucx_to_host`); other kinds bind their
+    sockets where serve tells them already.
 
     Raises
     ------

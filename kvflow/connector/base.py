@@ -30,9 +30,7 @@ from kvflow.cache import PagedKVCache
 from kvflow.context import sends_allowed
 from kvflow.layout import KVCacheSpec
 
-
-class TransferError(RuntimeError):
-    """A transfer that cannot be done (bad frames, unmapped peer, size mismatch)."""
+from .transport import TransferError
 
 
 class SlotsTaken(TransferError):

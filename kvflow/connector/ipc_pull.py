@@ -49,7 +49,7 @@ class IpcPullSender(FramedSender):
 
     def make_cache(self, num_blocks: int) -> PagedKVCache:
         """P's cache, exported: one CUDA allocation's IPC handle, or a shared-memory segment."""
-        from .shm import export_new_cache
+        from .transport.shm import export_new_cache
         self.cache, self.export_name = export_new_cache(self.spec, num_blocks, self.device,
                                                         "prefill")
         return self.cache
@@ -121,7 +121,7 @@ class IpcPullReceiver(KVReceiver):
 
 
     def attach(self, peer: Peer) -> None:
-        from .shm import map_peer_cache
+        from .transport.shm import map_peer_cache
         self.peers[peer.id] = map_peer_cache(peer.shm_name, peer.spec, peer.num_blocks)
         self.peer_id = peer.id
 
@@ -239,7 +239,7 @@ class CudaIpcPullReceiver(IpcPullReceiver):
         self.copy_kwargs = {"direction": direction}
 
     def attach(self, peer: Peer) -> None:
-        from .cuda_ipc import enable_peer_access, import_cache, read_export
+        from .transport.cuda_ipc import enable_peer_access, import_cache, read_export
         self.detach(peer.id)
         cache = import_cache(read_export(peer.shm_name), peer.spec, peer.num_blocks)
         mine = torch.device("cuda", torch.cuda.current_device())

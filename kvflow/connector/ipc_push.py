@@ -1,7 +1,8 @@
 """``ipc-push``: P writes each request's KV straight into the blocks D allocated (one host).
 
-D exports its cache once (CPU: a 0600 shared-memory segment, :mod:`.shm`; CUDA: one
-allocation's IPC handle, :mod:`.cuda_ipc`) and P maps it at pairing (one mapping per paired D).
+D exports its cache once (CPU: a 0600 shared-memory segment, :mod:`.transport.shm`; CUDA: one
+allocation's IPC handle, :mod:`.transport.cuda_ipc`) and P maps it at pairing (one mapping per
+paired D).
 The router gives P D's id and block table with the request (``Prefill.decode_id``,
 ``decode_block_ids``), so P copies its blocks into that D's with
 :func:`~kvflow.kernels.copy_blocks` -- on CUDA inside P's own process and CUDA context, where
@@ -48,27 +49,9 @@ from .base import (KVReceiver, KVSender, Peer, PrefillJob, TransferError, Transf
                    check_send_allowed)
 from .layer_copy import LAYERS_PER_COPY, LAYERWISE_MAX_CTAS, LayerCopier, PushStats
 from .reblocked import differs, push_prompt, warm
+from .transport.shm import map_decode_cache
 
 log = logging.getLogger("kvflow.connector.ipc_push")
-
-
-def map_decode_cache(shm_name: str, spec, num_blocks: int, device: torch.device) -> PagedKVCache:
-    """Map D's exported cache writable in P's process, usable by kernels on ``device``.
-
-    CPU: the shared-memory segment ``shm_name``; CUDA: the IPC export published under that name,
-    mapped into ``device``'s context (``import_cache(map_on=device)``), so P's kernels write D's
-    GPU memory over NVLink.
-
-    Raises
-    ------
-    TransferError
-        Missing segment or export, size or spec mismatch, a GPU this process cannot see.
-    """
-    if device.type == "cuda":
-        from .cuda_ipc import import_cache, read_export
-        return import_cache(read_export(shm_name), spec, num_blocks, map_on=device)
-    from .shm import map_peer_cache
-    return map_peer_cache(shm_name, spec, num_blocks, writable=True)
 
 
 class PushSender(KVSender):
@@ -336,7 +319,7 @@ class PushReceiver(KVReceiver):
 
     def make_cache(self, num_blocks: int) -> PagedKVCache:
         """D's cache, exported: one CUDA allocation's IPC handle, or a shared-memory segment."""
-        from .shm import export_new_cache
+        from .transport.shm import export_new_cache
         self.cache, self.export_name = export_new_cache(self.spec, num_blocks, self.device,
                                                         "decode")
         return self.cache

@@ -173,7 +173,7 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
                          unit="seconds")),
          block_scales=False, layerwise_min_tokens=0, writes_peer_memory=True, cross_host=True,
          receiver_args=("max_model_len",), extra="nixl",
-         bind_host="kvflow.connector.nixl_net:bind_ucx_to_host"),
+         bind_host="kvflow.connector.transport.nixl_net:bind_ucx_to_host"),
 )}
 
 

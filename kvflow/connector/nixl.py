@@ -43,7 +43,7 @@ from .base import (KVReceiver, KVSender, Peer, PrefillJob, SlotsTaken, TransferE
                    TransferStats)
 from .ipc_push import PushSender
 from .layer_copy import LAYERS_PER_COPY
-from .nixl_agent import Agent, block_descs, mem_type
+from .transport.nixl_agent import Agent, block_descs, mem_type
 from .nixl_writer import NixlPeer, NixlWriter
 
 MODES = ("direct", "staged")

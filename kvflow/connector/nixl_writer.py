@@ -6,8 +6,9 @@ Two data modes (``kv_connector_config`` ``mode``):
 
 - ``direct``: after each group of ``layers_per_copy`` layers of a chunk, one WRITE from P's
   registered cache into D's, naming the group's tensors x the chunk's complete blocks
-  (:func:`~kvflow.connector.nixl_plan.desc_indices` into descriptor lists prepared once per
-  peer; NIXL merges consecutive ids). A block is written once, by the chunk that completes it.
+  (:func:`~kvflow.connector.transport.nixl_plan.desc_indices` into descriptor lists prepared
+  once per peer; NIXL merges consecutive ids). A block is written once, by the chunk that
+  completes it.
 - ``staged``: in the last chunk, after each layer group, P gathers the group's layers of every
   prompt block with :func:`~kvflow.kernels.gather_blocks` into its registered staging buffer
   (``[layers, tensors_per_layer, blocks, *block_shape]``) and WRITEs that one contiguous range
@@ -39,7 +40,7 @@ from kvflow.cache import staging_shape
 from kvflow.kernels import gather_blocks
 
 from .base import TransferError
-from .nixl_plan import desc_indices
+from .transport.nixl_plan import desc_indices
 
 #: Seconds P waits for a D's staging slot (its ``slot`` or ``free`` notification).
 SLOT_TIMEOUT_S = 10.0
@@ -87,7 +88,7 @@ class NixlWriter:
 
     Parameters
     ----------
-    agent : kvflow.connector.nixl_agent.Agent
+    agent : kvflow.connector.transport.nixl_agent.Agent
     cache : PagedKVCache
         P's cache, registered with ``agent``; ``local`` its prepared descriptor list.
     mode : str

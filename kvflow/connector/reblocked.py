@@ -60,7 +60,7 @@ def push_prompt(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, 
     :func:`~kvflow.kernels.copy_sequence` over all layers, and wait for it.
 
     The kernel runs on ``dst_cache``'s device, which for ipc-push is P's own GPU (D's cache is
-    mapped there, :func:`~kvflow.connector.ipc_push.map_decode_cache`): P pushes.
+    mapped there, :func:`~kvflow.connector.transport.shm.map_decode_cache`): P pushes.
 
     Parameters
     ----------

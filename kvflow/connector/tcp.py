@@ -21,12 +21,11 @@ on arrival.
 from __future__ import annotations
 
 import time
-import warnings
 from typing import Any
 
 import torch
 
-from kvflow.cache import PagedKVCache, staging_buffer, staging_shape
+from kvflow.cache import PagedKVCache, staging_buffer
 from kvflow.kernels import gather_blocks, payload_bytes, scatter_blocks
 from kvflow.kernels.digest import fold
 from kvflow.protocol import KVData, KVLayer, encode
@@ -35,26 +34,16 @@ from .base import KVReceiver, TransferError, TransferStats, as_ids, check_send_a
 from .framed import FramedSender
 from .layerwise.parts import LayerParts
 from .reblocked import differs, tables
+from .transport.frames import check_frames, layer_bytes, layer_frames, scatter_frames
 from .verify import check, expect, new_digest
 
 
-def layer_frames(staging: torch.Tensor) -> list[memoryview]:
-    """Zero-copy frames of a host staging buffer ``[num_layers, ...]``: frame ``l`` is a
-    memoryview of ``staging[l]``'s bytes (keep ``staging`` alive until ZMQ has sent them)."""
-    raw = staging.view(-1).view(torch.uint8).view(staging.shape[0], -1)
-    return [memoryview(raw[l].numpy()) for l in range(raw.shape[0])]
-
-
-def frame_tensor(buf: memoryview, spec, num_blocks: int, layer: int,
-                 device: torch.device) -> torch.Tensor:
-    """One received layer frame as the staging tensor ``scatter_blocks`` reads:
-    ``staging_shape(spec, num_blocks, layer)`` of ``spec.dtype``, on ``device`` (the frame is
-    host memory: copied to a GPU cache's device, viewed without a copy on the CPU)."""
-    with warnings.catch_warnings():  # zmq frames are read-only; scatter only reads them
-        warnings.simplefilter("ignore", UserWarning)
-        src = torch.frombuffer(buf, dtype=torch.uint8)
-    src = src.view(spec.dtype).view(staging_shape(spec, num_blocks, layer))
-    return src if device.type == "cpu" else src.to(device)
+# the receiving side's messages (tests assert them)
+DATA_COUNT = ("KVData for {req_id}: expected {expected} layer frames, header says {header}, "
+              "got {got}")
+DATA_SIZE = "KVData for {req_id}: layer {layer} frame has {nbytes} bytes, expected {expected}"
+PART_COUNT = "KVLayer for {req_id}: layers [{start}, {stop}) need {expected} frames, got {got}"
+PART_SIZE = "KVLayer for {req_id}: layer {layer} frame has {nbytes} bytes, expected {expected}"
 
 
 class TcpSender(FramedSender):
@@ -159,28 +148,22 @@ class TcpReceiver(KVReceiver):
         if n != len(dst_ids):
             raise TransferError(f"KVData for {header.req_id} carries {n} blocks; D allocated "
                                 f"{len(dst_ids)} for the prompt")
-        if header.num_frames != spec.num_layers or len(frames) != spec.num_layers:
-            raise TransferError(f"KVData for {header.req_id}: expected {spec.num_layers} layer "
-                                f"frames, header says {header.num_frames}, got {len(frames)}")
-        layer_bytes = spec.tensors_per_layer * n * spec.block_bytes
-        ids = as_ids(dst_ids)
-        bufs = [memoryview(getattr(frame, "buffer", frame)) for frame in frames]
-        for layer, buf in enumerate(bufs):  # check every frame before writing anything
-            if buf.nbytes != layer_bytes:
-                raise TransferError(f"KVData for {header.req_id}: layer {layer} frame has "
-                                    f"{buf.nbytes} bytes, expected {layer_bytes}")
-        sent = expect(header, n) if self.verify else None
-        digest = new_digest(n, cache.device) if sent is not None else None
-        total_digest = torch.zeros(n, dtype=torch.int64, device=cache.device) if sent is not None \
-            else None  # the layers' digests, summed (mod 2**32 by fold)
+        checks = dict(req_id=header.req_id, error=TransferError, count_msg=DATA_COUNT,
+                      size_msg=DATA_SIZE, num_frames=header.num_frames)
+        sent = digest = total_digest = None
+        if self.verify:  # the frames are checked before P's digests, as without --kv-verify
+            check_frames(frames, range(spec.num_layers), layer_bytes(spec, n), **checks)
+            sent = expect(header, n)
+            digest = new_digest(n, cache.device)
+            total_digest = torch.zeros(n, dtype=torch.int64, device=cache.device)
+
+        def add_digest() -> None:  # a range's digest is the sum of its layers' (mod 2**32: fold)
+            total_digest.add_(digest.to(torch.int64))
+
         t0 = time.perf_counter()
-        total = 0
-        for layer, buf in enumerate(bufs if n else ()):  # zero blocks (prefix hit): nothing to write
-            scatter_blocks(frame_tensor(buf, spec, n, layer, cache.device), cache, ids, layer,
-                           backend=self.backend, digest=digest)
-            if digest is not None:  # a range's digest is the sum of its layers'
-                total_digest += digest.to(torch.int64)
-            total += buf.nbytes
+        total = scatter_frames(frames, cache, as_ids(dst_ids), range(spec.num_layers),
+                               backend=self.backend, digest=digest,
+                               on_layer=None if digest is None else add_digest, **checks)
         if sent is not None:
             check(header.req_id, sent, fold(total_digest))
         ms = (time.perf_counter() - t0) * 1e3
@@ -192,38 +175,18 @@ class TcpReceiver(KVReceiver):
         ``num_tokens`` (:mod:`.reblocked`)."""
         n, T = header.num_blocks, header.num_prompt_tokens
         src, dst = tables(range(n), src_spec, dst_ids, cache.spec, T, header.req_id)
-        layer_bytes = src_spec.tensors_per_layer * n * src_spec.block_bytes
-        bufs = [memoryview(getattr(frame, "buffer", frame)) for frame in frames]
-        if header.num_frames != src_spec.num_layers or len(bufs) != src_spec.num_layers:
-            raise TransferError(f"KVData for {header.req_id}: expected {src_spec.num_layers} "
-                                f"layer frames, header says {header.num_frames}, got {len(bufs)}")
-        for layer, buf in enumerate(bufs):
-            if buf.nbytes != layer_bytes:
-                raise TransferError(f"KVData for {header.req_id}: layer {layer} frame has "
-                                    f"{buf.nbytes} bytes, expected {layer_bytes}")
         t0 = time.perf_counter()
-        for layer, buf in enumerate(bufs if len(dst_ids) else ()):
-            scatter_blocks(frame_tensor(buf, src_spec, n, layer, cache.device), cache, dst,
-                           layer, backend=self.backend, src_spec=src_spec, num_tokens=T,
-                           head_start=self.head_start)
+        scatter_frames(frames, cache, dst, range(src_spec.num_layers), req_id=header.req_id,
+                       error=TransferError, count_msg=DATA_COUNT, size_msg=DATA_SIZE,
+                       num_frames=header.num_frames, spec=src_spec, num_blocks=n,
+                       backend=self.backend, src_spec=src_spec, num_tokens=T,
+                       head_start=self.head_start)
         ms = (time.perf_counter() - t0) * 1e3
         return TransferStats(blocks=len(dst_ids), copy_ms=ms,
                              payload_bytes=payload_bytes(cache.spec, len(dst_ids)))
 
     def _scatter_part(self, header, frames, cache, dst_ids, layers) -> int:
         """Check one frame per layer of ``len(dst_ids)`` blocks, then scatter each layer."""
-        spec, n = cache.spec, len(dst_ids)
-        if len(frames) != len(layers):
-            raise TransferError(f"KVLayer for {header.req_id}: layers [{layers.start}, "
-                                f"{layers.stop}) need {len(layers)} frames, got {len(frames)}")
-        layer_bytes = spec.tensors_per_layer * n * spec.block_bytes
-        bufs = [memoryview(getattr(frame, "buffer", frame)) for frame in frames]
-        for layer, buf in zip(layers, bufs):
-            if buf.nbytes != layer_bytes:
-                raise TransferError(f"KVLayer for {header.req_id}: layer {layer} frame has "
-                                    f"{buf.nbytes} bytes, expected {layer_bytes}")
-        ids = as_ids(dst_ids)
-        for layer, buf in zip(layers, bufs):
-            scatter_blocks(frame_tensor(buf, spec, n, layer, cache.device), cache, ids, layer,
-                           backend=self.backend)
-        return layer_bytes * len(layers)
+        return scatter_frames(frames, cache, as_ids(dst_ids), layers, req_id=header.req_id,
+                              error=TransferError, count_msg=PART_COUNT, size_msg=PART_SIZE,
+                              backend=self.backend)

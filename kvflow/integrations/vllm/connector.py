@@ -206,7 +206,7 @@ class KvflowConnector(KVConnectorBase_V1):
         if self._kv_transfer_config.is_kv_producer:
             info = None
             if nixl:
-                from kvflow.connector.nixl_agent import Agent
+                from kvflow.connector.transport.nixl_agent import Agent
                 from .nixl_pull import export
                 # no progress thread (it polls while idle): the server progresses P's agent
                 # while a D READs

@@ -4,9 +4,9 @@ the KV moved through a staging buffer that D owns and P maps.
 vLLM allocates its KV cache itself (plain host memory on CPU, one ``cudaMalloc`` on a GPU), so
 P's cache cannot be mapped by D the way kvflow's own ``ipc-pull`` maps a cache it allocated in
 shared memory. D therefore exports a staging cache of its own spec (``staging_blocks`` blocks;
-CPU: a POSIX shared-memory segment, :mod:`kvflow.connector.shm`; GPU: one allocation's CUDA IPC
-handle, :mod:`kvflow.connector.cuda_ipc`) at start-up, and per request, in chunks of at most
-``staging_blocks`` blocks:
+CPU: a POSIX shared-memory segment, :mod:`kvflow.connector.transport.shm`; GPU: one
+allocation's CUDA IPC handle, :mod:`kvflow.connector.transport.cuda_ipc`) at start-up, and per
+request, in chunks of at most ``staging_blocks`` blocks:
 
 1. D sends ``Pull(req, P's block ids, spec, staging=<export name>, staging_blocks=N)``;
 2. P maps the export once per D (writable), copies its blocks into staging blocks ``0..k-1``
@@ -25,9 +25,8 @@ from __future__ import annotations
 import torch
 
 from kvflow.cache import PagedKVCache
-from kvflow.connector.base import TransferError
-from kvflow.connector.ipc_push import map_decode_cache
-from kvflow.connector.shm import export_new_cache
+from kvflow.connector import TransferError
+from kvflow.connector.transport.shm import export_new_cache, map_decode_cache
 from kvflow.kernels import copy_blocks
 from kvflow.layout import KVCacheSpec
 from kvflow.segments import unlink

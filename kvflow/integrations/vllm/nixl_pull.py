@@ -1,5 +1,5 @@
 """Transport ``nixl`` of :class:`~kvflow.integrations.vllm.KvflowConnector`: D READs P's blocks
-with one-sided NIXL (:class:`kvflow.connector.nixl_agent.Agent`).
+with one-sided NIXL (:class:`kvflow.connector.transport.nixl_agent.Agent`).
 
 Why D reads (pull) rather than P writes: D's blocks exist only once D's scheduler allocated
 them, after P's prefill ended and the proxy forwarded the request; at that point D knows both
@@ -12,9 +12,9 @@ registration per distinct allocation, :func:`register`). Descriptors (:func:`cac
 per (tensor, block), ``spec.block_bytes`` each, row ``t * num_blocks + b`` = block ``b`` of
 tensor ``t`` of :meth:`~kvflow.PagedKVCache.tensors`; D prepares its own list once and P's once
 per P (:class:`NixlPuller`). A READ names the rows of P's and D's block ids for every tensor
-(:func:`~kvflow.connector.nixl_plan.desc_indices`); NIXL merges rows adjacent on both sides, so
-a run of consecutive ids on both sides moves as one descriptor per tensor
-(:func:`~kvflow.connector.nixl_plan.coalesce`).
+(:func:`~kvflow.connector.transport.nixl_plan.desc_indices`); NIXL merges rows adjacent on both
+sides, so a run of consecutive ids on both sides moves as one descriptor per tensor
+(:func:`~kvflow.connector.transport.nixl_plan.coalesce`).
 
 The side channel is :class:`.link.PeerLink` (ZMQ, msgpack messages of :mod:`.messages`): P's
 agent metadata and tensor addresses come once per P in :class:`~.messages.NixlInfo`.
@@ -29,9 +29,9 @@ import numpy as np
 import torch
 
 from kvflow.cache import PagedKVCache
-from kvflow.connector.base import TransferError
-from kvflow.connector.nixl_agent import Agent, block_descs, mem_type
-from kvflow.connector.nixl_plan import coalesce, desc_indices
+from kvflow.connector import TransferError
+from kvflow.connector.transport.nixl_agent import Agent, block_descs, mem_type
+from kvflow.connector.transport.nixl_plan import coalesce, desc_indices
 
 from .link import PeerTimeout, Puller, PullError
 from .messages import NixlHello, NixlInfo, Pull

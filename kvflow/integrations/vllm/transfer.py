@@ -1,13 +1,13 @@
 """P's :class:`KVServer` (every transport) and D's :class:`KVPuller` (transport ``tcp``).
 
 tcp: P gathers held blocks out of vLLM's cache with :func:`kvflow.kernels.gather_blocks` and
-sends one zero-copy frame per layer (:func:`kvflow.connector.tcp.layer_frames`); D views the
-frames without copying (:func:`kvflow.connector.tcp.frame_tensor`) and
-:func:`kvflow.kernels.scatter_blocks` them into the blocks D allocated. nixl: P answers D's
-:class:`~.messages.NixlHello` with its agent and cache addresses and a ``Pull(nixl=True)`` with a
-check only; D READs the blocks itself (:mod:`.nixl_pull`) and then sends ``Release``. ipc: P
-copies the blocks into D's staging cache, mapped once per D (:mod:`.ipc_pull`), and answers; D
-copies them on and sends ``Release``.
+sends one zero-copy frame per layer (:func:`kvflow.connector.transport.frames.layer_frames`);
+D checks every frame, views it without copying and :func:`kvflow.kernels.scatter_blocks` it
+into the blocks D allocated (:func:`kvflow.connector.transport.frames.scatter_frames`).
+nixl: P answers D's :class:`~.messages.NixlHello` with its agent and cache addresses and a
+``Pull(nixl=True)`` with a check only; D READs the blocks itself (:mod:`.nixl_pull`) and then
+sends ``Release``. ipc: P copies the blocks into D's staging cache, mapped once per D
+(:mod:`.ipc_pull`), and answers; D copies them on and sends ``Release``.
 
 Works on one host and across hosts (``tcp://``). P only serves a request it holds (announced
 by its scheduler through :meth:`KVServer.hold`, waiting up to ``hold_wait_s`` for it); a pull
@@ -25,7 +25,7 @@ import torch
 import zmq
 
 from kvflow.cache import PagedKVCache, staging_buffer
-from kvflow.connector.tcp import frame_tensor, layer_frames
+from kvflow.connector.transport.frames import layer_frames, scatter_frames
 from kvflow.kernels import gather_blocks, scatter_blocks
 from kvflow.layout import KVCacheSpec
 from kvflow.wire import ProtocolError
@@ -35,6 +35,10 @@ from .link import Puller, PullError
 from .messages import NixlHello, NixlInfo, Pull, PullReply, Release, decode, encode
 
 log = logging.getLogger("kvflow.integrations.vllm")
+
+# D's messages for a reply's frames (tests assert them)
+FRAME_COUNT = "request {req_id}: {got} layer frames, expected {expected}"
+FRAME_SIZE = "request {req_id}: layer {layer} frame holds {nbytes} bytes, expected {expected}"
 
 
 class KVServer:
@@ -250,19 +254,9 @@ class KVPuller(Puller):
     def _pull(self, addr: str, req_id: str, remote_ids: list[int], local_ids: list[int]) -> int:
         spec, n = self.cache.spec, len(remote_ids)
         reply, frames = self._ask_pull(addr, Pull(req_id, remote_ids, spec.to_dict()))
-        if reply.num_layers != spec.num_layers or len(frames) != spec.num_layers:
-            raise PullError(f"request {req_id}: {len(frames)} layer frames, expected "
-                            f"{spec.num_layers}")
-        layer_bytes = spec.block_bytes * spec.tensors_per_layer * n
-        bufs = [memoryview(frame.buffer) for frame in frames]
-        for layer, buf in enumerate(bufs):  # check every frame before writing anything
-            if buf.nbytes != layer_bytes:
-                raise PullError(f"request {req_id}: layer {layer} frame holds {buf.nbytes} "
-                                f"bytes, expected {layer_bytes}")
-        ids = torch.tensor(local_ids, dtype=torch.int64)
-        for layer, buf in enumerate(bufs):
-            src = frame_tensor(buf, spec, n, layer, self.cache.device)
-            if self.corrupt:
-                src = torch.randn(src.shape).to(spec.dtype)
-            scatter_blocks(src, self.cache, ids, layer, backend=self.backend)
+        corrupt = (lambda src: torch.randn(src.shape).to(spec.dtype)) if self.corrupt else None
+        scatter_frames(frames, self.cache, torch.tensor(local_ids, dtype=torch.int64),
+                       range(spec.num_layers), req_id=req_id, error=PullError,
+                       count_msg=FRAME_COUNT, size_msg=FRAME_SIZE, num_frames=reply.num_layers,
+                       num_blocks=n, backend=self.backend, src_fn=corrupt)
         return n * spec.bytes_per_block

@@ -1,7 +1,7 @@
 """Which descriptors a ``nixl`` WRITE names: pure functions over block ids (no NIXL needed).
 
 Descriptor ``t * num_blocks + b`` of a cache is block ``b`` of tensor ``t``
-(:func:`~kvflow.connector.nixl_agent.block_descs`). A layer group's WRITE of pairs
+(:func:`~kvflow.connector.transport.nixl_agent.block_descs`). A layer group's WRITE of pairs
 ``(src_ids[i], dst_ids[i])`` names, for every tensor of the group, P's descriptors of
 ``src_ids`` and D's of ``dst_ids`` in the same order; NIXL merges neighbours that are adjacent
 on both sides, so what travels is one descriptor per :func:`coalesce` run per tensor.

@@ -39,7 +39,7 @@ from kvflow.cache import PagedKVCache
 from kvflow.layout import KVCacheSpec
 from kvflow.scales import scales_offset, shared_nbytes, shared_parts
 
-from .base import TransferError
+from . import TransferError
 from kvflow.segments import segment_path
 
 EXPORT_VERSION = 2  # 2: nbytes counts the fp8 scales after the blocks

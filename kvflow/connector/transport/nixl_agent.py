@@ -14,7 +14,7 @@ Descriptors (:func:`block_descs`): one per (cache tensor, block), ``block_bytes`
 tensor-major order, so descriptor ``t * num_blocks + b`` is block ``b`` of tensor ``t``. A
 transfer names descriptors by index (``make_prepped_xfer``); NIXL merges descriptors adjacent
 in both lists, so a run of consecutive block ids on both sides moves as one descriptor
-(:func:`~kvflow.connector.nixl_plan.coalesce` counts them).
+(:func:`~kvflow.connector.transport.nixl_plan.coalesce` counts them).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import TransferError
+from . import TransferError
 from .nixl_progress import ProgressDriver
 
 #: Modules that provide NIXL's Python API, tried in order.
@@ -123,7 +123,7 @@ class Agent:
         read or written. The thread polls even when idle (about 0.25 CPU-seconds per second
         each for an idle served P and D, docs/nixl.md).
     driven : bool
-        kvflow's :class:`~kvflow.connector.nixl_progress.ProgressDriver` instead (needs
+        kvflow's :class:`~kvflow.connector.transport.nixl_progress.ProgressDriver` instead (needs
         ``progress_thread=False``): fast while a WRITE posted here is not waited for or a key
         is held (:meth:`hold`), every 10 ms otherwise.
 

@@ -1,4 +1,5 @@
-"""Shared-memory caches (CPU): P's cache for ipc-pull, D's for ipc-push.
+"""Shared-memory caches (CPU): P's cache for ipc-pull, D's for ipc-push; and on either device a
+cache another process of this host maps (:func:`export_new_cache`, :func:`map_decode_cache`).
 
 Segments are files under ``/dev/shm`` named, created and cleaned by :mod:`kvflow.segments`
 (``kvflow-<role>-<owner>-<random hex>``: unique per instance, ``O_EXCL``, mode 0600, every
@@ -26,7 +27,7 @@ from kvflow.layout import KVCacheSpec
 from kvflow.scales import shared_nbytes, shared_parts
 from kvflow.segments import segment_path, unlink
 
-from .base import TransferError
+from . import TransferError
 
 __all__ = ["SharedCache", "export_new_cache", "map_peer_cache"]
 
@@ -144,3 +145,21 @@ def export_new_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device,
     clean_stale()
     shared = SharedCache(spec, num_blocks, role=role)
     return shared.cache, shared.name
+
+
+def map_decode_cache(shm_name: str, spec, num_blocks: int, device: torch.device) -> PagedKVCache:
+    """Map D's exported cache writable in P's process, usable by kernels on ``device``.
+
+    CPU: the shared-memory segment ``shm_name``; CUDA: the IPC export published under that name,
+    mapped into ``device``'s context (``import_cache(map_on=device)``), so P's kernels write D's
+    GPU memory over NVLink.
+
+    Raises
+    ------
+    TransferError
+        Missing segment or export, size or spec mismatch, a GPU this process cannot see.
+    """
+    if device.type == "cuda":
+        from .cuda_ipc import import_cache, read_export
+        return import_cache(read_export(shm_name), spec, num_blocks, map_on=device)
+    return map_peer_cache(shm_name, spec, num_blocks, writable=True)

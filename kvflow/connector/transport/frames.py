@@ -1,0 +1,148 @@
+"""Layer frames: a staging buffer sent as one zero-copy frame per layer, and the one
+"check every frame, then scatter" on the receiving side.
+
+A frame of layer ``l`` holds ``staging[l]`` of :func:`kvflow.cache.staging_shape` =
+``[tensors_per_layer, num_blocks, *block_shape]`` of ``spec.dtype``, i.e.
+``tensors_per_layer * num_blocks * spec.block_bytes`` bytes (:func:`layer_bytes`). The sender
+makes the frames with :func:`layer_frames`; the receiver checks the count and every frame's
+size before writing anything, then :func:`kvflow.kernels.scatter_blocks` each layer into the
+blocks it allocated (:func:`scatter_frames`). Used by the ``tcp`` kind (whole request,
+re-blocked, layerwise part) and by the vLLM connector's ``tcp`` transport.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+
+from kvflow.cache import staging_shape
+from kvflow.kernels import scatter_blocks
+
+
+def layer_frames(staging: torch.Tensor) -> list[memoryview]:
+    """Zero-copy frames of a host staging buffer ``[num_layers, ...]``: frame ``l`` is a
+    memoryview of ``staging[l]``'s bytes (keep ``staging`` alive until ZMQ has sent them)."""
+    raw = staging.view(-1).view(torch.uint8).view(staging.shape[0], -1)
+    return [memoryview(raw[l].numpy()) for l in range(raw.shape[0])]
+
+
+def frame_tensor(buf: memoryview, spec, num_blocks: int, layer: int,
+                 device: torch.device) -> torch.Tensor:
+    """One received layer frame as the staging tensor ``scatter_blocks`` reads:
+    ``staging_shape(spec, num_blocks, layer)`` of ``spec.dtype``, on ``device`` (the frame is
+    host memory: copied to a GPU cache's device, viewed without a copy on the CPU)."""
+    with warnings.catch_warnings():  # zmq frames are read-only; scatter only reads them
+        warnings.simplefilter("ignore", UserWarning)
+        src = torch.frombuffer(buf, dtype=torch.uint8)
+    src = src.view(spec.dtype).view(staging_shape(spec, num_blocks, layer))
+    return src if device.type == "cpu" else src.to(device)
+
+
+def layer_bytes(spec, num_blocks: int) -> int:
+    """Bytes of one layer frame of ``num_blocks`` blocks of ``spec``:
+    ``tensors_per_layer * num_blocks * block_bytes``."""
+    return spec.tensors_per_layer * num_blocks * spec.block_bytes
+
+
+def check_frames(frames: Sequence[Any], layers: range, nbytes: int, *, req_id: str,
+                 error: type[Exception], count_msg: str, size_msg: str,
+                 num_frames: int | None = None) -> list[memoryview]:
+    """Check that there is one frame per layer of ``layers``, each of ``nbytes`` bytes.
+
+    Parameters
+    ----------
+    frames : sequence of zmq.Frame, memoryview or bytes
+        The received layer frames, in layer order.
+    layers : range
+        The layers the frames hold (``range(num_layers)`` for a whole request).
+    nbytes : int
+        The size every frame must have (:func:`layer_bytes`), bytes.
+    req_id : str
+        The request, for the messages.
+    error : exception class
+        Raised on a mismatch, with the message below.
+    count_msg : str
+        Template (``str.format``) of a wrong count's message; fields ``req_id``, ``start`` and
+        ``stop`` (of ``layers``), ``expected`` (``len(layers)``), ``header`` (``num_frames``)
+        and ``got`` (``len(frames)``).
+    size_msg : str
+        Template of a wrong frame size's message; fields ``req_id``, ``layer``, ``nbytes`` (the
+        frame's) and ``expected`` (``nbytes``).
+    num_frames : int, optional
+        The count a header announced; it must equal ``len(layers)`` too.
+
+    Returns
+    -------
+    list of memoryview
+        The frames' bytes, one per layer.
+    """
+    if len(frames) != len(layers) or (num_frames is not None and num_frames != len(layers)):
+        raise error(count_msg.format(req_id=req_id, start=layers.start, stop=layers.stop,
+                                     expected=len(layers), header=num_frames, got=len(frames)))
+    bufs = [memoryview(getattr(frame, "buffer", frame)) for frame in frames]
+    for layer, buf in zip(layers, bufs):  # check every frame before writing anything
+        if buf.nbytes != nbytes:
+            raise error(size_msg.format(req_id=req_id, layer=layer, nbytes=buf.nbytes,
+                                        expected=nbytes))
+    return bufs
+
+
+def scatter_frames(frames: Sequence[Any], cache, dst_ids: Any, layers: range, *,
+                   req_id: str, error: type[Exception], count_msg: str, size_msg: str,
+                   num_frames: int | None = None, spec=None, num_blocks: int | None = None,
+                   backend: str = "auto", on_layer: Callable[[], None] | None = None,
+                   src_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                   **scatter_kw: Any) -> int:
+    """Check every frame (:func:`check_frames`), then scatter each layer into ``cache``.
+
+    Parameters
+    ----------
+    frames, layers, req_id, error, count_msg, size_msg, num_frames
+        As :func:`check_frames`.
+    cache : PagedKVCache
+        D's cache, written at ``dst_ids``.
+    dst_ids : torch.Tensor, int64, shape [n]
+        Destination block ids (``block_ids`` of :func:`kvflow.kernels.scatter_blocks`, -1
+        skips a slot). With none >= 0 (D's prefix cache held every block), nothing is written
+        after the checks.
+    spec : KVCacheSpec, optional
+        The frames' spec (P's, for a re-blocked move); ``cache.spec`` when None.
+    num_blocks : int, optional
+        Blocks per frame; ``len(dst_ids)`` when None.
+    backend : str
+        kvflow backend of ``scatter_blocks``.
+    on_layer : callable, optional
+        Called after each layer's scatter (e.g. to sum the ``digest`` of ``scatter_kw``).
+    src_fn : callable, optional
+        Maps each layer's staging tensor before the scatter (a test fault).
+    **scatter_kw
+        Passed on to ``scatter_blocks`` (``digest``, ``src_spec``, ``num_tokens``,
+        ``head_start``).
+
+    Returns
+    -------
+    int
+        Bytes of the frames scattered (0 when nothing is written).
+
+    Raises
+    ------
+    error
+        A wrong frame count or frame size, before anything is written.
+    """
+    spec = cache.spec if spec is None else spec
+    n = len(dst_ids) if num_blocks is None else num_blocks
+    bufs = check_frames(frames, layers, layer_bytes(spec, n), req_id=req_id, error=error,
+                        count_msg=count_msg, size_msg=size_msg, num_frames=num_frames)
+    write = bool((torch.as_tensor(dst_ids) >= 0).any())
+    total = 0
+    for layer, buf in zip(layers, bufs if write else ()):
+        src = frame_tensor(buf, spec, n, layer, cache.device)
+        if src_fn is not None:
+            src = src_fn(src)
+        scatter_blocks(src, cache, dst_ids, layer, backend=backend, **scatter_kw)
+        if on_layer is not None:
+            on_layer()
+        total += buf.nbytes
+    return total
