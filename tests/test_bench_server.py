@@ -1,4 +1,4 @@
-"""The one launcher of tests and studies (kvflow/bench/server.py): ports outside the ephemeral
+"""The one launcher of tests and studies (kvflow/bench/ports.py): ports outside the ephemeral
 range, handed out once; a server whose port was taken before it bound it is started again on
 another port (bounded); a server of another process answering on the port is never taken for
 ours; two kvflow.serve routers started at once on the same first port both come up."""
@@ -58,10 +58,10 @@ def test_free_port_is_outside_the_ephemeral_range_and_handed_out_once():
 def test_free_port_when_the_ephemeral_range_covers_every_port(monkeypatch):
     """No room outside (``ip_local_port_range`` 1024-65535): the kernel's pick, still free and
     still handed out once."""
-    import kvflow.bench.server as server
-    monkeypatch.setattr(server, "_ephemeral_range", lambda: (1024, 65535))
-    ports = [free_port() for _ in range(20)]
-    assert len(set(ports)) == 20 and all(port_free(p) for p in ports)
+    import kvflow.bench.ports as ports
+    monkeypatch.setattr(ports, "_ephemeral_range", lambda: (1024, 65535))
+    got = [free_port() for _ in range(20)]
+    assert len(set(got)) == 20 and all(port_free(p) for p in got)
 
 
 def test_port_taken_by_another_server_is_retried_on_a_new_port():
