@@ -116,6 +116,30 @@ def process_exited(pid: int) -> bool:
         return False
 
 
+def process_tree(pid: int) -> set[int]:
+    """``pid`` and the pids of every live process below it (parents read from
+    ``/proc/<pid>/stat`` field 4; a served instance starts a session of its own, so its
+    process group does not hold it). Only ``{pid}`` where /proc cannot tell."""
+    parent: dict[int, int] = {}
+    try:
+        names = [n for n in os.listdir("/proc") if n.isdigit()]
+    except OSError:
+        names = []
+    for name in names:
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                rest = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if rest and rest[0] not in (b"Z", b"X"):
+            parent[int(name)] = int(rest[1])
+    tree, frontier = {pid}, {pid}
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier and p not in tree}
+        tree |= frontier
+    return tree
+
+
 def process_state(pid: int, peer_host_id: str) -> str:
     """:data:`ALIVE`, :data:`DEAD` or :data:`UNKNOWN` for process ``pid`` of a peer whose
     :func:`host_id` is ``peer_host_id``: judged only when the host ids are equal (and known)."""

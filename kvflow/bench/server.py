@@ -20,35 +20,14 @@ import subprocess
 import time
 from typing import Iterator
 
+from kvflow.segments import process_tree
+
 from .ports import Launch, serve_cmd, wait_healthy
 
 #: Seconds a server has to stop after SIGINT in a normal stop (it takes ~0.5 s at load 10).
 STOP_GRACE_S = 15.0
 #: The same after a second signal or the watchdog (the study is ending at once).
 HURRY_GRACE_S = 3.0
-
-
-def process_tree(pid: int) -> set[int]:
-    """``pid`` and the pids of every live process below it (read from /proc; the server's
-    instances start sessions of their own, so its process group does not hold them). Only
-    ``{pid}`` where /proc is absent."""
-    parent: dict[int, int] = {}
-    with contextlib.suppress(OSError):
-        for name in os.listdir("/proc"):
-            if name.isdigit():
-                try:
-                    with open(f"/proc/{name}/stat") as f:
-                        text = f.read()
-                except OSError:
-                    continue
-                fields = text[text.rindex(")") + 2:].split()
-                if fields[0] not in "ZX":
-                    parent[int(name)] = int(fields[1])
-    tree, frontier = {pid}, {pid}
-    while frontier:
-        frontier = {p for p, pp in parent.items() if pp in frontier and p not in tree}
-        tree |= frontier
-    return tree
 
 
 def _signal(pids: set[int], sig: int) -> None:
