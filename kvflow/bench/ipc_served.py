@@ -85,12 +85,37 @@ def _serve_once(name: str, common: list[str], prompts: dict, a) -> dict:
         os.environ.pop("KVFLOW_DEBUG_KV_DIGEST", None)
 
 
+def _start_row(make_row, env, name: str, T: int, rs: list, start: int, common: list) -> dict:
+    """The row of one server start of mode ``name`` at ``T`` tokens, saved as it is measured
+    (``serve_ipc_start``; pooled into ``serve_ipc_gpu`` rows once every start ran)."""
+    kvs = [r["kvflow"] for r in rs]
+    return make_row(env, op="serve_ipc_start", backend=name, spec=None, tokens=T, blocks=0,
+                    payload_bytes=int(kvs[0].get("payload_bytes") or 0) if kvs else 0,
+                    times_s=[float((kv.get("hops_ms") or {}).get("ttft", kv["ttft_ms"])) / 1e3
+                             for kv in kvs],
+                    ceiling_s=None, start=start + 1,
+                    config={"server_args": shlex.join(common + SERVE_MODES[name][1])},
+                    client_ttfts_ms=[r["ttft"] * 1e3 for r in rs],
+                    token_ids=[r["text"] for r in rs], kvflow=kvs)
+
+
+def _settle(rows: list, final: list) -> None:
+    from .record import sink_of
+    sink = sink_of(rows)
+    if sink is not None:
+        sink.settle(final)
+    else:
+        rows[:] = final
+
+
 def run_serve(a, env, rows) -> None:
     """Serve the same prompts in every ``--serve-modes`` configuration, each started
     ``--serve-starts`` times (modes interleaved); headline TTFT(disagg) / TTFT(colocated) and
     TTST with a per-hop breakdown (:mod:`kvflow.bench.hops`), transfer and exposed transfer
     (push: P's wait for its copies after the first token + the KVPushed message; pull: D's
-    whole transfer), token identity with colocated."""
+    whole transfer), token identity with colocated. Each start's row (``serve_ipc_start``) is
+    saved as it is measured; once every start ran, the result file holds the pooled
+    ``serve_ipc_gpu`` rows instead (a stop before that keeps the starts' rows)."""
     import random
 
     from . import hops
@@ -125,11 +150,12 @@ def run_serve(a, env, rows) -> None:
             starts[name] = starts.get(name, 0) + 1
             for T, rs in got.items():
                 outs.setdefault(name, {}).setdefault(T, []).extend(rs)
+                rows.append(_start_row(make_row, env, name, T, rs, start, common))
     where = (f"P=GPU{a._gpus[0]} D=GPU{a._gpus[1]} vs colocated GPU{a._gpus[0]}"
              if a.serve_device == "cuda" else "on the CPU")
     print(f"\nserved {a.model} ({a.serve_dtype}, block 64, chunk {a.chunk}): disagg {where}; "
           f"{a.serve_reps} prompts x {a.serve_starts} server starts per length")
-    groups = []
+    groups, summary = [], []
     for T in a.serve_tokens:
         for name in [m for m in modes if m in outs]:
             rs = outs[name][T]
@@ -150,7 +176,7 @@ def run_serve(a, env, rows) -> None:
             xfer = med("transfer_ms")
             exposed = med("exposed_ms") if name.startswith("push") else xfer
             ttft = m.get("ttft") or med("ttft_ms")
-            rows.append(make_row(env, op="serve_ipc_gpu", backend=name, spec=None, tokens=T, blocks=0,
+            summary.append(make_row(env, op="serve_ipc_gpu", backend=name, spec=None, tokens=T, blocks=0,
                                  payload_bytes=int(kvs[0].get("payload_bytes") or 0),
                                  times_s=[float((kv.get("hops_ms") or {}).get("ttft", kv["ttft_ms"]))
                                           / 1e3 for kv in kvs],
@@ -168,6 +194,9 @@ def run_serve(a, env, rows) -> None:
             if not same:
                 print(f"  {T} {name}: NOT token-identical to colocated; first differing token "
                       f"per prompt: {first_diff}")
+    # the result file holds the pooled rows in place of the per-start ones (the .partial.jsonl
+    # keeps those as measured: a stop before this point leaves them in the result file)
+    _settle(rows, [r for r in rows if r.get("op") != "serve_ipc_start"] + summary)
     print(hops.report(groups))
     print(f"  {'tokens':>6} {'mode':22} {'client':>8} {'TPOT ms':>8} {'xfer ms':>8} "
           f"{'exposed':>8}   (client: TTFT as httpx saw it)")
