@@ -1,200 +1,58 @@
 """The connector contract: how a request's KV blocks get from P's paged cache into D's.
 
-A connector has two halves, both driven by the instances' event loops over one ZMQ link per
-(P, D) pair (P's DEALER connected to D's ROUTER data socket). The engine drives; the connector
-is called at fixed points (as vLLM's ``start_load_kv`` / ``save_kv_layer`` / ``wait_for_save``).
+Two halves, driven by the instances' event loops over one ZMQ link per (P, D) pair (P's DEALER
+to D's ROUTER data socket). The engine drives; the connector is called at fixed points (as
+vLLM's ``start_load_kv`` / ``save_kv_layer`` / ``wait_for_save``).
 
-What P's serve calls (:mod:`kvflow.serve.prefill`), on :class:`KVSender`:
+What P's serve (:mod:`kvflow.serve.prefill`) calls on :class:`KVSender`:
 
-1. at start-up, before any socket: :meth:`~KVSender.make_cache`, then
-   :meth:`~KVSender.warmup` (dummy runs through steps 3-5 with nothing sent);
-2. at pairing: :meth:`~KVSender.attach` / :meth:`~KVSender.detach` of each D;
-3. per request, before its prefill: ``hook = sender.begin(job)``, which decides, here only,
-   whether the KV moves layer by layer during the prefill or after it (``hook`` is None then);
-4. ``logits = engine.prefill(job.token_ids, job.blocks, chunk_size=..., on_chunk=hook)``
+1. start-up, before any socket: :meth:`~KVSender.make_cache`, :meth:`~KVSender.warmup` (dummy
+   runs through steps 3-5, nothing sent); pairing: :meth:`~KVSender.attach` / ``detach``;
+2. per request, before its prefill: ``hook = sender.begin(job)``, where (only) it is decided
+   whether the KV moves layer by layer during the prefill or after it (``hook`` None);
+3. ``logits = engine.prefill(job.token_ids, job.blocks, chunk_size=..., on_chunk=hook)``
    (:meth:`Engine.prefill <kvflow.engine.Engine.prefill>`, the only chunk loop); serve samples
-   the first token from ``logits``;
-5. ``handoff = sender.finish(job, first_token)``: the send after the prefill, or the end of the
-   layerwise one; serve keeps P's blocks until D's ack when ``handoff`` says so;
-6. :meth:`~KVSender.fail` when any of 3-5 raised (or the request ends before them),
+   the first token;
+4. ``handoff = sender.finish(job, first_token)``: the send after the prefill or the end of the
+   layerwise one; P keeps its blocks until D's ack when ``handoff`` says so;
+5. :meth:`~KVSender.fail` when 2-4 raised or the request ends before them;
    :meth:`~KVSender.release` on D's ack, an abort or the end of the lease.
 
-What a kind implements on its sender: :meth:`~KVSender.send_prefilled` (the send after the
-prefill; a transfer benchmark calls it alone, on a cache it filled itself); optionally
-:meth:`~KVSender.prepare` (checks before any compute), and, for a kind that moves layers during
-the prefill, :attr:`~KVSender.layerwise_ready`, :meth:`~KVSender.chunk_hook` (the per-chunk /
-per-layer hook), :meth:`~KVSender.send_layerwise` and :meth:`~KVSender.cancel`.
+What a kind implements on P: :meth:`~KVSender.send_prefilled` (the send after the prefill; a
+transfer benchmark calls it alone, on a cache it filled itself), optionally
+:meth:`~KVSender.prepare` (checks before any compute); a kind that moves layers during the
+prefill sets :attr:`~KVSender.layerwise_ready` and gives :meth:`~KVSender.chunk_hook` (its
+per-chunk / per-layer hook), :meth:`~KVSender.send_layerwise` and :meth:`~KVSender.cancel`.
 
-On D, :class:`KVReceiver` builds D's cache (exported when P writes it), meets each paired P,
-and turns what arrives into blocks of D's cache at the block ids D allocated
-(:meth:`~KVReceiver.receive`).
+What D's serve calls on :class:`~kvflow.connector.receiver.KVReceiver`: ``make_cache``,
+``warmup``, ``export``, ``attach`` / ``detach`` of each P, ``expect`` when it allocates a
+request's blocks, ``receive`` for each data message (the KV lands at the block ids D allocated;
+P's ids only name where to read), ``forget`` when it ends a request early. The records both
+sides pass (:class:`PrefillJob`, :class:`Handoff`, :class:`Peer`, ...) are in :mod:`.records`.
 
-Layerwise: prompts of at least ``layerwise_min_tokens`` tokens move layer by layer during the
-prefill, shorter ones after it; a threshold above ``max_model_len`` creates nothing layerwise; a
-D whose cache spec differs from P's gets the prompt after the prefill, re-blocked. D always
-writes into the block table it allocated itself; P's ids only name where to read. Nothing is
+Layerwise: prompts of at least ``layerwise_min_tokens`` tokens move layer by layer, shorter
+ones after the prefill; a threshold above ``max_model_len`` creates nothing layerwise; a D
+whose cache spec differs from P's gets the prompt after the prefill, re-blocked. Nothing is
 sent inside a dummy/profile run (:func:`kvflow.context.sends_allowed`).
 """
 
 from __future__ import annotations
 
 import abc
-import dataclasses
 import time
-from typing import Any, Callable
-
-import torch
+from typing import Any
 
 from kvflow.cache import PagedKVCache
 from kvflow.context import forward_context, sends_allowed
 from kvflow.layout import KVCacheSpec
 
+from .receiver import KVReceiver
+from .records import (ChunkHook, Handoff, Peer, Prefilling, PrefillJob, SlotsTaken,
+                      TransferError, TransferStats, as_device, as_ids, check_send_allowed)
 
-class TransferError(RuntimeError):
-    """A transfer that cannot be done (bad frames, unmapped peer, size mismatch)."""
-
-
-class SlotsTaken(TransferError):
-    """A pairing refused for now: D's receiver has no free slot for another P (nixl staged);
-    D keeps the pairing and makes it once a slot frees."""
-
-
-@dataclasses.dataclass
-class TransferStats:
-    """What one request's transfer moved, as D saw it.
-
-    Attributes
-    ----------
-    blocks : int
-        Prompt blocks written into D's cache (a prefix hit's blocks excluded).
-    payload_bytes : int
-        Bytes moved (``blocks`` x :attr:`KVCacheSpec.bytes_per_block` for whole blocks).
-    copy_ms : float
-        Copy time (ms): D's copy for ipc-pull / tcp, P's copy calls for ipc-push.
-    layerwise : bool
-        The request moved layer by layer during the prefill.
-    """
-    blocks: int
-    payload_bytes: int
-    copy_ms: float
-    layerwise: bool = False
-
-
-@dataclasses.dataclass
-class Peer:
-    """The other instance of a pairing (from :class:`~kvflow.protocol.Pair`).
-
-    Attributes
-    ----------
-    id : str
-        Its instance id.
-    spec : KVCacheSpec
-        Its KV cache spec (equal to ours: checked before attaching).
-    num_blocks : int
-        Blocks of its cache.
-    shm_name : str
-        Its exported cache ('' if it exports none).
-    data_addr : str
-        D's data socket (P connects its link there; '' for a P).
-    connector_md : bytes
-        What its connector published for peers (nixl: an encoded
-        :class:`~kvflow.protocol.NixlAgentInfo`; b'' for other kinds).
-    """
-    id: str
-    spec: KVCacheSpec
-    num_blocks: int
-    shm_name: str = ""
-    data_addr: str = ""
-    connector_md: bytes = b""
-
-
-@dataclasses.dataclass
-class PrefillJob:
-    """One request as P's connector sees it.
-
-    Attributes
-    ----------
-    req_id : str
-    token_ids : list[int]
-        The prompt.
-    blocks : list[int]
-        P's block table (covers the prompt).
-    decode_id : str
-        The D that allocated ``decode_block_ids`` (attached).
-    decode_block_ids : list[int]
-        D's block table of the request (logical block ``i`` is ``decode_block_ids[i]`` there).
-    num_cached_blocks : int
-        D's prefix hit: D already holds logical blocks ``0..num_cached_blocks-1``; not sent.
-    """
-    req_id: str
-    token_ids: list[int]
-    blocks: list[int]
-    decode_id: str
-    decode_block_ids: list[int] = dataclasses.field(default_factory=list)
-    num_cached_blocks: int = 0
-
-
-#: :meth:`Engine.prefill <kvflow.engine.Engine.prefill>`'s ``on_chunk``: called as
-#: ``on_chunk(start, end)`` before the forward of positions ``[start, end)``; returns the
-#: chunk's per-layer hook ``on_layer(layer)`` or None.
-ChunkHook = Callable[[int, int], Callable[[int], None] | None]
-
-
-@dataclasses.dataclass
-class Prefilling:
-    """A request between :meth:`KVSender.begin` and :meth:`KVSender.finish` (or
-    :meth:`KVSender.fail`).
-
-    Attributes
-    ----------
-    layerwise : bool
-        Its KV moves during the prefill (through :meth:`KVSender.chunk_hook`).
-    t_begin : float
-        ``time.perf_counter()`` at :meth:`KVSender.begin` (s).
-    state : object
-        What the kind's :meth:`KVSender.prepare` returned (ipc-push, nixl: its ``PushStats``).
-    """
-    layerwise: bool
-    t_begin: float
-    state: Any = None
-
-
-@dataclasses.dataclass
-class Handoff:
-    """What P keeps for a request after :meth:`KVSender.finish` until D's
-    :class:`~kvflow.protocol.KVAck` or the lease ends.
-
-    Attributes
-    ----------
-    holds_blocks : bool
-        D reads P's blocks after the prefill returned (or parts still go out): keep them.
-    keep : object
-        Memory ZMQ still reads (a staging buffer), or None.
-    """
-    holds_blocks: bool
-    keep: Any = None
-
-
-def as_device(device: Any) -> torch.device:
-    """``device`` as a ``torch.device`` with an index on CUDA (``"cuda"`` is the current GPU,
-    ``cuda:N``), so two names of one GPU compare equal."""
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
-
-
-def check_send_allowed(what: str) -> None:
-    """Raise RuntimeError if called during a dummy/profile run (nothing may be sent then)."""
-    if not sends_allowed():
-        raise RuntimeError(f"{what} during a dummy/profile run: nothing may be sent "
-                           f"while is_dummy_or_profile_run is set")
-
-
-def as_ids(ids: Any) -> torch.Tensor:
-    """Block ids as a 1-D int64 CPU tensor."""
-    return torch.as_tensor(list(ids) if not isinstance(ids, torch.Tensor) else ids,
-                           dtype=torch.int64).reshape(-1)
+__all__ = ["ChunkHook", "Handoff", "KVReceiver", "KVSender", "Peer", "Prefilling", "PrefillJob",
+           "SlotsTaken", "TransferError", "TransferStats", "as_device", "as_ids",
+           "check_send_allowed"]
 
 
 class KVSender(abc.ABC):
@@ -260,11 +118,9 @@ class KVSender(abc.ABC):
         before any socket."""
 
     def dummy_run(self, engine: Any, chunk_size: int, num_tokens: int = 32) -> None:
-        """A chunked prefill of ``num_tokens`` dummy tokens (two chunks at most
-        ``chunk_size``) through :meth:`begin` -> ``engine.prefill`` -> :meth:`finish` inside
-        ``forward_context(is_dummy_or_profile_run=True)``: the kind's layerwise hooks run where
-        it has them, and nothing is registered, copied, signalled or sent (the warm-up; also
-        callable after real traffic)."""
+        """A prefill of ``num_tokens`` dummy tokens in two chunks through :meth:`begin` ->
+        ``engine.prefill`` -> :meth:`finish` inside a dummy run: the layerwise hooks run, and
+        nothing is registered, copied, signalled or sent (the warm-up; also after traffic)."""
         n = min(num_tokens, self.max_model_len, self.cache.num_blocks * self.spec.block_size)
         blocks = list(range(self.spec.num_blocks_for(n)))
         job = PrefillJob("dummy", [0] * n, blocks, "", blocks)
@@ -393,15 +249,9 @@ class KVSender(abc.ABC):
 
     # ---- per request: what a kind implements --------------------------------------------
     def prepare(self, job: PrefillJob, layerwise: bool) -> Any:
-        """Check ``job`` before any compute (:meth:`begin`); returns the kind's per-request
-        state (:attr:`Prefilling.state`). Default: ``job.decode_id`` is attached (not checked
-        inside a dummy run, whose job names no D).
-
-        Raises
-        ------
-        TransferError
-            ``job`` cannot go to D.
-        """
+        """Check ``job`` before any compute (:meth:`begin`; TransferError if it cannot go to
+        D); returns the kind's per-request state (:attr:`Prefilling.state`). Default:
+        ``job.decode_id`` is attached (not checked inside a dummy run: its job names no D)."""
         if sends_allowed():
             self.link_to(job.decode_id)
         return None
@@ -433,13 +283,7 @@ class KVSender(abc.ABC):
         nothing more; copies already issued are waited for."""
 
     def link_to(self, decode_id: str) -> Any:
-        """The link to attached D ``decode_id``.
-
-        Raises
-        ------
-        TransferError
-            ``decode_id`` is not attached.
-        """
+        """The link to attached D ``decode_id`` (TransferError when it is not attached)."""
         link = self.links.get(decode_id)
         if link is None:
             raise TransferError(f"decode instance {decode_id!r} is not paired with this "
@@ -450,78 +294,3 @@ class KVSender(abc.ABC):
         """Close the links and release exports, threads and sockets."""
         for peer_id in list(self.links):
             KVSender.detach(self, peer_id)
-
-
-class KVReceiver(abc.ABC):
-    """D's half of a connector.
-
-    Parameters
-    ----------
-    spec : KVCacheSpec
-        D's cache spec.
-    device : str or torch.device
-    backend : str
-        Kernel backend of the block copies.
-    """
-
-    name: str = ""
-    #: D acks each transfer (P keeps blocks or buffers until then).
-    acks: bool = True
-    #: D reads P's memory after P sent the pointer: check P's lease first.
-    reads_peer_memory: bool = False
-    #: P writes D's blocks: blocks of a request that ends early stay lent until P is done.
-    peer_writes: bool = False
-    #: P and D share one host (their processes can be judged by pid).
-    host_local: bool = True
-
-    def __init__(self, spec: KVCacheSpec, device: Any = "cpu", *, backend: str = "auto") -> None:
-        self.spec, self.device, self.backend = spec, as_device(device), backend
-        self.cache: PagedKVCache | None = None
-
-    def make_cache(self, num_blocks: int) -> PagedKVCache:
-        """D's cache of ``num_blocks`` blocks (exported when P writes into it)."""
-        self.cache = PagedKVCache(self.spec, num_blocks, device=self.device)
-        return self.cache
-
-    def warmup(self) -> None:
-        """Compile the copy kernels on scratch caches (no socket exists yet)."""
-
-    def export(self) -> dict[str, Any]:
-        """Fields for D's :class:`~kvflow.protocol.Register` (``shm_name``: '' if none;
-        ``connector_md``)."""
-        return {"shm_name": ""}
-
-    def describe(self) -> dict[str, Any]:
-        """The connector fields of a request's ``kvflow`` response block: ``kv_connector``
-        (the kind; the metrics' ``connector`` label)."""
-        return {"kv_connector": self.name}
-
-    def attach(self, peer: Peer) -> None:
-        """Meet P ``peer`` (at pairing): map its cache if D reads it directly."""
-
-    def detach(self, peer_id: str) -> None:
-        """Forget P ``peer_id`` (it died): drop its mapping, if the connector keeps one."""
-
-    @abc.abstractmethod
-    def receive(self, header: Any, frames: list[Any], cache: PagedKVCache,
-                dst_ids: list[int], peer_id: str | None = None) -> TransferStats | None:
-        """Put the KV described by ``header`` (+ raw ``frames``) into ``cache`` at ``dst_ids``
-        (D's own block ids, one per prompt block not in D's prefix hit). ``peer_id``: the P
-        that sent it (None: the last paired one). Returns None while layerwise parts are
-        missing, the request's totals when its KV is complete.
-
-        Raises
-        ------
-        TransferError
-            For frames that do not match the header or the spec, or an unattached peer.
-        """
-
-    def expect(self, req_id: str) -> None:
-        """D allocated blocks for ``req_id``: its KV may come from now on (until
-        :meth:`receive` of it or :meth:`forget`)."""
-
-    def forget(self, req_id: str) -> None:
-        """Drop the state of a partly received layerwise transfer (D ended the request)."""
-
-    def close(self) -> None:
-        """Unmap the peers and remove this side's export."""
