@@ -175,21 +175,18 @@ class KVSender(abc.ABC):
 
     # ---- per request: what P's serve calls ---------------------------------------------
     def begin(self, job: PrefillJob) -> ChunkHook | None:
-        """Before ``job``'s prefill: decide how its KV moves and return the ``on_chunk`` hook
-        for :meth:`Engine.prefill <kvflow.engine.Engine.prefill>`.
-
-        It moves layer by layer during the prefill when the kind can
-        (:attr:`layerwise_ready`), D's spec equals P's (not :meth:`reblocks`) and the prompt
-        has at least ``layerwise_min_tokens`` tokens (:meth:`goes_layerwise`) -- or, inside a
-        dummy run, at any length, so the warm-up runs the hooks (they send nothing). Else it
-        moves after the prefill (:meth:`send_prefilled`) and the hook is None.
+        """Before ``job``'s prefill: decide how its KV moves; the ``on_chunk`` hook for
+        :meth:`Engine.prefill <kvflow.engine.Engine.prefill>` (None: it moves after the
+        prefill, :meth:`send_prefilled`). Layer by layer when the kind can
+        (:attr:`layerwise_ready`), D's spec is P's (not :meth:`reblocks`) and the prompt has
+        ``layerwise_min_tokens`` tokens (:meth:`goes_layerwise`), or at any length inside a
+        dummy run (the warm-up runs the hooks; they send nothing).
 
         Raises
         ------
         TransferError
-            ``job`` cannot go to D (``job.decode_id`` not attached, bad block tables, no
-            staging slot...), before any compute (nothing is kept for it); ``job.req_id``
-            already begun and not finished.
+            Before any compute, nothing kept: ``job`` cannot go to D (not attached, bad block
+            tables, no staging slot...), or ``job.req_id`` is begun and not finished.
         """
         if job.req_id in self.prefilling:
             raise TransferError(f"request {job.req_id!r} was begun already and is not "
@@ -207,18 +204,14 @@ class KVSender(abc.ABC):
 
     def finish(self, job: PrefillJob, first_token: int) -> Handoff | None:
         """After ``job``'s prefill (P sampled ``first_token``): send its KV
-        (:meth:`send_prefilled`) or end its layerwise move (:meth:`send_layerwise`). Inside a
-        dummy run nothing is sent: None.
-
-        Returns
-        -------
-        Handoff or None
-            What to keep until D's ack; None when D sends no ack (P's blocks are free now).
+        (:meth:`send_prefilled`) or end its layerwise move (:meth:`send_layerwise`). Returns
+        what P keeps until D's ack (:class:`Handoff`), or None: D sends no ack, or a dummy run
+        (nothing sent); P's blocks are free then.
 
         Raises
         ------
         TransferError
-            ``job`` was not begun (or failed), or a failed send. The caller frees P's blocks
+            ``job`` was not begun (or failed), or a failed send: the caller frees P's blocks
             and calls :meth:`fail`.
         """
         rec = self.prefilling.pop(job.req_id, None)
