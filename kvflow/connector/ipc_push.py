@@ -11,13 +11,12 @@ is in another context and time-slices with them instead).
 Layerwise (prompts of at least ``layerwise_min_tokens``, default 16384: :meth:`KVSender.begin
 <kvflow.connector.base.KVSender.begin>` decides): after every group of ``layers_per_copy``
 layers of each chunk, the engine's per-layer hook (:meth:`PushSender.chunk_hook`) records an
-event on P's
-compute stream; a copy stream waits on it and copies those layers of the chunk's blocks. That is
-a GPU-side dependency: no host round trip, no signal thread, no message per layer. The copies
-run beside the next layers' compute on a capped grid (``max_ctas`` programs, so the prefill
-keeps its SMs), except the last group of the last chunk, which nothing overlaps any more: it
-takes the whole GPU. On CPU the hook copies at once. Shorter prompts are copied after the
-prefill. Either way P waits for its copies, then sends one :class:`~kvflow.protocol.KVPushed`
+event on P's compute stream; a copy stream waits on it and copies those layers of the chunk's
+blocks. That is a GPU-side dependency: no host round trip, no signal thread, no message per
+layer. The copies run beside the next layers' compute on a capped grid (``max_ctas`` programs,
+so the prefill keeps its SMs), except the last group of the last chunk, which nothing overlaps
+any more: it takes the whole GPU. On CPU the hook copies at once. Shorter prompts are copied
+after the prefill. Either way P waits for its copies, then sends one :class:`~kvflow.protocol.KVPushed`
 (``ok``, first token, timings); D starts decoding on it (the served P sent the first token to
 the router already, before waiting for its copies).
 

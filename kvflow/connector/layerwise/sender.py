@@ -6,8 +6,7 @@ Pieces (docs/design.md, "Signals"):
 - :meth:`LayerwiseSender.begin` registers the request and returns the per-chunk hook P's serve
   hands :meth:`Engine.prefill <kvflow.engine.Engine.prefill>`: it registers the chunk with the
   scheduler and returns the per-layer hook, which stores ``(layer, step)`` into the instance's
-  signal
-  segment (:class:`~kvflow.signal.LayerSignaller`; a CPU store after the layer, or the
+  signal segment (:class:`~kvflow.signal.LayerSignaller`; a CPU store after the layer, or the
   stream-ordered ``signal_layer`` kernel on GPU), one step per prefill chunk;
 - a :class:`.LayerwiseWorker` thread reads the segment and drives a
   :class:`.LayerwiseScheduler`, which decides what is due: after each chunk the
