@@ -137,22 +137,30 @@ def test_batched_decode_equals_one_at_a_time(tiny):
         assert [b[0] for b in batch] == [sample(out_s[i], 0.0) for i in range(3)]
 
 
-def test_on_layer_done_once_per_layer_per_chunk(tiny):
+def test_on_chunk_once_per_chunk_its_layer_hook_once_per_layer(tiny):
     model, tok = tiny
     ids = tok.encode(PROMPT)
     engine, _ = fresh(model)
     calls = []
-    engine.prefill(ids, list(range(6)), chunk_size=32, on_layer_done=calls.append)
-    nchunks = -(-len(ids) // 32)
-    assert calls == [0, 1, 2, 3] * nchunks
+
+    def on_chunk(start, end):
+        calls.append((start, end))
+        return calls.append if start else None  # the first chunk: no per-layer hook
+
+    engine.prefill(ids, list(range(6)), chunk_size=32, on_chunk=on_chunk)
+    n = len(ids)
+    want = [(0, min(32, n))]
+    for start in range(32, n, 32):
+        want += [(start, min(start + 32, n)), 0, 1, 2, 3]
+    assert n > 64 and calls == want
 
 
-def test_on_layer_done_sees_layer_written(tiny):
+def test_layer_hook_sees_layer_written(tiny):
     model, tok = tiny
     engine, cache = fresh(model)
     written = []
-    engine.prefill(tok.encode("hello"), [3],
-                   on_layer_done=lambda l: written.append([bool(t[3].abs().sum() > 0) for t in cache.tensors()]))
+    engine.prefill(tok.encode("hello"), [3], on_chunk=lambda start, end: lambda l: written.append(
+        [bool(t[3].abs().sum() > 0) for t in cache.tensors()]))
     assert written[0] == [True, True] + [False] * 6
     assert written[3] == [True] * 8
 

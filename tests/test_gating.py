@@ -88,8 +88,9 @@ class _PD:
             self.sched.add_chunk(rid, self.step, end)
             if start == chunk:
                 self.sched.set_dst_blocks(rid, d_table)  # D's ids arrive mid-prefill
+            hook = self.sig.layer_hook(self.step)
             logits = self.p.prefill(tokens[:end], p_table, num_computed_tokens=start,
-                                    on_layer_done=self.sig.layer_hook(self.step))
+                                    on_chunk=lambda s, e, hook=hook: hook)
         return logits
 
     def close(self):
@@ -131,7 +132,8 @@ def _run_pd():
         # a dummy run after real traffic: no signal written, nothing sent
         steps, sends = pd.sig.channel.steps().tolist(), list(pd.sends)
         with forward_context(is_dummy_or_profile_run=True):
-            pd.p.prefill(tokens[:8], [5, 6], on_layer_done=pd.sig.layer_hook(pd.step + 1))
+            hook = pd.sig.layer_hook(pd.step + 1)
+            pd.p.prefill(tokens[:8], [5, 6], on_chunk=lambda s, e: hook)
             pd.sched.on_layer_signal(0, pd.step + 1)
         assert pd.sig.channel.steps().tolist() == steps
         assert pd.sig.stats.suppressed == CFG["num_layers"]

@@ -77,20 +77,21 @@ def test_push_writes_nothing_and_d_accepts_zero_blocks():
     from kvflow.model import load_model
     model, _ = load_model("kvflow-tiny")
     spec = model.kv_spec(16)
-    w = PushSender(spec, layers_per_copy=2)
+    w = PushSender(spec, layers_per_copy=2, layerwise_min_tokens=0)
     eng = Engine(model, w.make_cache(4))
     peer = w.peers["d-1"] = PagedKVCache(spec, 4)
     peer.buffer.fill_(0x5A)
-    job = PrefillJob("r", list(range(1, 33)), [0, 1], "d-1", [2, 3], num_cached_blocks=2,
-                     chunk_size=16)
-    _, stats = w.write(eng, job)                     # layer by layer during the prefill
-    w.copier.finish(stats)
-    assert (stats.blocks, stats.payload_bytes, stats.t_start) == (0, 0, 0.0)
     sent = []
     w.links["d-1"] = types.SimpleNamespace(send=sent.append)
+    job = PrefillJob("r", list(range(1, 33)), [0, 1], "d-1", [2, 3], num_cached_blocks=2)
+    hook = w.begin(job)                              # layer by layer during the prefill
+    eng.prefill(job.token_ids, job.blocks, chunk_size=16, on_chunk=hook)
+    assert w.finish(job, 3) is None and w.prefilling == {}
     assert w.send_prefilled(job, 3) is None          # after the prefill
-    done = decode(sent[0])
-    assert (done.ok, done.num_blocks, done.payload_bytes, done.t_start) == (True, 0, 0, 0.0)
+    for raw, layerwise in zip(sent, (True, False), strict=True):
+        done = decode(raw)
+        assert (done.ok, done.first_token, done.num_blocks, done.payload_bytes, done.t_start,
+                done.layerwise) == (True, 3, 0, 0, 0.0, layerwise)
     assert bool((peer.buffer == 0x5A).all())
     stats = PushReceiver().receive(KVPushed(req_id="r", ok=True, first_token=3, num_blocks=0),
                                    [], peer, [])

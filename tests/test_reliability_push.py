@@ -224,7 +224,7 @@ def test_writer_copies_each_group_once_per_chunk_byte_exact(group, chunk):
     from kvflow.connector import ipc_push
     model, _ = load_model("kvflow-tiny")
     spec = model.kv_spec(16)
-    w = ipc_push.PushSender(spec, backend="numba", layers_per_copy=group)
+    w = ipc_push.PushSender(spec, backend="numba", layers_per_copy=group, layerwise_min_tokens=0)
     eng = Engine(model, w.make_cache(24))
     dst = PagedKVCache(spec, 24)
     dst.buffer.fill_(0xAB)
@@ -235,8 +235,12 @@ def test_writer_copies_each_group_once_per_chunk_byte_exact(group, chunk):
                                                  real(pairs, layers, cap, stats))[1]
     toks = [(5 * i + 1) % 250 for i in range(150)]
     blocks, dst_ids = list(range(2, 12)), [20, 3, 7, 0, 11, 19, 4, 9, 15, 1]
-    logits, stats = w.write(eng, PrefillJob("r", toks, blocks, "d-1", dst_ids, chunk_size=chunk))
-    w.copier.finish(stats)
+    w.links["d-1"] = FakeLink()
+    job = PrefillJob("r", toks, blocks, "d-1", dst_ids)
+    hook = w.begin(job)
+    logits = eng.prefill(toks, blocks, chunk_size=chunk, on_chunk=hook)
+    assert w.finish(job, int(logits.argmax())) is None
+    done = decode(w.links["d-1"].frames.pop()[0])
     L = spec.num_layers
     chunks = -(-150 // (chunk or 150))
     want = [(lo, min(lo + group, L)) for lo in range(0, L, group)]
@@ -247,7 +251,8 @@ def test_writer_copies_each_group_once_per_chunk_byte_exact(group, chunk):
         assert torch.equal(t_d[dst_ids].view(torch.uint8), t_p[blocks].view(torch.uint8))
         rest = [b for b in range(24) if b not in dst_ids]
         assert bool((t_d[rest].view(torch.uint8) == 0xAB).all())
-    assert (stats.blocks, stats.layerwise) == (10, True)
+    assert (done.ok, done.num_blocks, done.layerwise) == (True, 10, True)
+    assert done.first_token == int(logits.argmax()) and w.prefilling == {}
 
 
 def test_writer_refuses_bad_settings_and_short_tables():
@@ -264,14 +269,15 @@ def test_writer_refuses_bad_settings_and_short_tables():
     w = ipc_push.PushSender(spec)
     w.make_cache(8)
     with pytest.raises(TransferError) as e:
-        w.write(None, PrefillJob("r", [1, 2, 3], [0], "d-1", [0]))
+        w.begin(PrefillJob("r", [1, 2, 3], [0], "d-1", [0]))
     assert str(e.value) == ("push to decode instance 'd-1', which is not paired with this prefill "
                             "instance (paired: [])")
     w.peers["d-1"] = PagedKVCache(spec, 8)
     with pytest.raises(TransferError) as e:
-        w.write(None, PrefillJob("r", [1] * 9, [0, 1, 2], "d-1", [0, 1]))
+        w.begin(PrefillJob("r", [1] * 9, [0, 1, 2], "d-1", [0, 1]))
     assert str(e.value) == ("decode_block_ids has 2 blocks and P's table 3; the 9-token prompt "
                             "needs 3")
+    assert w.prefilling == {}  # a refused begin keeps nothing
 
 
 def test_kv_digest_diagnostic_matches_the_pushed_bytes(pd, monkeypatch):

@@ -124,7 +124,7 @@ class Bench:
         copy_blocks(self.p, self.d, self.src, self.dst, layers=layers, backend=self.backend,
                     max_ctas=max_ctas, validate=False)
 
-    def prefill(self, on_layer_done=None) -> torch.Tensor:
+    def prefill(self, on_layer=None) -> torch.Tensor:
         import torch.nn.functional as F
         bs, T, nb = self.spec.block_size, self.tokens, self.nb
         x = self.x
@@ -137,8 +137,8 @@ class Bench:
                     t = F.pad(t, (0, 0, 0, 0, 0, pad)) if pad else t
                     c.index_copy_(0, self.src, t.view(nb, bs, *t.shape[1:]))
             x = layer(x, write_kv)
-            if on_layer_done is not None:
-                on_layer_done(i)
+            if on_layer is not None:
+                on_layer(i)
         return x
 
     # ---- one timed run of a mode: (prefill_s, total_s) ------------------------------------

@@ -2,10 +2,12 @@
 ``ipc-pull`` (a :class:`~kvflow.protocol.KVReady` naming P's blocks, D copies them) and ``tcp``
 (a :class:`~kvflow.protocol.KVData` carrying them).
 
-A prompt shorter than ``layerwise_min_tokens`` moves after its prefill in one message
-(:meth:`FramedSender.send`). A longer one moves layer by layer: the engine's per-chunk hook
-registers the chunk with :class:`~kvflow.connector.layerwise.LayerwiseSender`, whose per-layer
-hook signals each layer; its worker thread sends the due parts
+A prompt that does not go layerwise (:meth:`KVSender.begin
+<kvflow.connector.base.KVSender.begin>` decides) moves after its prefill in one message
+(:meth:`FramedSender.send`). One that does moves layer by layer: the engine's per-chunk hook
+(:meth:`FramedSender.chunk_hook`) registers the chunk with
+:class:`~kvflow.connector.layerwise.LayerwiseSender`, whose per-layer hook signals each layer;
+its worker thread sends the due parts
 (:meth:`FramedSender.send_part`) on a send-only socket per D. The signal segment, the thread
 and those sockets exist only when some prompt can go layerwise (``layerwise_min_tokens <=
 max_model_len``); the segment and thread are created at warm-up, the sockets at pairing.
@@ -16,7 +18,9 @@ from __future__ import annotations
 import abc
 from typing import Any
 
-from .base import Handoff, KVSender, Peer, PrefillJob, TransferError
+from kvflow.context import sends_allowed
+
+from .base import Handoff, KVSender, Peer, PrefillJob, Prefilling, TransferError
 from .reblocked import differs
 
 
@@ -68,8 +72,8 @@ class FramedSender(KVSender):
     # ---- set-up ------------------------------------------------------------------------
     def warmup(self, engine: Any, chunk_size: int) -> None:
         """Create the layerwise signal segment and sender (only when some prompt can go
-        layerwise) and run a chunked dummy prefill through it (nothing registered, signalled
-        or sent)."""
+        layerwise) and run a chunked dummy prefill through it (:meth:`dummy_run`: nothing
+        registered, signalled or sent)."""
         if not self.layerwise_enabled:
             return
         from .layerwise import LayerwiseSender
@@ -77,16 +81,10 @@ class FramedSender(KVSender):
                                          signal_timeout_s=self.signal_timeout_s)
         self.dummy_run(engine, chunk_size)
 
-    def dummy_run(self, engine: Any, chunk_size: int, num_tokens: int = 32) -> None:
-        """A chunked prefill of ``num_tokens`` dummy tokens through the layerwise path inside
-        ``forward_context(is_dummy_or_profile_run=True)``: nothing is registered, signalled or
-        sent (the warm-up; also callable after real traffic)."""
-        from kvflow.context import forward_context
-        n = min(num_tokens, self.max_model_len, self.cache.num_blocks * self.spec.block_size)
-        blocks = list(range(self.spec.num_blocks_for(n)))
-        with forward_context(is_dummy_or_profile_run=True):
-            self.layerwise.run(engine, PrefillJob("dummy", [0] * n, blocks, "",
-                                                  chunk_size=max(1, min(chunk_size, n // 2))))
+    @property
+    def layerwise_ready(self) -> bool:
+        """The layerwise sender exists (made at warm-up when some prompt can go layerwise)."""
+        return self.layerwise is not None
 
     def _attach(self, peer: Peer, ctx: Any) -> None:
         self.peer_specs[peer.id] = peer.spec
@@ -100,30 +98,42 @@ class FramedSender(KVSender):
             self.layerwise.close_peer(peer_id)
 
     # ---- per request -------------------------------------------------------------------
-    def prefill(self, engine: Any, job: PrefillJob) -> Handoff:
-        """Prefill, then one message with the first token; or, from ``layerwise_min_tokens``,
-        every layer sent as it completes (P's blocks held until D's ack; a part that fails
-        later comes out of :meth:`pop_errors`)."""
-        self.link_to(job.decode_id)  # before any compute
-        if (self.layerwise is not None and self.goes_layerwise(len(job.token_ids))
-                and not self.reblocks(job.decode_id)):
-            if self.verify:  # refused at start (kvflow.serve.checks): never unchecked
-                raise TransferError(f"kv verify: {job.req_id} would move layer by layer, "
-                                    f"which --kv-verify does not check")
-            logits = self.layerwise.run(engine, job)
-            self.layerwise.finish(job.req_id, job.sample(logits))
-            return Handoff(holds_blocks=True)
-        logits = engine.prefill(job.token_ids, job.blocks, chunk_size=job.chunk_size)
-        return self.send_prefilled(job, job.sample(logits))
+    def prepare(self, job: PrefillJob, layerwise: bool) -> None:
+        """``job.decode_id`` is attached; a layerwise move is refused under :attr:`verify`
+        (which checks only whole messages). Not checked inside a dummy run."""
+        super().prepare(job, layerwise)
+        if layerwise and self.verify and sends_allowed():  # refused at start too
+            raise TransferError(f"kv verify: {job.req_id} would move layer by layer, "
+                                f"which --kv-verify does not check")
+
+    def chunk_hook(self, job: PrefillJob, state: Any) -> Any:
+        """Register ``job`` with the layerwise sender; its hook signals every layer of every
+        chunk (the worker thread sends the parts)."""
+        return self.layerwise.begin(job)
+
+    def send_layerwise(self, job: PrefillJob, first_token: int, state: Any, *,
+                       prefill_ms: float = 0.0) -> Handoff:
+        """The last part carries the first token (now, or after the last layer's part); P's
+        blocks are held until D's ack; a part that fails later comes out of
+        :meth:`pop_errors`."""
+        self.layerwise.finish(job.req_id, first_token)
+        return Handoff(holds_blocks=True)
+
+    def cancel(self, req_id: str, rec: Prefilling) -> None:
+        """Later layer signals of ``req_id`` send nothing."""
+        if rec.layerwise and self.layerwise is not None:
+            self.layerwise.abort(req_id)
 
     def reblocks(self, decode_id: str) -> bool:
         """D ``decode_id``'s cache spec differs from P's: its KV moves after the prefill, P's
         whole table in one message (:mod:`.reblocked`)."""
         return differs(self.peer_specs.get(decode_id, self.spec), self.spec)
 
-    def send_prefilled(self, job: PrefillJob, first_token: int) -> Handoff:
+    def send_prefilled(self, job: PrefillJob, first_token: int, *,
+                       prefill_ms: float = 0.0) -> Handoff:
         """One message (:meth:`send`) for the prompt's blocks past D's prefix hit (all of P's
-        blocks when D's spec differs: D skips its hit by token, :mod:`.reblocked`)."""
+        blocks when D's spec differs: D skips its hit by token, :mod:`.reblocked`);
+        ``prefill_ms`` is not sent."""
         # D holds logical blocks 0..num_cached_blocks-1 (prefix hit): send only the rest
         skip = 0 if self.reblocks(job.decode_id) else min(job.num_cached_blocks, len(job.blocks))
         corrupt = False

@@ -9,16 +9,17 @@ The router gives P D's id and block table with the request (``Prefill.decode_id`
 the copies can run *beside* P's compute kernels (a kernel launched on P's GPU from D's process
 is in another context and time-slices with them instead).
 
-Layerwise (prompts of at least ``layerwise_min_tokens``, default 16384): after every group of
-``layers_per_copy`` layers of each chunk, the engine's per-layer hook records an event on P's
-compute stream; a copy stream waits on it and copies those layers of the chunk's blocks. That is
-a GPU-side dependency: no host round trip, no signal thread, no message per layer. The copies
-run beside the next layers' compute on a capped grid (``max_ctas`` programs, so the prefill
-keeps its SMs), except the last group of the last chunk, which nothing overlaps any more: it
-takes the whole GPU. On CPU the hook copies at once. Shorter prompts are copied after the
-prefill. Either way P waits for its copies, then sends one :class:`~kvflow.protocol.KVPushed`
-(``ok``, first token, timings); D starts decoding on it (the served P sent the first token to
-the router already, before waiting for its copies).
+Layerwise (prompts of at least ``layerwise_min_tokens``, default 16384: :meth:`KVSender.begin
+<kvflow.connector.base.KVSender.begin>` decides): after every group of ``layers_per_copy``
+layers of each chunk, the engine's per-layer hook (:meth:`PushSender.chunk_hook`) records an
+event on P's compute stream; a copy stream waits on it and copies those layers of the chunk's
+blocks. That is a GPU-side dependency: no host round trip, no signal thread, no message per
+layer. The copies run beside the next layers' compute on a capped grid (``max_ctas`` programs,
+so the prefill keeps its SMs), except the last group of the last chunk, which nothing overlaps
+any more: it takes the whole GPU. On CPU the hook copies at once. Shorter prompts are copied
+after the prefill. Either way P waits for its copies, then sends one
+:class:`~kvflow.protocol.KVPushed` (``ok``, first token, timings); D starts decoding on it (the
+served P sent the first token to the router already, before waiting for its copies).
 
 A D whose cache spec differs from P's (block_size, NHD/HND, dtype) gets the whole prompt after
 the prefill, one re-blocked copy over all layers (:func:`.reblocked.push_prompt`), never layer
@@ -41,12 +42,12 @@ from typing import Any
 import torch
 
 from kvflow.cache import PagedKVCache
-from kvflow.context import forward_context, sends_allowed
+from kvflow.context import sends_allowed
 from kvflow.kernels import copy_blocks, payload_bytes
 from kvflow.protocol import KVPushed, encode
 
-from .base import (KVReceiver, KVSender, Peer, PrefillJob, TransferError, TransferStats,
-                   check_send_allowed)
+from .base import (KVReceiver, KVSender, Peer, PrefillJob, Prefilling, TransferError,
+                   TransferStats, check_send_allowed)
 from .layer_copy import LAYERS_PER_COPY, LAYERWISE_MAX_CTAS, LayerCopier, PushStats
 from .reblocked import differs, push_prompt, warm
 from .transport.shm import map_decode_cache
@@ -79,6 +80,7 @@ class PushSender(KVSender):
     # once, the copies beside P's compute only slow its prefill below that length (1K TTFT
     # 0.959 x colocated layerwise against 0.820 after the prefill; 8K equal).
     default_layerwise_min_tokens = 16384
+    layerwise_ready = True
 
     def __init__(self, spec, device: Any = "cpu", *, max_ctas: int = LAYERWISE_MAX_CTAS,
                  layers_per_copy: int = LAYERS_PER_COPY, **kw: Any) -> None:
@@ -105,16 +107,6 @@ class PushSender(KVSender):
         for cap in (None, self.max_ctas):
             copy_blocks(a, b, [1], [0], backend=self.backend, max_ctas=cap)
         self.dummy_run(engine, chunk_size)
-
-    def dummy_run(self, engine: Any, chunk_size: int, num_tokens: int = 32) -> None:
-        """A chunked prefill of ``num_tokens`` dummy tokens through :meth:`write` inside
-        ``forward_context(is_dummy_or_profile_run=True)``: nothing is copied or sent."""
-        n = min(num_tokens, self.max_model_len, self.cache.num_blocks * self.spec.block_size)
-        blocks = list(range(self.spec.num_blocks_for(n)))
-        job = PrefillJob("dummy", [0] * n, blocks, "", blocks,
-                         chunk_size=max(1, min(chunk_size, n // 2)))
-        with forward_context(is_dummy_or_profile_run=True):
-            self.write(engine, job)
 
     def _attach(self, peer: Peer, ctx: Any) -> None:
         """Map D ``peer``'s exported cache writable.
@@ -153,26 +145,22 @@ class PushSender(KVSender):
             torch.cuda.ipc_collect()
 
     # ---- per request -------------------------------------------------------------------
-    def prefill(self, engine: Any, job: PrefillJob) -> None:
-        """Prefill writing the KV into D's blocks layer by layer (from
-        ``layerwise_min_tokens``; a shorter prompt is copied after it, :meth:`send_prefilled`),
-        wait for the copies, then one ``KVPushed``. D sends no ack: returns None (P's blocks
-        are free once this returns). On an error the copies already issued are waited for
-        before it propagates."""
-        t0 = time.perf_counter()
-        if not self.goes_layerwise(len(job.token_ids)) or self.reblocks(job.decode_id):
-            self.plan(job)  # a job D cannot take fails before any compute
-            logits = engine.prefill(job.token_ids, job.blocks, chunk_size=job.chunk_size)
-            first = job.sample(logits)
-            return self.send_prefilled(job, first, prefill_ms=(time.perf_counter() - t0) * 1e3)
-        try:
-            logits, stats = self.write(engine, job)
-            first = job.sample(logits)
-        except BaseException:
+    def prepare(self, job: PrefillJob, layerwise: bool) -> PushStats:
+        """:meth:`plan` (a job D cannot take fails before any compute)."""
+        return self.plan(job)
+
+    def send_layerwise(self, job: PrefillJob, first_token: int, stats: PushStats, *,
+                       prefill_ms: float = 0.0) -> None:
+        """Wait for the layerwise copies, then one ``KVPushed``. D sends no ack: returns None
+        (P's blocks are free once this returns). On an error the copies already issued are
+        waited for before it propagates."""
+        stats.prefill_ms = prefill_ms
+        return self._finish(job, first_token, stats)
+
+    def cancel(self, req_id: str, rec: Prefilling) -> None:
+        """Wait for the layerwise copies already issued."""
+        if rec.layerwise:
             self.copier.finish()
-            raise
-        stats.prefill_ms = (time.perf_counter() - t0) * 1e3
-        return self._finish(job, first, stats)
 
     def send_prefilled(self, job: PrefillJob, first_token: int, *,
                        prefill_ms: float = 0.0) -> None:
@@ -209,7 +197,9 @@ class PushSender(KVSender):
                        stats=stats)
 
     def fail(self, req_id: str, decode_id: str, error: str) -> None:
-        """Tell D ``decode_id`` nothing (more) will be written into ``req_id``'s blocks."""
+        """End a prefill begun for ``req_id`` (its copies are waited for), then tell D
+        ``decode_id`` nothing (more) will be written into ``req_id``'s blocks."""
+        super().fail(req_id, decode_id, error)
         link = self.links.get(decode_id)
         if link is None:
             return
@@ -245,43 +235,30 @@ class PushSender(KVSender):
         m = max(0, nb - job.num_cached_blocks)
         return PushStats(dst=dst, blocks=m, payload_bytes=payload_bytes(self.spec, m))
 
-    def write(self, engine: Any, job: PrefillJob) -> tuple[torch.Tensor, PushStats]:
-        """Run ``engine``'s prefill of ``job``, copying each layer group of each chunk into D
-        ``job.decode_id``'s blocks ``job.decode_block_ids`` (logical blocks from
-        ``job.num_cached_blocks`` on) as soon as it is computed.
-
-        Parameters
-        ----------
-        engine : kvflow.engine.Engine
-            P's engine (its cache is :attr:`cache`).
-        job : PrefillJob
-
-        Returns
-        -------
-        (logits, PushStats)
-            The last token's float32 logits [vocab_size]; the copies are issued but may still
-            run on the device (:meth:`LayerCopier.finish` waits for them).
+    def chunk_hook(self, job: PrefillJob, stats: PushStats) -> Any:
+        """The ``on_chunk`` hook of ``job``'s prefill: each layer group of each chunk is copied
+        into D ``job.decode_id``'s blocks ``job.decode_block_ids`` (logical blocks from
+        ``job.num_cached_blocks`` on) as soon as it is computed (None inside a dummy run:
+        compute only). The copies are issued but may still run on the device until
+        :meth:`LayerCopier.finish` (:meth:`send_layerwise`).
 
         Raises
         ------
         TransferError
-            As :meth:`plan`.
+            From the hook: a chunk's block ids outside a cache (:meth:`LayerCopier.pairs`).
         """
-        stats = self.plan(job)
         if not sends_allowed():  # dummy / profile run: compute only
-            return engine.prefill(job.token_ids, job.blocks, chunk_size=job.chunk_size), stats
+            return None
         copier, n, bs = self.copier, len(job.token_ids), self.spec.block_size
         copier.start()
+        stats.layerwise = True
 
         def on_chunk(start: int, end: int):
             pairs = copier.pairs(job.blocks, job.decode_block_ids, start // bs, -(-end // bs),
                                  job.num_cached_blocks, stats.dst)
             return None if pairs is None else copier.layer_hook(pairs, stats, end == n)
 
-        logits = engine.prefill(job.token_ids, job.blocks, chunk_size=job.chunk_size,
-                                on_chunk=on_chunk)
-        stats.layerwise = True
-        return logits, stats
+        return on_chunk
 
     def send_done(self, link: Any, req_id: str, *, ok: bool, error: str = "",
                   first_token: int = -1, num_prompt_tokens: int = 0,

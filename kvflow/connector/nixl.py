@@ -188,14 +188,14 @@ class NixlSender(PushSender):
             self.copier.begin(job, stats.dst)
         return stats
 
-    def write(self, engine: Any, job: PrefillJob):
-        """As :meth:`PushSender.write`, but a chunk writes only the blocks it completes (the
-        last chunk also its partial last block): a WRITE reads P's block after it is posted,
-        so a block still being filled is never posted twice."""
-        stats = self.plan(job)
+    def chunk_hook(self, job: PrefillJob, stats: Any) -> Any:
+        """As :meth:`PushSender.chunk_hook`, but a chunk writes only the blocks it completes
+        (the last chunk also its partial last block): a WRITE reads P's block after it is
+        posted, so a block still being filled is never posted twice."""
         if not sends_allowed():
-            return engine.prefill(job.token_ids, job.blocks, chunk_size=job.chunk_size), stats
+            return None
         copier, n, bs = self.copier, len(job.token_ids), self.spec.block_size
+        stats.layerwise = True
 
         def on_chunk(start: int, end: int):
             stop = -(-end // bs) if end == n else end // bs
@@ -205,10 +205,7 @@ class NixlSender(PushSender):
                 return copier.layer_hook(pairs, stats, True)
             return None if pairs is None else copier.layer_hook(pairs, stats, end == n)
 
-        logits = engine.prefill(job.token_ids, job.blocks, chunk_size=job.chunk_size,
-                                on_chunk=on_chunk)
-        stats.layerwise = True
-        return logits, stats
+        return on_chunk
 
 
 class NixlReceiver(KVReceiver):

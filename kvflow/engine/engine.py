@@ -77,11 +77,6 @@ class Engine:
         check_unscaled(cache)
         self.model, self.cache, self.spec = model, cache, s
         self.device = model.device
-        #: Called as ``before_chunk(token_ids, start, end)`` before each prefill forward of
-        #: positions ``[start, end)`` (every prefill, whatever the connector), on the
-        #: caller's thread. A serving instance heartbeats there, so a long prefill is not
-        #: taken for a dead one.
-        self.before_chunk: Callable[[list[int], int, int], None] | None = None
 
     # ---- checks -----------------------------------------------------------------------
     def _table(self, name: str, block_table, num_tokens: int) -> torch.Tensor:
@@ -105,7 +100,6 @@ class Engine:
     @torch.no_grad()
     def prefill(self, token_ids: list[int], block_table: list[int], *, num_computed_tokens: int = 0,
                 chunk_size: int | None = None,
-                on_layer_done: Callable[[int], None] | None = None,
                 on_chunk: Callable[[int, int], Callable[[int], None] | None] | None = None
                 ) -> torch.Tensor:
         """Compute K/V of ``token_ids[num_computed_tokens:]`` into the cache; return the float32
@@ -122,12 +116,12 @@ class Engine:
             from the cache. ``0 <= num_computed_tokens < n``.
         chunk_size : int, optional
             Tokens per forward (chunked prefill); default: all remaining in one.
-        on_layer_done : callable(layer), optional
-            Called after each layer of each chunk, once that layer's K/V are in the cache.
         on_chunk : callable(start, end) -> callable(layer) or None, optional
             Called before the forward of each chunk of positions ``[start, end)``; returns
-            that chunk's per-layer hook (replacing ``on_layer_done``) or None. A connector
-            registers chunks and moves layers through it (this loop is the only chunk loop).
+            that chunk's per-layer hook, called as ``on_layer(layer)`` after each layer once
+            its K/V are in the cache, or None. P's connector registers chunks and moves layers
+            through it (:meth:`KVSender.begin <kvflow.connector.base.KVSender.begin>`), and
+            P's serve heartbeats there; this loop is the only chunk loop.
 
         Raises
         ------
@@ -153,13 +147,11 @@ class Engine:
         step = chunk_size or n
         for start in range(num_computed_tokens, n, step):
             end = min(start + step, n)
-            hook = on_chunk(start, end) if on_chunk is not None else on_layer_done
-            if self.before_chunk is not None:
-                self.before_chunk(token_ids, start, end)
+            hook = on_chunk(start, end) if on_chunk is not None else None
             hidden = self._prefill_chunk(ids[start:end], start, table, hook)
         return self.model.compute_logits(hidden[-1:])[0]
 
-    def _prefill_chunk(self, ids, start, table, on_layer_done):
+    def _prefill_chunk(self, ids, start, table, on_layer):
         # Rows are padded to a multiple of ROW_TILE (dummy tokens, never written, outputs
         # dropped) so the GEMM kernels see the same row tiling whatever the chunk length: with
         # chunk boundaries on multiples of ROW_TILE, chunked and prefix-hit prefills write
@@ -181,7 +173,7 @@ class Engine:
             V = read_kv(vc, ctx_table, layout)[:, :end]
             return attend(q[None], K, V, mask)[0]
 
-        return self.model(ids, pos, attn, on_layer_done)[:n]
+        return self.model(ids, pos, attn, on_layer)[:n]
 
     # ---- decode -----------------------------------------------------------------------
     @torch.no_grad()

@@ -1,11 +1,12 @@
 """P's first token, sent to the router the moment it is sampled.
 
-P samples a request's first token at the end of its prefill; :func:`first_token_sampler` makes
-the ``sample`` of P's :class:`~kvflow.connector.PrefillJob`, which also sends that token to the
-router (:class:`~kvflow.protocol.Tokens`, ``index`` 0) before the connector finishes the KV
-transfer (push: waits for its copies; pull and tcp: sends the KV message), as FastDeploy,
-vLLM and SGLang return the prefill's token. The router streams it at once; D appends it when
-the KV is in and streams from the second token on. ``finished`` follows the same stop rule D
+P samples a request's first token at the end of its prefill with the function
+:func:`first_token_sampler` makes, which also sends that token to the router
+(:class:`~kvflow.protocol.Tokens`, ``index`` 0) before the connector finishes the KV transfer
+(:meth:`KVSender.finish <kvflow.connector.base.KVSender.finish>`; push: waits for its copies;
+pull and tcp: send the KV message), as FastDeploy, vLLM and SGLang return the prefill's token.
+The router streams it at once; D appends it when the KV is in and streams from the second token
+on. ``finished`` follows the same stop rule D
 applies (:func:`~kvflow.serve.sampling.stop_reason`), so with ``max_tokens`` 1 the request
 ends on P's token while D still receives (and then frees) the KV.
 """
@@ -22,7 +23,7 @@ from .sampling import sample_token, stop_reason
 
 def first_token_sampler(inst: Any, msg: Prefill, t_received: float,
                         t_started: float) -> Callable[[Any], int]:
-    """``sample(logits) -> int`` for the job of ``msg``: sample the first token, send it to
+    """``sample(logits) -> int`` for the prefill of ``msg``: sample the first token, send it to
     the router with P's stamps (``prefill_received``, ``prefill_started``,
     ``first_token_sampled``: ``time.monotonic()`` s, :mod:`kvflow.serve.timings`).
 

@@ -7,9 +7,11 @@ A Prefill naming a D that is not paired, or a request id already queued or held 
 refused (:class:`~kvflow.protocol.Rejected`; nothing is allocated or sent). ``Unpair`` and a
 new pairing with the same D detach only that D.
 
-Per request: queued -> prefill (the connector runs :meth:`Engine.prefill`, chunked by
-``max_num_batched_tokens``; the first token goes to the router as soon as it is sampled,
-:mod:`kvflow.serve.first_token`) -> :class:`Held` until D's :class:`~kvflow.protocol.KVAck`. An
+Per request: queued -> prefill (``hook = connector.begin(job)``; :meth:`Engine.prefill`
+chunked by ``max_num_batched_tokens`` with ``on_chunk`` = the connector's hook plus the
+heartbeat between chunks; the first token is sampled here and goes to the router at once,
+:mod:`kvflow.serve.first_token`; ``connector.finish(job, first_token)``) -> :class:`Held` until
+D's :class:`~kvflow.protocol.KVAck`. An
 Abort, a failed prefill or transfer (also a layerwise one reported after the prefill), or a
 lease that ends without D's renewal (``kv_lease_s``, docs/reliability.md) frees the blocks.
 D's renewals come on a socket of their own (a DEALER to D's ``Pair.lease_addr``, from D's
@@ -91,12 +93,20 @@ class PrefillInstance(Instance):
         self.cache = self.connector.make_cache(self.num_blocks)
         self.engine = Engine(self.model, self.cache)
         self.allocator = BlockAllocator(self.num_blocks)
-        self.engine.before_chunk = self.between_chunks
         self.connector.warmup(self.engine, cfg.max_num_batched_tokens)
 
+    def on_chunk(self, token_ids: list[int], hook):
+        """The ``on_chunk`` of a prefill of ``token_ids``: the connector's ``hook`` (or None),
+        then :meth:`between_chunks`; returns the chunk's per-layer hook."""
+        def on_chunk(start: int, end: int):
+            layer_hook = hook(start, end) if hook is not None else None
+            self.between_chunks(token_ids, start, end)
+            return layer_hook
+        return on_chunk
+
     def between_chunks(self, token_ids: list[int], start: int, end: int) -> None:
-        """The engine's ``before_chunk`` hook: the loop's housekeeping between prefill chunks
-        (the router's heartbeat comes from its own thread, :mod:`kvflow.serve.heartbeat`, also
+        """Before each prefill chunk: the loop's housekeeping between prefill chunks (the
+        router's heartbeat comes from its own thread, :mod:`kvflow.serve.heartbeat`, also
         inside a chunk). Not in a dummy run."""
         from kvflow.context import sends_allowed
         if self.ctrl is None or not sends_allowed():
@@ -245,10 +255,13 @@ class PrefillInstance(Instance):
                 time.sleep(0.05)           # between the chunks of a long one)
                 self.heartbeat()
             job = PrefillJob(msg.req_id, msg.token_ids, blocks, msg.decode_id,
-                             msg.decode_block_ids, msg.num_cached_blocks,
-                             self.cfg.max_num_batched_tokens,
-                             first_token_sampler(self, msg, t_received, time.monotonic()))
-            handoff = self.connector.prefill(self.engine, job)
+                             msg.decode_block_ids, msg.num_cached_blocks)
+            sample = first_token_sampler(self, msg, t_received, time.monotonic())
+            hook = self.connector.begin(job)
+            logits = self.engine.prefill(job.token_ids, blocks,
+                                         chunk_size=self.cfg.max_num_batched_tokens,
+                                         on_chunk=self.on_chunk(job.token_ids, hook))
+            handoff = self.connector.finish(job, sample(logits))
         except Exception as exc:
             log.exception("%s: prefill of %s failed", self.instance_id, msg.req_id)
             error = f"prefill failed on {self.instance_id}: {exc}"

@@ -299,7 +299,7 @@ class LayerSignaller:
     >>> with forward_context(is_dummy_or_profile_run=True):
     ...     engine.profile_run()             # no channel, no signal
     >>> sig.init()                           # real run: the segment appears
-    >>> engine.prefill(batch, on_layer_done=sig.layer_hook(step))
+    >>> engine.prefill(token_ids, block_table, on_chunk=lambda start, end: sig.layer_hook(step))
     """
 
     def __init__(self, instance_id: str, num_layers: int, *, device: Any = "cpu",
@@ -329,7 +329,8 @@ class LayerSignaller:
         return ok
 
     def layer_hook(self, step: int) -> Callable[[int], None]:
-        """``on_layer_done(layer)`` callback for one prefill step."""
+        """The per-layer hook ``on_layer(layer)`` of one prefill step (what an ``on_chunk`` of
+        :meth:`Engine.prefill <kvflow.engine.Engine.prefill>` returns)."""
         return lambda layer: self.signal(layer, step)
 
     def close(self) -> None:

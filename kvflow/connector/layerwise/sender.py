@@ -3,10 +3,10 @@ written them, so the transfer of layer ``l`` overlaps the compute of layers ``l+
 
 Pieces (docs/design.md, "Signals"):
 
-- :meth:`LayerwiseSender.run` hands :meth:`Engine.prefill <kvflow.engine.Engine.prefill>` a
-  per-chunk hook that registers the chunk with the scheduler and returns the per-layer hook,
-  which stores ``(layer, step)`` into the instance's signal
-  segment (:class:`~kvflow.signal.LayerSignaller`; a CPU store after the layer, or the
+- :meth:`LayerwiseSender.begin` registers the request and returns the per-chunk hook P's serve
+  hands :meth:`Engine.prefill <kvflow.engine.Engine.prefill>`: it registers the chunk with the
+  scheduler and returns the per-layer hook, which stores ``(layer, step)`` into the instance's
+  signal segment (:class:`~kvflow.signal.LayerSignaller`; a CPU store after the layer, or the
   stream-ordered ``signal_layer`` kernel on GPU), one step per prefill chunk;
 - a :class:`.LayerwiseWorker` thread reads the segment and drives a
   :class:`.LayerwiseScheduler`, which decides what is due: after each chunk the
@@ -24,7 +24,7 @@ The scheduler pairs P's blocks with *logical* prompt positions (``block_offset``
 D maps them through the block table it allocated (D's table replaces P's).
 
 Gating: the channel and socket are created by :meth:`LayerwiseSender.open`, which refuses inside
-a profile/dummy run; :meth:`LayerwiseSender.run` inside a dummy run registers nothing and
+a profile/dummy run; :meth:`LayerwiseSender.begin` inside a dummy run registers nothing and
 its hooks signal nothing, so nothing is sent. Failures (a send error, or a layer never signalled
 within ``signal_timeout_s``: :class:`TimeoutError`) drop the request and are queued for the
 instance's loop (:meth:`LayerwiseSender.pop_errors`), which fails it and frees its blocks.
@@ -36,7 +36,7 @@ import dataclasses
 import queue
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -140,20 +140,20 @@ class LayerwiseSender:
             self._failed(req_id, ConnectionError(f"decode instance {peer_id} was unpaired"))
 
     # ---- the prefill (main thread) -----------------------------------------------------
-    def run(self, engine: Any, job: PrefillJob) -> Any:
-        """Run ``job``'s prefill on ``engine`` (the engine's chunk loop), registering each
-        chunk and signalling every layer of it; return the last token's logits. Inside a dummy
-        run nothing is registered, signalled or sent. The parts go to D ``job.decode_id``
-        (opened with :meth:`open`); D already holds logical blocks
-        ``0..job.num_cached_blocks-1`` (prefix hit): only the rest is sent, with
-        ``block_offset`` counted from there.
+    def begin(self, job: PrefillJob) -> Callable[[int, int], Callable[[int], None]]:
+        """Register ``job`` and return the ``on_chunk`` hook of its prefill
+        (:meth:`Engine.prefill <kvflow.engine.Engine.prefill>`): each chunk is registered and
+        every layer of it signalled. Inside a dummy run nothing is registered, signalled or
+        sent. The parts go to D ``job.decode_id`` (opened with :meth:`open`); D already holds
+        logical blocks ``0..job.num_cached_blocks-1`` (prefix hit): only the rest is sent, with
+        ``block_offset`` counted from there. A prefill that fails calls :meth:`abort`.
 
         Raises
         ------
         RuntimeError
             Outside a dummy run before :meth:`open`, or for a D not opened.
         ValueError
-            As :meth:`LayerwiseScheduler.add_request` / :meth:`Engine.prefill`.
+            As :meth:`LayerwiseScheduler.add_request`.
         """
         req_id, n = job.req_id, len(job.token_ids)
         real = sends_allowed()
@@ -176,13 +176,7 @@ class LayerwiseSender:
                 self.scheduler.add_chunk(req_id, self.step, end)
             return self.signaller.layer_hook(self.step)
 
-        try:
-            return engine.prefill(job.token_ids, job.blocks, chunk_size=job.chunk_size,
-                                  on_chunk=on_chunk)
-        except BaseException:
-            if real:
-                self.abort(req_id)
-            raise
+        return on_chunk
 
     def finish(self, req_id: str, first_token: int) -> bool:
         """The first token is sampled: send the last part now if every layer went, else the

@@ -1,0 +1,85 @@
+"""D's half of the connector contract (what D's serve calls and when: :mod:`.base`)."""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+from kvflow.cache import PagedKVCache
+
+from .records import TransferStats, as_device
+
+
+class KVReceiver(abc.ABC):
+    """D's half of a connector.
+
+    Parameters
+    ----------
+    spec : KVCacheSpec
+        D's cache spec.
+    device : str or torch.device
+    backend : str
+        Kernel backend of the block copies.
+    """
+
+    name: str = ""
+    #: D acks each transfer (P keeps blocks or buffers until then).
+    acks: bool = True
+    #: D reads P's memory after P sent the pointer: check P's lease first.
+    reads_peer_memory: bool = False
+    #: P writes D's blocks: blocks of a request that ends early stay lent until P is done.
+    peer_writes: bool = False
+    #: P and D share one host (their processes can be judged by pid).
+    host_local: bool = True
+
+    def __init__(self, spec: KVCacheSpec, device: Any = "cpu", *, backend: str = "auto") -> None:
+        self.spec, self.device, self.backend = spec, as_device(device), backend
+        self.cache: PagedKVCache | None = None
+
+    def make_cache(self, num_blocks: int) -> PagedKVCache:
+        """D's cache of ``num_blocks`` blocks (exported when P writes into it)."""
+        self.cache = PagedKVCache(self.spec, num_blocks, device=self.device)
+        return self.cache
+
+    def warmup(self) -> None:
+        """Compile the copy kernels on scratch caches (no socket exists yet)."""
+
+    def export(self) -> dict[str, Any]:
+        """Fields for D's :class:`~kvflow.protocol.Register` (``shm_name``: '' if none;
+        ``connector_md``)."""
+        return {"shm_name": ""}
+
+    def describe(self) -> dict[str, Any]:
+        """The connector fields of a request's ``kvflow`` response block: ``kv_connector``
+        (the kind; the metrics' ``connector`` label)."""
+        return {"kv_connector": self.name}
+
+    def attach(self, peer: Peer) -> None:
+        """Meet P ``peer`` (at pairing): map its cache if D reads it directly."""
+
+    def detach(self, peer_id: str) -> None:
+        """Forget P ``peer_id`` (it died): drop its mapping, if the connector keeps one."""
+
+    @abc.abstractmethod
+    def receive(self, header: Any, frames: list[Any], cache: PagedKVCache,
+                dst_ids: list[int], peer_id: str | None = None) -> TransferStats | None:
+        """Put the KV described by ``header`` (+ raw ``frames``) into ``cache`` at ``dst_ids``
+        (D's own block ids, one per prompt block not in D's prefix hit). ``peer_id``: the P
+        that sent it (None: the last paired one). Returns None while layerwise parts are
+        missing, the request's totals when its KV is complete.
+
+        Raises
+        ------
+        TransferError
+            For frames that do not match the header or the spec, or an unattached peer.
+        """
+
+    def expect(self, req_id: str) -> None:
+        """D allocated blocks for ``req_id``: its KV may come from now on (until
+        :meth:`receive` of it or :meth:`forget`)."""
+
+    def forget(self, req_id: str) -> None:
+        """Drop the state of a partly received layerwise transfer (D ended the request)."""
+
+    def close(self) -> None:
+        """Unmap the peers and remove this side's export."""
