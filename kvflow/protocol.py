@@ -160,7 +160,8 @@ class Allocated(_Msg):
 class Rejected(_Msg):
     """Any instance -> router: the request cannot be served; ``kind`` is "capacity" (never
     fits: HTTP 400, ``param`` names the request field to blame), "busy" (no free blocks now:
-    retry) or "error"."""
+    retry), "transfer" (P could not move the KV to D: HTTP 502, as D's own transfer failures)
+    or "error" (HTTP 500)."""
     req_id: str
     kind: str
     error: str

@@ -72,7 +72,7 @@ def test_a_write_failing_after_the_first_token_is_an_error_and_never_a_prefix_hi
     prompt = MARK + TEXT[:37]
     first, rejected, end, _ = _fail_a_write(pd, prompt, monkeypatch)
     assert [t for m in first for t in m.token_ids] == colocated(pd, prompt)[:1]
-    assert rejected.kind == "error" and rejected.error == _failed_write_error(pd)
+    assert rejected.kind == "transfer" and rejected.error == _failed_write_error(pd)
     assert end.finished and end.finish_reason == "error" and end.token_ids == []
     assert end.error == ("KV transfer failed: prefill could not write the KV over NIXL: "
                          + _failed_write_error(pd))

@@ -199,7 +199,7 @@ def test_missing_layer_signal_fails_the_request_and_frees_blocks_on_both_sides(h
         lw.signaller.signal = real
         lw.worker.signal_timeout_s = 30.0
     assert time.monotonic() - t0 < 10
-    assert isinstance(msg, Rejected) and msg.kind == "error"
+    assert isinstance(msg, Rejected) and msg.kind == "transfer"
     assert msg.error.startswith(f"layerwise KV transfer of lost-signal from {h.p.instance_id} "
                                 f"failed: request 'lost-signal': no signal for layer 1 of step ")
     assert msg.error.endswith(f"on segment '{lw.signaller.channel.name}' within 0.5 s; aborted")

@@ -233,7 +233,7 @@ class PrefillInstance(Instance):
         return len(self.queue) + len(self.pending)
 
     def work(self) -> None:
-        from kvflow.connector import PrefillJob
+        from kvflow.connector import PrefillJob, TransferError
         self._expire()
         msg = self.queue[0]
         if msg.decode_id not in self.connector.links:  # its D was unpaired while it waited
@@ -267,7 +267,8 @@ class PrefillInstance(Instance):
             error = f"prefill failed on {self.instance_id}: {exc}"
             self.allocator.free(blocks)
             self.connector.fail(msg.req_id, msg.decode_id, error)
-            self.send_ctrl(Rejected(req_id=msg.req_id, kind="error", error=error))
+            kind = "transfer" if isinstance(exc, TransferError) else "error"  # 502 / 500
+            self.send_ctrl(Rejected(req_id=msg.req_id, kind=kind, error=error))
             return
         if handoff is None:  # D sends no ack: P's blocks are free now
             self.allocator.free(blocks)
@@ -281,7 +282,7 @@ class PrefillInstance(Instance):
         for req_id, exc in self.connector.pop_errors():
             log.error("%s: layerwise transfer of %s failed: %s", self.instance_id, req_id, exc)
             self._release(req_id)
-            self.send_ctrl(Rejected(req_id=req_id, kind="error",
+            self.send_ctrl(Rejected(req_id=req_id, kind="transfer",
                                     error=f"layerwise KV transfer of {req_id} from "
                                           f"{self.instance_id} failed: {exc}"))
 

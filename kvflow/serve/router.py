@@ -232,7 +232,8 @@ class Router:
     @staticmethod
     def _error(msg: Any) -> RequestError:
         if isinstance(msg, Rejected):
-            return RequestError(400 if msg.kind == "capacity" else 503 if msg.kind == "busy" else 500,
+            status = {"capacity": 400, "busy": 503, "transfer": 502}.get(msg.kind, 500)
+            return RequestError(status,
                                 msg.error, (msg.param or "prompt") if msg.kind == "capacity" else None)
         if isinstance(msg, Tokens):
             return RequestError(502, msg.error)
