@@ -8,7 +8,7 @@ blocks of D's table after the prefix hit -> RECEIVING -> DECODING: the first tok
 P, which already sent it to the router) is appended, then one token per decode step is sent,
 from the second on -> DONE. Abort, transfer error and timeout
 (``receive_timeout_s`` without KV) end the request too; every end frees its blocks, except
-blocks P may still write (:mod:`kvflow.serve.lent`).
+blocks P may still write (:mod:`kvflow.connector.lent`).
 
 Lease: every ``heartbeat_s`` D's heartbeat thread (:class:`~kvflow.serve.heartbeat.Renewals`,
 on D's lease socket, not from the loop: a long decode step does not delay it) sends its P's a
@@ -36,7 +36,7 @@ from .advertise import advertised_host
 from .arrivals import Arrivals, InFlight
 from .heartbeat import Renewals, lease_socket
 from .instance import Instance
-from .lent import LentBlocks
+from kvflow.connector.lent import LentBlocks
 from .pairing import check_peer, peer_of
 from .sequences import DecodeLoop, DecodesWithLoop
 from .startup import StartupError
@@ -167,7 +167,7 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
         connector's state for it, e.g. a nixl staging slot and agent, and every block lent to
         it). Only silent (it may still write): a connector whose P's may live on other hosts
         forgets it ``kv_lease_s`` later unless it pairs again; lent blocks follow
-        :mod:`kvflow.serve.lent`."""
+        :mod:`kvflow.connector.lent`."""
         log.warning("%s: prefill instance %s is gone (%s)", self.instance_id, msg.peer_id,
                     msg.reason or "no reason given")
         if self.waiting_pairs.pop(msg.peer_id, None) is not None \
