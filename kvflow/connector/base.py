@@ -9,7 +9,8 @@ A connector has two halves, both driven by the instances' event loops over one Z
   (:meth:`~KVSender.prefill`), sending the KV (or a pointer to it) to the request's D.
 - :class:`KVReceiver` (D's half) builds D's cache (exported when P writes it), meets each
   paired P, and turns what arrives into blocks of D's cache at the block ids D allocated
-  (:meth:`~KVReceiver.receive`).
+  (:meth:`~KVReceiver.on_message`, the kind's :meth:`~KVReceiver.receive`), acking P, checking
+  P's lease and keeping lent blocks (:mod:`.arrival`, :mod:`.lease`, :mod:`.lent`).
 
 Layerwise is a property of the sender: prompts of at least ``layerwise_min_tokens`` tokens move
 layer by layer during the prefill, shorter ones after it; a threshold above ``max_model_len``
@@ -29,6 +30,8 @@ import torch
 from kvflow.cache import PagedKVCache
 from kvflow.context import sends_allowed
 from kvflow.layout import KVCacheSpec
+
+from .arrival import ArrivalSide
 
 
 class TransferError(RuntimeError):
@@ -310,8 +313,10 @@ class KVSender(abc.ABC):
             KVSender.detach(self, peer_id)
 
 
-class KVReceiver(abc.ABC):
-    """D's half of a connector.
+class KVReceiver(ArrivalSide, abc.ABC):
+    """D's half of a connector: serve hands it every data-plane message
+    (:meth:`~kvflow.connector.arrival.ArrivalSide.on_message`, answering an
+    :class:`~kvflow.connector.Arrival`); the kind's :meth:`receive` does the copy.
 
     Parameters
     ----------
@@ -335,6 +340,7 @@ class KVReceiver(abc.ABC):
     def __init__(self, spec: KVCacheSpec, device: Any = "cpu", *, backend: str = "auto") -> None:
         self.spec, self.device, self.backend = spec, as_device(device), backend
         self.cache: PagedKVCache | None = None
+        self._init_arrivals()
 
     def make_cache(self, num_blocks: int) -> PagedKVCache:
         """D's cache of ``num_blocks`` blocks (exported when P writes into it)."""
