@@ -134,8 +134,7 @@ class PD:
 
     def deliver(self, header, frames=()):
         """Hand P's transfer to D; D's KVAck (if any) goes back to P."""
-        getattr(self.d, f"on_{type(header).__name__.lower()}")(header, list(frames),
-                                                               self.p.instance_id.encode())
+        self.d.on_data(header, list(frames), self.p.instance_id.encode())
         for ack in self.take(self.d, KVAck):
             self.p.on_kvack(ack, [], None)
 
@@ -183,7 +182,7 @@ def every_block_back(pd: PD):
     start = pd.free()
     assert start == (pd.p.num_blocks, pd.d.num_blocks)
     yield
-    assert not pd.p.pending and not pd.p.queue and not pd.d.seqs and not pd.d.inflight
+    assert not pd.p.pending and not pd.p.queue and not pd.d.seqs and not pd.d.receiver.inflight
     assert not pd.d.lent
     pd.d.prefix.clear()
     assert pd.free() == start

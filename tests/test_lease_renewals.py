@@ -1,4 +1,4 @@
-"""D's lease renewals (:class:`kvflow.serve.heartbeat.Renewals`, sent by D's heartbeat thread on
+"""D's lease renewals (:class:`kvflow.connector.lease.Renewals`, sent by D's heartbeat thread on
 its lease socket): only renewals that left for a connected P count, a gap in them ends the
 lease as D judges it, and P reads the renewals that came during a long prefill before it judges
 a lease. Served end to end in tests/test_lease_thread.py."""
@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from kvflow.protocol import LeaseRenew, decode
-from kvflow.serve.heartbeat import Renewals, lease_socket
+from kvflow.connector import Renewals, lease_socket
 
 from .reliability_harness import PD
 from .test_reliability_pd import TEXT

@@ -105,5 +105,6 @@ def test_a_blocked_d_loop_still_renews_and_p_keeps_the_blocks(cl, reference):
     assert body["choices"][0]["token_ids"] == reference(OTHER, 4)
     assert slow["status"] == 200 and slow["tokens"] == reference(SLOW, 3), slow
     assert "no ack or lease renewal" not in cl.p_log.read_text()     # P never freed them
-    p = cl.inst(cl.p.pid)
+    # P frees on D's ack and reports at its next beat (0.2 s), well inside the 1.5 s lease
+    p = cl.inst(cl.p.pid, cl.wait(lambda h: True, 1.0, "a heartbeat after the ack", fresh=True))
     assert p["free_blocks"] == p["num_blocks"]   # the ack gave them back

@@ -128,7 +128,7 @@ def test_abort_mid_transfer_and_while_decoding(pd, monkeypatch):
     monkeypatch.setenv("KVFLOW_FAULT_RECEIVE_DELAY_S", "30")
     req, alloc = pd.allocate(TEXT[:40])
     pd.deliver(*pd.prefill(req, TEXT[:40], alloc)[1:])
-    assert req in pd.d.inflight and pd.d.seqs[req].req.state.name == "RECEIVING"
+    assert req in pd.d.receiver.inflight and pd.d.seqs[req].req.state.name == "RECEIVING"
     pd.d.on_abort(__import__("kvflow.protocol").protocol.Abort(req_id=req), [], None)
     acks = pd.take(pd.d, KVAck)
     assert [(a.req_id, a.ok) for a in acks] == [(req, False)]
@@ -238,7 +238,7 @@ def test_one_d_paired_with_two_p_reads_each_request_from_its_own_p():
                                  decode_block_ids=alloc.block_ids), [], None)
             p.work()
             hdr = decode(p.connector.links[pd.d.instance_id].frames.pop()[0])
-            pd.d.on_kvready(hdr, [], p.instance_id.encode())
+            pd.d.on_data(hdr, [], p.instance_id.encode())
             (ack,) = pd.take(pd.d, KVAck)
             p.on_kvack(ack, [], None)
             pd.decode_all()

@@ -98,7 +98,7 @@ def test_mismatched_d_attaches_nothing_and_writes_nothing():
         d.send = lambda *a, **k: None
         d.on_allocate(__import__("kvflow.protocol").protocol.Allocate(
             req_id="r", token_ids=[1, 2], max_tokens=2), [], None)
-        d._arrive(KVReady(req_id="r", src_block_ids=[0], first_token=1, num_prompt_tokens=2,
+        d.on_data(KVReady(req_id="r", src_block_ids=[0], first_token=1, num_prompt_tokens=2,
                           t_start=0.0), [], b"p-1")
         assert torch.equal(d.cache.buffer, before) and not d.seqs
         assert d.allocator.num_free == d.num_blocks

@@ -28,7 +28,7 @@ the per-tensor scales D's owner set, and the per-block scales P's copy computes 
 
 Ownership: D's blocks of a request are written by P until P's ``KVPushed`` (ok or not) for it,
 so D keeps them allocated until then even if the request ends early (``lent`` blocks,
-:mod:`kvflow.serve.lent`), unless P is known dead. P frees its own blocks as soon as its copies
+:mod:`kvflow.connector.lent`), unless P is known dead. P frees its own blocks as soon as its copies
 are done (nothing reads them later). Inside a dummy or profile run nothing is copied or sent.
 Measurements behind the defaults: docs/design.md.
 """

@@ -7,11 +7,14 @@ from typing import Any
 
 from kvflow.cache import PagedKVCache
 
+from .arrival import ArrivalSide
 from .records import TransferStats, as_device
 
 
-class KVReceiver(abc.ABC):
-    """D's half of a connector.
+class KVReceiver(ArrivalSide, abc.ABC):
+    """D's half of a connector: serve hands it every data-plane message
+    (:meth:`~kvflow.connector.arrival.ArrivalSide.on_message`, answering an
+    :class:`~kvflow.connector.Arrival`); the kind's :meth:`receive` does the copy.
 
     Parameters
     ----------
@@ -35,6 +38,7 @@ class KVReceiver(abc.ABC):
     def __init__(self, spec: KVCacheSpec, device: Any = "cpu", *, backend: str = "auto") -> None:
         self.spec, self.device, self.backend = spec, as_device(device), backend
         self.cache: PagedKVCache | None = None
+        self._init_arrivals()
 
     def make_cache(self, num_blocks: int) -> PagedKVCache:
         """D's cache of ``num_blocks`` blocks (exported when P writes into it)."""

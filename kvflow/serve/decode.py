@@ -2,22 +2,22 @@
 instance (P) through its connector (:func:`kvflow.connector.make_receiver`), and decodes.
 
 Per request: ``Allocate`` -> ALLOCATED (:class:`~kvflow.serve.sequences.DecodeLoop`: admission,
-D's *own* block table, prefix-cache hit ``num_cached_blocks``) -> the KV arrives from P
-(``KVReady`` / ``KVData`` / ``KVLayer`` parts / ``KVPushed``, by connector) into the prompt's
+D's *own* block table, prefix-cache hit ``num_cached_blocks``) -> the KV arrives from P (every
+data-plane message goes to the receiver, :mod:`kvflow.serve.arrivals`) into the prompt's
 blocks of D's table after the prefix hit -> RECEIVING -> DECODING: the first token (sampled by
 P, which already sent it to the router) is appended, then one token per decode step is sent,
 from the second on -> DONE. Abort, transfer error and timeout
 (``receive_timeout_s`` without KV) end the request too; every end frees its blocks, except
-blocks P may still write (:mod:`kvflow.serve.lent`).
+blocks P may still write (:mod:`kvflow.connector.lent`, kept by the receiver).
 
-Lease: every ``heartbeat_s`` D's heartbeat thread (:class:`~kvflow.serve.heartbeat.Renewals`,
-on D's lease socket, not from the loop: a long decode step does not delay it) sends its P's a
-:class:`~kvflow.protocol.LeaseRenew` naming the requests whose KV it still means to read (the
-loop keeps that set current, :meth:`DecodeInstance._want_renewals`); P frees sent blocks whose
-lease (``kv_lease_s``) ran out. Before reading P's memory (a connector with
-``reads_peer_memory``), D checks that P's lease still holds (with a 20% margin, counted from
-the last renewal that left for that P) and otherwise refuses the transfer rather than read
-blocks P may have reused. docs/reliability.md has the cases.
+Lease: every ``heartbeat_s`` D's heartbeat thread (:class:`~kvflow.connector.lease.Renewals`,
+on D's lease socket, not from the loop: a long decode step does not delay it) renews, with its
+P's, the requests whose KV it still means to read (the loop keeps that set current,
+:meth:`DecodeInstance._want_renewals`); P frees sent blocks whose lease (``kv_lease_s``) ran
+out. Before reading P's memory (a connector with ``reads_peer_memory``), the receiver checks
+that P's lease still holds (with a 20% margin, counted from the last renewal that left for that
+P) and otherwise refuses the transfer rather than read blocks P may have reused.
+docs/reliability.md has the cases.
 """
 
 from __future__ import annotations
@@ -27,16 +27,14 @@ import time
 
 import zmq
 
-from kvflow.connector import SlotsTaken, kinds
-from kvflow.protocol import Abort, Allocate, KVPushed, LeaseRenew, Pair, PairResult, Unpair
+from kvflow.connector import Renewals, SlotsTaken, kinds, lease_socket
+from kvflow.protocol import Abort, Allocate, Pair, PairResult, Unpair
 from kvflow.blocks import DecodeState, PrefixCache
 from kvflow.segments import DEAD, process_state
 
 from .advertise import advertised_host
-from .arrivals import Arrivals, InFlight
-from .heartbeat import Renewals, lease_socket
+from .arrivals import Arrivals
 from .instance import Instance
-from .lent import LentBlocks
 from .pairing import check_peer, peer_of
 from .sequences import DecodeLoop, DecodesWithLoop
 from .startup import StartupError
@@ -50,7 +48,6 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
         self.receive_timeout_s = cfg.receive_timeout_s
-        self.inflight: dict[str, InFlight] = {}
         self.data: zmq.Socket | None = None
         self.data_addr = ""
         self.peer_id = ""  # the last paired P
@@ -84,7 +81,8 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
         self.cache = self.receiver.make_cache(self.num_blocks)
         self.engine = Engine(self.model, self.cache)
         self.allocator = BlockAllocator(self.num_blocks)
-        self.lent = LentBlocks(self.allocator, cfg.kv_lease_s)
+        self.receiver.reply = self._send_data  # acks and the loop's renewals, to P
+        self.lent = self.receiver.keep(self.allocator, cfg.kv_lease_s)  # the receiver's
         prefix = PrefixCache(self.allocator, self.spec.block_size) if cfg.enable_prefix_caching else None
         self.loop = DecodeLoop(self, DecodeState, prefix)
         self.seqs, self.prefix = self.loop.seqs, prefix
@@ -116,7 +114,7 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
         for the heartbeat thread (:meth:`~kvflow.serve.loop.EventLoop.open_channels`)."""
         sock, port = lease_socket(self.ctx, self.cfg.host)
         self.lease_addr = f"tcp://{advertised_host(self.cfg.host, self.cfg.advertise_host)}:{port}"
-        self.renewals = Renewals(sock, 0.8 * self.kv_lease_s)
+        self.renewals = self.receiver.renewals = Renewals(sock, 0.8 * self.kv_lease_s)
         return self.renewals
 
     def connector_name(self) -> str:
@@ -167,7 +165,7 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
         connector's state for it, e.g. a nixl staging slot and agent, and every block lent to
         it). Only silent (it may still write): a connector whose P's may live on other hosts
         forgets it ``kv_lease_s`` later unless it pairs again; lent blocks follow
-        :mod:`kvflow.serve.lent`."""
+        :mod:`kvflow.connector.lent`."""
         log.warning("%s: prefill instance %s is gone (%s)", self.instance_id, msg.peer_id,
                     msg.reason or "no reason given")
         if self.waiting_pairs.pop(msg.peer_id, None) is not None \
@@ -224,16 +222,9 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
         seq = self.seqs.get(req_id)
         if seq is None:
             return
-        held = self.inflight.pop(req_id, None)
-        if held is not None and isinstance(held.msg, KVPushed):
-            lend = False  # P's KVPushed already came: it writes nothing more
-        elif held is not None:  # a transfer in flight is dropped; P may free its blocks
-            self._ack(req_id, held.ident, error or "aborted")
-        lend = lend and self.receiver.peer_writes and seq.req.state in (DecodeState.ALLOCATED,
-                                                                          DecodeState.RECEIVING)
-        if lend:
-            self.lent.lend(req_id, seq.req.block_table)
-        self.receiver.forget(req_id)  # drop a partly received layerwise transfer
+        # a transfer held in flight is dropped (acked), a partly received one forgotten
+        lend = self.receiver.end(req_id, seq.req.block_table, error, may_write=lend and (
+            seq.req.state in (DecodeState.ALLOCATED, DecodeState.RECEIVING)))
         self.loop.end(req_id, state, error, notify=notify, free=not lend)
 
     # ---- loop -----------------------------------------------------------------------
@@ -246,10 +237,8 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
                 if now - t >= self.kv_lease_s:  # declared dead a lease ago, not paired again
                     self._forget_peer(peer)
         self.lent.warn_overdue(self.instance_id, self.receive_timeout_s)
-        for req_id, held in list(self.inflight.items()):
-            if now >= held.due:
-                del self.inflight[req_id]
-                self._receive(held.msg, held.frames, held.ident)
+        for arrival in self.receiver.due(now):  # held by a test fault until now
+            self._react(arrival)
         waiting = []
         for req_id, s in list(self.seqs.items()):
             if s.req.state in (DecodeState.ALLOCATED, DecodeState.RECEIVING) \
@@ -281,22 +270,8 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
         self.renewals.want(self._renew_peers(), waiting)
 
     def _renew(self, req_ids: list[str]) -> None:
-        """LeaseRenew from the loop, on the data socket, where no heartbeat thread runs."""
-        wall = time.time()
-        for peer in self._renew_peers():
-            self.send(self.data, LeaseRenew(req_ids=req_ids), ident=peer.encode())
-            if self.renewals is not None:
-                self.renewals.record(peer, req_ids, wall)
-
-    def _receive(self, msg, frames, ident) -> None:
-        """Before the lease check (:meth:`Arrivals._lease_ok`): the request's ``t_renewed`` is
-        the last renewal sent to this P (``ident``) that kept its lease alive since P's send,
-        0.0 if a gap longer than 0.8 x the lease came first (P may have freed the blocks)."""
-        seq = self.seqs.get(msg.req_id)
-        if seq is not None and self.renewals is not None:
-            seq.t_renewed = self.renewals.renewed_since(
-                msg.req_id, ident.decode() if ident else None, getattr(msg, "t_start", 0.0))
-        super()._receive(msg, frames, ident)
+        """Lease renewals from the loop, on the data socket, where no heartbeat thread runs."""
+        self.receiver.renew(self._renew_peers(), req_ids)
 
     def close(self) -> None:
         super().close()

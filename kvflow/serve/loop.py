@@ -1,5 +1,6 @@
 """The ZMQ event loop every serving instance runs: its sockets, sending, dispatch of decoded
-messages to ``on_<type>`` handlers, heartbeats.
+messages to ``on_<type>`` handlers (every data-plane message to :meth:`EventLoop.on_data`),
+heartbeats.
 
 :meth:`EventLoop.serve_forever` polls the sockets, hands each decoded message to its handler,
 does one unit of work (:meth:`EventLoop.work`: a prefill on P, a decode step on D) and its
@@ -20,6 +21,7 @@ from typing import Any
 
 import zmq
 
+from kvflow.connector import is_data_message
 from kvflow.context import sends_allowed
 from kvflow.protocol import Heartbeat, Leaving, decode_or_log, encode
 
@@ -146,7 +148,8 @@ class EventLoop:
         msg = decode_or_log(frames[0], self.sockets[sock])
         if msg is None:
             return
-        handler = getattr(self, f"on_{type(msg).__name__.lower()}", None)
+        handler = self.on_data if is_data_message(msg) else \
+            getattr(self, f"on_{type(msg).__name__.lower()}", None)
         if handler is None:
             log.error("%s: unexpected %s from %s; dropped", self.instance_id,
                       type(msg).__name__, self.sockets[sock])
@@ -155,6 +158,17 @@ class EventLoop:
             handler(msg, frames[1:], ident)
         except Exception:  # one bad request must not take the instance down
             log.exception("%s: handling %s failed", self.instance_id, type(msg).__name__)
+
+    def on_data(self, msg: Any, frames: list[Any], ident: bytes | None) -> None:
+        """A data-plane message (:func:`kvflow.connector.is_data_message`); D hands it to its
+        connector's receiver. Here (P, until its connector takes its acks and renewals): the
+        ``on_<type>`` handler of the message."""
+        handler = getattr(self, f"on_{type(msg).__name__.lower()}", None)
+        if handler is None:
+            log.error("%s: unexpected %s on a data link; dropped", self.instance_id,
+                      type(msg).__name__)
+            return
+        handler(msg, frames, ident)
 
     def serve_forever(self) -> None:
         poller, polled = zmq.Poller(), set()

@@ -38,7 +38,6 @@ class Seq:
     kvflow: dict[str, Any] = dataclasses.field(default_factory=dict)
     t_alloc: float = dataclasses.field(default_factory=time.monotonic)
     num_cached_blocks: int = 0      # logical blocks 0..k-1 came from the prefix cache
-    t_renewed: float = 0.0          # time.time() of the last LeaseRenew that kept its lease (D)
     reported: bool = False          # this instance sent the router its kvflow block
 
 

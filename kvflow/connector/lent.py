@@ -18,7 +18,7 @@ import logging
 import time
 from typing import Any
 
-log = logging.getLogger("kvflow.serve.lent")
+log = logging.getLogger("kvflow.connector.lent")
 
 
 @dataclasses.dataclass

@@ -1,0 +1,237 @@
+"""D's half of the data plane: every message P's connector sends D goes to
+:meth:`KVReceiver.on_message <kvflow.connector.KVReceiver.on_message>`, which answers an
+:class:`Arrival` that serve reacts to without naming a data-plane message.
+
+Per message (``KVReady`` / ``KVData`` / ``KVLayer`` parts / ``KVPushed``, by kind): a
+``KVPushed`` of a request whose blocks are lent (:mod:`kvflow.connector.lent`) gives them back;
+one for a request D cannot receive (serve passes no ``dst_ids``: late, aborted or unknown) is
+acked with an error and ignored; else P's lease is checked when D reads P's memory
+(:mod:`kvflow.connector.lease`), the kind's :meth:`~kvflow.connector.KVReceiver.receive` puts
+the KV into D's blocks, and the transfer is acked to P when the kind acks (P holds blocks or a
+staging buffer until then). A test fault (``KVFLOW_FAULT_RECEIVE_DELAY_S``, judged by serve)
+keeps a message in flight (:class:`InFlight`) until :meth:`ArrivalSide.due`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Callable
+
+from kvflow.protocol import KVAck, KVData, KVLayer, KVPushed, KVReady, LeaseRenew
+
+log = logging.getLogger("kvflow.connector.arrival")
+
+#: the data plane between P and D (the rest of :mod:`kvflow.protocol` is serve's control plane)
+DATA_MESSAGES = (KVReady, KVData, KVLayer, KVPushed, KVAck, LeaseRenew)
+_TO_D = (KVReady, KVData, KVLayer, KVPushed)
+
+DONE, PART, FAILED, IGNORED = "done", "part", "failed", "ignored"
+
+
+def is_data_message(msg: Any) -> bool:
+    """``msg`` (a decoded message) belongs to the data plane: serve hands it to the connector."""
+    return isinstance(msg, DATA_MESSAGES)
+
+
+@dataclasses.dataclass
+class Arrival:
+    """What one data-plane message did on D, for serve.
+
+    Attributes
+    ----------
+    req_id : str
+    status : str
+        ``"done"`` (the request's KV is complete in D's blocks), ``"part"`` (more to come: a
+        layerwise part, or a message held by a test fault), ``"failed"`` (the transfer failed;
+        acked to P when the kind acks) or ``"ignored"`` (late, aborted, unknown, or lent
+        blocks given back: nothing for serve to do).
+    peer : str or None
+        The P that sent it (None: not known, the last paired one).
+    stats : TransferStats or None
+        The request's totals (``"done"``).
+    first_token : int
+        P's first token (``"done"``).
+    t_done : float
+        ``time.monotonic()`` when the KV was complete (``"done"``).
+    transfer_ms, gather_ms : float
+        P's send to D's completion; P's gather time (tcp), in ms rounded to 3 places.
+    pushed : dict
+        For a push (P wrote D's blocks, then said so): ``exposed_ms`` (P's wait for its copies
+        after the first token plus the message's way) and ``prefill_ms``; else empty.
+    error : str
+        Why it failed (``"failed"``).
+    exc : BaseException or None
+        The exception of a failure.
+    reusable : bool
+        ``"failed"``: P writes nothing more, D may reuse the blocks now (a kind without acks:
+        this message was P's last word).
+    """
+    req_id: str
+    status: str
+    peer: str | None = None
+    stats: Any = None
+    first_token: int = -1
+    t_done: float = 0.0
+    transfer_ms: float = 0.0
+    gather_ms: float = 0.0
+    pushed: dict[str, float] = dataclasses.field(default_factory=dict)
+    error: str = ""
+    exc: BaseException | None = None
+    reusable: bool = False
+
+
+@dataclasses.dataclass
+class InFlight:
+    """An arrived transfer held back by a test fault (``KVFLOW_FAULT_RECEIVE_DELAY_S``)."""
+    msg: Any
+    frames: list
+    peer: str | None
+    dst_ids: list[int]
+    fault: str
+    due: float
+
+
+class ArrivalSide:
+    """The arrival, ack, lease and lent-block handling of :class:`~kvflow.connector.KVReceiver`
+    (a mixin; its state is set by :meth:`_init_arrivals`, the kind's ``receive`` does the copy).
+
+    Attributes
+    ----------
+    reply : callable or None
+        ``reply(msg, peer_id)``: send a message to P ``peer_id`` on D's data socket (set by
+        serve); acks and the loop's lease renewals go through it.
+    lent : LentBlocks or None
+        Blocks of ended requests that a P may still write (:meth:`keep`).
+    renewals : Renewals or None
+        D's lease renewals (set by serve when its heartbeat thread sends them).
+    inflight : dict
+        ``req_id -> InFlight`` held by a test fault.
+    """
+
+    def _init_arrivals(self) -> None:
+        self.reply: Callable[[Any, str | None], None] | None = None
+        self.lent = None
+        self.renewals = None
+        self.inflight: dict[str, InFlight] = {}
+
+    def keep(self, allocator: Any, kv_lease_s: float):
+        """Keep lent blocks for ``allocator`` (D's); returns the new
+        :class:`~kvflow.connector.LentBlocks`. ``kv_lease_s``: P's lease on sent blocks (s)."""
+        from .lent import LentBlocks
+        self.lent = LentBlocks(allocator, kv_lease_s)
+        return self.lent
+
+    def on_message(self, msg: Any, frames: list[Any], peer: str | None,
+                   dst_ids: list[int] | None, *, delay_s: float = 0.0,
+                   fault: str = "") -> Arrival:
+        """Handle one data-plane message from P ``peer`` (its id; None: unknown).
+
+        Parameters
+        ----------
+        msg, frames
+            The decoded header and the raw frames after it.
+        dst_ids : list[int] or None
+            D's block ids of the request's prompt blocks after D's prefix hit; None when D
+            cannot receive it now (late, aborted, unknown): acked with an error, ignored.
+        delay_s : float
+            Test fault: hold the message this many seconds (:meth:`due` takes it then).
+        fault : str
+            Test fault: fail the transfer with this text (after the lease check).
+        """
+        if not isinstance(msg, _TO_D):
+            log.error("unexpected %s on D's data socket from %s; dropped", type(msg).__name__, peer)
+            return Arrival(getattr(msg, "req_id", ""), IGNORED, peer)
+        if isinstance(msg, KVLayer):  # parts come from P's sender thread: ack P's control link
+            peer = msg.reply_to
+        req_id = msg.req_id
+        if isinstance(msg, KVPushed) and self.lent is not None and req_id in self.lent:
+            self.lent.give_back([req_id])  # ended here meanwhile: P is done with the blocks now
+            return Arrival(req_id, IGNORED, peer)
+        if dst_ids is None or req_id in self.inflight:
+            self._ack(req_id, peer, "unknown or aborted request")
+            return Arrival(req_id, IGNORED, peer)
+        if delay_s:  # test fault: the transfer stays in flight; abort or kill D meanwhile
+            self.inflight[req_id] = InFlight(msg, [bytes(getattr(f, "buffer", f)) for f in frames],
+                                             peer, list(dst_ids), fault, time.monotonic() + delay_s)
+            return Arrival(req_id, PART, peer)
+        return self._take(msg, frames, peer, dst_ids, fault)
+
+    def due(self, now: float) -> list[Arrival]:
+        """Take the held messages due at ``now`` (``time.monotonic()``)."""
+        out = []
+        for req_id, held in list(self.inflight.items()):
+            if now >= held.due:
+                del self.inflight[req_id]
+                out.append(self._take(held.msg, held.frames, held.peer, held.dst_ids, held.fault))
+        return out
+
+    def end(self, req_id: str, blocks: list[int], error: str, *, may_write: bool) -> bool:
+        """D ended ``req_id`` (D's ``blocks``): drop a message held for it (acked with
+        ``error``) and a partly received transfer. Returns True when its blocks stay lent
+        (``may_write``: P may still write them, the kind's P writes D's blocks, and P's
+        ``KVPushed`` did not come yet); the caller frees them otherwise."""
+        held = self.inflight.pop(req_id, None)
+        if held is not None and isinstance(held.msg, KVPushed):
+            may_write = False  # P's KVPushed already came: it writes nothing more
+        elif held is not None:  # a transfer in flight is dropped; P may free its blocks
+            self._ack(req_id, held.peer, error or "aborted")
+        lend = may_write and self.peer_writes
+        if lend:
+            self.lent.lend(req_id, blocks)
+        self.forget(req_id)  # drop a partly received layerwise transfer
+        return lend
+
+    def renew(self, peers: list[str], req_ids: list[str]) -> None:
+        """A lease renewal of ``req_ids`` to every P of ``peers``, through :attr:`reply` (from
+        D's loop, where no heartbeat thread sends them)."""
+        wall = time.time()
+        for peer in peers:
+            self.reply(LeaseRenew(req_ids=req_ids), peer)
+            if self.renewals is not None:
+                self.renewals.record(peer, req_ids, wall)
+
+    # ---- one transfer ---------------------------------------------------------------
+    def _ack(self, req_id: str, peer: str | None, error: str = "") -> None:
+        """Ack a transfer to P (when the kind acks: P holds something until then)."""
+        if self.acks:
+            self.reply(KVAck(req_id=req_id, ok=not error, error=error), peer)
+
+    def _lease_ok(self, msg: Any, peer: str | None) -> bool:
+        """P's lease on the sent blocks still holds (20% margin), for kinds that read P's
+        memory: counted from P's send or from the last renewal to ``peer`` that kept it."""
+        t_start = getattr(msg, "t_start", 0.0)
+        if not self.reads_peer_memory or not t_start:
+            return True
+        renewed = (self.renewals.renewed_since(msg.req_id, peer, t_start)
+                   if self.renewals is not None else 0.0)
+        start = max(t_start, renewed if renewed >= t_start else 0.0)
+        return time.time() - start < 0.8 * self.lent.kv_lease_s
+
+    def _take(self, msg: Any, frames: list, peer: str | None, dst_ids: list[int],
+              fault: str) -> Arrival:
+        req_id = msg.req_id
+        try:
+            if not self._lease_ok(msg, peer):
+                raise TimeoutError(f"P's lease of {self.lent.kv_lease_s:g} s on the sent blocks "
+                                   f"expired before D could read them")
+            if fault:
+                raise RuntimeError(fault)
+            stats = self.receive(msg, frames, self.cache, dst_ids, peer)
+        except Exception as exc:
+            self._ack(req_id, peer, str(exc))
+            # with an acking kind P may still be writing nothing; without one (ipc-push) this
+            # message was P's last word: the blocks may be reused
+            return Arrival(req_id, FAILED, peer, error=str(exc), exc=exc, reusable=not self.acks)
+        if stats is None:  # a layerwise part: more layers to come
+            return Arrival(req_id, PART, peer)
+        t_done, now = time.monotonic(), time.time()
+        self._ack(req_id, peer)
+        arrival = Arrival(req_id, DONE, peer, stats, msg.first_token, t_done,
+                          round((now - msg.t_start) * 1e3 if msg.t_start else 0.0, 3),
+                          round(getattr(msg, "gather_ms", 0.0), 3))
+        if isinstance(msg, KVPushed):  # the part P waited for after the prefill, + the message
+            arrival.pushed = {"exposed_ms": round(msg.exposed_ms + max(0.0, now - msg.t_done) * 1e3, 3),
+                              "prefill_ms": round(msg.prefill_ms, 3)}
+        return arrival

@@ -1,0 +1,116 @@
+"""D's side of P's lease on sent blocks: the renewals D sends and its judgement of whether a
+lease still holds when the KV arrives.
+
+P keeps the blocks it sent (or a pointer to them) for ``--kv-lease-s`` seconds after its send;
+every renewal naming the request starts that time again (P's side: :mod:`kvflow.serve.prefill`).
+D's heartbeat thread sends the renewals (:class:`Renewals`, on D's *lease socket*,
+:func:`lease_socket`, a ROUTER that P's connect to at pairing, ``Register.lease_addr``), so a
+long decode step does not delay them (docs/reliability.md, "Liveness"); an instance driven by
+hand, without that thread, renews from its loop on the data socket
+(:meth:`kvflow.connector.KVReceiver.renew`). Before reading P's memory D checks that the lease
+still holds with a 20% margin (:meth:`Renewals.renewed_since`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import zmq
+
+from kvflow.protocol import LeaseRenew, encode
+
+
+class Renewals:
+    """D's lease renewals, sent by its heartbeat thread: the loop says what to renew
+    (:meth:`want`), the thread sends it (:meth:`send`) and records when renewals naming a
+    request really left for a P; :meth:`renewed_since` tells the loop whether P's lease still
+    holds. Thread-safe.
+
+    Parameters
+    ----------
+    sock : zmq.Socket
+        D's lease socket (ROUTER, ``ROUTER_MANDATORY``), bound; once the thread runs only the
+        thread uses it (:meth:`send`; ZMQ sockets are single-threaded).
+    gap_s : float
+        The longest gap between renewals that keeps a lease alive as D judges it: 0.8 x
+        ``--kv-lease-s`` (the 20% margin covers delivery and P's own loop); settable.
+    """
+
+    def __init__(self, sock: zmq.Socket | None, gap_s: float) -> None:
+        self.sock, self.gap_s = sock, gap_s
+        self._lock = threading.Lock()
+        self._peers: tuple[str, ...] = ()
+        self._req_ids: tuple[str, ...] = ()
+        # (P id, req id) -> (first, last): time.time() of the first and the last renewal of the
+        # latest run that left for that P with no gap of gap_s or more between them
+        self._runs: dict[tuple[str, str], tuple[float, float]] = {}
+        self.sent = 0  # LeaseRenew messages that left (all peers)
+
+    def want(self, peers, req_ids) -> None:
+        """From now on renew ``req_ids`` (the requests D still means to read: ALLOCATED or
+        RECEIVING) with every P of ``peers`` (ids); records of other requests are dropped."""
+        with self._lock:
+            self._peers, self._req_ids = tuple(peers), tuple(req_ids)
+            keep = set(self._req_ids)
+            self._runs = {k: v for k, v in self._runs.items() if k[1] in keep}
+
+    def wanted(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """``(peers, req_ids)`` as last set by :meth:`want`."""
+        with self._lock:
+            return self._peers, self._req_ids
+
+    def record(self, peer_id: str, req_ids, wall: float) -> None:
+        """A renewal naming ``req_ids`` left for P ``peer_id`` at ``wall`` (``time.time()``
+        taken before the send)."""
+        with self._lock:
+            still = set(self._req_ids)  # a request ended meanwhile keeps no record
+            for r in req_ids:
+                if r not in still:
+                    continue
+                first, last = self._runs.get((peer_id, r), (wall, wall))
+                self._runs[(peer_id, r)] = (first, wall) if wall - last < self.gap_s else (wall, wall)
+
+    def renewed_since(self, req_id: str, peer_id: str | None, t_start: float) -> float:
+        """``time.time()`` of the last renewal of ``req_id`` that kept P ``peer_id``'s lease
+        (started at P's send, ``t_start``) alive: renewals left with no gap of ``gap_s`` from
+        ``t_start`` on; 0.0 if none did (a gap ends the lease: a renewal after it renews
+        nothing, P may have freed the blocks). ``peer_id`` None: the best of any P."""
+        with self._lock:
+            runs = [v for (p, r), v in self._runs.items()
+                    if r == req_id and (peer_id is None or p == peer_id)]
+        best = 0.0
+        for first, last in runs:
+            if last >= t_start and (first <= t_start or first - t_start < self.gap_s):
+                best = max(best, last)
+        return best
+
+    def send(self) -> int:
+        """One :class:`~kvflow.protocol.LeaseRenew` to every wanted P (on the thread only);
+        returns to how many it left. A P not connected (yet, or any more:
+        ``EHOSTUNREACH``) or whose queue is full (its loop stalls: ``EAGAIN``) does not count."""
+        peers, req_ids = self.wanted()
+        if not req_ids or not peers:
+            return 0
+        frame, wall, sent = encode(LeaseRenew(req_ids=list(req_ids))), time.time(), 0
+        for peer in peers:
+            try:
+                self.sock.send_multipart([peer.encode(), frame], zmq.NOBLOCK)
+            except zmq.ZMQError:  # not connected, or its queue is full: not renewed there
+                continue
+            self.record(peer, req_ids, wall)
+            sent += 1
+        self.sent += sent
+        return sent
+
+
+def lease_socket(ctx: zmq.Context, host: str) -> tuple[zmq.Socket, int]:
+    """D's lease socket, bound to a free port of ``host``: ``(socket, port)``."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a P not connected raises: not counted
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)   # a P paired anew reconnects under its old id
+    sock.setsockopt(zmq.SNDHWM, 16)           # renewals a stalled P has not read are worthless
+    return sock, sock.bind_to_random_port(f"tcp://{host}")
+
+
