@@ -26,8 +26,10 @@ per-chunk / per-layer hook), :meth:`~KVSender.send_layerwise` and :meth:`~KVSend
 
 What D's serve calls on :class:`~kvflow.connector.receiver.KVReceiver`: ``make_cache``,
 ``warmup``, ``export``, ``attach`` / ``detach`` of each P, ``expect`` when it allocates a
-request's blocks, ``receive`` for each data message (the KV lands at the block ids D allocated;
-P's ids only name where to read), ``forget`` when it ends a request early. The records both
+request's blocks, ``on_message`` for each data-plane message (:mod:`.arrival`: it answers an
+``Arrival`` — done, part, failed or ignored — acks P, checks P's lease (:mod:`.lease`) and keeps
+lent blocks (:mod:`.lent`); the kind's ``receive`` does the copy, at the block ids D allocated;
+P's ids only name where to read), ``end`` when it ends a request. The records both
 sides pass (:class:`PrefillJob`, :class:`Handoff`, :class:`Peer`, ...) are in :mod:`.records`.
 
 Layerwise: prompts of at least ``layerwise_min_tokens`` tokens move layer by layer, shorter
