@@ -154,7 +154,7 @@ def test_bad_decode_block_ids_fail_on_p_and_write_nothing(pd):
     want = f"prefill failed on {pd.p.instance_id}: decode_block_ids holds block 999, not in [0, 48)"
     assert isinstance(done, KVPushed) and not done.ok and done.error == want
     (rej,) = pd.take(pd.p, Rejected)
-    assert (rej.kind, rej.error) == ("error", want)
+    assert (rej.kind, rej.error) == ("transfer", want)
     assert pd.p.allocator.num_used == 0
     assert all(torch.equal(a, b) for a, b in zip(snap, pd.d.cache.tensors()))
     pd.deliver(done)
