@@ -1,6 +1,6 @@
 """The backend contract: what the checked ops of :mod:`kvflow.kernels.ops` call, with what, and
 what a backend guarantees in return. :mod:`kvflow.kernels.registry` holds the backends;
-tests/test_kernel_contract.py checks every registered one against this module.
+tests/kernels/test_kernel_contract.py checks every registered one against this module.
 
 A backend (:class:`Backend`) is an object with
 

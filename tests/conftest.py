@@ -120,6 +120,6 @@ def _no_process_left():
     """After the session, no process of a :func:`tests.reap.spawn`ed group still runs: a test
     that left one fails here (and its groups are reaped), instead of leaving engines behind."""
     yield
-    from .reap import reap_all
+    from tests.reap import reap_all
     left = reap_all()
     assert not left, "processes left running by the tests (now reaped):\n" + "\n".join(left)

@@ -8,7 +8,7 @@ import json
 
 import torch
 
-from .test_hf_checkpoint import build_tokenizer
+from tests.model.test_hf_checkpoint import build_tokenizer
 
 H, L, NH, NKV, FF, MAXPOS = 64, 2, 4, 2, 96, 128
 

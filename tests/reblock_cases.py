@@ -9,7 +9,7 @@ import torch
 from kvflow import PagedKVCache
 from kvflow.kernels.reference_reblock import FP8_MAX, MIN_AMAX
 
-from .conftest import random_bytes_
+from tests.conftest import random_bytes_
 
 _NAN_FREE = {torch.float8_e4m3fn: lambda u: (u & 0x7F) != 0x7F,
              torch.float8_e5m2: lambda u: (u & 0x7C) != 0x7C}

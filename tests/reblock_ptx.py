@@ -1,7 +1,7 @@
 """Compile the re-blocking kernel for sm_90 without a GPU (Triton's own compiler and ptxas) and
 print, per case, the widest global loads/stores, the conversions, the float32 divisions and
 reciprocals, the fused multiply-adds and the flush-to-zero ops (JSON lines). Run in a
-subprocess by tests/test_reblock_triton.py: the test process runs Triton's interpreter."""
+subprocess by tests/kernels/test_reblock_triton.py: the test process runs Triton's interpreter."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .test_import_graph import REPO, ROOTS, imports, modules
+from tests.test_import_graph import REPO, ROOTS, imports, modules
 
 # what kvflow/integrations/vllm may import: these modules and their submodules
 VLLM_MAY_IMPORT = ("kvflow.integrations.vllm", "kvflow.connector.transport", "kvflow.wire",

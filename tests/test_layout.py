@@ -16,7 +16,7 @@ from kvflow import KVCacheSpec, PagedKVCache, staging_buffer, staging_shape
 from kvflow.kernels import gather_blocks
 from kvflow.layout import as_torch_dtype
 
-from .conftest import DTYPES, LAYOUTS, assert_bytes_equal, random_cache
+from tests.conftest import DTYPES, LAYOUTS, assert_bytes_equal, random_cache
 
 LLAMA3_8B = KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, block_size=64,
                         dtype=torch.bfloat16, layout="NHD")

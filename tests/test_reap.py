@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from .reap import GROUPS, descendants, live, reap, spawn, survivors
+from tests.reap import GROUPS, descendants, live, reap, spawn, survivors
 
 #: the child: start a grandchild (argv[1] "ignore": it ignores SIGTERM; argv[2] "setsid": it
 #: leaves the group), print its pid, then sleep

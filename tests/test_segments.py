@@ -4,7 +4,7 @@ that lower it, and every segment's pages are reserved (no SIGBUS later); (b) sta
 clean-up judges an owner by boot id + pid namespace + pid + start time and leaves what it
 cannot judge (another pid namespace, another boot, older names); (d) every kind of segment is
 named, created and judged by that one module. (c), signal segments of a killed P removed when
-the server stops, is checked end to end in tests/test_serve_faults.py."""
+the server stops, is checked end to end in tests/serve/test_serve_faults.py."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from kvflow import staging_buffer
 from kvflow.kernels import copy_blocks, gather_blocks, scatter_blocks
 from kvflow.vllm_layout import from_vllm, vllm_like
 
-from .conftest import backends_for, random_bytes_
+from tests.conftest import backends_for, random_bytes_
 
 SHAPE = (8, 2, 32, 64)  # B blocks, H kv heads, N tokens per block, C = 2 * head_dim 32
 LAYER0 = "model.layers.0.self_attn.attn"

@@ -1,5 +1,5 @@
 """Start vLLM OpenAI servers (P, D, a plain reference engine) and kvflow's proxy as processes, for
-tests/test_vllm_connector.py and bench/vllm_pd.py. CPU settings: float32, block_size 32 (vLLM's
+tests/integrations/test_vllm_connector.py and bench/vllm_pd.py. CPU settings: float32, block_size 32 (vLLM's
 CPU attention takes multiples of 32), eager mode, 1 GiB of KV cache per engine."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import httpx
 
 from kvflow.connector.transport.nixl_agent import tcp_tls
 
-from .reap import reap, spawn
+from tests.reap import reap, spawn
 
 BLOCK_SIZE = 32
 

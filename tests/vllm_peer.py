@@ -1,4 +1,4 @@
-"""P's end of kvflow's vLLM connector in a process of its own (for tests/test_vllm_gpu.py):
+"""P's end of kvflow's vLLM connector in a process of its own (for tests/integrations/test_vllm_gpu.py):
 a :class:`KVServer` over a vLLM-laid-out cache filled by :func:`fill`, holding two requests.
 
 ``python -m tests.vllm_peer <transport> <addr> <device>``; prints ``ready`` once it serves,

@@ -30,7 +30,7 @@ import sys
 
 #: study -> (module of kvflow.bench, one-line help). Each module has ``add_arguments(parser)``
 #: and ``run(args) -> int`` and imports no torch, numba or triton at import time (``--help`` and
-#: flag refusals come before them; tests/test_bench_interrupt.py checks it).
+#: flag refusals come before them; tests/bench/test_bench_interrupt.py checks it).
 STUDIES = {
     "kernels": ("kernels", "gather/scatter/copy sweep vs torch and the copy_ ceiling"),
     "calls": ("calls", "host time per call of gather/scatter/copy (no sync inside)"),
