@@ -33,6 +33,7 @@ from kvflow.bench import loadgen
 from kvflow.bench.record import partial_path
 from kvflow.bench.schema import read_results
 from tests import reap
+from tests.bench.test_bench_interrupt import _lines, _wait_for
 from tests.bench.test_bench_loadgen import fake_url  # noqa: F401 - the fake server fixture
 
 pytest.importorskip("httpx")
@@ -45,27 +46,6 @@ SERVE = ["serve", "--starts", "1", "--rate", ",".join(map(str, SERVE_RATES)),
 #: 2 clients of prompts <= 32 tokens, a row per 1 s window, 2 minutes if not stopped
 SOAK = ["soak", "--minutes", "2", "--window-s", "1", "--clients", "2", "--max-prompt", "32",
         "--max-tokens", "4", "--abort-frac", "0"]
-
-
-def _lines(stream, q: queue.Queue) -> None:
-    for line in stream:
-        q.put(line.rstrip("\n"))
-    q.put(None)
-
-
-def _wait_for(q: queue.Queue, pattern: str, timeout_s: float, seen: list[str]) -> str:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        try:
-            line = q.get(timeout=max(0.01, end - time.monotonic()))
-        except queue.Empty:
-            break
-        if line is None:
-            break
-        seen.append(line)
-        if re.search(pattern, line):
-            return line
-    raise AssertionError(f"no line matching {pattern!r} within {timeout_s} s; got {seen[-20:]}")
 
 
 def _wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
