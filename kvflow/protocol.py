@@ -124,10 +124,12 @@ class Unpair(_Msg):
     (and whatever P's connector holds for it); links to other D's stay. Router -> D: prefill
     instance ``peer_id`` died; ``exited``: the router saw its process exit (D then frees at
     once what it kept for it: blocks lent to it, a nixl staging slot; else only ``kv_lease_s``
-    later, as a silent P may still write)."""
+    later, as a silent P may still write); ``stopped``: it left by a clean stop (its
+    :class:`Leaving`), not a failure."""
     peer_id: str
     reason: str = ""
     exited: bool = False
+    stopped: bool = False
 
 
 class PairResult(_Msg):

@@ -292,7 +292,7 @@ class Controller:
             sent = self.pairs_sent.get(other.id, set())
             if info.id in other.pair_ok or info.id in sent:
                 asyncio.ensure_future(self.send(other, Unpair(peer_id=info.id, reason=why,
-                                                              exited=exited)))
+                                                              exited=exited, stopped=stopped)))
             other.pair_ok.discard(info.id)
             sent.discard(info.id)
         if self.metrics is not None:

@@ -166,8 +166,9 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
         it). Only silent (it may still write): a connector whose P's may live on other hosts
         forgets it ``kv_lease_s`` later unless it pairs again; lent blocks follow
         :mod:`kvflow.connector.lent`."""
-        log.warning("%s: prefill instance %s is gone (%s)", self.instance_id, msg.peer_id,
-                    msg.reason or "no reason given")
+        log.log(logging.INFO if msg.stopped else logging.WARNING,  # a clean stop is no fault
+                "%s: prefill instance %s is gone (%s)", self.instance_id, msg.peer_id,
+                msg.reason or "no reason given")
         if self.waiting_pairs.pop(msg.peer_id, None) is not None \
                 and msg.peer_id not in self.lent.peer_pids:
             # it only waited for a free slot: never attached, nothing of it to forget

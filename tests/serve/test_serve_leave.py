@@ -44,7 +44,8 @@ def test_leaving_is_logged_at_info_as_a_stop_and_is_no_error(ctl, caplog):
     records = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == ROUTER_LOG]
     assert records == [("INFO", "prefill instance p-1 (pid 1) stopped by SIGINT")]
     assert ctl.errors == [] and "p-1" not in ctl.instances
-    assert ctl.sent == [("d-1", Unpair(peer_id="p-1", reason="stopped by SIGINT", exited=False))]
+    assert ctl.sent == [("d-1", Unpair(peer_id="p-1", reason="stopped by SIGINT", exited=False,
+                                           stopped=True))]
     caplog.clear()   # a beat that overtook the Leaving: dropped without a word or a Reregister
     _handle(ctl, b"p-1#hb", Heartbeat(instance_id="p-1", free_blocks=40, seq=9))
     assert [r for r in caplog.records if r.name == ROUTER_LOG] == []
@@ -86,6 +87,7 @@ def test_a_split_p_stopped_by_a_signal_is_logged_as_a_stop_a_killed_d_as_a_death
     """A router started alone with ``--log-level info`` (cl.logs[0] is its stderr)."""
     cl = split
     p, d = cl.spawn("prefill"), cl.spawn("decode")
+    d_log = cl.logs[-1]  # D's stderr (its default --log-level warning)
     h = cl.wait(lambda h: h["status"] == "ok" and {p.pid, d.pid} <= {i["pid"] for i in h["instances"]},
                 150, "P and D paired")
     p_id, d_id = cl.inst(p.pid, h)["id"], cl.inst(d.pid, h)["id"]
@@ -97,6 +99,9 @@ def test_a_split_p_stopped_by_a_signal_is_logged_as_a_stop_a_killed_d_as_a_death
             in lines), lines
     assert [ln for ln in lines if ln[0] == "ERROR"] == []
     assert not any(p_id in e for e in cl.health()["errors"])
+    cl.wait(lambda h: p_id not in (cl.inst(d.pid, h) or {}).get("paired_with", [p_id]), 10,
+            "D unpaired from P")
+    assert [ln for ln in d_log.read_text().splitlines() if p_id in ln] == []  # no WARNING on D
     d.kill()                                                     # a crash stays an ERROR
     d.wait(10)
     cl.wait(lambda h: cl.inst(d.pid, h) is None, 10, "D declared dead")
