@@ -27,11 +27,11 @@ from typing import Any
 from . import kinds as _kinds
 from .kinds import KINDS, Kind, Option, check_options, register_kind
 
-__all__ = ["Arrival", "CONNECTORS", "Freed", "Handoff", "Held", "KINDS", "KVReceiver", "KVSender", "KVVerifyError",
-           "Kind", "LentBlocks", "Option", "Peer", "PrefillJob", "Renewals", "SlotsTaken",
-           "TransferError", "TransferStats", "bind_to_host", "check_connector_config", "get_kind",
-           "is_data_message", "lease_socket", "make_receiver", "make_sender", "register_kind",
-           "resolve_connector", "scales_refusal"]
+__all__ = ["Arrival", "CONNECTORS", "Freed", "Handoff", "Held", "KINDS", "KVReceiver", "KVSender",
+           "KVVerifyError", "Kind", "LentBlocks", "Option", "Peer", "PrefillJob", "Renewals",
+           "SlotsTaken", "TransferError", "TransferStats", "bind_to_host", "check_connector_config",
+           "get_kind", "is_data_message", "lease_socket", "make_receiver", "make_sender",
+           "register_kind", "resolve_connector", "scales_refusal"]
 
 _BASE = ("Handoff", "KVReceiver", "KVSender", "Peer", "PrefillJob", "SlotsTaken", "TransferError",
          "TransferStats")

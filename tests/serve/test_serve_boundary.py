@@ -139,7 +139,7 @@ def test_the_loop_hands_every_data_plane_message_to_on_data():
 
 
 def test_a_loop_without_its_own_on_data_uses_the_message_handler():
-    """P (its acks and renewals still serve's): the base ``on_data`` calls ``on_<type>``."""
+    """The base ``on_data`` calls ``on_<type>`` (P and D both give their own now)."""
     from kvflow.protocol import KVAck
     from kvflow.serve.loop import EventLoop
 
