@@ -136,11 +136,11 @@ class PD:
         """Hand P's transfer to D; D's KVAck (if any) goes back to P."""
         self.d.on_data(header, list(frames), self.p.instance_id.encode())
         for ack in self.take(self.d, KVAck):
-            self.p.on_kvack(ack, [], None)
+            self.p.on_data(ack, [], None)
 
     def renew(self):
         for msg in self.take(self.d, LeaseRenew):
-            self.p.on_leaserenew(msg, [], None)
+            self.p.on_data(msg, [], None)
 
     def abort(self, req_id, peer_dead="", prefill_sent=True, peer_exited=False):
         for inst in (self.p, self.d):

@@ -27,16 +27,16 @@ from typing import Any
 from . import kinds as _kinds
 from .kinds import KINDS, Kind, Option, check_options, register_kind
 
-__all__ = ["Arrival", "CONNECTORS", "Handoff", "KINDS", "KVReceiver", "KVSender", "KVVerifyError",
-           "Kind", "LentBlocks", "Option", "Peer", "PrefillJob", "Renewals", "SlotsTaken",
-           "TransferError", "TransferStats", "bind_to_host", "check_connector_config", "get_kind",
-           "is_data_message", "lease_socket", "make_receiver", "make_sender", "register_kind",
-           "resolve_connector", "scales_refusal"]
+__all__ = ["Arrival", "CONNECTORS", "Freed", "Handoff", "Held", "KINDS", "KVReceiver", "KVSender",
+           "KVVerifyError", "Kind", "LentBlocks", "Option", "Peer", "PrefillJob", "Renewals",
+           "SlotsTaken", "TransferError", "TransferStats", "bind_to_host", "check_connector_config",
+           "get_kind", "is_data_message", "lease_socket", "make_receiver", "make_sender",
+           "register_kind", "resolve_connector", "scales_refusal"]
 
 _BASE = ("Handoff", "KVReceiver", "KVSender", "Peer", "PrefillJob", "SlotsTaken", "TransferError",
          "TransferStats")
-_D_SIDE = {"Arrival": "arrival", "is_data_message": "arrival", "LentBlocks": "lent",
-           "Renewals": "lease", "lease_socket": "lease"}
+_SIDES = {"Arrival": "arrival", "is_data_message": "arrival", "LentBlocks": "lent",
+           "Renewals": "lease", "lease_socket": "lease", "Freed": "held", "Held": "held"}
 
 
 def __getattr__(name: str) -> Any:  # the contract loads torch: import it on first use
@@ -44,8 +44,8 @@ def __getattr__(name: str) -> Any:  # the contract loads torch: import it on fir
         return _kinds.kind_names()
     if name in _BASE:
         return getattr(importlib.import_module("kvflow.connector.base"), name)
-    if name in _D_SIDE:  # what D keeps for the data plane: arrivals, lent blocks, the lease
-        return getattr(importlib.import_module(f"kvflow.connector.{_D_SIDE[name]}"), name)
+    if name in _SIDES:  # the data plane: D's arrivals, lent blocks, lease; P's held blocks
+        return getattr(importlib.import_module(f"kvflow.connector.{_SIDES[name]}"), name)
     if name == "KVVerifyError":  # --kv-verify's mismatch (kvflow.connector.verify)
         return importlib.import_module("kvflow.connector.verify").KVVerifyError
     raise AttributeError(f"module 'kvflow.connector' has no attribute {name!r}")

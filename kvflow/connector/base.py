@@ -16,7 +16,12 @@ What P's serve (:mod:`kvflow.serve.prefill`) calls on :class:`KVSender`:
 4. ``handoff = sender.finish(job, first_token)``: the send after the prefill or the end of the
    layerwise one; P keeps its blocks until D's ack when ``handoff`` says so;
 5. :meth:`~KVSender.fail` when 2-4 raised or the request ends before them;
-   :meth:`~KVSender.release` on D's ack, an abort or the end of the lease.
+6. ``freed = sender.hold(req_id, blocks, handoff)`` (:mod:`.held`): the sender keeps what D
+   still reads and answers which of P's block ids serve frees (serve keeps the allocator):
+   now, on ``sender.on_message(msg, frames, peer)`` for each data-plane message from D (D's
+   ack frees, its lease renewal renews), on ``sender.expire(lease_s)`` (a lease that ended)
+   and on ``sender.drop(req_id)`` (an abort, a failed transfer; it calls
+   :meth:`~KVSender.release`). Serve names no data-plane message.
 
 What a kind implements on P: :meth:`~KVSender.send_prefilled` (the send after the prefill; a
 transfer benchmark calls it alone, on a cache it filled itself), optionally
@@ -48,6 +53,7 @@ from kvflow.cache import PagedKVCache
 from kvflow.context import forward_context, sends_allowed
 from kvflow.layout import KVCacheSpec
 
+from .held import HeldSide
 from .receiver import KVReceiver
 from .records import (ChunkHook, Handoff, Peer, Prefilling, PrefillJob, SlotsTaken,
                       TransferError, TransferStats, as_device, as_ids, check_send_allowed)
@@ -57,7 +63,7 @@ __all__ = ["ChunkHook", "Handoff", "KVReceiver", "KVSender", "Peer", "Prefilling
            "check_send_allowed"]
 
 
-class KVSender(abc.ABC):
+class KVSender(HeldSide, abc.ABC):
     """P's half of a connector.
 
     Parameters

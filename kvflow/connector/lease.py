@@ -2,7 +2,7 @@
 lease still holds when the KV arrives.
 
 P keeps the blocks it sent (or a pointer to them) for ``--kv-lease-s`` seconds after its send;
-every renewal naming the request starts that time again (P's side: :mod:`kvflow.serve.prefill`).
+every renewal naming the request starts that time again (P's side: :mod:`kvflow.connector.held`).
 D's heartbeat thread sends the renewals (:class:`Renewals`, on D's *lease socket*,
 :func:`lease_socket`, a ROUTER that P's connect to at pairing, ``Register.lease_addr``), so a
 long decode step does not delay them (docs/reliability.md, "Liveness"); an instance driven by

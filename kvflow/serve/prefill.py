@@ -10,24 +10,25 @@ new pairing with the same D detach only that D.
 Per request: queued -> prefill (``hook = connector.begin(job)``; :meth:`Engine.prefill`
 chunked by ``max_num_batched_tokens`` with ``on_chunk`` = the connector's hook plus the
 heartbeat between chunks; the first token is sampled here and goes to the router at once,
-:mod:`kvflow.serve.first_token`; ``connector.finish(job, first_token)``) -> :class:`Held` until
-D's :class:`~kvflow.protocol.KVAck`. An
-Abort, a failed prefill or transfer (also a layerwise one reported after the prefill), or a
-lease that ends without D's renewal (``kv_lease_s``, docs/reliability.md) frees the blocks.
-D's renewals come on a socket of their own (a DEALER to D's ``Pair.lease_addr``, from D's
-heartbeat thread); P reads them before it judges a lease, so a long prefill of its own does not
-expire a lease whose renewals wait unread.
+:mod:`kvflow.serve.first_token`; ``connector.finish(job, first_token)``) -> held by the
+connector (``connector.hold``, :mod:`kvflow.connector.held`) until D's ack. Every data-plane
+message from D goes to ``connector.on_message`` (:meth:`PrefillInstance.on_data`); the
+connector answers which blocks to free, P frees them (it keeps the block allocator). An Abort, a
+failed prefill or transfer (also a layerwise one reported after the prefill), or a lease that
+ends without D's renewal (``kv_lease_s``, docs/reliability.md) frees the blocks. D's renewals
+come on a socket of their own (a DEALER to D's ``Pair.lease_addr``, from D's heartbeat thread);
+P reads them before it judges a lease, so a long prefill of its own does not expire a lease
+whose renewals wait unread.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import time
 from typing import Any
 
-from kvflow.protocol import Abort, KVAck, LeaseRenew, Pair, PairResult, Prefill, Rejected, Unpair
+from kvflow.protocol import Abort, Pair, PairResult, Prefill, Rejected, Unpair
 from kvflow.blocks import NoFreeBlocksError
 
 from . import faults
@@ -39,24 +40,6 @@ from .startup import StartupError
 log = logging.getLogger("kvflow.serve.prefill")
 
 
-@dataclasses.dataclass
-class Held:
-    """A sent request P keeps until D's ack or the end of its lease.
-
-    Attributes
-    ----------
-    blocks : list[int]
-        P's blocks D may still read ([] once freed).
-    keep : object
-        Memory ZMQ still reads (a staging buffer), or None.
-    t_renewed : float
-        ``time.monotonic()`` of the send or of D's last :class:`~kvflow.protocol.LeaseRenew`.
-    """
-    blocks: list[int]
-    keep: Any = None
-    t_renewed: float = dataclasses.field(default_factory=time.monotonic)
-
-
 class PrefillInstance(Instance):
     role = "prefill"
 
@@ -64,10 +47,15 @@ class PrefillInstance(Instance):
         super().__init__(cfg)
         self.kv_lease_s = cfg.kv_lease_s  # sent blocks held this long without D's renewal
         self.queue: collections.deque[Prefill] = collections.deque()
-        self.pending: dict[str, Held] = {}
         self.received: dict[str, float] = {}  # queued request -> time.monotonic() of its Prefill
         self.connector = None  # kvflow.connector.KVSender, built by setup()
         self.lease_links: dict[str, Any] = {}  # D id -> DEALER to its lease socket
+
+    @property
+    def pending(self) -> dict:
+        """req_id -> :class:`kvflow.connector.Held` of the requests sent and not yet acked
+        or expired (the connector's; empty before :meth:`setup`)."""
+        return self.connector.held if self.connector is not None else {}
 
     # ---- start-up -------------------------------------------------------------------
     def setup(self) -> None:
@@ -207,23 +195,26 @@ class PrefillInstance(Instance):
             self._release(msg.req_id)
         self.report_blocks()  # the router sees the freed blocks now, not a heartbeat later
 
-    def on_leaserenew(self, msg: LeaseRenew, frames, ident) -> None:
-        now = time.monotonic()
-        for req_id in msg.req_ids:
-            held = self.pending.get(req_id)
-            if held is not None:
-                held.t_renewed = now
+    def on_data(self, msg, frames, ident) -> None:
+        """Every data-plane message from a D (its acks and lease renewals): the connector's
+        (``connector.on_message``); P frees the blocks it answers."""
+        freed = self.connector.on_message(msg, frames, ident.decode() if ident else None)
+        if freed is None:  # not P's message: logged and dropped
+            return super().on_data(msg, frames, ident)
+        for f in freed:
+            self._free(f)
 
-    def on_kvack(self, msg: KVAck, frames, ident) -> None:
-        if not msg.ok:
-            log.warning("%s: decode dropped %s: %s", self.instance_id, msg.req_id, msg.error)
-        self._release(msg.req_id)
+    def _free(self, freed) -> None:
+        """Free the blocks of a :class:`kvflow.connector.Freed` and log its note."""
+        if freed.note:
+            getattr(log, freed.level)("%s", freed.note)
+        if freed.blocks:
+            self.allocator.free(freed.blocks)
 
     def _release(self, req_id: str) -> None:
-        self.connector.release(req_id)
-        held = self.pending.pop(req_id, None)
-        if held is not None and held.blocks:
-            self.allocator.free(held.blocks)
+        blocks = self.connector.drop(req_id)
+        if blocks:
+            self.allocator.free(blocks)
 
     # ---- work -----------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -270,13 +261,9 @@ class PrefillInstance(Instance):
             kind = "transfer" if isinstance(exc, TransferError) else "error"  # 502 / 500
             self.send_ctrl(Rejected(req_id=msg.req_id, kind=kind, error=error))
             return
-        if handoff is None:  # D sends no ack: P's blocks are free now
-            self.allocator.free(blocks)
-            return
-        if not handoff.holds_blocks:
-            self.allocator.free(blocks)
-            blocks = []
-        self.pending[msg.req_id] = Held(blocks, handoff.keep)
+        free_now = self.connector.hold(msg.req_id, blocks, handoff)
+        if free_now:  # no ack comes (handoff None) or D reads none of them after the prefill
+            self.allocator.free(free_now)
 
     def _fail_transfers(self) -> None:
         for req_id, exc in self.connector.pop_errors():
@@ -289,12 +276,8 @@ class PrefillInstance(Instance):
     def _expire(self) -> None:
         for sock in list(self.lease_links.values()):  # renewals that came during a long
             self.drain(sock)                          # prefill count before any lease ends
-        now = time.monotonic()
-        for req_id, held in list(self.pending.items()):
-            if now - held.t_renewed > self.kv_lease_s:
-                log.error("%s: no ack or lease renewal for %s in %g s; blocks freed",
-                          self.instance_id, req_id, self.kv_lease_s)
-                self._release(req_id)
+        for freed in self.connector.expire(self.kv_lease_s):
+            self._free(freed)
 
     def heartbeat(self, force: bool = False) -> None:
         self._fail_transfers()

@@ -132,7 +132,7 @@ def test_abort_mid_transfer_and_while_decoding(pd, monkeypatch):
     pd.d.on_abort(__import__("kvflow.protocol").protocol.Abort(req_id=req), [], None)
     acks = pd.take(pd.d, KVAck)
     assert [(a.req_id, a.ok) for a in acks] == [(req, False)]
-    pd.p.on_kvack(acks[0], [], None)
+    pd.p.on_data(acks[0], [], None)
     pd.p.on_abort(__import__("kvflow.protocol").protocol.Abort(req_id=req), [], None)
     monkeypatch.delenv("KVFLOW_FAULT_RECEIVE_DELAY_S")
     req, alloc = pd.allocate(TEXT[:40], max_tokens=50)
@@ -240,7 +240,7 @@ def test_one_d_paired_with_two_p_reads_each_request_from_its_own_p():
             hdr = decode(p.connector.links[pd.d.instance_id].frames.pop()[0])
             pd.d.on_data(hdr, [], p.instance_id.encode())
             (ack,) = pd.take(pd.d, KVAck)
-            p.on_kvack(ack, [], None)
+            p.on_data(ack, [], None)
             pd.decode_all()
             toks = pd.own(p, Tokens) + pd.own(pd.d, Tokens)  # this P's first token, then D's
             assert tokens_of(toks) == colocated(pd, prompt), p.instance_id

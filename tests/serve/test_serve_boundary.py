@@ -11,18 +11,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
 
 SERVE = Path(__file__).resolve().parents[2] / "kvflow" / "serve"
 DATA_MESSAGES = ("KVReady", "KVData", "KVLayer", "KVPushed", "KVAck", "LeaseRenew")
 FACE = ("kvflow.connector", "kvflow.connector.kinds")
-#: P's side, not moved yet: its held-until-ack state and D's acks and renewals are serve's
-P_SIDE = "prefill.py"
-P_LEFT = ("kvflow/serve/prefill.py still runs P's side of the data plane: it imports KVAck and "
-          "LeaseRenew; on_kvack (KVAck: free the held blocks on D's ack), on_leaserenew "
-          "(LeaseRenew: renew the Held entries), Held (P's blocks and the connector's Handoff "
-          "kept until D's ack or the lease ends) and the lease expiry in its heartbeat; they move "
-          "with P's side of the connector (KVSender, another step of issue 27)")
 
 
 def data_message_names(source: str, filename: str) -> list[str]:
@@ -72,8 +64,8 @@ _CONNECTOR_MODULES = {p.stem for p in (SERVE.parent / "connector").iterdir()
     - {"__init__", "kinds"}
 
 
-def _serve_files(*, skip: str = ""):
-    files = sorted(p for p in SERVE.rglob("*.py") if p.name != skip)
+def _serve_files():
+    files = sorted(SERVE.rglob("*.py"))
     assert len(files) > 20, files  # the package is found, not an empty glob
     return files
 
@@ -84,12 +76,12 @@ def _offences(find, files) -> list[str]:
 
 
 def test_serve_names_no_data_plane_message():
-    assert _offences(data_message_names, _serve_files(skip=P_SIDE)) == []
+    assert _offences(data_message_names, _serve_files()) == []
 
 
-@pytest.mark.xfail(strict=True, reason=P_LEFT)
 def test_prefill_names_no_data_plane_message():
-    assert _offences(data_message_names, [SERVE / P_SIDE]) == []
+    """P hands D's acks and renewals to its connector (:mod:`kvflow.connector.held`)."""
+    assert _offences(data_message_names, [SERVE / "prefill.py"]) == []
 
 
 def test_serve_imports_only_the_connector_face():
@@ -147,7 +139,7 @@ def test_the_loop_hands_every_data_plane_message_to_on_data():
 
 
 def test_a_loop_without_its_own_on_data_uses_the_message_handler():
-    """P (its acks and renewals still serve's): the base ``on_data`` calls ``on_<type>``."""
+    """The base ``on_data`` calls ``on_<type>`` (P and D both give their own now)."""
     from kvflow.protocol import KVAck
     from kvflow.serve.loop import EventLoop
 

@@ -1,0 +1,127 @@
+"""P's side of the lease: the blocks P keeps for a request after its send, until D's ack or the
+end of the lease (D's side: :mod:`.lease`).
+
+After :meth:`KVSender.finish <kvflow.connector.base.KVSender.finish>` P's serve hands the
+request's blocks and the :class:`~.records.Handoff` to :meth:`HeldSide.hold`; from then on the
+sender keeps a :class:`Held` record and answers which of P's block ids serve must free (serve
+keeps the block allocator):
+
+- D's :class:`~kvflow.protocol.KVAck` (through :meth:`HeldSide.on_message`, the one entry point
+  of P's data plane): the request's blocks, with a warning line when D dropped it;
+- D's :class:`~kvflow.protocol.LeaseRenew` (also :meth:`HeldSide.on_message`): nothing freed, the
+  lease of every named request starts again;
+- :meth:`HeldSide.expire`: a request with no renewal for ``lease_s`` seconds
+  (``--kv-lease-s``, docs/reliability.md), with an error line;
+- :meth:`HeldSide.drop` (an abort, a failed layerwise transfer): the request's blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from kvflow.protocol import KVAck, LeaseRenew
+
+
+@dataclasses.dataclass
+class Held:
+    """A sent request P keeps until D's ack or the end of its lease.
+
+    Attributes
+    ----------
+    blocks : list[int]
+        P's blocks D may still read ([] once freed).
+    keep : object
+        Memory ZMQ still reads (a staging buffer), or None.
+    t_renewed : float
+        ``time.monotonic()`` of the send or of D's last :class:`~kvflow.protocol.LeaseRenew`.
+    """
+    blocks: list[int]
+    keep: Any = None
+    t_renewed: float = dataclasses.field(default_factory=time.monotonic)
+
+
+@dataclasses.dataclass
+class Freed:
+    """One request P no longer keeps: the block ids serve frees and the line it logs.
+
+    Attributes
+    ----------
+    req_id : str
+    blocks : list[int]
+        P's block ids to free ([] when none were held).
+    note : str
+        A line for P's log ('' for none): D's "not ok" ack, an expired lease.
+    level : str
+        The note's log level: ``"warning"`` (D dropped the request) or ``"error"`` (a lease
+        ended).
+    """
+    req_id: str
+    blocks: list[int]
+    note: str = ""
+    level: str = "warning"
+
+
+class HeldSide:
+    """P's held-until-ack state, a base of :class:`~kvflow.connector.base.KVSender` (which gives
+    ``instance_id`` and ``release``)."""
+
+    instance_id: str
+
+    @property
+    def held(self) -> dict[str, Held]:
+        """req_id -> :class:`Held`, for every request sent and not yet acked or expired."""
+        try:
+            return self._held
+        except AttributeError:
+            self._held: dict[str, Held] = {}
+            return self._held
+
+    def hold(self, req_id: str, blocks: list[int], handoff) -> list[int]:
+        """After ``finish`` returned ``handoff`` (a :class:`~.records.Handoff` or None) for
+        ``req_id`` prefilled in ``blocks``: keep what D still reads; returns the block ids
+        serve frees now (all of ``blocks`` when ``handoff`` is None or holds no blocks)."""
+        if handoff is None:  # D sends no ack: nothing is held
+            return list(blocks)
+        if not handoff.holds_blocks:
+            self.held[req_id] = Held([], handoff.keep)
+            return list(blocks)
+        self.held[req_id] = Held(list(blocks), handoff.keep)
+        return []
+
+    def on_message(self, msg: Any, frames: list[Any], peer: str | None) -> list[Freed] | None:
+        """A data-plane message from D ``peer`` (its id, or None): what it frees (``[]`` for a
+        renewal); None for a message that is not P's (serve logs and drops it)."""
+        if isinstance(msg, KVAck):
+            note = "" if msg.ok else \
+                f"{self.instance_id}: decode dropped {msg.req_id}: {msg.error}"
+            freed = self.drop(msg.req_id)
+            return [Freed(msg.req_id, freed, note)]
+        if isinstance(msg, LeaseRenew):
+            now = time.monotonic()
+            for req_id in msg.req_ids:
+                held = self.held.get(req_id)
+                if held is not None:
+                    held.t_renewed = now
+            return []
+        return None
+
+    def drop(self, req_id: str) -> list[int]:
+        """Stop keeping ``req_id`` (D's ack, an abort, a failed transfer, the lease's end):
+        the kind's ``release`` and the block ids serve frees ([] if none were held)."""
+        self.release(req_id)
+        held = self.held.pop(req_id, None)
+        return list(held.blocks) if held is not None and held.blocks else []
+
+    def expire(self, lease_s: float, now: float | None = None) -> list[Freed]:
+        """Every request with no ack or renewal for more than ``lease_s`` seconds (at ``now``,
+        ``time.monotonic()`` by default), dropped; with its error line."""
+        now = time.monotonic() if now is None else now
+        out = []
+        for req_id, held in list(self.held.items()):
+            if now - held.t_renewed > lease_s:
+                note = (f"{self.instance_id}: no ack or lease renewal for {req_id} in "
+                        f"{lease_s:g} s; blocks freed")
+                out.append(Freed(req_id, self.drop(req_id), note, "error"))
+        return out
