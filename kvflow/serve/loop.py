@@ -160,9 +160,9 @@ class EventLoop:
             log.exception("%s: handling %s failed", self.instance_id, type(msg).__name__)
 
     def on_data(self, msg: Any, frames: list[Any], ident: bytes | None) -> None:
-        """A data-plane message (:func:`kvflow.connector.is_data_message`); D hands it to its
-        connector's receiver. Here (P, until its connector takes its acks and renewals): the
-        ``on_<type>`` handler of the message."""
+        """A data-plane message (:func:`kvflow.connector.is_data_message`): P and D override
+        this and hand it to their connector (sender / receiver ``on_message``). Here, for a loop
+        that does not: the ``on_<type>`` handler of the message, else it is logged and dropped."""
         handler = getattr(self, f"on_{type(msg).__name__.lower()}", None)
         if handler is None:
             log.error("%s: unexpected %s on a data link; dropped", self.instance_id,
