@@ -37,6 +37,7 @@ STUDIES = {
     "reblock": ("reblock", "copy_sequence between different P and D specs vs the copy_ ceiling"),
     "sweep": ("sweep", "launch settings of the triton copy kernel (GPU)"),
     "layerwise": ("layerwise", "per-layer copies beside a prefill: the hidden fraction"),
+    "interference": ("interference", "decode TPOT and prefill time beside KV copies, per backend"),
     "ipc": ("ipc", "P->D copies between two GPUs, and the served modes on two GPUs"),
     "transfer": ("transfer", "a connector's P->D move per request size vs its ceiling"),
     "serve": ("serve", "load generator: TTFT, TPOT, ITL, E2E, throughput, goodput"),

@@ -1,0 +1,149 @@
+"""D side of the interference study: TPOT of a decoding batch while new requests' KV lands in
+the same paged cache.
+
+The batch: ``batch`` running requests of ``context`` tokens each (their blocks filled with
+random K/V: the cost of a decode step does not depend on the values), decoded step after step
+by :class:`kvflow.engine.Engine` at fixed positions (each step writes the K/V of position
+``context`` and attends to ``context + 1`` tokens, so every step does the same work); each
+step feeds back the batch's greedy tokens (one device-to-host copy: the step's sync, on the
+model's stream only). TPOT = host wall time of one step, launch to tokens on the host.
+
+Arrivals: one unit is a new request of ``arrival_tokens`` tokens, all layers, landing in its
+own blocks (``scatter``: :func:`kvflow.kernels.scatter_blocks` from a staging buffer, as a
+receiver that staged the bytes; ``copy``: :func:`kvflow.kernels.copy_blocks` from a second cache
+on the same device, as an IPC pull), on the :class:`~.interference_lane.Lane`. Pacing is by
+credit: before each step, the units the target rate owes since the window opened are submitted
+(at most ``max_inflight`` unfinished at once, so a rate the backend cannot reach is reported at
+the rate it reached, not queued without end). Destinations rotate over ``pool`` unit-sized
+block sets, sources over two, so each unit reads and writes memory, not L2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from .interference_lane import NONE, Config, Lane
+
+
+@dataclasses.dataclass
+class DecodeSetup:
+    """The D side's sizes (tokens, blocks, steps); ``rate_gbps`` None means as fast as the lane
+    takes (``max_inflight`` units always queued)."""
+
+    model: str
+    batch: int
+    context: int
+    block_size: int
+    arrival_tokens: int
+    arrival_op: str
+    steps: int
+    warmup: int
+    pool: int
+    max_inflight: int
+
+
+class DecodeBench:
+    """The batch, its engine, D's cache and the arrival sources (built once per run)."""
+
+    def __init__(self, s: DecodeSetup, device, dtype) -> None:
+        import torch
+
+        from kvflow.cache import PagedKVCache, staging_buffer
+        from kvflow.engine import Engine
+        from kvflow.model import load_model
+        self.s, self.dev = s, device
+        self.model, _ = load_model(s.model, dtype=dtype, device=device)
+        spec = self.spec = self.model.kv_spec(s.block_size)
+        per_req = spec.num_blocks_for(s.context + 1)
+        self.unit_blocks = spec.num_blocks_for(s.arrival_tokens)
+        batch_blocks = s.batch * per_req
+        self.cache = PagedKVCache(spec, batch_blocks + s.pool * self.unit_blocks, device)
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        for t in self.cache.tensors():
+            t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype)
+                    if device.type == "cpu" else torch.randn_like(t))
+        order = torch.randperm(batch_blocks, generator=gen).tolist()
+        self.tables = [order[i * per_req:(i + 1) * per_req] for i in range(s.batch)]
+        self.tokens = torch.randint(0, self.model.config.vocab_size, (s.batch,), generator=gen).tolist()
+        self.engine = Engine(self.model, self.cache)
+        pool = torch.arange(batch_blocks, self.cache.num_blocks).view(s.pool, self.unit_blocks)
+        self.dst = [p.to(device) for p in pool]
+        self.unit_bytes = spec.bytes_per_block * self.unit_blocks
+        if s.arrival_op == "scatter":
+            self.src = [staging_buffer(spec, self.unit_blocks, device=device).normal_() for _ in range(2)]
+        else:
+            self.src_cache = PagedKVCache(spec, 2 * self.unit_blocks, device)
+            for t in self.src_cache.tensors():
+                t.normal_()
+            self.src = [torch.arange(i * self.unit_blocks, (i + 1) * self.unit_blocks, device=device)
+                        for i in range(2)]
+        self.n_units = 0
+
+    def copy_fn(self, cfg: Config, k: int):
+        """The call that lands unit ``k`` (destination set ``k % pool``, source ``k % 2``)."""
+        from kvflow.kernels import copy_blocks, scatter_blocks
+        dst, src = self.dst[k % len(self.dst)], self.src[k % 2]
+        if self.s.arrival_op == "scatter":
+            return lambda: scatter_blocks(src, self.cache, dst, backend=cfg.backend,
+                                          max_ctas=cfg.max_ctas, validate=False)
+        return lambda: copy_blocks(self.src_cache, self.cache, src, dst, backend=cfg.backend,
+                                   max_ctas=cfg.max_ctas, validate=False)
+
+    def landed(self, k: int) -> bool:
+        """Unit ``k``'s blocks in D's cache equal its source, byte for byte (call after
+        :meth:`Lane.drain`)."""
+        import torch
+        dst, src = self.dst[k % len(self.dst)], self.src[k % 2]
+        got = torch.stack([t[dst] for t in self.cache.tensors()])
+        if self.s.arrival_op == "scatter":
+            return torch.equal(got.view(src.shape), src)
+        want = torch.stack([t[src] for t in self.src_cache.tensors()])
+        return torch.equal(got, want)
+
+    def step(self) -> None:
+        """One decode step of the whole batch; its tokens become the next step's."""
+        batch = [(tok, self.s.context, table) for tok, table in zip(self.tokens, self.tables)]
+        self.tokens = self.engine.decode(batch).argmax(-1).tolist()
+
+    def measure(self, cfg: Config, rate_gbps: float | None) -> dict:
+        """TPOT of ``s.steps`` steps (after ``s.warmup``) with units arriving at ``rate_gbps``
+        GB/s (0 or ``cfg.backend == "none"``: none). Returns seconds per step (``tpot_s``),
+        units landed, the window's seconds (first step's start to the last unit's end or the
+        last step's end, whichever is later) and whether the last unit landed intact."""
+        lane = Lane(self.dev) if cfg.backend != NONE and rate_gbps != 0 else None
+        try:
+            return self._measure(lane, cfg, rate_gbps)
+        finally:
+            if lane is not None:
+                lane.close()
+
+    def _measure(self, lane, cfg, rate_gbps) -> dict:
+        s = self.s
+        for _ in range(s.warmup):  # compiles, allocator; arrivals on too when they run
+            if lane is not None and lane.pending() < s.max_inflight:
+                lane.submit(self.copy_fn(cfg, self.n_units))
+                self.n_units += 1
+            self.step()
+        if lane is not None:
+            lane.drain()
+        first, issued, tpot = self.n_units, 0, []
+        t0 = time.perf_counter()
+        for _ in range(s.steps):
+            t = time.perf_counter()
+            if lane is not None:
+                owed = (s.max_inflight if rate_gbps is None else
+                        int(rate_gbps * 1e9 * (t - t0) / self.unit_bytes) - issued)
+                room = s.max_inflight - lane.pending()
+                for _ in range(max(0, min(owed, room))):
+                    lane.submit(self.copy_fn(cfg, self.n_units))
+                    self.n_units += 1
+                    issued += 1
+            self.step()
+            tpot.append(time.perf_counter() - t)
+        if lane is not None:
+            lane.drain()
+        window = time.perf_counter() - t0
+        ok = self.landed(self.n_units - 1) if issued else None
+        return {"tpot_s": tpot, "units": issued, "first_unit": first, "window_s": window,
+                "landed": ok}
