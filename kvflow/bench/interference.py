@@ -146,11 +146,13 @@ def run(args) -> int:
     env = env_info(dev)
     rows = cli.rows(env, o)
     seed = o["seed"]
+    from kvflow.model import load_model
+    model, _ = load_model(o["model"], dtype=dtype, device=dev)
     if o["side"] in ("decode", "both"):
         s = DecodeSetup(**{k: o[k] for k in ("model", "batch", "context", "block_size",
                                              "arrival_tokens", "arrival_op", "steps", "warmup",
                                              "pool", "max_inflight")})
-        b = DecodeBench(s, dev, dtype)
+        b = DecodeBench(s, model, dev)
         conf = {k: o[k] for k in ("model", "batch", "context", "arrival_tokens", "arrival_op",
                                   "steps", "warmup", "max_inflight", "pool")}
         ceil_unit = median(copy_ceiling(b.unit_bytes, device=dev, rotations=2, reps=10))
@@ -179,7 +181,7 @@ def run(args) -> int:
         print(line(last))
         del b
     if o["side"] in ("prefill", "both"):
-        pb = PrefillBench(o["model"], o["block_size"], max(o["prefill_tokens"]), dev, dtype)
+        pb = PrefillBench(model, o["block_size"], max(o["prefill_tokens"]), dev)
         conf = {"model": o["model"], "reps": o["reps"], "warmup": o["warmup"]}
         print(HEAD["prefill"])
         for cfg in [c for c in cfgs if c.skipped]:

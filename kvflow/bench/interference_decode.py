@@ -13,8 +13,9 @@ own blocks (``scatter``: :func:`kvflow.kernels.scatter_blocks` from a staging bu
 receiver that staged the bytes; ``copy``: :func:`kvflow.kernels.copy_blocks` from a second cache
 on the same device, as an IPC pull), on the :class:`~.interference_lane.Lane`. Pacing is by
 credit: before each step, the units the target rate owes since the window opened are submitted
-(at most ``max_inflight`` unfinished at once, so a rate the backend cannot reach is reported at
-the rate it reached, not queued without end). Destinations rotate over ``pool`` unit-sized
+at once (as a receiver launches a request's scatter when its bytes are in); while
+``max_inflight`` units are still unfinished, the units owed are forgone instead, so a rate the
+backend cannot reach is reported at the rate it reached, not queued without end. Destinations rotate over ``pool`` unit-sized
 block sets, sources over two, so each unit reads and writes memory, not L2.
 """
 
@@ -44,16 +45,15 @@ class DecodeSetup:
 
 
 class DecodeBench:
-    """The batch, its engine, D's cache and the arrival sources (built once per run)."""
+    """The batch, its engine over ``model`` (:func:`kvflow.model.load_model`'s, on
+    ``device``), D's cache and the arrival sources (built once per run)."""
 
-    def __init__(self, s: DecodeSetup, device, dtype) -> None:
+    def __init__(self, s: DecodeSetup, model, device) -> None:
         import torch
 
         from kvflow.cache import PagedKVCache, staging_buffer
         from kvflow.engine import Engine
-        from kvflow.model import load_model
-        self.s, self.dev = s, device
-        self.model, _ = load_model(s.model, dtype=dtype, device=device)
+        self.s, self.dev, self.model = s, device, model
         spec = self.spec = self.model.kv_spec(s.block_size)
         per_req = spec.num_blocks_for(s.context + 1)
         self.unit_blocks = spec.num_blocks_for(s.arrival_tokens)
@@ -127,15 +127,16 @@ class DecodeBench:
             self.step()
         if lane is not None:
             lane.drain()
-        first, issued, tpot = self.n_units, 0, []
+        first, issued, credited, tpot = self.n_units, 0, 0, []
         t0 = time.perf_counter()
         for _ in range(s.steps):
             t = time.perf_counter()
             if lane is not None:
-                owed = (s.max_inflight if rate_gbps is None else
-                        int(rate_gbps * 1e9 * (t - t0) / self.unit_bytes) - issued)
-                room = s.max_inflight - lane.pending()
-                for _ in range(max(0, min(owed, room))):
+                busy = lane.pending()
+                owed = (s.max_inflight - busy if rate_gbps is None else
+                        int(rate_gbps * 1e9 * (t - t0) / self.unit_bytes) - credited)
+                credited += max(0, owed)
+                for _ in range(owed if busy < s.max_inflight else 0):
                     lane.submit(self.copy_fn(cfg, self.n_units))
                     self.n_units += 1
                     issued += 1
@@ -145,5 +146,5 @@ class DecodeBench:
             lane.drain()
         window = time.perf_counter() - t0
         ok = self.landed(self.n_units - 1) if issued else None
-        return {"tpot_s": tpot, "units": issued, "first_unit": first, "window_s": window,
+        return {"tpot_s": tpot, "units": issued, "forgone": credited - issued, "window_s": window,
                 "landed": ok}

@@ -17,23 +17,21 @@ from .interference_lane import NONE, Config, Lane
 
 
 class PrefillBench:
-    """The model, P's cache, D's cache and one prompt per length (built once per run)."""
+    """An engine over ``model`` (on ``device``), P's cache, D's cache and one prompt per
+    length (built once per run)."""
 
-    def __init__(self, model: str, block_size: int, max_tokens: int, device, dtype) -> None:
+    def __init__(self, model, block_size: int, max_tokens: int, device) -> None:
         import torch
 
         from kvflow.cache import PagedKVCache
         from kvflow.engine import Engine
-        from kvflow.model import load_model
-        self.dev = device
-        self.model, _ = load_model(model, dtype=dtype, device=device)
+        self.dev, self.model = device, model
         self.spec = self.model.kv_spec(block_size)
         n = self.spec.num_blocks_for(max_tokens)
         self.p = PagedKVCache(self.spec, n, device)
         self.d = PagedKVCache(self.spec, n, device)
         self.engine = Engine(self.model, self.p)
         self.gen = torch.Generator(device="cpu").manual_seed(1)
-        self.side = None
 
     def prompt(self, tokens: int) -> None:
         """Use a new prompt of ``tokens`` tokens (its block tables on P and D: permutations)."""
