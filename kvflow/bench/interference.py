@@ -132,12 +132,13 @@ def options(args) -> dict:
 def run(args) -> int:
     import torch
 
-    from .interference_decode import DecodeBench, DecodeSetup
-    from .interference_lane import NONE, Config, Lane, configs
-    from .interference_prefill import PrefillBench
-    from .interference_rows import HEAD, decode_row, line, plot, prefill_row, skipped_row
+    from kvflow.model import load_model
+
+    from .interference_decode import decode_side
+    from .interference_lane import configs
+    from .interference_prefill import prefill_side
+    from .interference_rows import plot
     from .schema import env_info, result_path
-    from .timing import copy_ceiling, median, time_calls
     o = options(args)
     dev, dtype = torch.device(o["device"]), getattr(torch, o["dtype"])
     torch.manual_seed(o["seed"])
@@ -145,67 +146,11 @@ def run(args) -> int:
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 0
     env = env_info(dev)
     rows = cli.rows(env, o)
-    seed = o["seed"]
-    from kvflow.model import load_model
     model, _ = load_model(o["model"], dtype=dtype, device=dev)
     if o["side"] in ("decode", "both"):
-        s = DecodeSetup(**{k: o[k] for k in ("model", "batch", "context", "block_size",
-                                             "arrival_tokens", "arrival_op", "steps", "warmup",
-                                             "pool", "max_inflight")})
-        b = DecodeBench(s, model, dev)
-        conf = {k: o[k] for k in ("model", "batch", "context", "arrival_tokens", "arrival_op",
-                                  "steps", "warmup", "max_inflight", "pool")}
-        ceil_unit = median(copy_ceiling(b.unit_bytes, device=dev, rotations=2, reps=10))
-        print(HEAD["decode"])
-        none = Config(NONE)
-        base = decode_row(env, b, none, 0.0, b.measure(none, 0.0), None, None, None, sms,
-                          dict(conf, phase="first"), seed)
-        rows.append(base)
-        print(line(base))
-        for cfg in [c for c in cfgs if c.skipped]:
-            rows.append(skipped_row(env, "decode", cfg, b.spec, sms, conf))
-            print(line(rows[-1]))
-        alone = {}
-        for cfg in [c for c in cfgs if not c.skipped]:
-            fns = [b.copy_fn(cfg, k) for k in range(s.pool)]
-            alone[cfg] = median(time_calls(fns, device=dev, warmup=2, reps=10))
-        for rate in [r for r in o["kv_rate_gbs"] if r != 0]:
-            for cfg in [c for c in cfgs if not c.skipped]:
-                row = decode_row(env, b, cfg, rate, b.measure(cfg, rate), base, ceil_unit,
-                                 alone[cfg], sms, dict(conf, phase="swept"), seed)
-                rows.append(row)
-                print(line(row), flush=True)
-        last = decode_row(env, b, none, 0.0, b.measure(none, 0.0), base, None, None, sms,
-                          dict(conf, phase="last"), seed)
-        rows.append(last)
-        print(line(last))
-        del b
+        decode_side(o, model, dev, cfgs, env, rows, sms)
     if o["side"] in ("prefill", "both"):
-        pb = PrefillBench(model, o["block_size"], max(o["prefill_tokens"]), dev)
-        conf = {"model": o["model"], "reps": o["reps"], "warmup": o["warmup"]}
-        print(HEAD["prefill"])
-        for cfg in [c for c in cfgs if c.skipped]:
-            rows.append(skipped_row(env, "prefill", cfg, pb.spec, sms, conf))
-            print(line(rows[-1]))
-        for T in o["prefill_tokens"]:
-            pb.prompt(T)
-            ceil = median(copy_ceiling(pb.payload, device=dev, reps=10))
-            runs = _prefills(pb, Config(NONE), None, o)
-            alone = prefill_row(env, pb, Config(NONE), runs, None, None, None, sms, conf, seed)
-            rows.append(alone)
-            print(line(alone))
-            for cfg in [c for c in cfgs if not c.skipped]:
-                lane = Lane(dev)
-                try:
-                    runs = _prefills(pb, cfg, lane, o)
-                finally:
-                    lane.close()
-                copies = median(pb.copies_alone(cfg, reps=5))
-                row = prefill_row(env, pb, cfg, runs, alone["prefill_s"], ceil, copies, sms,
-                                  conf, seed)
-                rows.append(row)
-                print(line(row), flush=True)
-        del pb
+        prefill_side(o, model, dev, cfgs, env, rows, sms)
     bad = [r for r in rows if r.get("landed") is False]
     extra = {}
     if not o["no_plot"] and o["side"] != "prefill":
@@ -222,11 +167,3 @@ def run(args) -> int:
               f"{[r['label'] for r in bad]}", file=sys.stderr)
         return 1
     return 0
-
-
-def _prefills(pb, cfg, lane, o) -> list[dict]:
-    """One or two untimed (``--warmup`` 0: none) then ``o["reps"]`` timed prefills of the
-    current prompt."""
-    for _ in range(min(2, o["warmup"])):
-        pb.run(cfg, lane)
-    return [pb.run(cfg, lane) for _ in range(o["reps"])]

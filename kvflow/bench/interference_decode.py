@@ -25,6 +25,7 @@ import dataclasses
 import time
 
 from .interference_lane import NONE, Config, Lane
+from .interference_rows import HEAD, decode_row, line, skipped_row
 
 
 @dataclasses.dataclass
@@ -148,3 +149,36 @@ class DecodeBench:
         ok = self.landed(self.n_units - 1) if issued else None
         return {"tpot_s": tpot, "units": issued, "forgone": credited - issued, "window_s": window,
                 "landed": ok}
+
+
+def decode_side(o: dict, model, dev, cfgs: list[Config], env: dict, rows: list, sms: int) -> None:
+    """The D side's rows, appended to ``rows`` as measured: the baseline, a skipped row per
+    configuration that cannot run, one row per (rate > 0, configuration), the baseline again.
+    ``o``: the study's options (:func:`kvflow.bench.interference.options`)."""
+    from .timing import copy_ceiling, median, time_calls
+    s = DecodeSetup(**{f.name: o[f.name] for f in dataclasses.fields(DecodeSetup)})
+    b = DecodeBench(s, model, dev)
+    conf = {k: o[k] for k in ("model", "batch", "context", "arrival_tokens", "arrival_op",
+                              "steps", "warmup", "max_inflight", "pool")}
+    ceil_unit = median(copy_ceiling(b.unit_bytes, device=dev, rotations=2, reps=10))
+    print(HEAD["decode"])
+    none, seed = Config(NONE), o["seed"]
+
+    def add(row):
+        rows.append(row)
+        print(line(row), flush=True)
+
+    base = decode_row(env, b, none, 0.0, b.measure(none, 0.0), None, None, None, sms,
+                      dict(conf, phase="first"), seed)
+    add(base)
+    for cfg in [c for c in cfgs if c.skipped]:
+        add(skipped_row(env, "decode", cfg, b.spec, sms, conf))
+    run = [c for c in cfgs if not c.skipped]
+    alone = {cfg: median(time_calls([b.copy_fn(cfg, k) for k in range(s.pool)], device=dev,
+                                    warmup=2, reps=10)) for cfg in run}
+    for rate in [r for r in o["kv_rate_gbs"] if r != 0]:
+        for cfg in run:
+            add(decode_row(env, b, cfg, rate, b.measure(cfg, rate), base, ceil_unit, alone[cfg],
+                           sms, dict(conf, phase="swept"), seed))
+    add(decode_row(env, b, none, 0.0, b.measure(none, 0.0), base, None, None, sms,
+                   dict(conf, phase="last"), seed))

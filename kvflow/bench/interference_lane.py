@@ -58,6 +58,23 @@ def sms_used_at_most(cfg: Config, sm_count: int) -> int:
     return sm_count
 
 
+def grid_ctas(cfg: Config, cache, device, op: str, pairs: int, layers: tuple[int, int]) -> int | None:
+    """CTAs (programs) of the launch of ``op`` ("scatter" or "copy") of ``pairs`` blocks over
+    ``layers`` into ``cache``: 0 without a kernel (``none``, ``copy_engine``); for ``triton``
+    the grid of the launch plan the backend built for it (read from the plans it keeps on the
+    destination cache, after a first call); None where unknown (other backends)."""
+    if cfg.backend in (NONE, "copy_engine"):
+        return 0
+    if cfg.backend != "triton":
+        return None
+    info = cache.backend_state.get(("triton", device))
+    for key, plan in (getattr(info, "plans", None) or {}).items():
+        if key[:4] == (op, *layers, cfg.max_ctas):
+            total = plan.per_pair * pairs
+            return total if plan.limit is None or total < plan.limit else plan.limit
+    return None
+
+
 def configs(backends: list[str], max_ctas: list[int | None], device) -> list[Config]:
     """The sweep: ``triton`` once per ``max_ctas``, every other backend once (full grid); a
     backend that cannot run on ``device`` (``copy_engine`` before it is registered, triton on

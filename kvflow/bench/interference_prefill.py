@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 
 from .interference_lane import NONE, Config, Lane
+from .interference_rows import HEAD, line, prefill_row, skipped_row
 
 
 class PrefillBench:
@@ -87,3 +88,42 @@ class PrefillBench:
         layers = self.spec.num_layers
         return time_calls([lambda: [self.copy(cfg, i) for i in range(layers)]], device=self.dev,
                           warmup=1, reps=reps)
+
+
+def prefill_side(o: dict, model, dev, cfgs: list[Config], env: dict, rows: list, sms: int) -> None:
+    """The P side's rows, appended to ``rows`` as measured: a skipped row per configuration
+    that cannot run, then per prompt length the prefill alone and one row per configuration.
+    ``o``: the study's options (:func:`kvflow.bench.interference.options`)."""
+    from .timing import copy_ceiling, median
+    pb = PrefillBench(model, o["block_size"], max(o["prefill_tokens"]), dev)
+    conf, seed = {"model": o["model"], "reps": o["reps"], "warmup": o["warmup"]}, o["seed"]
+    print(HEAD["prefill"])
+
+    def add(row):
+        rows.append(row)
+        print(line(row), flush=True)
+
+    for cfg in [c for c in cfgs if c.skipped]:
+        add(skipped_row(env, "prefill", cfg, pb.spec, sms, conf))
+    for T in o["prefill_tokens"]:
+        pb.prompt(T)
+        ceil = median(copy_ceiling(pb.payload, device=dev, reps=10))
+        alone = prefill_row(env, pb, Config(NONE), _runs(pb, Config(NONE), None, o), None, None,
+                            None, sms, conf, seed)
+        add(alone)
+        for cfg in [c for c in cfgs if not c.skipped]:
+            lane = Lane(dev)
+            try:
+                runs = _runs(pb, cfg, lane, o)
+            finally:
+                lane.close()
+            copies = median(pb.copies_alone(cfg, reps=5))
+            add(prefill_row(env, pb, cfg, runs, alone["prefill_s"], ceil, copies, sms, conf, seed))
+
+
+def _runs(pb: PrefillBench, cfg: Config, lane, o: dict) -> list[dict]:
+    """One or two untimed (``--warmup`` 0: none) then ``o["reps"]`` timed prefills of the
+    current prompt."""
+    for _ in range(min(2, o["warmup"])):
+        pb.run(cfg, lane)
+    return [pb.run(cfg, lane) for _ in range(o["reps"])]

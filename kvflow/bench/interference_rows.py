@@ -9,7 +9,8 @@ and ``copy_alone_ratio``: one unit's copy with nothing beside it, vs the ceiling
 P rows (``op="interference_prefill"``): ``time_s`` is prefill start to the last copy's end,
 ``gbps`` the KV bytes over it, ``prefill_ratio`` the prefill's seconds over the prefill alone
 (exactly 1.0 on the ``none`` row), ``total_ratio`` the same for the total.
-Both: ``max_ctas`` (None: full grid), ``sms`` (the device's), ``sms_used_max``
+Both: ``max_ctas`` (None: full grid), ``ctas`` (the CTAs of one copy launch,
+:func:`~.interference_lane.grid_ctas`; P: of layer 0's), ``sms`` (the device's), ``sms_used_max``
 (:func:`~.interference_lane.sms_used_at_most`), ``landed`` (the copied bytes equal their source;
 None without copies), ``skipped`` (a reason, on a row with no figures).
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .interference_lane import NONE, Config, sms_used_at_most
+from .interference_lane import NONE, Config, grid_ctas, sms_used_at_most
 from .schema import make_row
 from .timing import median, percentile
 
@@ -52,6 +53,7 @@ def decode_row(env: dict, b, cfg: Config, rate, res: dict, base: dict | None, ce
         tokens=units * b.s.arrival_tokens, blocks=units * b.unit_blocks, payload_bytes=payload,
         times_s=[res["window_s"]], ceiling_s=ceil_unit * units if ceil_unit and units else None,
         config=config, seed=seed, side="decode", **_common(cfg, sms, rate),
+        ctas=grid_ctas(cfg, b.cache, b.dev, b.s.arrival_op, b.unit_blocks, (0, b.spec.num_layers)),
         units=units, units_forgone=res["forgone"], unit_bytes=b.unit_bytes, steps=len(tpot),
         tpot_s=tpot,
         tpot_p50_s=p50, tpot_p99_s=p99, tpot_mean_s=sum(tpot) / len(tpot),
@@ -74,7 +76,7 @@ def prefill_row(env: dict, pb, cfg: Config, runs: list[dict], alone_s: float | N
         env, op="interference_prefill", backend=cfg.backend, spec=pb.spec, tokens=pb.tokens,
         blocks=pb.nb, payload_bytes=pb.payload if moved else 0, times_s=tot,
         ceiling_s=ceil_s if moved else None, config=config, seed=seed, side="prefill",
-        **_common(cfg, sms, None), prefill_s=pre, prefill_times_s=[r["prefill_s"] for r in runs],
+        **_common(cfg, sms, None), ctas=grid_ctas(cfg, pb.d, pb.dev, "copy", pb.nb, (0, 1)), prefill_s=pre, prefill_times_s=[r["prefill_s"] for r in runs],
         prefill_alone_s=pre if alone_s is None else alone_s,
         prefill_ratio=1.0 if alone_s is None else pre / alone_s,
         total_ratio=1.0 if alone_s is None else median(tot) / alone_s,
@@ -94,18 +96,20 @@ def line(row: dict) -> str:
     if row.get("skipped"):
         return f"{row['side']:8} {row['label']:16} skipped: {row['skipped']}"
     if row["op"] == "interference_decode":
-        return (f"{'decode':8} {row['label']:16} {('max' if rate is None else _g(rate)):>8} "
+        return (f"{'decode':8} {row['label']:16} {_g(row['ctas']):>6} "
+                f"{('max' if rate is None else _g(rate)):>8} "
                 f"{_g(row['gbps']):>8} {_g(row['ratio']):>6} {_g(row['copy_alone_gbps']):>8} "
                 f"{_g(row['tpot_p50_s'], 1e3):>8} {_g(row['tpot_p99_s'], 1e3):>8} "
                 f"{row['tpot_p50_ratio']:>7.3f} {row['tpot_p99_ratio']:>7.3f}")
-    return (f"{'prefill':8} {row['label']:16} {row['tokens']:>8} {_g(row['gbps']):>8} "
+    return (f"{'prefill':8} {row['label']:16} {_g(row['ctas']):>6} {row['tokens']:>8} "
+            f"{_g(row['gbps']):>8} "
             f"{_g(row['ratio']):>6} {_g(row['copy_alone_gbps']):>8} {_g(row['prefill_s'], 1e3):>8} "
             f"{_g(row['time_s'], 1e3):>8} {row['prefill_ratio']:>7.3f} {row['total_ratio']:>7.3f}")
 
 
-HEAD = {"decode": f"{'side':8} {'copies':16} {'rate':>8} {'GB/s':>8} {'/ceil':>6} {'alone':>8} "
+HEAD = {"decode": f"{'side':8} {'copies':16} {'ctas':>6} {'rate':>8} {'GB/s':>8} {'/ceil':>6} {'alone':>8} "
                   f"{'p50 ms':>8} {'p99 ms':>8} {'p50 x':>7} {'p99 x':>7}",
-        "prefill": f"{'side':8} {'copies':16} {'tokens':>8} {'GB/s':>8} {'/ceil':>6} {'alone':>8} "
+        "prefill": f"{'side':8} {'copies':16} {'ctas':>6} {'tokens':>8} {'GB/s':>8} {'/ceil':>6} {'alone':>8} "
                    f"{'pre ms':>8} {'tot ms':>8} {'pre x':>7} {'tot x':>7}"}
 
 

@@ -45,12 +45,13 @@ def test_cli_writes_decode_and_prefill_rows_with_real_figures(tmp_path):
     base, torch_row, last = [r for r in dec if not r["skipped"]]
     assert base["tpot_p50_ratio"] == 1.0 and base["tpot_p99_ratio"] == 1.0  # exactly
     assert base["rate_gbps"] == 0.0 and base["payload_bytes"] == 0 and base["gbps"] == 0.0
-    assert base["landed"] is None and base["sms_used_max"] == 0
+    assert base["landed"] is None and base["sms_used_max"] == 0 and base["ctas"] == 0
     assert len(base["tpot_s"]) == 6 and min(base["tpot_s"]) > 0
     assert base["tpot_p50_s"] == sorted(base["tpot_s"])[2]  # nearest rank of 6 samples
 
     r = torch_row
     assert r["rate_gbps"] == 0.1 and r["units"] > 0 and r["landed"] is True
+    assert r["ctas"] is None and r["max_ctas"] is None  # torch's grid: not known here
     assert r["unit_bytes"] == 4 * BLOCK_BYTES  # 64-token arrivals of 16-token blocks
     assert r["payload_bytes"] == r["units"] * r["unit_bytes"] and r["blocks"] == 4 * r["units"]
     assert r["gbps"] > 0 and r["gbps"] == pytest.approx(r["payload_bytes"] / r["time_s"] / 1e9)
@@ -114,6 +115,8 @@ def test_triton_rows_per_max_ctas_in_the_interpreter(tmp_path):
     swept = [r for r in rows if r["config"]["phase"] == "swept"]
     assert [(r["backend"], r["max_ctas"]) for r in swept] == [("triton", 2), ("triton", None)]
     assert [r["label"] for r in swept] == ["triton ctas=2", "triton full"]
+    # the capped launch runs 2 programs; the full grid one per work item (> 2: 8 tensors)
+    assert swept[0]["ctas"] == 2 and swept[1]["ctas"] > 2
     for r in swept:
         assert r["rate_gbps"] is None and r["units"] > 0 and r["landed"] is True
         assert r["config"]["arrival_op"] == "copy" and r["gbps"] > 0
