@@ -9,6 +9,7 @@ and ``copy_alone_ratio``: one unit's copy with nothing beside it, vs the ceiling
 P rows (``op="interference_prefill"``): ``time_s`` is prefill start to the last copy's end,
 ``gbps`` the KV bytes over it, ``prefill_ratio`` the prefill's seconds over the prefill alone
 (exactly 1.0 on the ``none`` row), ``total_ratio`` the same for the total.
+Raw seconds in ``samples`` (``tpot_s`` of every step; ``prefill_s`` of every run).
 Both: ``max_ctas`` (None: full grid), ``ctas`` (the CTAs of one copy launch,
 :func:`~.interference_lane.grid_ctas`; P: of layer 0's), ``sms`` (the device's), ``sms_used_max``
 (:func:`~.interference_lane.sms_used_at_most`), ``landed`` (the copied bytes equal their source;
@@ -31,11 +32,11 @@ def _common(cfg: Config, sms: int, rate) -> dict:
 
 def skipped_row(env: dict, side: str, cfg: Config, spec, sms: int, config: dict) -> dict:
     """A row of ``side`` ("decode" or "prefill") that says why ``cfg`` was not measured
-    (``skipped``); every figure None."""
+    (``skipped``): ``time_s`` 0.0 (nothing timed), every other figure None."""
     row = make_row(env, op=f"interference_{side}", backend=cfg.backend, spec=spec, tokens=0,
                    blocks=0, payload_bytes=0, times_s=[0.0], ceiling_s=None, config=config,
                    side=side, **_common(cfg, sms, None))
-    row.update(time_s=None, time_p10_s=None, time_p90_s=None, gbps=None)
+    row.update(gbps=None, samples={})  # time_s 0.0: nothing was timed
     return row
 
 
@@ -55,7 +56,7 @@ def decode_row(env: dict, b, cfg: Config, rate, res: dict, base: dict | None, ce
         config=config, seed=seed, side="decode", **_common(cfg, sms, rate),
         ctas=grid_ctas(cfg, b.cache, b.dev, b.s.arrival_op, b.unit_blocks, (0, b.spec.num_layers)),
         units=units, units_forgone=res["forgone"], unit_bytes=b.unit_bytes, steps=len(tpot),
-        tpot_s=tpot,
+        samples={"tpot_s": tpot},
         tpot_p50_s=p50, tpot_p99_s=p99, tpot_mean_s=sum(tpot) / len(tpot),
         tpot_p50_ratio=r50, tpot_p99_ratio=r99, landed=res["landed"],
         ceiling_unit_s=ceil_unit, copy_alone_s=alone_unit,
@@ -76,7 +77,7 @@ def prefill_row(env: dict, pb, cfg: Config, runs: list[dict], alone_s: float | N
         env, op="interference_prefill", backend=cfg.backend, spec=pb.spec, tokens=pb.tokens,
         blocks=pb.nb, payload_bytes=pb.payload if moved else 0, times_s=tot,
         ceiling_s=ceil_s if moved else None, config=config, seed=seed, side="prefill",
-        **_common(cfg, sms, None), ctas=grid_ctas(cfg, pb.d, pb.dev, "copy", pb.nb, (0, 1)), prefill_s=pre, prefill_times_s=[r["prefill_s"] for r in runs],
+        **_common(cfg, sms, None), ctas=grid_ctas(cfg, pb.d, pb.dev, "copy", pb.nb, (0, 1)), prefill_s=pre, samples={"prefill_s": [r["prefill_s"] for r in runs]},
         prefill_alone_s=pre if alone_s is None else alone_s,
         prefill_ratio=1.0 if alone_s is None else pre / alone_s,
         total_ratio=1.0 if alone_s is None else median(tot) / alone_s,

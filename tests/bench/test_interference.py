@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvflow.bench.__main__ import main
+from kvflow.bench.report import write_report
 from kvflow.bench.schema import read_results
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,8 +47,9 @@ def test_cli_writes_decode_and_prefill_rows_with_real_figures(tmp_path):
     assert base["tpot_p50_ratio"] == 1.0 and base["tpot_p99_ratio"] == 1.0  # exactly
     assert base["rate_gbps"] == 0.0 and base["payload_bytes"] == 0 and base["gbps"] == 0.0
     assert base["landed"] is None and base["sms_used_max"] == 0 and base["ctas"] == 0
-    assert len(base["tpot_s"]) == 6 and min(base["tpot_s"]) > 0
-    assert base["tpot_p50_s"] == sorted(base["tpot_s"])[2]  # nearest rank of 6 samples
+    tpot = base["samples"]["tpot_s"]
+    assert len(tpot) == 6 and min(tpot) > 0
+    assert base["tpot_p50_s"] == sorted(tpot)[2] and base["tpot_p99_s"] == max(tpot)  # nearest rank
 
     r = torch_row
     assert r["rate_gbps"] == 0.1 and r["units"] > 0 and r["landed"] is True
@@ -65,7 +67,7 @@ def test_cli_writes_decode_and_prefill_rows_with_real_figures(tmp_path):
     from kvflow.kernels import backend_names
     if "copy_engine" not in backend_names():
         assert ce_dec["skipped"].startswith("copy_engine is not in kvflow.kernels.registry")
-        assert ce_dec["gbps"] is None and ce_dec["time_s"] is None
+        assert ce_dec["gbps"] is None and ce_dec["time_s"] == 0.0 and ce_dec["samples"] == {}
 
     alone, moved = [r for r in pre if not r["skipped"] and r["backend"] in ("none", "torch")]
     assert alone["prefill_ratio"] == 1.0 and alone["total_ratio"] == 1.0  # exactly
@@ -73,6 +75,9 @@ def test_cli_writes_decode_and_prefill_rows_with_real_figures(tmp_path):
     assert moved["payload_bytes"] == 2 * BLOCK_BYTES and moved["landed"] is True
     assert moved["prefill_ratio"] == pytest.approx(moved["prefill_s"] / alone["prefill_s"])
     assert moved["gbps"] > 0 and moved["ceiling_gbps"] > 0 and moved["copy_alone_gbps"] > 0
+
+    page = write_report([data["path"]], tmp_path / "b.md", tmp_path / "img").read_text()
+    assert "interference_decode" in page and "interference_prefill" in page  # report reads it
 
     png = Path(env["plot"])
     assert png == data["path"].with_suffix(".png") and png.stat().st_size > 0
