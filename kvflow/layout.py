@@ -30,13 +30,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import numbers
 from typing import Any
 
-import numpy as np
 import torch
 
+from .dtypes import FP8_DTYPES, as_torch_dtype
+from .layer_range import is_int, normalize_layers
 
+__all__ = ["FP8_DTYPES", "LAYOUTS", "LAYOUT_TABLE", "SCALE_MODES", "KVCacheSpec", "Layout",
+           "as_torch_dtype", "is_int", "normalize_layers"]
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -76,52 +78,6 @@ LAYOUTS = tuple(LAYOUT_TABLE)
 #: ``"tensor"`` one per per-layer tensor, ``"block_head"`` one per block per KV head of each
 #: per-layer tensor (see :mod:`kvflow.scales`).
 SCALE_MODES = ("tensor", "block_head")
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-_DTYPE_NAMES = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e4m3": torch.float8_e4m3fn,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "fp8_e5m2": torch.float8_e5m2,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-}
-
-
-def as_torch_dtype(dtype: Any) -> torch.dtype:
-    """Convert a torch, numpy or paddle dtype (or its name) to a ``torch.dtype``.
-
-    Raises
-    ------
-    TypeError
-        If ``dtype`` names no dtype kvflow can store, e.g. ``dtype='complex64'``.
-    """
-    if isinstance(dtype, torch.dtype):
-        if dtype in _DTYPE_NAMES.values():
-            return dtype
-        raise TypeError(f"dtype={dtype!r} is not a dtype kvflow can store; use one of "
-                        f"{sorted({str(d) for d in _DTYPE_NAMES.values()})}")
-    name = getattr(dtype, "name", None)  # numpy dtypes and numpy scalar types' dtype
-    if name is None and isinstance(dtype, type):
-        name = getattr(dtype, "__name__", None)  # np.float16 (a scalar type)
-    if name is None:
-        name = str(dtype)  # 'bfloat16', 'paddle.bfloat16', 'VarType.BF16'
-    key = name.rsplit(".", 1)[-1].lower()
-    key = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(key, key)
-    if key in _DTYPE_NAMES:
-        return _DTYPE_NAMES[key]
-    raise TypeError(f"dtype={dtype!r} is not a dtype kvflow can store; use a torch.dtype or "
-                    f"one of the names {sorted(_DTYPE_NAMES)}")
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -275,41 +231,3 @@ class KVCacheSpec:
         """Fields that differ, each as ``'name: mine vs theirs'`` (empty if equal)."""
         return [f"{f.name}: {getattr(self, f.name)} vs {getattr(other, f.name)}"
                 for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)]
-
-
-def is_int(x: Any) -> bool:
-    """True for a Python or numpy integer, False for a bool (``True`` is no layer or count)."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
-
-
-def normalize_layers(layers: Any, num_layers: int) -> tuple[int, int]:
-    """Turn ``layers`` (None, an int, a step-1 ``range``/``slice``, or ``(start, stop)``)
-    into a half-open ``(start, stop)`` with ``0 <= start < stop <= num_layers``.
-
-    Raises
-    ------
-    TypeError, ValueError
-        Naming ``layers`` and its value.
-    """
-    if layers is None:
-        return 0, num_layers
-    if is_int(layers):
-        start, stop = int(layers), int(layers) + 1
-    elif isinstance(layers, (range, slice)):
-        step = 1 if layers.step is None else layers.step
-        if step != 1:
-            raise ValueError(f"layers must be a contiguous range (step 1), got {layers!r}")
-        start = 0 if layers.start is None else layers.start
-        stop = num_layers if layers.stop is None else layers.stop
-        if not (is_int(start) and is_int(stop)):
-            raise TypeError(f"layers must be None, an int, a range, a slice or (start, stop) "
-                            f"of ints, got {layers!r}")
-        start, stop = int(start), int(stop)
-    elif isinstance(layers, tuple) and len(layers) == 2 and all(is_int(x) for x in layers):
-        start, stop = int(layers[0]), int(layers[1])
-    else:
-        raise TypeError(f"layers must be None, an int, a range, a slice or (start, stop), got {layers!r}")
-    if not (0 <= start < stop <= num_layers):
-        raise ValueError(f"layers={layers!r} is outside the cache's {num_layers} layers "
-                         f"(need 0 <= start < stop <= {num_layers})")
-    return start, stop
