@@ -13,7 +13,7 @@ from . import digest as _digest
 from .block_scales import move_scales, per_block
 from .errors import shared
 from .registry import get_backend
-from .validate import check_cache, check_ids, check_same_spec, shared_block
+from .validate import check_block_strides, check_cache, check_ids, check_same_spec, shared_block
 from .validate import check_max_ctas as _check_max_ctas, check_validate as _check_validate
 from .validate import relation as _relation
 
@@ -104,6 +104,7 @@ def copy_blocks(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, 
         dst_cache.backend_state["checked_spec"] = src_cache.spec
     start, stop = (0, spec.num_layers) if layers is None else normalize_layers(layers, spec.num_layers)
     be = get_backend(backend, dev)
+    check_block_strides(be, spec)
     checks = getattr(be, "device_checks", False)
     s, s_dev = check_ids("src_ids", src_ids, src_cache.num_blocks, dev, validate,
                          device_checks=checks)

@@ -19,7 +19,7 @@ from kvflow.layout import normalize_layers
 from . import digest as _digest
 from .block_scales import check_stage_scales, move_scales, per_block
 from .registry import get_backend
-from .validate import check_buffer, check_cache, check_ids
+from .validate import check_block_strides, check_buffer, check_cache, check_ids
 from .validate import check_max_ctas as _check_max_ctas, check_validate as _check_validate
 from .copy_op import copy_blocks  # noqa: F401  (public here as before)
 
@@ -40,6 +40,7 @@ def _staged(cache: Any, block_ids: Any, name: str, buf: Any, layers: Any, backen
     _check_validate(validate, dev)
     start, stop = (0, spec.num_layers) if layers is None else normalize_layers(layers, spec.num_layers)
     be = get_backend(backend, dev)
+    check_block_strides(be, spec)
     ids, on_device = check_ids("block_ids", block_ids, cache.num_blocks, dev, validate,
                                unique=unique, device_checks=getattr(be, "device_checks", False))
     buf = check_buffer(name, buf, (stop - start, spec.tensors_per_layer, ids.shape[0],

@@ -2,8 +2,10 @@
 
 A paged KV cache holds, for every layer, one tensor per cached quantity. Every tensor is
 indexed by physical block id first, so one block of one tensor is ``block_bytes`` contiguous
-bytes in every layout; a layout (a row of :data:`LAYOUT_TABLE`) only says how many tensors a
-layer has and the order and sizes of the dimensions inside a block:
+bytes in every layout; a layout (a row of :data:`LAYOUT_TABLE`) says how many tensors a
+layer has, the order and sizes of the dimensions inside a block, and whether the cache is
+layer-major (each per-layer tensor one region) or block-major (each block one region holding
+every layer's K and V):
 
 =========  ==================================================  =================  ==============
 layout     tensor shape                                        tensors per layer  used by
@@ -13,7 +15,19 @@ layout     tensor shape                                        tensors per layer
 ``MLA``    [num_blocks, block_size, latent_dim]                1 (latent)         DeepSeek MLA
 ``LBHNC``  [num_blocks, num_kv_heads, block_size, 2*head_dim]  1 (K and V)        vLLM >= 0.32
 ``LBNHC``  [num_blocks, block_size, num_kv_heads, 2*head_dim]  1 (K and V)        vLLM >= 0.32
+``BM_NHD`` [num_blocks, block_size, num_kv_heads, head_dim]    2 (K, V)           cross-layer
+           views of one [num_blocks, num_layers, 2, block_size,                   blocks (NIXL)
+           num_kv_heads, head_dim] memory
 =========  ==================================================  =================  ==============
+
+``BM_NHD`` is block-major NHD: all layers of one block (K and V of every layer, in
+``tensors()`` order) are ``bytes_per_block`` contiguous bytes, so a run of consecutive block
+ids is one contiguous region of the whole cache (one transfer descriptor, as vLLM's
+cross-layer KV blocks). Its per-layer tensors are strided views with the NHD order inside a
+block (``view_layout``): block ``b`` of tensor ``i`` starts at byte
+``tensor_offset(i, num_blocks) + b * block_stride_bytes`` of the cache's memory, with
+``block_stride_bytes = num_tensors * block_bytes`` (layer-major layouts: ``block_bytes``, and
+tensor ``i`` starts at ``i * num_blocks * block_bytes``).
 
 MLA is DeepSeek's compressed latent (``latent_dim = head_dim`` with ``num_kv_heads = 1``).
 ``LBHNC`` and ``LBNHC`` are the layer-compact members of vLLM's ``KVCacheLayout`` (vLLM 0.32,
@@ -55,12 +69,20 @@ class Layout:
         The layout stores one latent per token (``num_kv_heads`` must be 1).
     used_by : str
         Which engine or attention kernel stores its cache this way (for docs and errors).
+    block_major : bool
+        Blocks outermost in memory: block ``b`` of every per-layer tensor lies in one region
+        of ``bytes_per_block`` bytes (False: each per-layer tensor is one region).
+    view : str
+        The layout a per-layer view follows inside a block (what attention reads), when it is
+        another row's (``BM_NHD``: ``"NHD"``); empty: the row itself.
     """
 
     tensors_per_layer: int
     block_dims: tuple[tuple[str, int], ...]
     one_head: bool = False
     used_by: str = ""
+    block_major: bool = False
+    view: str = ""
 
 
 _N, _H, _D = ("block_size", 1), ("num_kv_heads", 1), ("head_dim", 1)
@@ -72,6 +94,8 @@ LAYOUT_TABLE: dict[str, Layout] = {
     "MLA": Layout(1, (_N, _D), one_head=True, used_by="DeepSeek MLA"),
     "LBHNC": Layout(1, (_H, _N, ("head_dim", 2)), used_by="vLLM >= 0.32 (CPU_ATTN)"),
     "LBNHC": Layout(1, (_N, _H, ("head_dim", 2)), used_by="vLLM >= 0.32 (FlexAttention)"),
+    "BM_NHD": Layout(2, (_N, _H, _D), used_by="cross-layer blocks (vLLM + NIXL)",
+                     block_major=True, view="NHD"),
 }
 LAYOUTS = tuple(LAYOUT_TABLE)
 #: How an fp8 cache holds its dequantization scales (float32, ``value = fp8 * scale``):
@@ -104,7 +128,7 @@ class KVCacheSpec:
         Tokens per block (page).
     dtype : torch.dtype, numpy dtype, paddle dtype or str
         Element type, stored as a ``torch.dtype`` (fp8 e4m3 included: kernels move bytes).
-    layout : {"NHD", "HND", "MLA", "LBHNC", "LBNHC"}
+    layout : {"NHD", "HND", "MLA", "LBHNC", "LBNHC", "BM_NHD"}
         Tensors per layer and the order of the dimensions inside a block (see the module
         docstring and :data:`LAYOUT_TABLE`).
     scales : {"tensor", "block_head"}
@@ -202,6 +226,39 @@ class KVCacheSpec:
     def tensor_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Shape of one per-layer tensor of a cache with ``num_blocks`` blocks."""
         return (num_blocks, *self.block_shape)
+
+    # ---- where blocks lie (strides and offsets as data; kernels read only these) --------
+    @functools.cached_property
+    def block_major(self) -> bool:
+        """True when each block holds every layer's tensors contiguously (``BM_NHD``)."""
+        return LAYOUT_TABLE[self.layout].block_major
+
+    @functools.cached_property
+    def view_layout(self) -> str:
+        """The layout of a per-layer view inside a block (``"NHD"`` for ``BM_NHD``; else
+        ``layout``): what attention kernels and the engine branch on."""
+        return LAYOUT_TABLE[self.layout].view or self.layout
+
+    @functools.cached_property
+    def block_stride_bytes(self) -> int:
+        """Bytes from block ``b`` to block ``b + 1`` of one per-layer tensor: ``block_bytes``
+        (layer-major) or ``bytes_per_block`` (block-major)."""
+        return self.block_bytes * (self.num_tensors if self.block_major else 1)
+
+    def tensor_offset(self, index: int, num_blocks: int) -> int:
+        """Byte offset of block 0 of per-layer tensor ``index`` (``tensors()`` order) from the
+        start of a cache of ``num_blocks`` blocks: ``index * block_bytes`` (block-major) or
+        ``index * num_blocks * block_bytes``."""
+        return index * self.block_bytes * (1 if self.block_major else num_blocks)
+
+    def tensor_strides(self) -> tuple[int, ...]:
+        """Element strides of one per-layer tensor of :meth:`tensor_shape` (blocks first; the
+        dimensions inside a block are contiguous)."""
+        inner, acc = [], 1
+        for size in reversed(self.block_shape):
+            inner.append(acc)
+            acc *= size
+        return (self.block_stride_bytes // self.itemsize, *reversed(inner))
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens (ceil division)."""
