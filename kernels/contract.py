@@ -41,6 +41,8 @@ Optional capabilities, each an attribute and the keywords the ops then pass:
   compute the digest with the torch reference after the copy.
 - ``directions`` containing ``"push"``: ``copy`` takes ``direction="pull" | "push"`` (the kernel
   runs on the destination's or on the source's GPU).
+- ``block_strides = True``: the backend steps ``spec.block_stride_bytes`` between blocks of a
+  cache tensor (block-major ``BM_NHD``); the ops refuse a block-major cache on others.
 - ``reblock(job, max_ctas, check)`` (:class:`Reblocker`): the re-blocked ops
   (:func:`kvflow.kernels.copy_sequence`, gather / scatter with a staging buffer of another
   spec) on a checked :class:`Job`; the result equals

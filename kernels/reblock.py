@@ -40,7 +40,7 @@ import torch
 from kvflow.layout import KVCacheSpec, is_int
 
 #: Layouts a re-blocked copy maps between (vLLM's LBHNC / LBNHC move only between equal specs).
-REBLOCK_LAYOUTS = ("NHD", "HND", "MLA")
+REBLOCK_LAYOUTS = ("NHD", "HND", "MLA", "BM_NHD")
 CONVERTIBLE = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn,
                torch.float8_e5m2)
 
@@ -53,8 +53,8 @@ def side_strides(spec: KVCacheSpec) -> tuple[int, int, int]:
     (16384, 128, 2048)
     """
     h, d, bs = spec.num_kv_heads, spec.head_dim, spec.block_size
-    if spec.layout == "NHD":
-        return (bs * h * d, h * d, d)
+    if spec.view_layout == "NHD":  # NHD, and block-major BM_NHD: blocks further apart
+        return (spec.block_stride_bytes // spec.itemsize, h * d, d)
     if spec.layout == "HND":
         return (h * bs * d, d, bs * d)
     if spec.layout == "MLA":

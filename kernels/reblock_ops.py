@@ -21,7 +21,7 @@ from .contract import Job, Operand
 from .errors import shared
 from .reblock import check_num_tokens, make_mapping
 from .registry import get_backend
-from .validate import (check_cache, check_ids, check_max_ctas, check_validate, relation,
+from .validate import (check_block_strides, check_cache, check_ids, check_max_ctas, check_validate, relation,
                        shared_block)
 
 
@@ -112,6 +112,7 @@ def copy_sequence(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any
     mp = mapping_for(src_cache, dst_cache, head_start)
     start, stop = normalize_layers(layers, spec.num_layers)
     be = reblock_backend(backend, dev)
+    check_block_strides(be, src_cache.spec, spec)
     checks = getattr(be, "device_checks", False) and rel != "same"
     s, s_dev = check_ids("src_ids", src_ids, src_cache.num_blocks, dev, validate,
                          device_checks=checks)
@@ -188,6 +189,7 @@ def staged_reblocked(cache: PagedKVCache, block_ids: Any, buf: Any, layers: Any,
                       src_name="cache" if to_stage else f"{name}_spec",
                       dst_name=f"{name}_spec" if to_stage else "cache")
     be = reblock_backend(backend, dev)
+    check_block_strides(be, spec)
     checks = getattr(be, "device_checks", False)
     ids, on_dev = check_ids("block_ids", block_ids, cache.num_blocks, dev, validate,
                             unique=not to_stage, device_checks=checks)

@@ -26,6 +26,7 @@ def _valid_pairs(src_ids: torch.Tensor, dst_ids: torch.Tensor, src_n: int, dst_n
 class TorchBackend:
     name = "torch"
     devices = {"cpu", "cuda"}
+    block_strides = True  # block-major caches: per-layer strided views
 
     def unavailable_reason(self):
         return None

@@ -188,3 +188,18 @@ def check_buffer(name: str, buf: Any, shape: tuple[int, ...], dtype: torch.dtype
         raise ValueError(f"{name} requires grad; kvflow's ops run outside autograd "
                          f"(pass {name}.detach())")
     return buf
+
+
+def check_block_strides(be, *specs) -> None:
+    """A block-major cache (``spec.block_major``, e.g. ``BM_NHD``) needs a backend that reads
+    ``spec.block_stride_bytes`` (``block_strides = True``, :mod:`kvflow.kernels.contract`).
+
+    Raises
+    ------
+    ValueError
+        Naming the backend, the layout and the backends that take it.
+    """
+    for spec in specs:
+        if spec is not None and spec.block_major and not getattr(be, "block_strides", False):
+            raise ValueError(f"backend {be.name!r} does not move block-major caches "
+                             f"(layout={spec.layout!r}); use backend='torch' or 'numba'")

@@ -1,6 +1,7 @@
 """The paged KV cache of one instance, and the staging buffer that gathered blocks land in.
 
-Order of ``PagedKVCache.tensors()`` (fixed, relied on by every backend):
+Order of ``PagedKVCache.tensors()`` (fixed, relied on by every backend; where each lies in
+memory is the spec's ``tensor_offset`` / ``block_stride_bytes``, see :mod:`kvflow.layout`):
 ``[layer 0 K, layer 0 V, layer 1 K, layer 1 V, ...]`` for NHD/HND and
 ``[layer 0 latent, layer 1 latent, ...]`` for MLA, i.e. tensor ``i`` is layer
 ``i // spec.tensors_per_layer``, quantity ``i % spec.tensors_per_layer``.
@@ -101,9 +102,7 @@ class PagedKVCache:
                              + ("fp8 scales in the buffer" if inline else str(spec.dtype))
                              + "); lay the cache over an aligned slice")
         self.buffer = buffer
-        shape = spec.tensor_shape(num_blocks)
-        self._tensors = [buffer[i * per_tensor:(i + 1) * per_tensor].view(spec.dtype).view(shape)
-                         for i in range(spec.num_tensors)]
+        self._tensors = tensor_views(buffer[:per_tensor * spec.num_tensors], spec, num_blocks)
         self.device = buffer.device
         if inline:
             off = scales_offset(spec, num_blocks)
@@ -142,7 +141,14 @@ class PagedKVCache:
                 raise TypeError(f"tensors[{i}].dtype is {t.dtype}; spec.dtype is {spec.dtype}")
             if tuple(t.shape) != expect:
                 raise ValueError(f"tensors[{i}].shape is {tuple(t.shape)}; expected {expect}")
-            if not t.is_contiguous():
+            if spec.block_major:
+                want = tensors[0].data_ptr() + spec.tensor_offset(i, num_blocks)
+                if t.stride() != spec.tensor_strides() or t.data_ptr() != want:
+                    raise ValueError(f"tensors[{i}] must be view {i} of one block-major memory "
+                                     f"(tensor_views): strides {spec.tensor_strides()} at "
+                                     f"address {want:#x}, got strides {t.stride()} at "
+                                     f"{t.data_ptr():#x}")
+            elif not t.is_contiguous():
                 raise ValueError(f"tensors[{i}] must be contiguous, got strides {t.stride()}")
             if t.device != tensors[0].device:
                 raise ValueError(f"tensors[{i}] is on {t.device}; tensors[0] is on {tensors[0].device}")
@@ -168,7 +174,7 @@ class PagedKVCache:
         span = self.backend_state.get("memory_span")
         if span is None:
             ptrs = tuple(t.data_ptr() for t in self._tensors)
-            ends = [p + t.numel() * t.element_size() for p, t in zip(ptrs, self._tensors)]
+            ends = [p + span_bytes(t) for p, t in zip(ptrs, self._tensors)]
             order = sorted(range(len(ptrs)), key=ptrs.__getitem__)
             starts = np.array([ptrs[i] for i in order], dtype=np.uint64)
             reach = np.maximum.accumulate(np.array([ends[i] for i in order], dtype=np.uint64))
@@ -203,6 +209,26 @@ class PagedKVCache:
         return f"PagedKVCache({self.spec}, num_blocks={self.num_blocks}, device={self.device})"
 
 
+def tensor_views(buffer: torch.Tensor, spec: KVCacheSpec, num_blocks: int) -> list[torch.Tensor]:
+    """The per-layer tensors of a cache laid over the flat uint8 ``buffer`` (``nbytes``
+    of the cache exactly), in ``tensors()`` order: tensor ``i`` of
+    ``spec.tensor_shape(num_blocks)`` at byte ``spec.tensor_offset(i, num_blocks)`` with
+    ``spec.tensor_strides()`` (contiguous for layer-major layouts, strided views of one
+    block-major memory for ``BM_NHD``)."""
+    flat = buffer.view(spec.dtype)
+    shape, strides, base = spec.tensor_shape(num_blocks), spec.tensor_strides(), flat.storage_offset()
+    return [flat.as_strided(shape, strides, base + spec.tensor_offset(i, num_blocks) // spec.itemsize)
+            for i in range(spec.num_tensors)]
+
+
+def span_bytes(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s first element to the end of its last (its memory span; ``nbytes``
+    for a contiguous tensor, more for a strided view)."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
+
+
 def memory_relation(a: PagedKVCache, b: PagedKVCache) -> str:
     """``"same"`` (one cache, or two objects over the same tensors at the same addresses),
     ``"overlapping"`` (any byte of one lies in the other otherwise) or ``"disjoint"``.
@@ -227,7 +253,7 @@ def overlaps(cache: PagedKVCache, t: torch.Tensor) -> bool:
     ``cache``'s memory."""
     lo, hi, _, starts, reach = cache.memory_span()
     p = t.data_ptr()
-    end = p + t.nbytes
+    end = p + span_bytes(t)
     if end <= lo or hi <= p or end == p:
         return False
     # the last tensor of the cache starting before t's end; overlap if any up to it reaches t

@@ -2,8 +2,10 @@
 
 A paged KV cache holds, for every layer, one tensor per cached quantity. Every tensor is
 indexed by physical block id first, so one block of one tensor is ``block_bytes`` contiguous
-bytes in every layout; a layout (a row of :data:`LAYOUT_TABLE`) only says how many tensors a
-layer has and the order and sizes of the dimensions inside a block:
+bytes in every layout; a layout (a row of :data:`LAYOUT_TABLE`) says how many tensors a
+layer has, the order and sizes of the dimensions inside a block, and whether the cache is
+layer-major (each per-layer tensor one region) or block-major (each block one region holding
+every layer's K and V):
 
 =========  ==================================================  =================  ==============
 layout     tensor shape                                        tensors per layer  used by
@@ -13,7 +15,19 @@ layout     tensor shape                                        tensors per layer
 ``MLA``    [num_blocks, block_size, latent_dim]                1 (latent)         DeepSeek MLA
 ``LBHNC``  [num_blocks, num_kv_heads, block_size, 2*head_dim]  1 (K and V)        vLLM >= 0.32
 ``LBNHC``  [num_blocks, block_size, num_kv_heads, 2*head_dim]  1 (K and V)        vLLM >= 0.32
+``BM_NHD`` [num_blocks, block_size, num_kv_heads, head_dim]    2 (K, V)           cross-layer
+           views of one [num_blocks, num_layers, 2, block_size,                   blocks (NIXL)
+           num_kv_heads, head_dim] memory
 =========  ==================================================  =================  ==============
+
+``BM_NHD`` is block-major NHD: all layers of one block (K and V of every layer, in
+``tensors()`` order) are ``bytes_per_block`` contiguous bytes, so a run of consecutive block
+ids is one contiguous region of the whole cache (one transfer descriptor, as vLLM's
+cross-layer KV blocks). Its per-layer tensors are strided views with the NHD order inside a
+block (``view_layout``): block ``b`` of tensor ``i`` starts at byte
+``tensor_offset(i, num_blocks) + b * block_stride_bytes`` of the cache's memory, with
+``block_stride_bytes = num_tensors * block_bytes`` (layer-major layouts: ``block_bytes``, and
+tensor ``i`` starts at ``i * num_blocks * block_bytes``).
 
 MLA is DeepSeek's compressed latent (``latent_dim = head_dim`` with ``num_kv_heads = 1``).
 ``LBHNC`` and ``LBNHC`` are the layer-compact members of vLLM's ``KVCacheLayout`` (vLLM 0.32,
@@ -30,13 +44,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import numbers
 from typing import Any
 
-import numpy as np
 import torch
 
+from .dtypes import FP8_DTYPES, as_torch_dtype
+from .layer_range import is_int, normalize_layers
 
+__all__ = ["FP8_DTYPES", "LAYOUTS", "LAYOUT_TABLE", "SCALE_MODES", "KVCacheSpec", "Layout",
+           "as_torch_dtype", "is_int", "normalize_layers"]
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -53,12 +69,20 @@ class Layout:
         The layout stores one latent per token (``num_kv_heads`` must be 1).
     used_by : str
         Which engine or attention kernel stores its cache this way (for docs and errors).
+    block_major : bool
+        Blocks outermost in memory: block ``b`` of every per-layer tensor lies in one region
+        of ``bytes_per_block`` bytes (False: each per-layer tensor is one region).
+    view : str
+        The layout a per-layer view follows inside a block (what attention reads), when it is
+        another row's (``BM_NHD``: ``"NHD"``); empty: the row itself.
     """
 
     tensors_per_layer: int
     block_dims: tuple[tuple[str, int], ...]
     one_head: bool = False
     used_by: str = ""
+    block_major: bool = False
+    view: str = ""
 
 
 _N, _H, _D = ("block_size", 1), ("num_kv_heads", 1), ("head_dim", 1)
@@ -70,58 +94,14 @@ LAYOUT_TABLE: dict[str, Layout] = {
     "MLA": Layout(1, (_N, _D), one_head=True, used_by="DeepSeek MLA"),
     "LBHNC": Layout(1, (_H, _N, ("head_dim", 2)), used_by="vLLM >= 0.32 (CPU_ATTN)"),
     "LBNHC": Layout(1, (_N, _H, ("head_dim", 2)), used_by="vLLM >= 0.32 (FlexAttention)"),
+    "BM_NHD": Layout(2, (_N, _H, _D), used_by="cross-layer blocks (vLLM + NIXL)",
+                     block_major=True, view="NHD"),
 }
 LAYOUTS = tuple(LAYOUT_TABLE)
 #: How an fp8 cache holds its dequantization scales (float32, ``value = fp8 * scale``):
 #: ``"tensor"`` one per per-layer tensor, ``"block_head"`` one per block per KV head of each
 #: per-layer tensor (see :mod:`kvflow.scales`).
 SCALE_MODES = ("tensor", "block_head")
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-_DTYPE_NAMES = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e4m3": torch.float8_e4m3fn,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "fp8_e5m2": torch.float8_e5m2,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-}
-
-
-def as_torch_dtype(dtype: Any) -> torch.dtype:
-    """Convert a torch, numpy or paddle dtype (or its name) to a ``torch.dtype``.
-
-    Raises
-    ------
-    TypeError
-        If ``dtype`` names no dtype kvflow can store, e.g. ``dtype='complex64'``.
-    """
-    if isinstance(dtype, torch.dtype):
-        if dtype in _DTYPE_NAMES.values():
-            return dtype
-        raise TypeError(f"dtype={dtype!r} is not a dtype kvflow can store; use one of "
-                        f"{sorted({str(d) for d in _DTYPE_NAMES.values()})}")
-    name = getattr(dtype, "name", None)  # numpy dtypes and numpy scalar types' dtype
-    if name is None and isinstance(dtype, type):
-        name = getattr(dtype, "__name__", None)  # np.float16 (a scalar type)
-    if name is None:
-        name = str(dtype)  # 'bfloat16', 'paddle.bfloat16', 'VarType.BF16'
-    key = name.rsplit(".", 1)[-1].lower()
-    key = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(key, key)
-    if key in _DTYPE_NAMES:
-        return _DTYPE_NAMES[key]
-    raise TypeError(f"dtype={dtype!r} is not a dtype kvflow can store; use a torch.dtype or "
-                    f"one of the names {sorted(_DTYPE_NAMES)}")
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -148,7 +128,7 @@ class KVCacheSpec:
         Tokens per block (page).
     dtype : torch.dtype, numpy dtype, paddle dtype or str
         Element type, stored as a ``torch.dtype`` (fp8 e4m3 included: kernels move bytes).
-    layout : {"NHD", "HND", "MLA", "LBHNC", "LBNHC"}
+    layout : {"NHD", "HND", "MLA", "LBHNC", "LBNHC", "BM_NHD"}
         Tensors per layer and the order of the dimensions inside a block (see the module
         docstring and :data:`LAYOUT_TABLE`).
     scales : {"tensor", "block_head"}
@@ -247,6 +227,39 @@ class KVCacheSpec:
         """Shape of one per-layer tensor of a cache with ``num_blocks`` blocks."""
         return (num_blocks, *self.block_shape)
 
+    # ---- where blocks lie (strides and offsets as data; kernels read only these) --------
+    @functools.cached_property
+    def block_major(self) -> bool:
+        """True when each block holds every layer's tensors contiguously (``BM_NHD``)."""
+        return LAYOUT_TABLE[self.layout].block_major
+
+    @functools.cached_property
+    def view_layout(self) -> str:
+        """The layout of a per-layer view inside a block (``"NHD"`` for ``BM_NHD``; else
+        ``layout``): what attention kernels and the engine branch on."""
+        return LAYOUT_TABLE[self.layout].view or self.layout
+
+    @functools.cached_property
+    def block_stride_bytes(self) -> int:
+        """Bytes from block ``b`` to block ``b + 1`` of one per-layer tensor: ``block_bytes``
+        (layer-major) or ``bytes_per_block`` (block-major)."""
+        return self.block_bytes * (self.num_tensors if self.block_major else 1)
+
+    def tensor_offset(self, index: int, num_blocks: int) -> int:
+        """Byte offset of block 0 of per-layer tensor ``index`` (``tensors()`` order) from the
+        start of a cache of ``num_blocks`` blocks: ``index * block_bytes`` (block-major) or
+        ``index * num_blocks * block_bytes``."""
+        return index * self.block_bytes * (1 if self.block_major else num_blocks)
+
+    def tensor_strides(self) -> tuple[int, ...]:
+        """Element strides of one per-layer tensor of :meth:`tensor_shape` (blocks first; the
+        dimensions inside a block are contiguous)."""
+        inner, acc = [], 1
+        for size in reversed(self.block_shape):
+            inner.append(acc)
+            acc *= size
+        return (self.block_stride_bytes // self.itemsize, *reversed(inner))
+
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens (ceil division)."""
         return -(-num_tokens // self.block_size)
@@ -275,41 +288,3 @@ class KVCacheSpec:
         """Fields that differ, each as ``'name: mine vs theirs'`` (empty if equal)."""
         return [f"{f.name}: {getattr(self, f.name)} vs {getattr(other, f.name)}"
                 for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)]
-
-
-def is_int(x: Any) -> bool:
-    """True for a Python or numpy integer, False for a bool (``True`` is no layer or count)."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
-
-
-def normalize_layers(layers: Any, num_layers: int) -> tuple[int, int]:
-    """Turn ``layers`` (None, an int, a step-1 ``range``/``slice``, or ``(start, stop)``)
-    into a half-open ``(start, stop)`` with ``0 <= start < stop <= num_layers``.
-
-    Raises
-    ------
-    TypeError, ValueError
-        Naming ``layers`` and its value.
-    """
-    if layers is None:
-        return 0, num_layers
-    if is_int(layers):
-        start, stop = int(layers), int(layers) + 1
-    elif isinstance(layers, (range, slice)):
-        step = 1 if layers.step is None else layers.step
-        if step != 1:
-            raise ValueError(f"layers must be a contiguous range (step 1), got {layers!r}")
-        start = 0 if layers.start is None else layers.start
-        stop = num_layers if layers.stop is None else layers.stop
-        if not (is_int(start) and is_int(stop)):
-            raise TypeError(f"layers must be None, an int, a range, a slice or (start, stop) "
-                            f"of ints, got {layers!r}")
-        start, stop = int(start), int(stop)
-    elif isinstance(layers, tuple) and len(layers) == 2 and all(is_int(x) for x in layers):
-        start, stop = int(layers[0]), int(layers[1])
-    else:
-        raise TypeError(f"layers must be None, an int, a range, a slice or (start, stop), got {layers!r}")
-    if not (0 <= start < stop <= num_layers):
-        raise ValueError(f"layers={layers!r} is outside the cache's {num_layers} layers "
-                         f"(need 0 <= start < stop <= {num_layers})")
-    return start, stop

@@ -99,14 +99,14 @@ def test_cache_tensor_order_and_views(layout):
     assert len(ts) == spec.num_tensors and cache.nbytes == 5 * spec.bytes_per_block
     per_tensor = 5 * spec.block_bytes
     for i, t in enumerate(ts):
-        assert t.shape == (5, *spec.block_shape) and t.dtype == spec.dtype and t.is_contiguous()
-        assert t.data_ptr() == cache.buffer.data_ptr() + i * per_tensor  # consecutive views
+        assert t.shape == (5, *spec.block_shape) and t.dtype == spec.dtype and t.stride() == spec.tensor_strides()
+        assert t.data_ptr() == cache.buffer.data_ptr() + spec.tensor_offset(i, 5)  # the spec's offsets
         assert cache.layer(i // T)[i % T] is ts[i]
     assert cache.ptr_table().tolist() == [t.data_ptr() for t in ts]
     assert cache.ptr_table() is cache.ptr_table()  # built once
     # a write to layer 2's last tensor (V, or the MLA latent) block 3 lands at its bytes
     cache.layer(2)[-1][3].view(torch.uint8).fill_(7)
-    off = (3 * T - 1) * per_tensor + 3 * spec.block_bytes
+    off = spec.tensor_offset(3 * T - 1, 5) + 3 * spec.block_stride_bytes
     assert int(cache.buffer.ne(0).sum()) == spec.block_bytes
     assert bool((cache.buffer[off:off + spec.block_bytes] == 7).all())
 
@@ -167,8 +167,8 @@ def test_import_is_cheap_and_compiles_nothing():
     ("head_dim", 8.0, TypeError, "head_dim must be an int, got 8.0"),
     ("block_size", "16", TypeError, "block_size must be an int, got '16'"),
     ("block_size", True, TypeError, "block_size must be an int, got True"),
-    ("layout", "NDH", ValueError, "layout must be one of ('NHD', 'HND', 'MLA', 'LBHNC', 'LBNHC'), got 'NDH'"),
-    ("layout", "nhd", ValueError, "layout must be one of ('NHD', 'HND', 'MLA', 'LBHNC', 'LBNHC'), got 'nhd'"),
+    ("layout", "NDH", ValueError, "layout must be one of ('NHD', 'HND', 'MLA', 'LBHNC', 'LBNHC', 'BM_NHD'), got 'NDH'"),
+    ("layout", "nhd", ValueError, "layout must be one of ('NHD', 'HND', 'MLA', 'LBHNC', 'LBNHC', 'BM_NHD'), got 'nhd'"),
     ("num_kv_heads", 2, ValueError, None),  # with layout MLA, below
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_spec_bad_field(field, value, exc, message):

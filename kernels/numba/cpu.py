@@ -2,8 +2,9 @@
 
 Every block of every per-layer tensor is one contiguous run of ``block_bytes`` bytes in all
 layouts, so gather, scatter and copy_blocks are one loop: for work item ``w`` over
-(tensor in range) x (pair), copy the run at ``src_ptrs[t] + src_ids[i] * block_bytes`` to
-``dst_ptrs[t] + dst_ids[i] * block_bytes``. ``prange`` spreads items over the threads (no
+(tensor in range) x (pair), copy the run at ``src_ptrs[t] + src_ids[i] * block_stride_bytes`` to
+``dst_ptrs[t] + dst_ids[i] * block_stride_bytes`` (``block_bytes`` apart in layer-major
+layouts, ``bytes_per_block`` in block-major ``BM_NHD``: the spec's strides, no layout branch). ``prange`` spreads items over the threads (no
 Python loop per block); runs are copied with 8-byte words when ``block_bytes`` allows.
 
 The pointer tables are int64 base addresses (:meth:`PagedKVCache.ptr_table`, built once per
@@ -31,11 +32,12 @@ except ImportError as exc:  # pragma: no cover - numba is a core dependency
 
 if numba is not None:
     def _copy_runs(src_ptrs, dst_ptrs, src_ids, dst_ids, src_base, dst_base, n, src_n, dst_n,
-                   run, word, parts, t0):
+                   run, word, parts, t0, src_step, dst_step):
         """Work item ``w`` = (tensor ``t``, pair ``i``): run ``src_ids[i]`` of ``src_ptrs[t]``
         (or, when ``src_base`` is not 0, run ``t * n + i`` of the staging buffer at
         ``src_base``) to the same on the destination side; ``run`` counts ``word`` units.
-        ``parts`` of ``tensors * n`` (else empty): ``parts[w]`` gets the digest of the words
+        ``src_step`` / ``dst_step``: bytes from one block of a cache tensor to the next
+        (``KVCacheSpec.block_stride_bytes``). ``parts`` of ``tensors * n`` (else empty): ``parts[w]`` gets the digest of the words
         item ``w`` moved (:mod:`kvflow.kernels.digest`; ``word`` 4 or 8; positions from
         cache tensor ``t0``)."""
         tensors = src_ptrs.shape[0] if src_base == 0 else dst_ptrs.shape[0]
@@ -47,14 +49,14 @@ if numba is not None:
                 s = np.int64(src_ids[i])
                 if s < 0 or s >= src_n:
                     continue
-                sp = src_ptrs[t] + s * run * word
+                sp = src_ptrs[t] + s * src_step
             else:
                 sp = src_base + (t * n + i) * run * word
             if dst_base == 0:
                 d = np.int64(dst_ids[i])
                 if d < 0 or d >= dst_n:
                     continue
-                dp = dst_ptrs[t] + d * run * word
+                dp = dst_ptrs[t] + d * dst_step
             else:
                 dp = dst_base + (t * n + i) * run * word
             if word == 8:
@@ -102,7 +104,8 @@ _NONE = np.zeros(0, dtype=np.int64)  # the unused side's table or ids
 
 def copy_runs(src_ptrs, dst_ptrs, src_ids, dst_ids, src_n: int, dst_n: int, run_bytes: int,
               *, src_base: int = 0, dst_base: int = 0, n: int | None = None,
-              digest: torch.Tensor | None = None, tensor0: int = 0) -> None:
+              digest: torch.Tensor | None = None, tensor0: int = 0,
+              src_step: int | None = None, dst_step: int | None = None) -> None:
     """Copy run ``src_ids[i]`` of each ``src_ptrs[t]`` to run ``dst_ids[i]`` of ``dst_ptrs[t]``.
 
     Arrays are numpy int64 (ids int32 or int64); runs are ``run_bytes`` long; ids outside
@@ -112,7 +115,9 @@ def copy_runs(src_ptrs, dst_ptrs, src_ids, dst_ids, src_n: int, dst_n: int, run_
     (int32 ``[n]``; ``run_bytes`` a multiple of 4): pair ``i``'s digest is written to
     ``digest[i]`` from the same pass over the words (per work item, then summed over tensors:
     the same bits whatever the threads' order); positions count from cache tensor
-    ``tensor0`` (the layer range's first).
+    ``tensor0`` (the layer range's first). ``src_step`` / ``dst_step``: bytes between
+    consecutive blocks of a cache side's tensor (default ``run_bytes``; block-major caches:
+    ``spec.block_stride_bytes``).
     """
     n = (src_ids if src_base == 0 else dst_ids).shape[0] if n is None else n
     tensors = (src_ptrs if src_base == 0 else dst_ptrs).shape[0]
@@ -120,7 +125,8 @@ def copy_runs(src_ptrs, dst_ptrs, src_ids, dst_ids, src_n: int, dst_n: int, run_
     word = 8 if run_bytes % 8 == 0 else 4 if run_bytes % 4 == 0 else 1
     parts = _NONE if digest is None else np.zeros(tensors * n, dtype=np.int64)
     fn(src_ptrs, dst_ptrs, src_ids, dst_ids, src_base, dst_base, n, src_n, dst_n,
-       run_bytes // word, word, parts, tensor0)
+       run_bytes // word, word, parts, tensor0,
+       run_bytes if src_step is None else src_step, run_bytes if dst_step is None else dst_step)
     if digest is not None:  # mod 2**32, as int32 (kvflow.kernels.digest)
         total = parts.reshape(tensors, n).sum(axis=0) & 0xFFFFFFFF
         digest.numpy()[:] = total.astype(np.uint32).view(np.int32)
@@ -148,23 +154,28 @@ class NumbaCPUBackend:
         return None if numba is not None else f"numba is not installed ({_IMPORT_ERROR})"
 
     digests = True  # digest=: in the copy's own pass
+    block_strides = True  # block-major caches: the cache side steps block_stride_bytes
 
     def gather(self, cache, ids, out, start, stop, max_ctas=None, digest=None):
         copy_runs(_ptrs(cache, start, stop), _NONE, _ids(ids), _NONE, cache.num_blocks, 0,
                   cache.spec.block_bytes, dst_base=out.data_ptr(), digest=digest,
-                  tensor0=start * cache.spec.tensors_per_layer)
+                  tensor0=start * cache.spec.tensors_per_layer,
+                  src_step=cache.spec.block_stride_bytes)
 
     def scatter(self, src, cache, ids, start, stop, max_ctas=None, digest=None):
         copy_runs(_NONE, _ptrs(cache, start, stop), _NONE, _ids(ids), 0, cache.num_blocks,
                   cache.spec.block_bytes, src_base=src.data_ptr(), digest=digest,
-                  tensor0=start * cache.spec.tensors_per_layer)
+                  tensor0=start * cache.spec.tensors_per_layer,
+                  dst_step=cache.spec.block_stride_bytes)
 
     def copy(self, src_cache, dst_cache, src_ids, dst_ids, start, stop, max_ctas=None,
              digest=None):
         copy_runs(_ptrs(src_cache, start, stop), _ptrs(dst_cache, start, stop), _ids(src_ids),
                   _ids(dst_ids), src_cache.num_blocks, dst_cache.num_blocks,
                   src_cache.spec.block_bytes, digest=digest,
-                  tensor0=start * src_cache.spec.tensors_per_layer)
+                  tensor0=start * src_cache.spec.tensors_per_layer,
+                  src_step=src_cache.spec.block_stride_bytes,
+                  dst_step=dst_cache.spec.block_stride_bytes)
 
     def reblock(self, job, max_ctas=None, check=False):
         """Copy between different specs (:mod:`.reblock`), one call over all layers."""

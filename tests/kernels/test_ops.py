@@ -282,3 +282,12 @@ def test_payload_bytes_counts_valid_blocks_layers_and_tensors():
     assert payload_bytes(spec, 1, 3) == 2 * 64 * 8 * 128 * 2
     mla = spec.with_(layout="MLA", num_kv_heads=1, head_dim=576)
     assert payload_bytes(mla, 2) == 2 * 32 * 64 * 576 * 2
+
+
+@pytest.fixture(autouse=True)
+def _block_major_backends(request):
+    """Block-major caches run on the backends that step ``block_stride_bytes``
+    (``block_strides``); the others are refused (see test_block_major_refused)."""
+    p = getattr(request.node, "callspec", None)
+    if p and p.params.get("layout") == "BM_NHD" and p.params.get("backend") not in (None, "torch", "numba"):
+        pytest.skip("backend without block_strides: refused with a ValueError")
