@@ -238,6 +238,8 @@ def run_study(args, fn) -> int:
     or SIGTERM write the rows so far, say where, and return 130 or 143 (see the module doc).
     Signal handlers are installed only in the main thread."""
     global _ACTIVE
+    from . import load
+    load.start()
     run = _ACTIVE = _Run(args)
     try:
         with (_handlers(run) if threading.current_thread() is threading.main_thread()
