@@ -42,14 +42,14 @@ def test_idle_file_not_flagged(tmp_path, monkeypatch):
     assert (rec["loadavg_1m_start"], rec["loadavg_1m_end"], rec["cpus"]) == (0.2, 0.4, 2)
     assert rec["busy"] is False and rec["busy_reason"] is None
     assert rec["wall_s"] >= 0.05 and 0.3 < rec["cpu_per_wall"] <= 1.5
-    assert "host_busy" not in data["rows"][0]
 
 
 def test_busy_file_flagged_and_left_out(tmp_path, monkeypatch):
     data = json.loads(_write(tmp_path, monkeypatch, [4.0, 5.0], "busy.json").read_text())
     assert data["env"]["load"]["busy_reason"] == \
         "load average 4.00 per 2 CPUs at start (> 1 per CPU)"
-    assert data["rows"] == [{"op": "gather", "host_busy": True}]
+    assert data["env"]["load"]["busy"] is True
+    assert data["rows"] == [{"op": "gather"}]  # as measured: the file-level flag covers them
     keep, lines = load.left_out([(tmp_path / "busy.json", data)])
     assert keep == []
     assert lines == ["- left out of the headline: `busy.json` (all 1 rows): busy host: "
