@@ -155,8 +155,8 @@ def current_command(cmd: str) -> str:
 
 
 def file_section(path: Path, data: dict, md_dir: Path, img_dir: Path) -> list[str]:
-    """Markdown of one result file: its command, tables and plots."""
-    from . import plots
+    """Markdown of one result file: its command, host load, tables and plots."""
+    from . import load, plots
     rows, env = data["rows"], data["env"]
     check_one_device(rows, str(path))
     cmd = env.get("command", "(not recorded)")
@@ -165,7 +165,11 @@ def file_section(path: Path, data: dict, md_dir: Path, img_dir: Path) -> list[st
            + (" (the result file records it in an earlier spelling)"
               if now != cmd else "")
            + (f" — {env['wall_s']:.0f} s wall" if env.get("wall_s") else "")
-           + f" — commit {env.get('commit')}, {env.get('date')}", ""]
+           + f" — commit {env.get('commit')}, {env.get('date')}", "",
+           f"Host: {load.describe(env)}", ""]
+    if (env.get("load") or {}).get("busy"):
+        out += [f"**Busy host**: every row below was measured while the host was busy "
+                f"({env['load']['busy_reason']}); its figures are not trusted.", ""]
     if is_partial(data):
         out += [f"**Partial**: stopped by {data.get('interrupted') or 'a signal'} after "
                 f"{len(rows)} rows; the tables below hold only those rows.", ""]
@@ -217,6 +221,7 @@ def write_report(files: list[Path], out: Path, img_dir: Path, readme: Path | Non
     ValueError
         A result file whose rows name two devices (both named), or a bad schema.
     """
+    from . import load
     loaded = [(Path(f), read_results(f)) for f in files]
     by_device = defaultdict(list)
     for path, data in loaded:
@@ -236,7 +241,10 @@ def write_report(files: list[Path], out: Path, img_dir: Path, readme: Path | Non
              "and `\"interrupted\"` with the signal's name. Such a file's section below says "
              "**Partial** and how many rows it holds; it never feeds the headline. A run killed "
              "outright leaves `<result>.partial.jsonl`, which the report does not read.", ""]
-    top = headline([(p, d) for p, d in loaded if not is_partial(d)])  # complete runs only
+    trusted, dropped = load.left_out([(p, d) for p, d in loaded if not is_partial(d)])
+    top = headline(trusted)  # complete runs on an idle host only
+    if dropped:
+        lines += ["## Left out", "", *dropped, ""]
     if top:
         lines += ["## Headline", "",
                   "**As called** (the headline): back-to-back calls from Python with default "

@@ -160,6 +160,11 @@ def write_results(path: str | os.PathLike, env: dict[str, Any], rows: list[dict[
     holds ``"complete": false, "interrupted": ...`` and the rows measured before it
     (:mod:`kvflow.bench.record`); else ``"complete": true, "interrupted": null``.
     """
+    from . import load
+    if "load" not in env:  # the host's load over the measurement (kvflow.bench.load)
+        env = dict(env, load=load.finish())
+    # a busy host flags the file (env.load.busy): every row in it; the rows stay as measured
+    # (the same as the .partial.jsonl's)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -18,7 +18,8 @@ True
 >>> ch.close()
 """
 
-from .channel import STATS, LayerSignaller, SignalChannel, SignalReader, SignalStats
+from .channel import STATS, SignalChannel, SignalReader, SignalStats
+from .signaller import LayerSignaller
 from .segment import (COUNT_OFFSET, HEADER_BYTES, MAGIC, SLOT_BYTES, STEP_OFFSET, VERSION,
                       Segment, cleanup_stale, segment_bytes)
 

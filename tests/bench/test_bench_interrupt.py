@@ -187,7 +187,9 @@ def _kernel_file(path: Path, date: str, interrupted: str | None) -> Path:
     spec = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=8, block_size=4, dtype="bfloat16")
     env = {"device": "Some CPU (2 cores)", "device_type": "cpu", "torch": "x", "triton": None,
            "numba": None, "commit": "abc", "date": date, "kind": "kernels",
-           "command": "python -m kvflow.bench kernels --quick"}
+           "command": "python -m kvflow.bench kernels --quick",
+           "load": {"loadavg_1m_start": 0.1, "loadavg_1m_end": 0.1, "cpus": 2, "wall_s": 1.0,
+                    "cpu_s": 1.0, "cpu_per_wall": 1.0, "busy": False, "busy_reason": None}}
     rows = [make_row(env, op=op, backend="torch", spec=spec, tokens=4, blocks=1, payload_bytes=128,
                      times_s=[2e-6], ceiling_s=1e-6, baseline_s=2e-6) for op in ("gather", "copy")]
     return write_results(path, env, rows, interrupted=interrupted)
