@@ -10,7 +10,7 @@ new pairing with the same D detach only that D.
 Per request: queued -> prefill (``hook = connector.begin(job)``; :meth:`Engine.prefill`
 chunked by ``max_num_batched_tokens`` with ``on_chunk`` = the connector's hook plus the
 heartbeat between chunks; the first token is sampled here and goes to the router at once,
-:mod:`kvflow.serve.first_token`; ``connector.finish(job, first_token)``) -> held by the
+:mod:`kvflow.serve.instance.first_token`; ``connector.finish(job, first_token)``) -> held by the
 connector (``connector.hold``, :mod:`kvflow.connector.held`) until D's ack. Every data-plane
 message from D goes to ``connector.on_message`` (:meth:`PrefillInstance.on_data`); the
 connector answers which blocks to free, P frees them (it keeps the block allocator). An Abort, a
@@ -32,10 +32,10 @@ from kvflow.protocol import Abort, Pair, PairResult, Prefill, Rejected, Unpair
 from kvflow.blocks import NoFreeBlocksError
 
 from . import faults
-from .instance import Instance
+from .base import Instance
 from .pairing import check_peer, peer_of
 from .first_token import first_token_sampler
-from .startup import StartupError
+from ..launch.startup import StartupError
 
 log = logging.getLogger("kvflow.serve.prefill")
 
@@ -72,7 +72,7 @@ class PrefillInstance(Instance):
             bind_to_host(self.connector.name, cfg.host)  # before its transport listens
         except ValueError as exc:  # unknown connector or option: one line
             raise StartupError(str(exc)) from None
-        if cfg.kv_verify:  # checked with the flags too (kvflow.serve.checks); never ignored
+        if cfg.kv_verify:  # checked with the flags too (kvflow.serve.launch.checks); never ignored
             if not hasattr(self.connector, "verify"):
                 verified = " and ".join(kinds.with_capability("kv_verify"))
                 raise StartupError(f"--kv-verify checks the {verified} connectors, not "
@@ -94,7 +94,7 @@ class PrefillInstance(Instance):
 
     def between_chunks(self, token_ids: list[int], start: int, end: int) -> None:
         """Before each prefill chunk: the loop's housekeeping between prefill chunks (the
-        router's heartbeat comes from its own thread, :mod:`kvflow.serve.heartbeat`, also
+        router's heartbeat comes from its own thread, :mod:`kvflow.serve.instance.heartbeat`, also
         inside a chunk). Not in a dummy run."""
         from kvflow.context import sends_allowed
         if self.ctrl is None or not sends_allowed():
