@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from kvflow.protocol import (Abort, Allocate, KVAck, LeaseRenew, Pair, Prefill, decode, encode)
 from kvflow.connector import Peer
-from kvflow.serve.decode import DecodeInstance
-from kvflow.serve.config import ServeConfig
-from kvflow.serve.prefill import PrefillInstance
+from kvflow.serve.instance.decode import DecodeInstance
+from kvflow.serve.launch.config import ServeConfig
+from kvflow.serve.instance.prefill import PrefillInstance
 
 ROUTER = "tcp://127.0.0.1:9"  # never reached: every send is captured
 
@@ -193,7 +193,7 @@ def greedy_tokens(model, spec, token_ids, max_tokens: int = 8) -> list[int]:
     prefill and the decode in one cache (no transfer)."""
     from kvflow import PagedKVCache
     from kvflow.engine import Engine
-    from kvflow.serve.sampling import sample_token
+    from kvflow.serve.instance.sampling import sample_token
     eng = Engine(model, PagedKVCache(spec, 32))
     table = list(range(-(-(len(token_ids) + max_tokens) // spec.block_size)))
     out = [sample_token(eng.prefill(token_ids, table), 0.0, 0, 0)]

@@ -245,7 +245,7 @@ def test_shown_flags_are_found():
 @pytest.mark.parametrize("page", PAGES)
 def test_shown_flags_exist(page):
     from kvflow.bench.__main__ import build_parser as bench_parser
-    from kvflow.serve.config import build_parser as serve_parser
+    from kvflow.serve.launch.config import build_parser as serve_parser
 
     studies = next(a for a in bench_parser()._actions if a.dest == "study").choices
     known = {"serve": {s for a in serve_parser()._actions for s in a.option_strings}}

@@ -28,7 +28,8 @@ from . import kinds as _kinds
 from .kinds import KINDS, Kind, Option, check_options, register_kind
 
 __all__ = ["Arrival", "CONNECTORS", "Freed", "Handoff", "Held", "KINDS", "KVReceiver", "KVSender",
-           "KVVerifyError", "Kind", "LentBlocks", "Option", "Peer", "PrefillJob", "Renewals",
+           "KVVerifyError", "Kind", "LeaseLinks", "LentBlocks", "Option", "Peer", "PrefillJob",
+           "Renewals",
            "SlotsTaken", "TransferError", "TransferStats", "bind_to_host", "check_connector_config",
            "get_kind", "is_data_message", "lease_socket", "make_receiver", "make_sender",
            "register_kind", "resolve_connector", "scales_refusal"]
@@ -36,7 +37,8 @@ __all__ = ["Arrival", "CONNECTORS", "Freed", "Handoff", "Held", "KINDS", "KVRece
 _BASE = ("Handoff", "KVReceiver", "KVSender", "Peer", "PrefillJob", "SlotsTaken", "TransferError",
          "TransferStats")
 _SIDES = {"Arrival": "arrival", "is_data_message": "arrival", "LentBlocks": "lent",
-           "Renewals": "lease", "lease_socket": "lease", "Freed": "held", "Held": "held"}
+           "Renewals": "lease", "LeaseLinks": "lease", "lease_socket": "lease", "Freed": "held",
+           "Held": "held"}
 
 
 def __getattr__(name: str) -> Any:  # the contract loads torch: import it on first use

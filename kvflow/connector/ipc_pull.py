@@ -66,7 +66,7 @@ class IpcPullSender(FramedSender):
         digests = digest_blocks(cache, list(src_ids), backend=self.backend).tolist() \
             if self.verify else []
         if corrupt and src_ids:  # test fault: after the digest, in the memory D reads
-            from kvflow.serve.faults import flip_byte
+            from kvflow.serve.instance.faults import flip_byte
             flip_byte(cache.tensors()[-1][src_ids[-1]])
         link.send(encode(KVReady(req_id=req_id, src_block_ids=list(src_ids),
                                  first_token=first_token, num_prompt_tokens=num_prompt_tokens,

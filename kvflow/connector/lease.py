@@ -1,5 +1,5 @@
-"""D's side of P's lease on sent blocks: the renewals D sends and its judgement of whether a
-lease still holds when the KV arrives.
+"""The lease on sent blocks between P and D: D's renewals and its judgement of whether a lease
+still holds when the KV arrives; P's links on which those renewals come.
 
 P keeps the blocks it sent (or a pointer to them) for ``--kv-lease-s`` seconds after its send;
 every renewal naming the request starts that time again (P's side: :mod:`kvflow.connector.held`).
@@ -8,7 +8,8 @@ D's heartbeat thread sends the renewals (:class:`Renewals`, on D's *lease socket
 long decode step does not delay them (docs/reliability.md, "Liveness"); an instance driven by
 hand, without that thread, renews from its loop on the data socket
 (:meth:`kvflow.connector.KVReceiver.renew`). Before reading P's memory D checks that the lease
-still holds with a 20% margin (:meth:`Renewals.renewed_since`).
+still holds with a 20% margin (:meth:`Renewals.renewed_since`). P connects one DEALER per paired
+D to that socket (:class:`LeaseLinks`) and reads it before it judges a lease.
 """
 
 from __future__ import annotations
@@ -114,3 +115,47 @@ def lease_socket(ctx: zmq.Context, host: str) -> tuple[zmq.Socket, int]:
     return sock, sock.bind_to_random_port(f"tcp://{host}")
 
 
+
+
+class LeaseLinks:
+    """P's links to the lease sockets of its paired D's (:func:`lease_socket`): one DEALER per D,
+    named by P's id (D renews by it), on which D's renewals arrive. P polls them with its other
+    sockets and reads them before it judges a lease (:meth:`drain`), so a long prefill of its own
+    does not expire a lease whose renewals wait unread. Iterating gives the D ids."""
+
+    def __init__(self, instance_id: str) -> None:
+        self.identity = instance_id.encode()
+        self.socks: dict[str, zmq.Socket] = {}  # D id -> DEALER
+
+    def __iter__(self):
+        return iter(self.socks)
+
+    def connect(self, ctx: zmq.Context, peer_id: str, addr: str) -> zmq.Socket:
+        """Connect to D ``peer_id``'s lease socket at ``addr`` (``Pair.lease_addr``); returns the
+        new socket, for P to poll."""
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.identity)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(addr)
+        self.socks[peer_id] = sock
+        return sock
+
+    def drain(self, read) -> None:
+        """Call ``read(sock)`` (P's loop: dispatch every waiting message) on every link."""
+        for sock in list(self.socks.values()):
+            read(sock)
+
+    def drop(self, peer_id: str) -> zmq.Socket | None:
+        """Close the link to D ``peer_id``; returns the closed socket (None: there was none)."""
+        sock = self.socks.pop(peer_id, None)
+        if sock is not None:
+            sock.close(0)
+        return sock
+
+    def close(self) -> list[zmq.Socket]:
+        """Close every link; returns the closed sockets."""
+        socks = list(self.socks.values())
+        for sock in socks:
+            sock.close(0)
+        self.socks.clear()
+        return socks

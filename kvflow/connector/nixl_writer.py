@@ -158,7 +158,7 @@ class NixlWriter:
         TransferError
             Staged: the request moves more blocks than a slot holds.
         """
-        from kvflow.serve import faults
+        from kvflow.serve.instance import faults
         self.fault_delay_s = faults.delay_s("write", job.token_ids)
         self.fault_fail, self.dropped = faults.fails("write", job.token_ids), ""
         self.posted = 0

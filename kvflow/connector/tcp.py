@@ -72,7 +72,7 @@ class TcpSender(FramedSender):
             staging = staging.cpu()
         gather_ms = (time.perf_counter() - t0) * 1e3
         if corrupt and ids.numel():  # test fault: after the digest, as on the wire
-            from kvflow.serve.faults import flip_byte
+            from kvflow.serve.instance.faults import flip_byte
             flip_byte(staging[-1, -1, -1])
         header = KVData(req_id=req_id, num_blocks=ids.numel(), num_frames=staging.shape[0],
                         first_token=first_token, num_prompt_tokens=num_prompt_tokens,

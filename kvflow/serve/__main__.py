@@ -6,9 +6,9 @@ connector (``ipc-pull`` over shared memory on CPU); serves until Ctrl-C (SIGINT)
 then stops every child and removes every shared-memory segment. ``--role`` starts a single
 component (for several hosts): the router prints its control address, which ``--router-url``
 of each instance names. A start-up failure is one line on stderr naming the flag or value and
-a fix, exit status 1 (:mod:`kvflow.serve.startup`); interrupted while starting, the exit status
+a fix, exit status 1 (:mod:`kvflow.serve.launch.startup`); interrupted while starting, the exit status
 is 130 (SIGINT) or 143 (SIGTERM). Every flag is a field of
-:class:`~kvflow.serve.config.ServeConfig`.
+:class:`~kvflow.serve.launch.config.ServeConfig`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import signal
 import sys
 
-from .startup import record_interrupt
+from .launch.startup import record_interrupt
 
 if __name__ == "__main__":  # before the other imports: a Ctrl-C meanwhile is only recorded
     signal.signal(signal.SIGINT, record_interrupt)
@@ -27,11 +27,11 @@ import asyncio  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 
-from .checks import parse_config  # noqa: E402
-from .config import ServeConfig  # noqa: E402
-from .config import build_parser as _build_parser  # noqa: E402
-from .output import say  # noqa: E402
-from .startup import (StartupError, Terminated, arm_interrupts, check_backend,  # noqa: E402
+from .launch.checks import parse_config  # noqa: E402
+from .launch.config import ServeConfig  # noqa: E402
+from .launch.config import build_parser as _build_parser  # noqa: E402
+from .launch.output import say  # noqa: E402
+from .launch.startup import (StartupError, Terminated, arm_interrupts, check_backend,  # noqa: E402
                       check_device, check_host, check_interrupted, interrupted_by,
                       one_line_errors)
 
@@ -54,7 +54,7 @@ def check_args(argv: list[str] | None = None) -> ServeConfig:
 
 
 def build_parser():
-    """The argparse parser, generated from :class:`~kvflow.serve.config.ServeConfig`."""
+    """The argparse parser, generated from :class:`~kvflow.serve.launch.config.ServeConfig`."""
     return _build_parser(__doc__)
 
 
@@ -73,9 +73,9 @@ def run_instance(cfg: ServeConfig) -> int:
         check_host(cfg.host)  # D's data socket binds a free port there
     from kvflow.segments import SegmentSpaceError, unlink_own
 
-    from .colocated import ColocatedInstance
-    from .decode import DecodeInstance
-    from .prefill import PrefillInstance
+    from .instance.colocated import ColocatedInstance
+    from .instance.decode import DecodeInstance
+    from .instance.prefill import PrefillInstance
 
     cls = {"prefill": PrefillInstance, "decode": DecodeInstance, "colocated": ColocatedInstance}[cfg.role]
     inst = cls(cfg)
@@ -138,8 +138,9 @@ def _preload(cfg: ServeConfig) -> None:
     """Import what this process will run while an interrupt is only recorded: a
     KeyboardInterrupt raised inside a C++ extension's import aborts the process."""
     import importlib
-    names = (("colocated", "decode", "prefill") if cfg.role in ("prefill", "decode", "colocated")
-             else ("app", "router", "server"))
+    names = (("instance.colocated", "instance.decode", "instance.prefill")
+             if cfg.role in ("prefill", "decode", "colocated")
+             else ("router.app", "router.router", "launch.server"))
     for name in names:
         importlib.import_module(f"kvflow.serve.{name}")
 
@@ -155,8 +156,8 @@ def _main(argv: list[str] | None, child: bool = False) -> int:
 
     from kvflow.segments import clean_stale
 
-    from .procs import Children, bind_http_socket
-    from .server import serve_router
+    from .launch.procs import Children, bind_http_socket
+    from .launch.server import serve_router
 
     if cfg.role == "all":
         gpus = {"--prefill-device": cfg.prefill_device}

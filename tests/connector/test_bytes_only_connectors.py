@@ -9,7 +9,7 @@ import torch
 
 from kvflow import KVCacheSpec
 from kvflow.connector import make_receiver, make_sender
-from kvflow.serve.pairing import check_pairing
+from kvflow.serve.instance.pairing import check_pairing
 
 FP32 = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4,
                    dtype=torch.float32, layout="NHD")

@@ -69,7 +69,7 @@ def test_serve_imports_no_concrete_connector():
              | {"layerwise", "transport"})
     assert {"ipc_pull", "ipc_push", "tcp"} <= kinds and (pkg / "transport" / "shm.py").is_file()
     bad = []
-    for path in sorted(SERVE.glob("*.py")):
+    for path in sorted(SERVE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
             if isinstance(node, ast.ImportFrom) and node.module:

@@ -126,8 +126,8 @@ def test_a_registered_kind_is_built_by_the_factory(fake_kind):
 
 def test_serve_config_checks_and_pairing_take_a_new_kind(fake_kind):
     from kvflow.serve.__main__ import build_parser, check_args, parse_args
-    from kvflow.serve.pairing import check_pairing
-    from kvflow.serve.startup import StartupError
+    from kvflow.serve.instance.pairing import check_pairing
+    from kvflow.serve.launch.startup import StartupError
 
     cfg = parse_args(["--kv-connector", "tcp-fake", "--kv-connector-config", '{"frames": 4}',
                       "--kv-verify", "--max-model-len", "32", "--layerwise-min-tokens", "64"])
@@ -176,9 +176,9 @@ def test_kind_literals_are_found(tmp_path):
 
 
 def test_the_registry_users_of_serve_name_no_kind():
-    assert [hit for name in ("config.py", "checks.py", "pairing.py")
+    assert [hit for name in ("launch/config.py", "launch/checks.py", "instance/pairing.py")
             for hit in kind_literals(SERVE / name)] == []
 
 
 def test_serve_names_no_kind_but_through_the_registry():
-    assert [hit for path in sorted(SERVE.glob("*.py")) for hit in kind_literals(path)] == []
+    assert [hit for path in sorted(SERVE.rglob("*.py")) for hit in kind_literals(path)] == []

@@ -20,7 +20,7 @@ import torch
 from kvflow import KVCacheSpec, PagedKVCache
 from kvflow.bench.schema import read_results
 from kvflow.devices import parent_cards, worker_env_for_cards
-from kvflow.serve.procs import instance_env
+from kvflow.serve.launch.procs import instance_env
 from kvflow.connector import Peer, TransferError
 from kvflow.connector.transport.cuda_ipc import (CudaIpcExport, decode_export, encode_export,
                                                  import_cache, ordinal_of_uuid, publish_export,
@@ -121,7 +121,7 @@ def test_parent_cards_and_role_env(monkeypatch):
 
 def test_serve_flags():
     from kvflow.serve.__main__ import parse_args
-    from kvflow.serve.server import instance_config
+    from kvflow.serve.launch.server import instance_config
     a = parse_args(["--device", "cuda", "--dtype", "bfloat16", "--decode-device", "3"])
     assert (a.prefill_device, a.decode_device) == (0, 3)
     assert instance_config(a, "decode", "tcp://127.0.0.1:1").dtype == "bfloat16"

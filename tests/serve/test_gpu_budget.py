@@ -12,8 +12,8 @@ from kvflow.engine import MemoryBudgetError, determine_num_blocks
 from kvflow.engine.profile import weight_bytes
 from kvflow.model import PRESETS, LlamaForCausalLM, load_model
 from kvflow.serve.__main__ import check_args, parse_args
-from kvflow.serve.budget import MIB, memory_budget, too_small_message
-from kvflow.serve.startup import StartupError, check_device
+from kvflow.serve.launch.budget import MIB, memory_budget, too_small_message
+from kvflow.serve.launch.startup import StartupError, check_device
 
 GIB = 1 << 30
 H200 = (143_000 * MIB, 143_771 * MIB)  # (free, total) bytes of an idle H200
@@ -22,7 +22,7 @@ README_GPU = ["--device", "cuda", "--model", "kvflow-llama-32l", "--dtype", "bfl
 
 def child_args(argv: list[str], role: str = "prefill"):
     """The config `--role all` hands its ``role`` child, read as that child reads it."""
-    from kvflow.serve.server import instance_config
+    from kvflow.serve.launch.server import instance_config
     child = instance_config(parse_args(argv), role, "tcp://127.0.0.1:1")
     return parse_args(["--config-json", child.to_json()])
 

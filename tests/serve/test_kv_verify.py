@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvflow.serve.checks import parse_config
-from kvflow.serve.startup import StartupError
+from kvflow.serve.launch.checks import parse_config
+from kvflow.serve.launch.startup import StartupError
 
 from tests.serve_server import Server
 

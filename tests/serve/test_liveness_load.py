@@ -11,7 +11,7 @@ import os
 import threading
 import time
 
-from kvflow.serve.config import ServeConfig
+from kvflow.serve.launch.config import ServeConfig
 
 from tests.load import cpu_hogs, load_average, runnable
 from tests.serve.test_reliability_peers import Cluster

@@ -1,4 +1,4 @@
-"""The router's liveness rule (kvflow/serve/liveness.py, docs/reliability.md "Liveness"): a
+"""The router's liveness rule (kvflow/serve/router/liveness.py, docs/reliability.md "Liveness"): a
 silent instance whose process lives on this host is late up to --hung-after-s, one it cannot
 see is dead after --dead-after-s, an exited one at once; a stall of the router's own loop is
 not counted against the instances; heartbeats from an instance's heartbeat socket count as
@@ -15,9 +15,9 @@ import pytest
 
 from kvflow.protocol import Heartbeat, Register
 from kvflow.segments import ALIVE, DEAD, UNKNOWN, host_id
-from kvflow.serve.control import Controller
-from kvflow.serve.liveness import StallClock, judge
-from kvflow.serve.placement import InstanceInfo
+from kvflow.serve.router.control import Controller
+from kvflow.serve.router.liveness import StallClock, judge
+from kvflow.serve.router.placement import InstanceInfo
 
 KW = dict(dead_after_s=10.0, hung_after_s=60.0)
 

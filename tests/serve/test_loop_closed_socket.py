@@ -10,8 +10,8 @@ import types
 import zmq
 
 from kvflow.protocol import Heartbeat, Unpair, encode
-import kvflow.serve.loop as loop_mod
-from kvflow.serve.loop import EventLoop
+import kvflow.serve.instance.loop as loop_mod
+from kvflow.serve.instance.loop import EventLoop
 
 
 class _Loop(EventLoop):

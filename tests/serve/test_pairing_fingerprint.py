@@ -16,9 +16,9 @@ from kvflow.model import PRESETS, LlamaForCausalLM, ModelConfig, load_model
 from kvflow.model.llama import init_random_
 from kvflow.model.loader import SEED
 from kvflow.protocol import Pair, PairResult
-from kvflow.serve.decode import DecodeInstance
-from kvflow.serve.fingerprint import check_fingerprint, model_fingerprint
-from kvflow.serve.prefill import PrefillInstance
+from kvflow.serve.instance.decode import DecodeInstance
+from kvflow.serve.instance.fingerprint import check_fingerprint, model_fingerprint
+from kvflow.serve.instance.prefill import PrefillInstance
 
 from tests.reliability_harness import make_instance
 

@@ -9,9 +9,9 @@ import torch
 from kvflow.connector.transport.nixl_agent import nixl_available
 from kvflow.layout import KVCacheSpec
 from kvflow.protocol import Pair, PairResult, Unpair
-from kvflow.serve.decode import DecodeInstance
-from kvflow.serve.pairing import check_pairing
-from kvflow.serve.prefill import PrefillInstance
+from kvflow.serve.instance.decode import DecodeInstance
+from kvflow.serve.instance.pairing import check_pairing
+from kvflow.serve.instance.prefill import PrefillInstance
 
 from tests.reliability_harness import make_instance
 
@@ -62,7 +62,7 @@ def _ctl_with(*regs):
     """A router Controller holding ``regs`` ((id, role, connector) each), every send captured
     in ``ctl.sent`` as (instance id, message)."""
     from kvflow.protocol import Register
-    from kvflow.serve.control import Controller, InstanceInfo
+    from kvflow.serve.router.control import Controller, InstanceInfo
     ctl = Controller()
     ctl.sent = []
 

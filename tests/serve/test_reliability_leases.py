@@ -21,7 +21,7 @@ from kvflow.connector import Peer
 from kvflow.protocol import (Abort, KVPushed, Pair, Prefill, Rejected, Tokens, Unpair,
                              decode)
 from kvflow.segments import host_id
-from kvflow.serve.prefill import PrefillInstance
+from kvflow.serve.instance.prefill import PrefillInstance
 
 from tests.reliability_harness import PD, FakeLink, make_instance
 from tests.serve.test_reliability_pd import TEXT, colocated, tokens_of

@@ -13,8 +13,8 @@ import pytest
 
 from kvflow.connector.transport.nixl_agent import nixl_available, tcp_tls
 from kvflow.protocol import Abort, Pair, PairResult, Prefill, Rejected, Tokens, decode
-from kvflow.serve.decode import DecodeInstance
-from kvflow.serve.prefill import PrefillInstance
+from kvflow.serve.instance.decode import DecodeInstance
+from kvflow.serve.instance.prefill import PrefillInstance
 
 from tests.reliability_harness import PD, make_instance
 from tests.serve.test_reliability_pd import TEXT, colocated, tokens_of

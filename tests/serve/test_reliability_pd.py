@@ -220,7 +220,7 @@ def test_one_d_paired_with_two_p_reads_each_request_from_its_own_p():
 
     from kvflow.connector import Peer
     from kvflow.protocol import Pair, Prefill, decode
-    from kvflow.serve.prefill import PrefillInstance
+    from kvflow.serve.instance.prefill import PrefillInstance
 
     from tests.reliability_harness import FakeLink, make_instance
     pd = PD(prefix=False)

@@ -198,8 +198,8 @@ def pd_spec():
 def test_direction_resolution_and_pairing_names():
     from kvflow.connector import make_sender, resolve_connector
     from kvflow.serve.__main__ import parse_args
-    from kvflow.serve.colocated import ColocatedInstance
-    from kvflow.serve.server import instance_config
+    from kvflow.serve.instance.colocated import ColocatedInstance
+    from kvflow.serve.launch.server import instance_config
     assert resolve_connector("auto", "cuda") == "ipc-push" and resolve_connector("auto") == "ipc-pull"
     parent = parse_args(["--kv-connector", "ipc-push"])
     assert instance_config(parent, "prefill", "tcp://127.0.0.1:1").kv_connector == "ipc-push"
@@ -281,7 +281,7 @@ def test_writer_refuses_bad_settings_and_short_tables():
 
 
 def test_kv_digest_diagnostic_matches_the_pushed_bytes(pd, monkeypatch):
-    from kvflow.serve import faults
+    from kvflow.serve.instance import faults
     assert faults.kv_digest(pd.d.cache, [0, 1], 40) is None  # off unless asked for
     monkeypatch.setenv("KVFLOW_DEBUG_KV_DIGEST", "1")
     alloc, p_table, hdr, toks = pd.run(TEXT[:40])

@@ -10,9 +10,9 @@ from fastapi.testclient import TestClient
 
 from kvflow import KVCacheSpec
 from kvflow.blocks import BlockAllocator, PrefixCache, block_keys
-from kvflow.serve import faults
+from kvflow.serve.instance import faults
 from kvflow.serve.__main__ import parse_args
-from kvflow.serve.pairing import check_pairing
+from kvflow.serve.instance.pairing import check_pairing
 
 SPEC = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32)
 
@@ -85,7 +85,7 @@ def test_mla_maps_only_to_mla():
 def test_mismatched_d_attaches_nothing_and_writes_nothing():
     from tests.reliability_harness import make_instance
     from kvflow.protocol import KVReady, Pair
-    from kvflow.serve.decode import DecodeInstance
+    from kvflow.serve.instance.decode import DecodeInstance
     d = make_instance(DecodeInstance, "decode", block_size=32)
     try:
         before = d.cache.buffer.clone()
@@ -108,10 +108,10 @@ def test_mismatched_d_attaches_nothing_and_writes_nothing():
 
 def _app(api_key):
     from kvflow.model import ByteTokenizer
-    from kvflow.serve.control import Controller
-    from kvflow.serve.metrics import Metrics
-    from kvflow.serve.app import create_app
-    from kvflow.serve.router import Router
+    from kvflow.serve.router.control import Controller
+    from kvflow.serve.router.metrics import Metrics
+    from kvflow.serve.router.app import create_app
+    from kvflow.serve.router.router import Router
     ctl = Controller()
     app = create_app(Router(ctl, ByteTokenizer(), "kvflow-tiny", Metrics(), api_key=api_key))
     return ctl, app
@@ -138,7 +138,7 @@ def test_api_key_guards_v1_only(header, status):
 
 def test_router_uses_constant_time_compare():
     import inspect
-    from kvflow.serve.router import Router
+    from kvflow.serve.router.router import Router
     assert "hmac.compare_digest" in inspect.getsource(Router.authorized)
 
 

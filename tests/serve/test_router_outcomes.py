@@ -13,9 +13,9 @@ from fastapi.testclient import TestClient
 from kvflow.model import ByteTokenizer
 from kvflow.protocol import Allocate, Rejected
 from kvflow.blocks.request import AdmissionError, admission_check
-from kvflow.serve.metrics import Metrics
-from kvflow.serve.app import create_app
-from kvflow.serve.router import Router
+from kvflow.serve.router.metrics import Metrics
+from kvflow.serve.router.app import create_app
+from kvflow.serve.router.router import Router
 
 
 class ScriptedController:

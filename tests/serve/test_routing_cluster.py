@@ -13,7 +13,7 @@ import pytest
 
 from kvflow.model import load_model
 from kvflow.model.loader import SEED
-from kvflow.serve.fingerprint import model_fingerprint
+from kvflow.serve.instance.fingerprint import model_fingerprint
 
 from tests.serve.test_pairing_fingerprint import save_checkpoint
 from tests.serve.test_reliability_peers import Cluster

@@ -17,10 +17,10 @@ from kvflow import PagedKVCache
 from kvflow.engine import Engine
 from kvflow.protocol import (Allocate, Allocated, PairResult, Prefill, Register, Rejected, Tokens,
                              Unpair)
-from kvflow.serve.decode import DecodeInstance
-from kvflow.serve.config import ServeConfig
-from kvflow.serve.sampling import sample_token
-from kvflow.serve.prefill import PrefillInstance
+from kvflow.serve.instance.decode import DecodeInstance
+from kvflow.serve.launch.config import ServeConfig
+from kvflow.serve.instance.sampling import sample_token
+from kvflow.serve.instance.prefill import PrefillInstance
 
 from tests.fake_router import FakeRouter
 
@@ -168,7 +168,7 @@ def test_unpaired_d_is_refused_and_only_its_link_goes(connector, mode):
 def _controller(n_p: int, n_d: int, free: list[int], refused=()):
     """A Controller holding ``n_p`` P's and ``n_d`` D's (D ``j`` with ``free[j]`` free blocks),
     every pair accepted by both sides except ``refused`` ((p index, d index) pairs)."""
-    from kvflow.serve.control import Controller, InstanceInfo
+    from kvflow.serve.router.control import Controller, InstanceInfo
     ctl = Controller()
     def info(iid, role, nfree):
         reg = Register(instance_id=iid, role=role, spec={}, num_blocks=40, free_blocks=nfree,
@@ -191,7 +191,7 @@ def _picks(ctl, n: int) -> list[tuple[str, str]]:
 def test_router_spreads_over_every_p_and_d_and_prefers_free_blocks():
     import asyncio
 
-    from kvflow.serve.control import ReqState
+    from kvflow.serve.router.control import ReqState
     ctl = _controller(2, 2, [40, 40])
     try:
         assert sorted(set(_picks(ctl, 4))) == [("p-0", "d-0"), ("p-0", "d-1"), ("p-1", "d-0"),

@@ -81,7 +81,7 @@ def test_serve_names_no_data_plane_message():
 
 def test_prefill_names_no_data_plane_message():
     """P hands D's acks and renewals to its connector (:mod:`kvflow.connector.held`)."""
-    assert _offences(data_message_names, [SERVE / "prefill.py"]) == []
+    assert _offences(data_message_names, [SERVE / "instance" / "prefill.py"]) == []
 
 
 def test_serve_imports_only_the_connector_face():
@@ -110,7 +110,7 @@ def test_the_loop_hands_every_data_plane_message_to_on_data():
 
     from kvflow.connector import is_data_message
     from kvflow.protocol import Abort, KVAck, KVPushed, LeaseRenew, encode
-    from kvflow.serve.loop import EventLoop
+    from kvflow.serve.instance.loop import EventLoop
 
     class Sock:
         type = zmq.DEALER
@@ -141,7 +141,7 @@ def test_the_loop_hands_every_data_plane_message_to_on_data():
 def test_a_loop_without_its_own_on_data_uses_the_message_handler():
     """The base ``on_data`` calls ``on_<type>`` (P and D both give their own now)."""
     from kvflow.protocol import KVAck
-    from kvflow.serve.loop import EventLoop
+    from kvflow.serve.instance.loop import EventLoop
 
     got = []
 

@@ -10,9 +10,9 @@ import os
 import pytest
 
 from kvflow.serve.__main__ import build_parser, check_args, parse_args
-from kvflow.serve.config import ServeConfig, cli_fields, default_of, flag_name, meta
-from kvflow.serve.server import instance_config
-from kvflow.serve.startup import StartupError
+from kvflow.serve.launch.config import ServeConfig, cli_fields, default_of, flag_name, meta
+from kvflow.serve.launch.server import instance_config
+from kvflow.serve.launch.startup import StartupError
 
 REMOVED = ["--transfer", "--ipc-direction", "--transfer-mode", "--layerwise-max-ctas",
            "--layers-per-copy"]

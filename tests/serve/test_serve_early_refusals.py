@@ -58,6 +58,6 @@ def test_help_comes_before_torch():
 
 def test_backend_names_are_the_registry_s():
     from kvflow.kernels.registry import backend_names
-    from kvflow.serve.checks import BACKEND_NAMES
+    from kvflow.serve.launch.checks import BACKEND_NAMES
 
     assert list(BACKEND_NAMES) == backend_names()

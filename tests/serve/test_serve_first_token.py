@@ -1,5 +1,5 @@
 """P's first token is streamed before the KV reaches D, and every request carries its per-hop
-timings (kvflow.serve.first_token, kvflow.serve.timings), end to end on `python -m
+timings (kvflow.serve.instance.first_token, kvflow.serve.timings), end to end on `python -m
 kvflow.serve` (ipc-pull, request mode) against a colocated server. Faults apply to marked
 prompts only: three BEL bytes (ids 7,7,7) make D hold the arrived transfer 1.5 s; three
 backspaces (8,8,8) make D's receive fail. Every test ends with P's and D's blocks back."""

@@ -23,10 +23,10 @@ from kvflow.engine import Engine
 from kvflow.model import load_model
 from kvflow.protocol import (Abort, Allocate, Allocated, PairResult, Prefill, Register, Rejected,
                              Tokens)
-from kvflow.serve.decode import DecodeInstance
-from kvflow.serve.config import ServeConfig
-from kvflow.serve.sampling import sample_token
-from kvflow.serve.prefill import PrefillInstance
+from kvflow.serve.instance.decode import DecodeInstance
+from kvflow.serve.launch.config import ServeConfig
+from kvflow.serve.instance.sampling import sample_token
+from kvflow.serve.instance.prefill import PrefillInstance
 from kvflow.signal import STATS
 
 from tests.fake_router import FakeRouter
@@ -264,7 +264,7 @@ def test_profile_warmup_and_dummy_runs_signal_and_send_nothing(monkeypatch):
 
 def test_a_threshold_past_every_prompt_reaches_the_instances():
     from kvflow.serve.__main__ import parse_args
-    from kvflow.serve.server import instance_config
+    from kvflow.serve.launch.server import instance_config
     args = parse_args(["--layerwise-min-tokens", str(NEVER)])
     assert instance_config(args, "prefill", "tcp://127.0.0.1:1").layerwise_min_tokens == NEVER
     assert parse_args([]).layerwise_min_tokens is None

@@ -39,7 +39,7 @@ def colocated(token_ids: list[int]) -> list[int]:
     from kvflow import PagedKVCache
     from kvflow.engine import Engine
     from kvflow.model import load_model
-    from kvflow.serve.sampling import sample_token
+    from kvflow.serve.instance.sampling import sample_token
     model, _ = load_model("kvflow-tiny")
     eng = Engine(model, PagedKVCache(model.kv_spec(16), 8))
     table, n = list(range(4)), len(token_ids)

@@ -1,4 +1,4 @@
-"""The router's side of P's first token (kvflow.serve.router, kvflow.serve.timings) with a fake
+"""The router's side of P's first token (kvflow.serve.router.router, kvflow.serve.timings) with a fake
 control plane: output order whichever instance's message comes first, P still needed until D's
 first message, a request finished on P's token followed until D is done, and the clock's hops."""
 
@@ -10,10 +10,10 @@ import time
 import pytest
 
 from kvflow.protocol import Abort, Allocate, Allocated, Prefill, Register, Tokens
-from kvflow.serve.api import CompletionRequest
-from kvflow.serve.metrics import Metrics
-from kvflow.serve.placement import InstanceInfo
-from kvflow.serve.router import Router
+from kvflow.serve.router.api import CompletionRequest
+from kvflow.serve.router.metrics import Metrics
+from kvflow.serve.router.placement import InstanceInfo
+from kvflow.serve.router.router import Router
 from kvflow.serve.timings import HOPS, MILESTONES, RequestClock, stamp
 
 

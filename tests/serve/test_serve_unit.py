@@ -14,15 +14,15 @@ import kvflow.engine
 from kvflow import KVCacheSpec
 from kvflow.protocol import Register, decode
 from kvflow.serve.__main__ import build_parser, parse_args
-from kvflow.serve.config import ServeConfig
-from kvflow.serve.pairing import check_pairing
-from kvflow.serve.sampling import sample_token, stop_reason
+from kvflow.serve.launch.config import ServeConfig
+from kvflow.serve.instance.pairing import check_pairing
+from kvflow.serve.instance.sampling import sample_token, stop_reason
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_profile_run_opens_no_channel_and_sends_nothing(monkeypatch, role):
-    from kvflow.serve.decode import DecodeInstance
-    from kvflow.serve.prefill import PrefillInstance
+    from kvflow.serve.instance.decode import DecodeInstance
+    from kvflow.serve.instance.prefill import PrefillInstance
 
     counts = {"sockets": 0, "sends": 0}
     during = {}

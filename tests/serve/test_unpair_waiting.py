@@ -10,8 +10,8 @@ import asyncio
 import pytest
 
 from kvflow.protocol import PairResult, Unpair
-from kvflow.serve.decode import DecodeInstance
-from kvflow.serve.prefill import PrefillInstance
+from kvflow.serve.instance.decode import DecodeInstance
+from kvflow.serve.instance.prefill import PrefillInstance
 
 from tests.reliability_harness import make_instance
 from tests.serve.test_reliability_kinds import STAGED, _ctl_with, _pair_msg, needs_nixl

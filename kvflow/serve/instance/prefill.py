@@ -10,7 +10,7 @@ new pairing with the same D detach only that D.
 Per request: queued -> prefill (``hook = connector.begin(job)``; :meth:`Engine.prefill`
 chunked by ``max_num_batched_tokens`` with ``on_chunk`` = the connector's hook plus the
 heartbeat between chunks; the first token is sampled here and goes to the router at once,
-:mod:`kvflow.serve.first_token`; ``connector.finish(job, first_token)``) -> held by the
+:mod:`kvflow.serve.instance.first_token`; ``connector.finish(job, first_token)``) -> held by the
 connector (``connector.hold``, :mod:`kvflow.connector.held`) until D's ack. Every data-plane
 message from D goes to ``connector.on_message`` (:meth:`PrefillInstance.on_data`); the
 connector answers which blocks to free, P frees them (it keeps the block allocator). An Abort, a
@@ -26,16 +26,16 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Any
 
 from kvflow.protocol import Abort, Pair, PairResult, Prefill, Rejected, Unpair
 from kvflow.blocks import NoFreeBlocksError
+from kvflow.connector import LeaseLinks
 
 from . import faults
-from .instance import Instance
+from .base import Instance
 from .pairing import check_peer, peer_of
 from .first_token import first_token_sampler
-from .startup import StartupError
+from ..launch.startup import StartupError
 
 log = logging.getLogger("kvflow.serve.prefill")
 
@@ -49,7 +49,7 @@ class PrefillInstance(Instance):
         self.queue: collections.deque[Prefill] = collections.deque()
         self.received: dict[str, float] = {}  # queued request -> time.monotonic() of its Prefill
         self.connector = None  # kvflow.connector.KVSender, built by setup()
-        self.lease_links: dict[str, Any] = {}  # D id -> DEALER to its lease socket
+        self.lease_links = LeaseLinks(self.instance_id)  # D id -> DEALER to its lease socket
 
     @property
     def pending(self) -> dict:
@@ -72,7 +72,7 @@ class PrefillInstance(Instance):
             bind_to_host(self.connector.name, cfg.host)  # before its transport listens
         except ValueError as exc:  # unknown connector or option: one line
             raise StartupError(str(exc)) from None
-        if cfg.kv_verify:  # checked with the flags too (kvflow.serve.checks); never ignored
+        if cfg.kv_verify:  # checked with the flags too (kvflow.serve.launch.checks); never ignored
             if not hasattr(self.connector, "verify"):
                 verified = " and ".join(kinds.with_capability("kv_verify"))
                 raise StartupError(f"--kv-verify checks the {verified} connectors, not "
@@ -94,7 +94,7 @@ class PrefillInstance(Instance):
 
     def between_chunks(self, token_ids: list[int], start: int, end: int) -> None:
         """Before each prefill chunk: the loop's housekeeping between prefill chunks (the
-        router's heartbeat comes from its own thread, :mod:`kvflow.serve.heartbeat`, also
+        router's heartbeat comes from its own thread, :mod:`kvflow.serve.instance.heartbeat`, also
         inside a chunk). Not in a dummy run."""
         from kvflow.context import sends_allowed
         if self.ctrl is None or not sends_allowed():
@@ -133,24 +133,14 @@ class PrefillInstance(Instance):
         self._unpair(msg.peer_id)
 
     def _lease_link(self, peer_id: str, addr: str) -> None:
-        """Connect to D ``peer_id``'s lease socket at ``addr`` (its LeaseRenew come on it)."""
-        import zmq
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self.instance_id.encode())  # D renews by P's id
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(addr)
-        self.lease_links[peer_id] = sock
-        self.sockets[sock] = f"decode {peer_id} leases"
+        self.sockets[self.lease_links.connect(self.ctx, peer_id, addr)] = f"decode {peer_id} leases"
 
     def _unpair(self, peer_id: str) -> None:
         """Detach D ``peer_id`` (its links and whatever the connector holds for it)."""
         link = self.connector.links.get(peer_id)
         if link is not None:
             self.sockets.pop(link, None)
-        lease = self.lease_links.pop(peer_id, None)
-        if lease is not None:
-            self.sockets.pop(lease, None)
-            lease.close(0)
+        self.sockets.pop(self.lease_links.drop(peer_id), None)
         self.connector.detach(peer_id)
 
     def _not_paired(self, decode_id: str) -> str:
@@ -274,8 +264,7 @@ class PrefillInstance(Instance):
                                           f"{self.instance_id} failed: {exc}"))
 
     def _expire(self) -> None:
-        for sock in list(self.lease_links.values()):  # renewals that came during a long
-            self.drain(sock)                          # prefill count before any lease ends
+        self.lease_links.drain(self.drain)  # renewals of a long prefill count first
         for freed in self.connector.expire(self.kv_lease_s):
             self._free(freed)
 
@@ -288,10 +277,8 @@ class PrefillInstance(Instance):
     def close(self) -> None:
         for link in self.connector.links.values() if self.connector is not None else ():
             self.sockets.pop(link, None)
-        for sock in self.lease_links.values():
+        for sock in self.lease_links.close():
             self.sockets.pop(sock, None)
-            sock.close(0)
-        self.lease_links.clear()
         if self.connector is not None:
             self.connector.close()  # before the ZMQ context ends: it owns sockets
         super().close()

@@ -11,7 +11,7 @@ needs microseconds of CPU per beat, so the scheduler serves it even on a loaded 
 (measured in docs/reliability.md, "Liveness").
 
 Every heartbeat carries a sequence number (:func:`next_seq`, shared with the loop's own
-:meth:`~kvflow.serve.loop.EventLoop.report_blocks`): the router keeps the block counts of the
+:meth:`~kvflow.serve.instance.loop.EventLoop.report_blocks`): the router keeps the block counts of the
 newest one only, since the two sockets' messages may arrive out of order.
 
 A decode instance's thread also renews P's leases (:class:`~kvflow.connector.lease.Renewals`):
@@ -20,7 +20,7 @@ read to each paired P, on D's *lease socket* (a ROUTER that P's connect to at pa
 Before, D sent them from its loop between decode steps, so one step longer than
 ``--kv-lease-s`` let P free blocks D was about to read (docs/reliability.md, "Liveness").
 
-The thread starts only after the profile run (:meth:`~kvflow.serve.loop.EventLoop.open_channels`):
+The thread starts only after the profile run (:meth:`~kvflow.serve.instance.loop.EventLoop.open_channels`):
 nothing is sent while ``is_dummy_or_profile_run`` could be set (docs/design.md).
 """
 

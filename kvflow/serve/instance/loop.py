@@ -6,7 +6,7 @@ heartbeats.
 does one unit of work (:meth:`EventLoop.work`: a prefill on P, a decode step on D) and its
 housekeeping (:meth:`EventLoop.heartbeat`: expiries; on D, what to renew). The heartbeat that
 tells the router this instance lives (free blocks, running requests) and D's lease renewals to
-its P's go out every ``heartbeat_s`` from a thread of its own (:mod:`kvflow.serve.heartbeat`),
+its P's go out every ``heartbeat_s`` from a thread of its own (:mod:`kvflow.serve.instance.heartbeat`),
 which no compute blocks. Malformed frames are logged and dropped
 (:func:`kvflow.protocol.decode_or_log`); a handler that raises is logged and the loop goes on.
 """
@@ -32,7 +32,7 @@ log = logging.getLogger("kvflow.serve")
 
 class EventLoop:
     """Sockets, sends and the poll loop of one instance (base of
-    :class:`~kvflow.serve.instance.Instance`).
+    :class:`~kvflow.serve.instance.base.Instance`).
 
     Subclasses set ``instance_id`` and ``cfg`` (``router_url``, ``heartbeat_s``,
     ``parent_pid``) and provide :meth:`free_blocks`.
@@ -73,7 +73,7 @@ class EventLoop:
         self.beats.start()
 
     def lease_renewals(self):
-        """The :class:`~kvflow.serve.heartbeat.Renewals` the heartbeat thread sends (D: its
+        """The :class:`~kvflow.serve.instance.heartbeat.Renewals` the heartbeat thread sends (D: its
         lease renewals to P's), or None; called once, in :meth:`open_channels`."""
         return None
 

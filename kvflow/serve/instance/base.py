@@ -1,10 +1,10 @@
 """What every serving instance (prefill P, decode D, colocated) shares: start-up
-and registration with the router (the event loop is :mod:`kvflow.serve.loop`).
+and registration with the router (the event loop is :mod:`kvflow.serve.instance.loop`).
 
 Start-up order (:meth:`Instance.startup`) is the profile-run rule (docs/design.md) made
 concrete:
 
-1. take the memory budget (:mod:`kvflow.serve.budget`: on CUDA a fraction of the GPU's free
+1. take the memory budget (:mod:`kvflow.serve.launch.budget`: on CUDA a fraction of the GPU's free
    memory, measured before the weights load); load the model; build its
    :class:`~kvflow.layout.KVCacheSpec`;
 2. size ``num_blocks`` with :func:`kvflow.engine.determine_num_blocks` (a profile run with
@@ -15,7 +15,7 @@ concrete:
 4. only then open the ZMQ sockets and :class:`~kvflow.protocol.Register` with the router;
    the CLI then waits for its :class:`~kvflow.protocol.Registered`
    (:meth:`Instance.wait_registered`, bounded by ``--register-timeout-s``). A failure at any
-   step is one line (:class:`~kvflow.serve.startup.StartupError`).
+   step is one line (:class:`~kvflow.serve.launch.startup.StartupError`).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import time
 from kvflow.protocol import Register, Registered
 from kvflow.segments import host_id
 
-from .config import ServeConfig
+from ..launch.config import ServeConfig
 from .fingerprint import model_fingerprint
 from .loop import EventLoop
-from .startup import StartupError
+from ..launch.startup import StartupError
 
 log = logging.getLogger("kvflow.serve")
 
@@ -61,7 +61,7 @@ class Instance(EventLoop):
         from kvflow.layout import as_torch_dtype
         from kvflow.model import load_model
 
-        from .budget import memory_budget
+        from ..launch.budget import memory_budget
         from .kv_specs import role_spec
         cfg = self.cfg
         # the GPU's free memory is measured before this instance's weights take any of it
@@ -147,7 +147,7 @@ class Instance(EventLoop):
 
     def profile(self, budget=None) -> int:
         """``num_blocks`` from a profile run at ``max_num_batched_tokens`` (nothing sent) in
-        ``budget`` (:class:`~kvflow.serve.budget.MemoryBudget`; default from the config).
+        ``budget`` (:class:`~kvflow.serve.launch.budget.MemoryBudget`; default from the config).
 
         Raises
         ------
@@ -156,7 +156,7 @@ class Instance(EventLoop):
         """
         from kvflow.engine import MemoryBudgetError, determine_num_blocks
 
-        from .budget import memory_budget, too_small_message
+        from ..launch.budget import memory_budget, too_small_message
         assert self.ctrl is None, "profile run must happen before any channel exists"
         if budget is None:
             budget = memory_budget(self.cfg.device, self.cfg.memory_budget_mb,

@@ -14,8 +14,8 @@ spawned and before any model loads:
   data socket, which binds a free port the OS picks);
 - :func:`one_line_errors`: any other exception during start-up becomes one line too.
 
-The flags themselves are checked before any of these (:mod:`kvflow.serve.checks`); printing
-and the reader of stdout going away are :mod:`kvflow.serve.output`.
+The flags themselves are checked before any of these (:mod:`kvflow.serve.launch.checks`); printing
+and the reader of stdout going away are :mod:`kvflow.serve.launch.output`.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ mismatch, pairing refused: weights: 3f2a9c01d4e7… (p-1) vs 91c05b2e8f13… (d-
 Fields: every :class:`~kvflow.model.ModelConfig` field but ``name`` (a path or preset name
 says nothing about the math), the weights' ``dtype``, ``max_model_len`` and ``weights``, a
 digest of the parameters. Block size, layout and KV dtype are compared with the KV cache spec
-(:func:`kvflow.serve.instance.check_pairing`).
+(:func:`kvflow.serve.instance.pairing.check_pairing`).
 
 Weights digest: blake2b (16-byte digest) of each parameter's name, dtype, shape and bytes,
 parameters hashed in parallel threads (hashlib and the host copy release the GIL), then one

@@ -1,9 +1,9 @@
 """The decode instance (D): allocates each request's blocks, receives its KV from the prefill
 instance (P) through its connector (:func:`kvflow.connector.make_receiver`), and decodes.
 
-Per request: ``Allocate`` -> ALLOCATED (:class:`~kvflow.serve.sequences.DecodeLoop`: admission,
+Per request: ``Allocate`` -> ALLOCATED (:class:`~kvflow.serve.instance.sequences.DecodeLoop`: admission,
 D's *own* block table, prefix-cache hit ``num_cached_blocks``) -> the KV arrives from P (every
-data-plane message goes to the receiver, :mod:`kvflow.serve.arrivals`) into the prompt's
+data-plane message goes to the receiver, :mod:`kvflow.serve.instance.arrivals`) into the prompt's
 blocks of D's table after the prefix hit -> RECEIVING -> DECODING: the first token (sampled by
 P, which already sent it to the router) is appended, then one token per decode step is sent,
 from the second on -> DONE. Abort, transfer error and timeout
@@ -32,12 +32,12 @@ from kvflow.protocol import Abort, Allocate, Pair, PairResult, Unpair
 from kvflow.blocks import DecodeState, PrefixCache
 from kvflow.segments import DEAD, process_state
 
-from .advertise import advertised_host
+from ..advertise import advertised_host
 from .arrivals import Arrivals
-from .instance import Instance
+from .base import Instance
 from .pairing import check_peer, peer_of
 from .sequences import DecodeLoop, DecodesWithLoop
-from .startup import StartupError
+from ..launch.startup import StartupError
 
 log = logging.getLogger("kvflow.serve.decode")
 
@@ -72,7 +72,7 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
             bind_to_host(self.receiver.name, cfg.host)  # before its transport listens
         except ValueError as exc:  # unknown connector or option: one line
             raise StartupError(str(exc)) from None
-        if cfg.kv_verify:  # checked with the flags too (kvflow.serve.checks); never ignored
+        if cfg.kv_verify:  # checked with the flags too (kvflow.serve.launch.checks); never ignored
             if not hasattr(self.receiver, "verify"):
                 verified = " and ".join(kinds.with_capability("kv_verify"))
                 raise StartupError(f"--kv-verify checks the {verified} connectors, not "
@@ -111,7 +111,7 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
 
     def lease_renewals(self) -> Renewals:
         """D's lease socket (P's connect to :attr:`lease_addr` at pairing) and its renewals,
-        for the heartbeat thread (:meth:`~kvflow.serve.loop.EventLoop.open_channels`)."""
+        for the heartbeat thread (:meth:`~kvflow.serve.instance.loop.EventLoop.open_channels`)."""
         sock, port = lease_socket(self.ctx, self.cfg.host)
         self.lease_addr = f"tcp://{advertised_host(self.cfg.host, self.cfg.advertise_host)}:{port}"
         self.renewals = self.receiver.renewals = Renewals(sock, 0.8 * self.kv_lease_s)

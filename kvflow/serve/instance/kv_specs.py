@@ -2,7 +2,7 @@
 ``--block-size``, ``--kv-layout``, ``--kv-dtype``; D's from the ``--decode-*`` flags where given,
 else P's. When P's and D's specs differ, the connector re-blocks on the way
 (:mod:`kvflow.kernels.reblock`); pairing checks that the two can be mapped
-(:func:`kvflow.serve.pairing.check_pairing`)."""
+(:func:`kvflow.serve.instance.pairing.check_pairing`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from kvflow.layout import KVCacheSpec, as_torch_dtype
 
 def role_spec(model: Any, cfg: Any, role: str) -> KVCacheSpec:
     """The :class:`KVCacheSpec` of ``role`` ("prefill", "decode" or "colocated") for ``model``
-    (its layers, KV heads, head_dim) and ``cfg`` (a :class:`~kvflow.serve.config.ServeConfig`).
+    (its layers, KV heads, head_dim) and ``cfg`` (a :class:`~kvflow.serve.launch.config.ServeConfig`).
 
     >>> from types import SimpleNamespace as N
     >>> m = N(kv_spec=lambda bs, dtype, layout: (bs, dtype, layout), dtype="float32")

@@ -1,7 +1,7 @@
 """The router's liveness rule: when an instance that went silent is late, and when it is dead.
 
 Each instance heartbeats every 0.2 s from a thread that no compute blocks
-(:mod:`kvflow.serve.heartbeat`), so silence means its whole process gets no CPU, is stopped or
+(:mod:`kvflow.serve.instance.heartbeat`), so silence means its whole process gets no CPU, is stopped or
 hung, or is gone. :func:`judge` decides, from the seconds since the instance was last heard
 of (``silent_s``) and what this host can see of its process:
 

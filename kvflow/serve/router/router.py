@@ -16,8 +16,8 @@ client that disconnects (also before the first token) aborts its request. With `
 ``/v1/*`` needs ``Authorization: Bearer <key>`` (compared with :func:`hmac.compare_digest`),
 else HTTP 401; ``/health`` and ``/metrics`` stay open.
 
-The HTTP side (endpoints, server-sent events, the API key) is :mod:`kvflow.serve.app`; error
-wording is :mod:`kvflow.serve.errors`. Endpoints: ``GET /health`` (200 once P and D are registered and paired, else 503; JSON with
+The HTTP side (endpoints, server-sent events, the API key) is :mod:`kvflow.serve.router.app`; error
+wording is :mod:`kvflow.serve.router.errors`. Endpoints: ``GET /health`` (200 once P and D are registered and paired, else 503; JSON with
 every instance's free blocks), ``GET /v1/models``, ``POST /v1/completions``, ``GET /metrics``.
 """
 
@@ -34,12 +34,12 @@ from typing import Any, AsyncIterator
 from kvflow.protocol import Abort, Allocate, Allocated, Prefill, Rejected, Tokens
 
 from .api import CompletionRequest, shown
-from .config import ServeConfig
+from ..launch.config import ServeConfig
 from .control import Controller
 from .placement import ReqState
 from .errors import RequestError
 from .metrics import Metrics
-from .timings import RequestClock
+from ..timings import RequestClock
 
 log = logging.getLogger("kvflow.serve.router")
 

@@ -77,9 +77,9 @@ def check_pairing(mine: KVCacheSpec, my_id: str, peer: dict[str, Any], peer_id: 
 
 def check_peer(inst: Any, msg: Any) -> str:
     """'' when the peer of ``msg`` (:class:`~kvflow.protocol.Pair`) may pair with ``inst`` (an
-    :class:`~kvflow.serve.instance.Instance`): specs its connector maps
+    :class:`~kvflow.serve.instance.base.Instance`): specs its connector maps
     (:func:`check_pairing`), then equal model fingerprint
-    (:func:`~kvflow.serve.fingerprint.check_fingerprint`); else the refusal."""
+    (:func:`~kvflow.serve.instance.fingerprint.check_fingerprint`); else the refusal."""
     return (check_pairing(inst.spec, inst.instance_id, msg.peer_spec, msg.peer_id,
                           inst.connector_name(), inst.role)
             or check_fingerprint(inst.fingerprint, inst.instance_id, msg.peer_fingerprint,

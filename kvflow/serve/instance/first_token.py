@@ -7,7 +7,7 @@ P samples a request's first token at the end of its prefill with the function
 pull and tcp: send the KV message), as FastDeploy, vLLM and SGLang return the prefill's token.
 The router streams it at once; D appends it when the KV is in and streams from the second token
 on. ``finished`` follows the same stop rule D
-applies (:func:`~kvflow.serve.sampling.stop_reason`), so with ``max_tokens`` 1 the request
+applies (:func:`~kvflow.serve.instance.sampling.stop_reason`), so with ``max_tokens`` 1 the request
 ends on P's token while D still receives (and then frees) the KV.
 """
 

@@ -12,7 +12,7 @@ chooses a (P, D) per request and the Prefill names that D, so a P with several D
 request to its own D. When a D dies its P's get :class:`~kvflow.protocol.Unpair`; when a P
 dies, its D's do: every instance that was sent a Pair naming the dead one, also one whose
 pairing is not (yet) accepted, e.g. a D waiting for a free staging slot to pair with it.
-Liveness (:mod:`kvflow.serve.liveness`): an instance whose process has exited is dead at
+Liveness (:mod:`kvflow.serve.router.liveness`): an instance whose process has exited is dead at
 once; one that went silent is *late* while its process lives on this host (up to
 ``hung_after_s``), or, where its process cannot be seen, up to ``dead_after_s``; then dead.
 Every request that still needed a dead instance fails at once (the request's own clean-up
@@ -36,14 +36,14 @@ import zmq.asyncio
 from kvflow.protocol import (Heartbeat, Leaving, Pair, PairResult, Register, Registered,
                              Reregister, Tokens, Unpair, decode_or_log, encode)
 
-from .config import ServeConfig
+from ..launch.config import ServeConfig
 from .errors import registration_refusal
 from kvflow.segments import ALIVE, DEAD, UNKNOWN, process_state
-from .heartbeat import BEAT_SUFFIX
+from ..instance.heartbeat import BEAT_SUFFIX
 from .liveness import GONE, StallClock, judge
 from .placement import InstanceInfo, ReqState, pick_pair
 
-from .advertise import advertised_host
+from ..advertise import advertised_host
 
 log = logging.getLogger("kvflow.serve.router")
 
@@ -51,9 +51,9 @@ log = logging.getLogger("kvflow.serve.router")
 class Controller:
     """Parameters: ``host`` and ``port`` (0: a free port) to bind (``advertise_host``: what
     :attr:`addr` names instead of ``host``, :mod:`~kvflow.serve.advertise`); ``mode`` "disagg" or
-    "colocated"; ``metrics`` (:class:`~kvflow.serve.metrics.Metrics`); ``proc_alive(pid)``
+    "colocated"; ``metrics`` (:class:`~kvflow.serve.router.metrics.Metrics`); ``proc_alive(pid)``
     for processes this server spawned (None: heartbeats only); ``dead_after_s`` and
-    ``hung_after_s`` as :func:`~kvflow.serve.liveness.judge`."""
+    ``hung_after_s`` as :func:`~kvflow.serve.router.liveness.judge`."""
 
     MONITOR_S = 0.1  # how often liveness is judged (seconds)
 
@@ -112,7 +112,7 @@ class Controller:
                    for p in self.by_role("prefill") for d in self.by_role("decode"))
 
     def pick(self) -> tuple[InstanceInfo, InstanceInfo] | None:
-        """(prefill, decode) for the next request (:func:`~kvflow.serve.placement.pick_pair`),
+        """(prefill, decode) for the next request (:func:`~kvflow.serve.router.placement.pick_pair`),
         or None while no pair is ready."""
         got = pick_pair(self.instances.values(), self.requests.values(), self.mode, self._rr + 1)
         if got is not None and self.mode != "colocated":  # the turn counts disagg picks only
@@ -251,7 +251,7 @@ class Controller:
             self.check_liveness(time.monotonic())
 
     def check_liveness(self, now: float) -> None:
-        """Judge every instance (:func:`~kvflow.serve.liveness.judge`) at ``now``; declare
+        """Judge every instance (:func:`~kvflow.serve.router.liveness.judge`) at ``now``; declare
         the dead ones dead. A stall of this loop is credited to every instance first."""
         stalled = self.stalls.tick(now)
         for info in list(self.instances.values()):

@@ -3,7 +3,7 @@ instances, watching them, and stopping every one of them on exit.
 
 Children are ``python -m kvflow.serve --config-json JSON``: the same program a user runs with
 ``--role prefill|decode|colocated`` on another host, given the parent's whole
-:class:`~kvflow.serve.config.ServeConfig` as JSON (its role, the router's address and
+:class:`~kvflow.serve.launch.config.ServeConfig` as JSON (its role, the router's address and
 ``parent_pid``, so that they exit by themselves if the server dies without cleaning up). :meth:`Children.stop_all` sends SIGTERM, waits, then
 SIGKILLs stragglers; the caller then unlinks the shared-memory segments the children made.
 A child's stderr is copied to ours, except its one-line start-up error, which
@@ -39,7 +39,7 @@ def bind_http_socket(host: str, port: int) -> socket.socket:
 
     Raises
     ------
-    kvflow.serve.startup.StartupError
+    kvflow.serve.launch.startup.StartupError
         If ``host:port`` cannot be bound, naming ``--port`` (in use, privileged) or ``--host``.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -109,7 +109,7 @@ class Children:
 
         A child ends its current unit of work (one prefill chunk, one decode step), closes its
         sockets, cache and segments and exits 0 (:meth:`EventLoop.serve_forever
-        <kvflow.serve.loop.EventLoop.serve_forever>`): well under a second idle, a few seconds
+        <kvflow.serve.instance.loop.EventLoop.serve_forever>`): well under a second idle, a few seconds
         on a busy host; ``timeout_s`` bounds a child that hangs.
         """
         for proc in self.procs.values():
@@ -145,7 +145,7 @@ class Children:
 
 def _tee(pipe, tail: deque, fatal: dict[int, str], pid: int) -> None:
     """Copy a child's stderr to ours line by line, keeping the last lines in ``tail``; a
-    one-line error (:class:`~kvflow.serve.startup.StartupError`) goes to ``fatal[pid]``
+    one-line error (:class:`~kvflow.serve.launch.startup.StartupError`) goes to ``fatal[pid]``
     instead, for the server to print once, naming the child."""
     try:
         for raw in iter(pipe.readline, b""):

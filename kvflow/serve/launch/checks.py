@@ -1,7 +1,7 @@
-"""The flags of ``python -m kvflow.serve`` read into a :class:`~kvflow.serve.config.ServeConfig`
+"""The flags of ``python -m kvflow.serve`` read into a :class:`~kvflow.serve.launch.config.ServeConfig`
 and checked together, before anything starts.
 
-Every refusal is one line (:class:`~kvflow.serve.startup.StartupError`) naming the flag, its
+Every refusal is one line (:class:`~kvflow.serve.launch.startup.StartupError`) naming the flag, its
 value and a fix: a value out of range, a flag that would be silently ignored with the others
 given (``--kv-connector`` with ``--mode colocated``, ``--router-url`` with ``--role all``,
 ``--prefill-device`` on CPU, ``--num-blocks`` with a memory budget), an option

@@ -26,7 +26,7 @@ class InstanceInfo:
     num_running: int = 0
     heartbeat_at: float = 0.0  # router's monotonic clock; free_blocks/num_running date from it
     seq: int = 0  # of the newest heartbeat whose counts were kept
-    liveness: str = "ok"  # or "late" (kvflow.serve.liveness)
+    liveness: str = "ok"  # or "late" (kvflow.serve.router.liveness)
     pair_ok: set = dataclasses.field(default_factory=set)
 
     @property

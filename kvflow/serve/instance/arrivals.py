@@ -20,7 +20,7 @@ log = logging.getLogger("kvflow.serve.decode")
 
 
 class Arrivals:
-    """Handlers of :class:`~kvflow.serve.decode.DecodeInstance` for arriving KV (a mixin: it
+    """Handlers of :class:`~kvflow.serve.instance.decode.DecodeInstance` for arriving KV (a mixin: it
     uses D's ``receiver``, ``seqs``, ``loop``, ``data`` socket and ``_end``)."""
 
     def on_data(self, msg, frames, ident) -> None:

@@ -4,7 +4,7 @@ Each CLI flag is a field of :class:`ServeConfig`; its metadata holds the help te
 choices), and :func:`build_parser` generates the argparse parser from the fields, so a flag is
 written once: name, type, default, help. The parent process hands its child instances the
 config as JSON (:meth:`ServeConfig.to_json` / :meth:`ServeConfig.from_json`), never a rebuilt
-argv; the checks of the values together are in :mod:`kvflow.serve.checks`.
+argv; the checks of the values together are in :mod:`kvflow.serve.launch.checks`.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class ServeConfig:
     """The settings of a router, a prefill (P), decode (D) or colocated instance.
 
     Field names are the flags' (``--kv-lease-s`` is ``kv_lease_s``); times are seconds, memory
-    MiB, lengths tokens. Build it with :func:`kvflow.serve.checks.parse_config` (flags, checked)
+    MiB, lengths tokens. Build it with :func:`kvflow.serve.launch.checks.parse_config` (flags, checked)
     or :meth:`from_json` (a parent's config); tests may construct it directly.
     """
 
@@ -215,7 +215,7 @@ def default_of(f: dataclasses.Field) -> Any:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (:class:`~kvflow.serve.startup.StartupError`, exit 1)
+    """argparse with one-line errors (:class:`~kvflow.serve.launch.startup.StartupError`, exit 1)
     instead of usage + exit 2."""
 
     def error(self, message: str):

@@ -1,7 +1,7 @@
 """The router process of ``python -m kvflow.serve`` (``--role all`` or ``router``): the control
-plane (:class:`~kvflow.serve.control.Controller`), the child instances (``--role all``: each
+plane (:class:`~kvflow.serve.router.control.Controller`), the child instances (``--role all``: each
 gets the config as JSON, :func:`instance_config`), and the HTTP server
-(:func:`~kvflow.serve.app.create_app` under uvicorn) until it stops.
+(:func:`~kvflow.serve.router.app.create_app` under uvicorn) until it stops.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _controller(cfg: ServeConfig, metrics, children, tokenizer):
     tokenizer is not ``tokenizer`` (the router's)."""
     import zmq
 
-    from .control import Controller
+    from ..router.control import Controller
     from .startup import bind_error
     try:
         return Controller(cfg.host, cfg.control_port, mode=cfg.mode, metrics=metrics,
@@ -72,7 +72,7 @@ def stop_on_signals(server, children=None) -> None:
     """From now on the first SIGINT or SIGTERM stops ``server`` (uvicorn's ``should_exit``:
     no new connection, running requests get up to 3 s, then the children stop); a second one
     cuts that short (``force_exit``, and the children are killed without waiting:
-    :meth:`~kvflow.serve.procs.Children.stop_all`). Installed whatever the handler was, also
+    :meth:`~kvflow.serve.launch.procs.Children.stop_all`). Installed whatever the handler was, also
     ``SIG_IGN`` inherited from a shell that started the server as a background job."""
     received: list[int] = []
 
@@ -95,7 +95,7 @@ def stop_on_signals(server, children=None) -> None:
 
 async def serve_router(cfg: ServeConfig, http_sock, children, serving: list[bool]) -> int:
     """Serve HTTP on ``http_sock`` until stopped; return the exit status. ``serving`` gets True
-    once the router listens (``children``: :class:`~kvflow.serve.procs.Children` or None).
+    once the router listens (``children``: :class:`~kvflow.serve.launch.procs.Children` or None).
 
     Raises
     ------
@@ -106,10 +106,10 @@ async def serve_router(cfg: ServeConfig, http_sock, children, serving: list[bool
 
     from kvflow.segments import clean_stale
 
-    from .app import create_app
-    from .metrics import Metrics
+    from ..router.app import create_app
+    from ..router.metrics import Metrics
     from .procs import instance_env, watch_children
-    from .router import Router, load_tokenizer
+    from ..router.router import Router, load_tokenizer
     from .output import watch_output
 
     metrics = Metrics()

@@ -6,7 +6,7 @@ are looked up first: a hit on logical blocks ``0..k-1`` puts those (shared, ref-
 first in the new table and answers ``Allocated(num_cached_blocks=k)``. Evictable cached blocks
 count as free (:meth:`DecodeLoop.free_blocks`) and are evicted, least recently used first, when
 needed. Then every running request steps together (continuous batching): one token per step,
-until a stop reason (:func:`~kvflow.serve.sampling.stop_reason`); every end frees its blocks
+until a stop reason (:func:`~kvflow.serve.instance.sampling.stop_reason`); every end frees its blocks
 unless the caller keeps them (D's lent blocks). On D the first token is P's: D appends it
 without sending it (:meth:`DecodeLoop.take_first`; P sent it to the router) and streams from
 the second on.
@@ -24,7 +24,7 @@ from kvflow.blocks import AdmissionError, NoFreeBlocksError, PrefixCache, Reques
 
 from . import faults
 from .sampling import sample_token, stop_reason
-from .timings import stamp
+from ..timings import stamp
 
 log = logging.getLogger("kvflow.serve.sequences")
 

@@ -1,7 +1,7 @@
 """The colocated instance: prefill and decode in one instance and one cache, no connector.
 
 It composes the engine, an allocator and the decode loop
-(:class:`~kvflow.serve.sequences.DecodeLoop`) and does each request's prefill itself
+(:class:`~kvflow.serve.instance.sequences.DecodeLoop`) and does each request's prefill itself
 (``Prefill``): the reference that disaggregated output must match token for token.
 """
 
@@ -14,10 +14,10 @@ from kvflow.protocol import Abort, Allocate, Prefill, Rejected
 from kvflow.blocks import ColocatedState
 
 from . import faults
-from .instance import Instance
+from .base import Instance
 from .sampling import sample_token
 from .sequences import DecodeLoop, DecodesWithLoop
-from .timings import stamp
+from ..timings import stamp
 
 log = logging.getLogger("kvflow.serve.colocated")
 
