@@ -25,6 +25,7 @@ _MODULES = {
     "numba": "kvflow.kernels.numba",
     "numba_cuda": "kvflow.kernels.numba.gpu",
     "triton": "kvflow.kernels.triton",
+    "copy_engine": "kvflow.kernels.copy_engine",  # driver memcpys, no SMs; never picked by auto
     "native": "kvflow.kernels.native",
     "xpu": "kvflow.kernels.native",  # Kunlun XPU variant of kvflow._native (SDK builds only)
 }

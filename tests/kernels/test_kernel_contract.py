@@ -17,6 +17,7 @@ CAPABILITIES = {
     "xpu": (False, False, ("pull",), False),
     "triton": (True, True, ("pull", "push"), True),
     "numba_cuda": (False, False, ("pull", "push"), False),
+    "copy_engine": (False, False, ("pull", "push"), False),
 }
 
 

@@ -41,8 +41,8 @@ def _run(*argv: str) -> tuple[dict, str, str]:
     (["--model", "kvflow-llama-32l", "--max-model-len", "40000"],
      "--max-model-len 40000 exceeds the model's max_position_embeddings=32768 "
      "(kvflow-llama-32l); use at most 32768"),
-    (["--backend", "nonsense"], "--backend nonsense is unknown; use auto or one of native, "
-                                "numba, numba_cuda, torch, triton, xpu"),
+    (["--backend", "nonsense"], "--backend nonsense is unknown; use auto or one of copy_engine, "
+                                "native, numba, numba_cuda, torch, triton, xpu"),
 ])
 def test_bad_flag_is_refused_before_torch(argv, line):
     got, _, err = _run(*argv)

@@ -30,7 +30,7 @@ _SECONDS = ("kv_lease_s", "receive_timeout_s", "admit_timeout_s", "dead_after_s"
             "register_timeout_s")
 #: ``--backend`` values besides ``auto``: kvflow.kernels.registry's built-in backends (that
 #: module imports torch; tests/serve/test_serve_early_refusals.py checks that both lists agree)
-BACKEND_NAMES = ("native", "numba", "numba_cuda", "torch", "triton", "xpu")
+BACKEND_NAMES = ("copy_engine", "native", "numba", "numba_cuda", "torch", "triton", "xpu")
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per element of --dtype
 _POSITIVE = ("block_size", "decode_block_size", "max_model_len", "num_blocks", "memory_budget_mb",
              "max_num_batched_tokens")
