@@ -1,6 +1,5 @@
-"""``kv_connector_extra_config`` of :class:`~kvflow.integrations.vllm.KvflowConnector`: the
-keys, their defaults and the checks at start-up (docs/tutorials/vllm.md, "Settings"). Imports
-nothing from vLLM."""
+"""``kv_connector_extra_config`` of ``KvflowConnector``: keys, defaults and start-up checks
+(docs/tutorials/vllm.md, "Settings"). Imports nothing from vLLM."""
 
 from __future__ import annotations
 
@@ -9,7 +8,28 @@ from typing import Any
 DEFAULTS = {"kvflow_host": "127.0.0.1", "kvflow_port": 5601, "transport": "tcp",
             "lease_s": 60.0, "timeout_s": 30.0, "backend": "auto", "test_serve_delay_s": 0.0,
             "test_corrupt_kv": False, "staging_mb": 256}
-TRANSPORTS = ("tcp", "nixl", "ipc")
+#: The serving kinds' names (``kvflow.connector.KINDS``) of what each transport does.
+TRANSPORTS = ("tcp", "nixl", "ipc-push")
+#: Names of earlier releases: refused with the new name.
+RENAMED = {"ipc": "ipc-push"}
+
+
+def check_transport(transport: Any) -> str:
+    """``transport`` if it is one of :data:`TRANSPORTS`.
+
+    Raises
+    ------
+    ValueError
+        Another value; an old name of :data:`RENAMED` is refused with its new name.
+    """
+    if transport in RENAMED:
+        raise ValueError(f"kv_connector_extra_config transport {transport!r} is now called "
+                         f"{RENAMED[transport]!r} (P writes into D's staging cache, as serving's "
+                         f"{RENAMED[transport]} kind); set transport {RENAMED[transport]!r}")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"kv_connector_extra_config transport must be one of {TRANSPORTS}, "
+                         f"got {transport!r}")
+    return transport
 
 
 def check_config(extra: dict[str, Any]) -> dict[str, Any]:
@@ -18,8 +38,8 @@ def check_config(extra: dict[str, Any]) -> dict[str, Any]:
     Raises
     ------
     ValueError
-        An unknown key (the known ones named), a ``transport`` other than ``tcp`` / ``nixl`` /
-        ``ipc``, ``timeout_s`` not > 0, ``lease_s`` not larger than ``timeout_s`` (P would free
+        An unknown key (the known ones named), a bad ``transport`` (:func:`check_transport`),
+        ``timeout_s`` not > 0, ``lease_s`` not larger than ``timeout_s`` (P would free
         blocks D may still be reading), ``staging_mb`` not > 0, a number setting that is not a
         number, or an unknown ``backend``.
     """
@@ -28,9 +48,7 @@ def check_config(extra: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"kv_connector_extra_config has unknown keys {unknown}; "
                          f"kvflow knows {sorted(DEFAULTS)}")
     conf = {**DEFAULTS, **extra}
-    if conf["transport"] not in TRANSPORTS:
-        raise ValueError(f"kv_connector_extra_config transport must be one of {TRANSPORTS}, "
-                         f"got {conf['transport']!r}")
+    check_transport(conf["transport"])
     for key in ("timeout_s", "lease_s", "staging_mb"):
         try:
             conf[key] = float(conf[key])

@@ -1,12 +1,11 @@
-"""D's side channel to the P workers it pulls from: one ZMQ DEALER socket per P address, used
-from D's loader thread only. Both transports ask P over it (tcp: the KV comes back as frames;
-nixl: P's agent and a check, the KV moves by NIXL READ).
-"""
+"""D's side channel to the P workers it pulls from (one ZMQ DEALER socket per P address, used
+from D's loader thread only) and :class:`Puller`, D's end of every transport."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 import zmq
 
 from .messages import PullReply, Release, decode, encode
@@ -27,8 +26,13 @@ class PeerLink:
     Parameters
     ----------
     timeout_s : float
-        Longest wait for one answer of P (seconds); then :class:`PullError` and the socket is
+        Longest wait for one answer of P (seconds); then :class:`PeerTimeout` and the socket is
         dropped (a late answer never reaches a later question).
+
+    Raises
+    ------
+    ValueError
+        ``timeout_s`` not > 0.
     """
 
     def __init__(self, timeout_s: float) -> None:
@@ -52,13 +56,8 @@ class PeerLink:
 
     def ask(self, addr: str, msg: Any, answer: type, what: str,
             req_id: str | None = None) -> tuple[Any, list[Any]]:
-        """Send ``msg`` and wait for P's answer of type ``answer`` (with ``req_id``, when
-        given; other answers, late ones of an earlier question, are skipped).
-
-        Returns
-        -------
-        (answer, frames)
-            The decoded answer and the raw frames after it (zmq ``Frame`` objects, not copied).
+        """Send ``msg``; return P's answer of type ``answer`` (with ``req_id``, when given:
+        late answers of an earlier question are skipped) and the raw zmq frames after it.
 
         Raises
         ------
@@ -89,8 +88,8 @@ class PeerLink:
 
 
 class Puller:
-    """What D's loader thread calls, whatever the transport (:class:`.transfer.KVPuller`,
-    :class:`.nixl_pull.NixlPuller`): :meth:`pull`, :meth:`release`, :meth:`close`.
+    """D's end of a transport (:class:`.transfer.KVPuller`, :class:`.ipc_push.IpcPuller`,
+    :class:`.nixl_pull.NixlPuller`), called from D's loader thread.
 
     Parameters
     ----------
@@ -111,12 +110,8 @@ class Puller:
         self.link.send(addr, Release(req_id))
 
     def pull(self, addr: str, req_id: str, remote_ids: list[int], local_ids: list[int]) -> int:
-        """Copy P's blocks ``remote_ids`` into D's ``local_ids`` (same length, logical order).
-
-        Returns
-        -------
-        int
-            Payload bytes written into D's cache (``len(local_ids) * spec.bytes_per_block``).
+        """Copy P's blocks ``remote_ids`` into D's ``local_ids`` (same length, logical order);
+        returns the payload bytes written (``len(local_ids) * spec.bytes_per_block``).
 
         Raises
         ------
@@ -127,19 +122,18 @@ class Puller:
         if len(remote_ids) != len(local_ids):
             raise PullError(f"request {req_id}: {len(remote_ids)} remote blocks for "
                             f"{len(local_ids)} local blocks")
-        return self._pull(addr, req_id, list(remote_ids), list(local_ids))
+        self._pull(addr, req_id, list(remote_ids), list(local_ids))
+        if self.corrupt:
+            ids = torch.tensor(local_ids, dtype=torch.int64)
+            for t in self.cache.tensors():
+                t[ids] = torch.randn(t[ids].shape).to(t.device, t.dtype)
+        return len(local_ids) * self.cache.spec.bytes_per_block
 
-    def _pull(self, addr: str, req_id: str, remote_ids: list[int], local_ids: list[int]) -> int:
+    def _pull(self, addr: str, req_id: str, remote_ids: list[int], local_ids: list[int]) -> None:
         raise NotImplementedError
 
     def _ask_pull(self, addr: str, msg: Any) -> tuple[Any, list[Any]]:
-        """Send a ``Pull`` and return P's ``PullReply`` (and frames) if P agreed.
-
-        Raises
-        ------
-        PullError
-            No answer within ``timeout_s``, or P refused (its message).
-        """
+        """P's ``PullReply`` (and frames) to ``msg`` if P agreed, else :class:`PullError`."""
         reply, frames = self.link.ask(addr, msg, PullReply, f"request {msg.req_id}", msg.req_id)
         if not reply.ok:
             raise PullError(f"request {msg.req_id}: P refused the pull: {reply.error}")

@@ -1,23 +1,11 @@
-"""Transport ``ipc`` of :class:`~kvflow.integrations.vllm.KvflowConnector`: P and D on one host,
-the KV moved through a staging buffer that D owns and P maps.
+"""Transport ``ipc-push`` (one host): P writes the request's blocks into a staging cache that D
+exports and P maps, as serving's ``ipc-push`` kind writes into D's exported cache.
 
-vLLM allocates its KV cache itself (plain host memory on CPU, one ``cudaMalloc`` on a GPU), so
-P's cache cannot be mapped by D the way kvflow's own ``ipc-pull`` maps a cache it allocated in
-shared memory. D therefore exports a staging cache of its own spec (``staging_blocks`` blocks;
-CPU: a POSIX shared-memory segment, :mod:`kvflow.connector.transport.shm`; GPU: one
-allocation's CUDA IPC handle, :mod:`kvflow.connector.transport.cuda_ipc`) at start-up, and per
-request, in chunks of at most ``staging_blocks`` blocks:
-
-1. D sends ``Pull(req, P's block ids, spec, staging=<export name>, staging_blocks=N)``;
-2. P maps the export once per D (writable), copies its blocks into staging blocks ``0..k-1``
-   with one :func:`kvflow.kernels.copy_blocks` launch over all layers, waits for the copy
-   (GPU), and answers ``PullReply(ok)`` with no frames;
-3. D copies staging blocks ``0..k-1`` into the blocks it allocated (one ``copy_blocks``), and
-   after the last chunk sends ``Release``; P frees the request's blocks then (or at its lease).
-
-Two copies of the payload, as tcp, but no socket: the bytes never cross the kernel's network
-stack. Works only when P and D share a host (and, on GPUs, see each other's GPUs); across hosts
-use ``tcp`` or ``nixl``.
+vLLM allocates its cache itself, so D cannot map P's the way ``ipc-pull`` does; D exports a
+staging cache of its own spec instead (:func:`kvflow.connector.transport.shm.export_new_cache`:
+shared memory on CPU, CUDA IPC on a GPU), P maps it once per D and copies into it with one
+``copy_blocks`` launch, D copies on into its blocks, in chunks of at most ``staging_blocks``
+blocks. Two copies, no socket carrying KV. docs/tutorials/vllm.md, "What happens to one request".
 """
 
 from __future__ import annotations
@@ -42,6 +30,11 @@ def staging_blocks_for(spec: KVCacheSpec, max_blocks: int, budget: int = STAGING
     """Blocks of D's staging cache: enough for one request of ``max_blocks`` blocks (D's longest
     prompt), at most ``budget`` bytes, at least one block."""
     return max(1, min(int(max_blocks), budget // spec.bytes_per_block))
+
+
+def _sync(cache: PagedKVCache) -> None:
+    if cache.device.type == "cuda":
+        torch.cuda.synchronize(cache.device)
 
 
 class StagingMaps:
@@ -69,27 +62,31 @@ class StagingMaps:
     def copy_in(self, cache: PagedKVCache, name: str, num_blocks: int, ids: list[int],
                 backend: str) -> None:
         """Copy P's blocks ``ids`` of ``cache`` into staging blocks ``0..len(ids)-1`` of D's
-        export ``name``; returns once the bytes are there (GPU: P's stream synchronised)."""
-        staging = self.get(name, num_blocks)
-        copy_blocks(cache, staging, ids, list(range(len(ids))), backend=backend)
-        if cache.device.type == "cuda":
-            torch.cuda.synchronize(cache.device)
+        export ``name``; returns once the bytes are there."""
+        copy_blocks(cache, self.get(name, num_blocks), ids, list(range(len(ids))),
+                    backend=backend)
+        _sync(cache)
 
     def close(self) -> None:
         self._maps.clear()
 
 
-class IpcPuller(Puller):
-    """D's end of transport ``ipc`` (:class:`.link.Puller`), used from D's loader thread only.
+def check_ipc_pull(msg: Pull, maps: StagingMaps) -> str:
+    """P's refusal of an ipc-push ``Pull`` it cannot serve ('' when it can)."""
+    if len(msg.block_ids) > msg.staging_blocks:
+        return (f"{len(msg.block_ids)} blocks do not fit D's staging cache of "
+                f"{msg.staging_blocks} blocks")
+    try:
+        maps.get(msg.staging, msg.staging_blocks)
+    except TransferError as exc:
+        return f"cannot map D's staging cache {msg.staging!r}: {exc}"
+    return ""
 
-    Parameters
-    ----------
-    cache, timeout_s, corrupt
-        As :class:`.link.Puller`.
-    staging_blocks : int
-        Blocks of the staging cache D exports (:func:`staging_blocks_for`).
-    backend : str
-        kvflow backend of D's ``copy_blocks``.
+
+class IpcPuller(Puller):
+    """D's end of transport ``ipc-push``: D exports a staging cache of ``staging_blocks`` blocks
+    (:func:`staging_blocks_for`) and copies each chunk P wrote there into its own blocks with
+    kvflow backend ``backend`` (``cache``, ``timeout_s``, ``corrupt``: as :class:`.link.Puller`).
 
     Raises
     ------
@@ -113,41 +110,23 @@ class IpcPuller(Puller):
         copy_blocks(a, b, [0], [1], backend=backend)
         self.chunks = 0  # chunks of the last pull
 
-    def _pull(self, addr: str, req_id: str, remote_ids: list[int], local_ids: list[int]) -> int:
-        spec, step = self.cache.spec, self.staging_blocks
+    def _pull(self, addr: str, req_id: str, remote_ids: list[int], local_ids: list[int]) -> None:
+        step, self.chunks = self.staging_blocks, 0
         try:
-            self.chunks = 0
             for i in range(0, len(remote_ids), step):
                 src, dst = remote_ids[i:i + step], local_ids[i:i + step]
-                self._ask_pull(addr, Pull(req_id, src, spec.to_dict(), staging=self.name,
-                                          staging_blocks=step))
-                if self.corrupt:
-                    for t in self.staging.tensors():
-                        t[:len(src)].copy_(torch.randn(t[:len(src)].shape).to(spec.dtype))
+                self._ask_pull(addr, Pull(req_id, src, self.cache.spec.to_dict(),
+                                          staging=self.name, staging_blocks=step))
                 try:
                     copy_blocks(self.staging, self.cache, list(range(len(src))), dst,
                                 backend=self.backend)
                 except (TypeError, ValueError) as exc:
                     raise PullError(f"request {req_id}: {exc}") from exc
-                if self.cache.device.type == "cuda":
-                    torch.cuda.synchronize(self.cache.device)  # P reuses the staging next
+                _sync(self.cache)  # P reuses the staging next
                 self.chunks += 1
         finally:
             self.release(addr, req_id)  # P may free its blocks (also after a failure)
-        return len(local_ids) * spec.bytes_per_block
 
     def close(self) -> None:
         super().close()
         unlink(self.name)
-
-
-def check_ipc_pull(msg: Pull, maps: StagingMaps) -> str:
-    """P's refusal of an ipc ``Pull`` it cannot serve ('' when it can)."""
-    if len(msg.block_ids) > msg.staging_blocks:
-        return (f"{len(msg.block_ids)} blocks do not fit D's staging cache of "
-                f"{msg.staging_blocks} blocks")
-    try:
-        maps.get(msg.staging, msg.staging_blocks)
-    except TransferError as exc:
-        return f"cannot map D's staging cache {msg.staging!r}: {exc}"
-    return ""
