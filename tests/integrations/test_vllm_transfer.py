@@ -88,7 +88,7 @@ def test_pull_moves_exact_blocks_and_frees_p(transport):
             assert list(puller.peers) == [server.addr] == list(puller.agent.peers)
         if transport == "ipc-push":
             assert puller.chunks == 2  # 3 + 1 blocks through 3 staging blocks
-            assert list(server.staging._maps) == [puller.name]  # mapped once
+            assert list(server.staging) == [puller.name]  # mapped once
 
 
 @pytest.mark.parametrize("transport", ["tcp", NIXL, "ipc-push"])

@@ -15,13 +15,8 @@ RENAMED = {"ipc": "ipc-push"}
 
 
 def check_transport(transport: Any) -> str:
-    """``transport`` if it is one of :data:`TRANSPORTS`.
-
-    Raises
-    ------
-    ValueError
-        Another value; an old name of :data:`RENAMED` is refused with its new name.
-    """
+    """``transport`` if it is one of :data:`TRANSPORTS`, else ValueError (an old name of
+    :data:`RENAMED` is refused with its new name)."""
     if transport in RENAMED:
         raise ValueError(f"kv_connector_extra_config transport {transport!r} is now called "
                          f"{RENAMED[transport]!r} (P writes into D's staging cache, as serving's "
@@ -55,15 +50,13 @@ def check_config(extra: dict[str, Any]) -> dict[str, Any]:
         except (TypeError, ValueError):
             raise ValueError(f"kv_connector_extra_config {key} must be a number, got "
                              f"{conf[key]!r}") from None
-    if not conf["timeout_s"] > 0:
-        raise ValueError(f"kv_connector_extra_config timeout_s must be > 0 seconds, got "
-                         f"{extra.get('timeout_s')!r}")
+    for key, unit in (("timeout_s", "seconds"), ("staging_mb", "MiB")):
+        if not conf[key] > 0:
+            raise ValueError(f"kv_connector_extra_config {key} must be > 0 {unit}, got "
+                             f"{extra.get(key)!r}")
     if not conf["lease_s"] > conf["timeout_s"]:
         raise ValueError(f"kv_connector_extra_config lease_s ({conf['lease_s']:g} s) must be "
                          f"larger than timeout_s ({conf['timeout_s']:g} s)")
-    if not conf["staging_mb"] > 0:
-        raise ValueError(f"kv_connector_extra_config staging_mb must be > 0 MiB, got "
-                         f"{extra.get('staging_mb')!r}")
     from kvflow.kernels.registry import backend_names
     if conf["backend"] != "auto" and conf["backend"] not in backend_names():
         raise ValueError(f"kv_connector_extra_config backend must be 'auto' or one of "

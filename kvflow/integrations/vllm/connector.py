@@ -59,13 +59,6 @@ class KvflowMeta(KVConnectorMetadata):
     hold: list[tuple[str, list[int]]] = dataclasses.field(default_factory=list)  # (req, P's ids)
 
 
-def _first_group(block_ids: Any) -> list[int]:
-    """vLLM passes one list of block ids, or one list per KV cache group."""
-    if block_ids and isinstance(block_ids[0], (list, tuple)):
-        return list(block_ids[0])
-    return list(block_ids)
-
-
 class KvflowConnector(KVConnectorBase_V1):
     """kvflow's vLLM KV connector; see the module docstring.
 
@@ -90,7 +83,6 @@ class KvflowConnector(KVConnectorBase_V1):
         self._done_recv: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._lock = threading.Lock()
-        self.stats: list[dict[str, Any]] = []
 
     def _release(self, request: "Request", params: dict[str, Any]) -> None:
         """D will not pull ``request``: P may free its blocks (sent by the loader thread)."""
@@ -98,7 +90,7 @@ class KvflowConnector(KVConnectorBase_V1):
         self._recv.append(RecvJob(request.request_id, params["remote_addr"],
                                   params["remote_request_id"]))
 
-    # ================================ scheduler side ======================================
+    # ---- scheduler side ----
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[int, bool]:
         """D: the prompt tokens P holds beyond D's local prefix hit, loaded asynchronously.
@@ -161,7 +153,9 @@ class KvflowConnector(KVConnectorBase_V1):
                                   RequestStatus.FINISHED_STOPPED):
             return False, None  # P aborted: free now, nothing to send
         prompt = list(request.prompt_token_ids or [])
-        ids = _first_group(block_ids)[:-(-len(prompt) // self.block_size)]
+        if block_ids and isinstance(block_ids[0], (list, tuple)):  # one list per cache group
+            block_ids = block_ids[0]
+        ids = list(block_ids)[:-(-len(prompt) // self.block_size)]
         if not ids:
             return False, None
         self._hold.append((request.request_id, ids))
@@ -170,7 +164,7 @@ class KvflowConnector(KVConnectorBase_V1):
                       "remote_block_ids": ids, "remote_num_tokens": len(prompt),
                       "remote_prompt_hash": prompt_hash(prompt)}
 
-    # ================================= worker side ========================================
+    # ---- worker side ----
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Wrap vLLM's per-layer tensors (no copy); P starts serving pulls, D its loader thread
         (with nixl, each registers the tensors' memory with a NIXL agent)."""
@@ -243,11 +237,9 @@ class KvflowConnector(KVConnectorBase_V1):
             failed: list[int] = []
             try:
                 nbytes = puller.pull(job.addr, job.remote_req_id, job.remote_ids, job.local_ids)
-                self.stats.append({"req_id": job.req_id, "blocks": len(job.local_ids),
-                                   "bytes": nbytes, "ms": (time.perf_counter() - t0) * 1e3})
                 log.info("kvflow: pulled %d blocks (%d bytes) of %s in %.2f ms over %s",
-                         len(job.local_ids), nbytes, job.req_id, self.stats[-1]["ms"],
-                         self.conf["transport"])
+                         len(job.local_ids), nbytes, job.req_id,
+                         (time.perf_counter() - t0) * 1e3, self.conf["transport"])
             except (PullError, ValueError, OSError) as exc:
                 log.error("kvflow: %s", exc)
                 failed = job.local_ids

@@ -37,50 +37,33 @@ def _sync(cache: PagedKVCache) -> None:
         torch.cuda.synchronize(cache.device)
 
 
-class StagingMaps:
-    """P's writable mappings of D's staging exports, by export name (one per D, opened at its
+class StagingMaps(dict):
+    """P's writable mappings of D's staging exports, by export name (one per D, mapped at its
     first pull and kept; a D that restarts exports a new name)."""
 
     def __init__(self, spec: KVCacheSpec, device: torch.device) -> None:
+        super().__init__()
         self.spec, self.device = spec, device
-        self._maps: dict[str, PagedKVCache] = {}
 
-    def get(self, name: str, num_blocks: int) -> PagedKVCache:
-        """D's staging cache ``name`` of ``num_blocks`` blocks, mapped writable on P's device.
+    def refusal(self, msg: Pull) -> str:
+        """Why P cannot serve the ipc-push ``msg`` ('' when it can: D's export is mapped)."""
+        if len(msg.block_ids) > msg.staging_blocks:
+            return (f"{len(msg.block_ids)} blocks do not fit D's staging cache of "
+                    f"{msg.staging_blocks} blocks")
+        if msg.staging not in self or self[msg.staging].num_blocks != msg.staging_blocks:
+            try:
+                self[msg.staging] = map_decode_cache(msg.staging, self.spec, msg.staging_blocks,
+                                                     self.device)
+            except TransferError as exc:
+                return f"cannot map D's staging cache {msg.staging!r}: {exc}"
+        return ""
 
-        Raises
-        ------
-        TransferError
-            The export is missing, smaller than ``num_blocks`` blocks, of another spec, or on
-            a GPU this process cannot see.
-        """
-        cache = self._maps.get(name)
-        if cache is None or cache.num_blocks != num_blocks:
-            cache = self._maps[name] = map_decode_cache(name, self.spec, num_blocks, self.device)
-        return cache
-
-    def copy_in(self, cache: PagedKVCache, name: str, num_blocks: int, ids: list[int],
-                backend: str) -> None:
-        """Copy P's blocks ``ids`` of ``cache`` into staging blocks ``0..len(ids)-1`` of D's
-        export ``name``; returns once the bytes are there."""
-        copy_blocks(cache, self.get(name, num_blocks), ids, list(range(len(ids))),
+    def copy_in(self, cache: PagedKVCache, msg: Pull, backend: str) -> None:
+        """Copy P's blocks ``msg.block_ids`` of ``cache`` into staging blocks ``0..k-1`` of D's
+        export (mapped by :meth:`refusal`); returns once the bytes are there."""
+        copy_blocks(cache, self[msg.staging], msg.block_ids, list(range(len(msg.block_ids))),
                     backend=backend)
         _sync(cache)
-
-    def close(self) -> None:
-        self._maps.clear()
-
-
-def check_ipc_pull(msg: Pull, maps: StagingMaps) -> str:
-    """P's refusal of an ipc-push ``Pull`` it cannot serve ('' when it can)."""
-    if len(msg.block_ids) > msg.staging_blocks:
-        return (f"{len(msg.block_ids)} blocks do not fit D's staging cache of "
-                f"{msg.staging_blocks} blocks")
-    try:
-        maps.get(msg.staging, msg.staging_blocks)
-    except TransferError as exc:
-        return f"cannot map D's staging cache {msg.staging!r}: {exc}"
-    return ""
 
 
 class IpcPuller(Puller):
@@ -105,9 +88,8 @@ class IpcPuller(Puller):
         self.backend, self.staging_blocks = backend, staging_blocks
         self.staging, self.name = export_new_cache(cache.spec, staging_blocks, cache.device,
                                                    "staging")
-        # compile the copy now, not in the first request's TTFT
-        a, b = (PagedKVCache(cache.spec, 2, device=cache.device) for _ in range(2))
-        copy_blocks(a, b, [0], [1], backend=backend)
+        copy_blocks(*(PagedKVCache(cache.spec, 2, device=cache.device) for _ in range(2)), [0],
+                    [1], backend=backend)  # compile the copy now, not in the first TTFT
         self.chunks = 0  # chunks of the last pull
 
     def _pull(self, addr: str, req_id: str, remote_ids: list[int], local_ids: list[int]) -> None:

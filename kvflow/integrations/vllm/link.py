@@ -12,8 +12,7 @@ from .messages import PullReply, Release, decode, encode
 
 
 class PullError(RuntimeError):
-    """A pull that did not put the KV into D's blocks (P refused or timed out, bad frames, a
-    failed NIXL READ)."""
+    """A pull that did not put the KV into D's blocks (P refused or timed out, bad frames...)."""
 
 
 class PeerTimeout(PullError):
@@ -21,19 +20,9 @@ class PeerTimeout(PullError):
 
 
 class PeerLink:
-    """D's DEALER sockets, one per P address (``tcp://host:port``).
-
-    Parameters
-    ----------
-    timeout_s : float
-        Longest wait for one answer of P (seconds); then :class:`PeerTimeout` and the socket is
-        dropped (a late answer never reaches a later question).
-
-    Raises
-    ------
-    ValueError
-        ``timeout_s`` not > 0.
-    """
+    """D's DEALER sockets, one per P address (``tcp://host:port``). ``timeout_s``: longest wait
+    for one answer of P (seconds, > 0, else ValueError); then :class:`PeerTimeout` and the
+    socket is dropped (a late answer never reaches a later question)."""
 
     def __init__(self, timeout_s: float) -> None:
         if not timeout_s > 0:
@@ -89,17 +78,9 @@ class PeerLink:
 
 class Puller:
     """D's end of a transport (:class:`.transfer.KVPuller`, :class:`.ipc_push.IpcPuller`,
-    :class:`.nixl_pull.NixlPuller`), called from D's loader thread.
-
-    Parameters
-    ----------
-    cache : PagedKVCache
-        D's cache.
-    timeout_s : float
-        Longest wait for one answer of P, and for a NIXL READ (seconds).
-    corrupt : bool
-        Test hook (the negative control): write noise instead of the moved KV.
-    """
+    :class:`.nixl_pull.NixlPuller`) over D's ``cache``, called from D's loader thread.
+    ``timeout_s``: longest wait for one answer of P, and for a NIXL READ (seconds);
+    ``corrupt``: test hook (the negative control), noise instead of the moved KV."""
 
     def __init__(self, cache: Any, *, timeout_s: float = 30.0, corrupt: bool = False) -> None:
         self.cache, self.timeout_s, self.corrupt = cache, timeout_s, corrupt

@@ -92,10 +92,10 @@ class NixlPuller(Puller):
         super().__init__(cache, timeout_s=timeout_s, corrupt=corrupt)
         self.agent = Agent("vllm-decode", progress_thread=False)  # wait() progresses it
         register(self.agent, cache)
-        self.mem, dev = mem_type(cache.tensors()[0])
-        descs = cache_descs([t.data_ptr() for t in cache.tensors()], cache.num_blocks,
-                            cache.spec.block_bytes, dev)
-        self.local = self.agent.prep("", descs, self.mem)
+        mem, dev = mem_type(cache.tensors()[0])
+        self.local = self.agent.prep("", cache_descs([t.data_ptr() for t in cache.tensors()],
+                                                     cache.num_blocks, cache.spec.block_bytes,
+                                                     dev), mem)
         self.peers: dict[str, _Peer] = {}
         self.last_runs = 0  # coalesced runs of the last READ (descriptors per tensor)
 

@@ -1,11 +1,9 @@
-"""Write a random 2-layer Llama with transformers' ``save_pretrained`` (for vLLM tests, the
-tutorial and the benchmark): ``python -m kvflow.integrations.vllm.tiny_llama DIR``.
+"""A random 2-layer Llama for the vLLM tests, tutorial and benchmark:
+``python -m kvflow.integrations.vllm.tiny_llama DIR`` (needs transformers and tokenizers).
 
-Geometry: hidden 128, 4 query heads, 2 KV heads, head_dim 32 (vLLM's CPU attention takes head
-sizes from 32), 2 layers, vocab 512 (a word-level tokenizer of ``w0 .. w503`` plus 8 special
-tokens), float32. Weights are drawn from a seeded generator with unit-scale embeddings, so
-greedy picks are far from ties. Needs ``transformers`` and ``tokenizers``.
-"""
+Hidden 128, 4 query and 2 KV heads of head_dim 32 (vLLM's CPU attention takes head sizes from
+32), vocab 512 (words ``w0 .. w503`` plus 8 special tokens), float32; seeded weights with
+unit-scale embeddings, so greedy picks are far from ties."""
 
 from __future__ import annotations
 
@@ -60,7 +58,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("path", help="directory to write the checkpoint into")
     ap.add_argument("--seed", type=int, default=0)
-    print(build(ap.parse_args(argv).path, ap.parse_args(argv).seed))
+    a = ap.parse_args(argv)
+    print(build(a.path, a.seed))
 
 
 if __name__ == "__main__":

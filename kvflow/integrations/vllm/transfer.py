@@ -25,36 +25,25 @@ from kvflow.layout import KVCacheSpec
 from kvflow.wire import ProtocolError
 
 from .config import check_transport
-from .ipc_push import IpcPuller, StagingMaps, check_ipc_pull
+from .ipc_push import IpcPuller, StagingMaps
 from .link import Puller, PullError
 from .messages import NixlHello, NixlInfo, Pull, PullReply, Release, decode, encode
 
 log = logging.getLogger("kvflow.integrations.vllm")
 
-# D's messages for a reply's frames (tests assert them)
 FRAME_COUNT = "request {req_id}: {got} layer frames, expected {expected}"
 FRAME_SIZE = "request {req_id}: layer {layer} frame holds {nbytes} bytes, expected {expected}"
 
 
 class KVServer:
-    """P's end: a ROUTER socket served by one thread.
+    """P's end: a ROUTER socket bound at ``addr`` (e.g. ``"tcp://127.0.0.1:5601"``) over P's
+    ``cache`` (:func:`kvflow.vllm_layout.from_vllm`), served by one thread.
 
-    Parameters
-    ----------
-    cache : PagedKVCache
-        P's cache (:func:`kvflow.vllm_layout.from_vllm`).
-    addr : str
-        Where to bind, e.g. ``"tcp://127.0.0.1:5601"``.
-    transport : str
-        ``tcp`` (always served too), ``nixl`` (P's cache registered with a new NIXL agent,
-        :attr:`agent`, progressed about every millisecond while some D may be READing) or
-        ``ipc-push`` (copies into D's mapped staging cache; one host).
-    backend : str
-        kvflow backend for ``gather_blocks`` and ``copy_blocks``.
-    hold_wait_s : float
-        How long a pull waits for its request to be held (seconds).
-    delay_s : float
-        Test hook: sleep before answering a pull (to abort a transfer in flight).
+    ``transport``: ``tcp`` (always served too), ``nixl`` (P's cache registered with a new NIXL
+    agent, :attr:`agent`, progressed about every millisecond while some D may be READing) or
+    ``ipc-push`` (copies into D's mapped staging cache). ``backend``: kvflow backend of
+    ``gather_blocks`` / ``copy_blocks``. ``hold_wait_s``: how long a pull waits for its request
+    to be held (seconds). ``delay_s``: test hook, sleep before answering a pull.
 
     Raises
     ------
@@ -112,7 +101,7 @@ class KVServer:
         self._thread.join(timeout=2)
         self._sock.close(linger=0)
         if self.staging is not None:
-            self.staging.close()
+            self.staging.clear()
         if self.agent is not None:
             self.agent.close()
 
@@ -157,8 +146,7 @@ class KVServer:
                 with self._cond:
                     self._reading.add(msg.req_id)
             else:
-                self.staging.copy_in(self.cache, msg.staging, msg.staging_blocks, msg.block_ids,
-                                     self.backend)
+                self.staging.copy_in(self.cache, msg, self.backend)
             agent = self.nixl.agent if msg.nixl else ""
             self._sock.send_multipart([ident, encode(PullReply(msg.req_id, True, agent=agent))])
             return
@@ -185,7 +173,8 @@ class KVServer:
         except (TypeError, ValueError) as exc:
             return f"D's spec {spec} is not a KVCacheSpec: {exc}"
         diff = self.cache.spec.diff(theirs)
-        return "P and D caches differ: " + "; ".join(f"{d} (P vs D)" for d in diff) if diff else ""
+        return "P and D caches differ: " + "; ".join(f"{d} (P vs D)" for d in diff) if diff \
+            else ""
 
     def _check(self, msg: Pull) -> str:
         error = self._spec_error(msg.spec)
@@ -197,11 +186,9 @@ class KVServer:
         if bad:
             return (f"block id {bad[0]} is out of range for P's cache of "
                     f"{self.cache.num_blocks} blocks")
-        if msg.staging:
-            error = (self._other_transport("ipc-push") if self.staging is None
-                     else check_ipc_pull(msg, self.staging))
-            if error:
-                return error
+        if msg.staging and (error := self._other_transport("ipc-push") if self.staging is None
+                            else self.staging.refusal(msg)):
+            return error
         deadline = time.monotonic() + self.hold_wait_s
         with self._cond:
             while msg.req_id not in self._held:
