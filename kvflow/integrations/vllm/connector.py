@@ -1,14 +1,13 @@
-"""``KvflowConnector``: kvflow as an out-of-tree vLLM (>= 0.32) KV connector. D pulls the
-prompt's blocks after P's prefill (as vLLM's NixlConnector), over transport ``tcp``, ``nixl``
-or ``ipc-push`` (the serving kinds' names). Load it with::
+"""``KvflowConnector``: kvflow as an out-of-tree vLLM (>= 0.32) KV connector; D pulls the
+prompt's blocks after P's prefill over transport ``tcp``, ``nixl`` or ``ipc-push``::
 
     KVTransferConfig(kv_connector="KvflowConnector",
                      kv_connector_module_path="kvflow.integrations.vllm",
                      kv_role="kv_producer" | "kv_consumer" | "kv_both",
                      kv_connector_extra_config={"kvflow_port": 5601, "transport": "tcp"})
 
-One request's hooks, the reliability rules and why ``save_kv_layer`` / ``wait_for_layer_load``
-do nothing: docs/tutorials/vllm.md; settings: :mod:`.config`.
+One request's hooks, the failure rules, why ``save_kv_layer`` does nothing:
+docs/tutorials/vllm.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""Transport ``ipc-push`` (one host): P writes the request's blocks into a staging cache that D
-exports and P maps, as serving's ``ipc-push`` kind writes into D's exported cache.
-
-vLLM allocates its cache itself, so D cannot map P's the way ``ipc-pull`` does; D exports a
-staging cache of its own spec instead (:func:`kvflow.connector.transport.shm.export_new_cache`:
-shared memory on CPU, CUDA IPC on a GPU), P maps it once per D and copies into it with one
-``copy_blocks`` launch, D copies on into its blocks, in chunks of at most ``staging_blocks``
-blocks. Two copies, no socket carrying KV. docs/tutorials/vllm.md, "What happens to one request".
-"""
+"""Transport ``ipc-push`` (one host): D exports a staging cache of its own spec
+(:func:`kvflow.connector.transport.shm.export_new_cache`), P maps it once and writes the
+request's blocks into it, as serving's ``ipc-push`` kind writes into D's exported cache; D copies
+them on into its blocks, ``staging_blocks`` at a time. docs/tutorials/vllm.md."""
 
 from __future__ import annotations
 

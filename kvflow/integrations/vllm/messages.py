@@ -1,8 +1,6 @@
-"""The messages between D, which pulls KV, and P, which holds it: :class:`kvflow.wire.WireMsg`
-structs in the one codec of :mod:`kvflow.wire` (never unpickled; a frame of another family is a
-:class:`~kvflow.wire.ProtocolError`). KV bytes (tcp) travel as raw frames after a
-:class:`PullReply`. Each transport's exchange: docs/tutorials/vllm.md, "What happens to one
-request"."""
+"""The messages between D, which pulls KV, and P, which holds it: structs of the one codec of
+:mod:`kvflow.wire` (never unpickled); tcp's KV travels as raw frames after a :class:`PullReply`.
+Each transport's exchange: docs/tutorials/vllm.md, "What happens to one request"."""
 
 from __future__ import annotations
 

@@ -1,16 +1,11 @@
 """Transport ``nixl``: D READs P's blocks with one-sided NIXL
-(:class:`kvflow.connector.transport.nixl_agent.Agent`), after P's prefill, when D knows both
-sides' block ids (why D reads rather than P writes: docs/tutorials/vllm.md, "Why D pulls").
-
-Each side registers the storage under vLLM's per-layer views once (:func:`register`) and
-prepares its descriptor list (:func:`cache_descs`, one row per (tensor, block)); D prepares P's
-once per P, from the :class:`~.messages.NixlInfo` P answers to D's ``NixlHello``. One READ per
-request names both sides' rows of every tensor
-(:func:`~kvflow.connector.transport.nixl_plan.desc_indices`).
-"""
+(:class:`kvflow.connector.transport.nixl_agent.Agent`) once it has allocated its own; each side
+registers vLLM's KV storage once, D prepares P's descriptor list once per P (from P's
+:class:`~.messages.NixlInfo`). Why D reads: docs/tutorials/vllm.md, "Why D pulls"."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -26,31 +21,28 @@ from .link import PeerTimeout, Puller, PullError
 from .messages import NixlHello, NixlInfo, Pull
 
 
-def register(agent: Agent, cache: PagedKVCache) -> int:
+def register(agent: Agent, cache: PagedKVCache) -> None:
     """Register the memory under ``cache``'s tensors with ``agent``: each distinct storage
-    (vLLM may put every layer in one allocation or one per layer) once, whole. Returns the
-    number of registrations."""
+    (vLLM may put every layer in one allocation or one per layer) once, whole."""
     seen: set[int] = set()
     for t in cache.tensors():
         storage = t.untyped_storage()
         if storage.data_ptr() not in seen:
             seen.add(storage.data_ptr())
             agent.register(torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage))
-    return len(seen)
 
 
-def cache_descs(addrs: list[int], num_blocks: int, block_bytes: int,
-                device_id: int = 0) -> np.ndarray:
+def cache_descs(info: NixlInfo) -> np.ndarray:
     """Descriptors ``(address, bytes, device_id)`` (uint64, ``len(addrs) * num_blocks`` rows) of
-    every block of tensors based at ``addrs``: row ``t * num_blocks + b`` is block ``b`` of
+    every block of the cache ``info`` describes: row ``t * num_blocks + b`` is block ``b`` of
     tensor ``t``, ``block_bytes`` bytes at ``addrs[t] + b * block_bytes``."""
-    return np.concatenate([block_descs(a, 1, num_blocks, block_bytes, device_id)
-                           for a in addrs])
+    return np.concatenate([block_descs(a, 1, info.num_blocks, info.block_bytes, info.device_id)
+                           for a in info.addrs])
 
 
 def export(cache: PagedKVCache, role: str = "vllm-prefill") -> tuple[Agent, NixlInfo]:
-    """P: a new NIXL agent without a progress thread (P's server progresses it while a D
-    READs), ``cache`` registered with it, and what P tells D in :class:`NixlInfo`.
+    """A new NIXL agent without a progress thread, ``cache`` registered with it, and what P
+    tells D of it in :class:`NixlInfo`.
 
     Raises
     ------
@@ -90,12 +82,8 @@ class NixlPuller(Puller):
     def __init__(self, cache: PagedKVCache, *, timeout_s: float = 30.0,
                  corrupt: bool = False) -> None:
         super().__init__(cache, timeout_s=timeout_s, corrupt=corrupt)
-        self.agent = Agent("vllm-decode", progress_thread=False)  # wait() progresses it
-        register(self.agent, cache)
-        mem, dev = mem_type(cache.tensors()[0])
-        self.local = self.agent.prep("", cache_descs([t.data_ptr() for t in cache.tensors()],
-                                                     cache.num_blocks, cache.spec.block_bytes,
-                                                     dev), mem)
+        self.agent, mine = export(cache, "vllm-decode")  # wait() progresses it
+        self.local = self.agent.prep("", cache_descs(mine), mine.mem)
         self.peers: dict[str, _Peer] = {}
         self.last_runs = 0  # coalesced runs of the last READ (descriptors per tensor)
 
@@ -112,23 +100,19 @@ class NixlPuller(Puller):
         self.forget(addr)
         try:
             name = self.agent.add_peer(addr, info.metadata)
-            remote = self.agent.prep(name, cache_descs(info.addrs, info.num_blocks,
-                                                       info.block_bytes, info.device_id),
-                                     info.mem)
+            remote = self.agent.prep(name, cache_descs(info), info.mem)
         except TransferError as exc:
             self.forget(addr)
             raise PullError(str(exc)) from None
-        peer = self.peers[addr] = _Peer(name, remote, info.num_blocks)
-        return peer
+        self.peers[addr] = _Peer(name, remote, info.num_blocks)
+        return self.peers[addr]
 
     def forget(self, addr: str) -> None:
         """Drop P at ``addr``: its prepared list and its agent (NIXL disconnects)."""
         peer = self.peers.pop(addr, None)
         if peer is not None:
-            try:
+            with contextlib.suppress(Exception):  # else NIXL frees it with the agent
                 peer.remote.release()
-            except Exception:  # NIXL frees it with the agent
-                pass
         self.agent.remove_peer(addr)
 
     def _pull(self, addr: str, req_id: str, remote_ids: list[int], local_ids: list[int]) -> None:

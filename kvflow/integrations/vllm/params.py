@@ -1,14 +1,6 @@
-"""The transfer params P returns with a prefill (vLLM's ``kv_transfer_params``) and D's check
-of them before it counts a single token as loaded: params that do not describe D's own prompt
-(a proxy bug, a hand-written request) would decode another prompt's KV with HTTP 200, so D
-refuses them and computes the prompt itself (docs/tutorials/vllm.md, "Reliability").
-
-P adds (:meth:`KvflowConnector.request_finished`)::
-
-    {"do_remote_prefill": True, "do_remote_decode": False, "remote_addr": "tcp://host:port",
-     "remote_request_id": str, "remote_block_ids": [int, ...], "remote_num_tokens": int,
-     "remote_prompt_hash": str}
-"""
+"""The transfer params P returns with a prefill (vLLM's ``kv_transfer_params``: P's address,
+request id, block ids, prompt length and hash) and D's check that they describe its own prompt
+before it loads anything (docs/tutorials/vllm.md, "Reliability")."""
 
 from __future__ import annotations
 

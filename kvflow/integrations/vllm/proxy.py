@@ -1,12 +1,7 @@
-"""A small OpenAI ``/v1/completions`` proxy in front of one vLLM P and one vLLM D that run
-``KvflowConnector`` (or vLLM's own NixlConnector, whose params it passes on the same way):
-``python -m kvflow.integrations.vllm.proxy --prefill URL --decode URL --port 8100``.
-
-Per request: P gets the prompt with ``max_tokens=1`` and a remote decode; D gets the client's
-request unchanged plus P's ``kv_transfer_params`` and its answer is streamed or returned. A
-client that leaves mid-stream closes the D stream (vLLM aborts the request there). Errors of P or
-D come back with their status code. Binds 127.0.0.1 by default. docs/tutorials/vllm.md.
-"""
+"""An OpenAI ``/v1/completions`` proxy in front of one vLLM P and one vLLM D:
+``python -m kvflow.integrations.vllm.proxy --prefill URL --decode URL --port 8100``. P gets the
+prompt with ``max_tokens=1`` and a remote decode, D the client's request plus P's
+``kv_transfer_params``; errors come back with their status code. docs/tutorials/vllm.md."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""P's :class:`KVServer` (every transport), D's :class:`KVPuller` (``tcp``) and
-:func:`open_puller` (D's end of any transport).
-
-tcp: P gathers a held request's blocks and sends one zero-copy frame per layer, D checks every
-frame, then scatters them (:mod:`kvflow.connector.transport.frames`); nixl (:mod:`.nixl_pull`)
-and ipc-push (:mod:`.ipc_push`) ask P over the same socket. P serves only a request it holds
-(:meth:`KVServer.hold`), only that request's blocks, only to a D of its spec; anything else is
-refused, never answered with whatever the blocks hold now. docs/tutorials/vllm.md.
-"""
+"""P's :class:`KVServer` (every transport), D's :class:`KVPuller` (``tcp``: layer frames of
+:mod:`kvflow.connector.transport.frames`, every frame checked before the scatter) and
+:func:`open_puller` (D's end of any transport). P serves only a request it holds, only its
+blocks, only to a D of its spec. docs/tutorials/vllm.md, "What happens to one request"."""
 
 from __future__ import annotations
 
