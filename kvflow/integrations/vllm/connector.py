@@ -59,13 +59,8 @@ class KvflowMeta(KVConnectorMetadata):
 
 
 class KvflowConnector(KVConnectorBase_V1):
-    """kvflow's vLLM KV connector; see the module docstring.
-
-    Raises
-    ------
-    ValueError
-        A bad ``kv_connector_extra_config`` (:func:`.config.check_config`).
-    """
+    """kvflow's vLLM KV connector (module docstring); ValueError for a bad
+    ``kv_connector_extra_config`` (:func:`.config.check_config`)."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
@@ -84,7 +79,6 @@ class KvflowConnector(KVConnectorBase_V1):
         self._lock = threading.Lock()
 
     def _release(self, request: "Request", params: dict[str, Any]) -> None:
-        """D will not pull ``request``: P may free its blocks (sent by the loader thread)."""
         params["do_remote_prefill"] = False
         self._recv.append(RecvJob(request.request_id, params["remote_addr"],
                                   params["remote_request_id"]))
@@ -96,21 +90,19 @@ class KvflowConnector(KVConnectorBase_V1):
         Params that do not describe this very prompt (:func:`.params.check_params`) load
         nothing: D computes the prompt itself and releases P's blocks."""
         params = request.kv_transfer_params or {}
-        if params.get("do_remote_prefill"):
-            prompt = list(request.prompt_token_ids or [])
-            why = check_params(params, prompt, self.block_size)
-            if why:
-                log.error("kvflow: request %s: %s; D computes the prompt itself",
-                          request.request_id, why)
-                if why.startswith(("remote_addr", "remote_request_id")):
-                    params["do_remote_prefill"] = False  # nowhere to send a release
-                else:
-                    self._release(request, params)
-                return 0, False
-            count = len(prompt) - num_computed_tokens
-            if count > 0:
-                return count, True
-        return 0, False
+        if not params.get("do_remote_prefill"):
+            return 0, False
+        prompt = list(request.prompt_token_ids or [])
+        why = check_params(params, prompt, self.block_size)
+        if why:
+            log.error("kvflow: request %s: %s; D computes the prompt itself",
+                      request.request_id, why)
+            params["do_remote_prefill"] = False
+            if not why.startswith(("remote_addr", "remote_request_id")):  # a P to release
+                self._release(request, params)
+            return 0, False
+        count = len(prompt) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
@@ -205,7 +197,7 @@ class KvflowConnector(KVConnectorBase_V1):
         """Nothing: during P's forward pass D has no blocks yet; D pulls after the prefill."""
 
     def wait_for_save(self) -> None:
-        """Nothing (see :meth:`save_kv_layer`)."""
+        return
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """``(P: requests whose blocks P may free, D: requests whose pull ended)``."""

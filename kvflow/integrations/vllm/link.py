@@ -46,13 +46,8 @@ class PeerLink:
     def ask(self, addr: str, msg: Any, answer: type, what: str,
             req_id: str | None = None) -> tuple[Any, list[Any]]:
         """Send ``msg``; return P's answer of type ``answer`` (with ``req_id``, when given:
-        late answers of an earlier question are skipped) and the raw zmq frames after it.
-
-        Raises
-        ------
-        PeerTimeout
-            No answer within ``timeout_s`` (naming ``what`` and ``addr``).
-        """
+        late answers of an earlier question are skipped) and the raw zmq frames after it, or
+        raise :class:`PeerTimeout` naming ``what`` and ``addr``."""
         sock = self._sock(addr)
         sock.send(encode(msg))
         while True:
@@ -114,7 +109,6 @@ class Puller:
         raise NotImplementedError
 
     def _ask_pull(self, addr: str, msg: Any) -> tuple[Any, list[Any]]:
-        """P's ``PullReply`` (and frames) to ``msg`` if P agreed, else :class:`PullError`."""
         reply, frames = self.link.ask(addr, msg, PullReply, f"request {msg.req_id}", msg.req_id)
         if not reply.ok:
             raise PullError(f"request {msg.req_id}: P refused the pull: {reply.error}")

@@ -16,22 +16,10 @@ VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, FF, MAXPOS = 512, 128, 2, 4, 2, 256, 102
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>", "<r0>", "<r1>", "<r2>", "<r3>"]
 
 
-def write_tokenizer(path: pathlib.Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = SPECIAL + [f"w{i}" for i in range(VOCAB - len(SPECIAL))]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>", pad_token="<pad>")
-    fast.save_pretrained(str(path))
-
-
 def build(path: str | pathlib.Path, seed: int = 0) -> pathlib.Path:
     """Write the checkpoint (config.json, model.safetensors, tokenizer files) into ``path``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -50,7 +38,12 @@ def build(path: str | pathlib.Path, seed: int = 0) -> pathlib.Path:
             else:
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
     model.save_pretrained(str(path))
-    write_tokenizer(path)
+    words = SPECIAL + [f"w{i}" for i in range(VOCAB - len(SPECIAL))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>", pad_token="<pad>").save_pretrained(str(path))
     return path
 
 

@@ -32,13 +32,12 @@ FRAME_SIZE = "request {req_id}: layer {layer} frame holds {nbytes} bytes, expect
 
 class KVServer:
     """P's end: a ROUTER socket bound at ``addr`` (e.g. ``"tcp://127.0.0.1:5601"``) over P's
-    ``cache`` (:func:`kvflow.vllm_layout.from_vllm`), served by one thread.
-
-    ``transport``: ``tcp`` (always served too), ``nixl`` (P's cache registered with a new NIXL
-    agent, :attr:`agent`, progressed about every millisecond while some D may be READing) or
-    ``ipc-push`` (copies into D's mapped staging cache). ``backend``: kvflow backend of
-    ``gather_blocks`` / ``copy_blocks``. ``hold_wait_s``: how long a pull waits for its request
-    to be held (seconds). ``delay_s``: test hook, sleep before answering a pull.
+    ``cache`` (:func:`kvflow.vllm_layout.from_vllm`), served by one thread. ``transport``:
+    ``tcp`` (always served too), ``nixl`` (P's cache registered with a NIXL agent,
+    :attr:`agent`, progressed about every millisecond while a D may be READing) or ``ipc-push``
+    (copies into D's mapped staging cache). ``backend``: of ``gather_blocks`` / ``copy_blocks``;
+    ``hold_wait_s``: a pull's wait for its request to be held (seconds); ``delay_s``: test hook,
+    sleep before answering a pull.
 
     Raises
     ------
@@ -132,27 +131,24 @@ class KVServer:
     def _answer(self, ident: Any, msg: Pull) -> None:
         if self.delay_s:
             time.sleep(self.delay_s)
-        error = self._check(msg)
+        error, frames = self._check(msg), []
         if error:
-            self._sock.send_multipart([ident, encode(PullReply(msg.req_id, False, error=error))])
-            return
-        if msg.nixl or msg.staging:  # D READs, or P copies into D's staging; held until Release
-            if msg.nixl:
-                with self._cond:
-                    self._reading.add(msg.req_id)
-            else:
-                self.staging.copy_in(self.cache, msg, self.backend)
-            agent = self.nixl.agent if msg.nixl else ""
-            self._sock.send_multipart([ident, encode(PullReply(msg.req_id, True, agent=agent))])
-            return
-        ids = torch.tensor(msg.block_ids, dtype=torch.int64)
-        buf = gather_blocks(self.cache, ids, staging_buffer(self.cache.spec, len(ids),
-                                                            device=self.cache.device),
-                            backend=self.backend)
-        frames = layer_frames(buf.cpu())  # frames are host memory
-        header = encode(PullReply(msg.req_id, True, num_layers=len(frames)))
-        self._sock.send_multipart([ident, header, *frames], copy=False)
-        self._finish(msg.req_id)
+            pass
+        elif msg.nixl:  # D READs the blocks; held until its Release (or the lease)
+            with self._cond:
+                self._reading.add(msg.req_id)
+        elif msg.staging:  # into D's staging; held until its Release (or the lease)
+            self.staging.copy_in(self.cache, msg, self.backend)
+        else:
+            buf = staging_buffer(self.cache.spec, len(msg.block_ids), device=self.cache.device)
+            gather_blocks(self.cache, torch.tensor(msg.block_ids, dtype=torch.int64), buf,
+                          backend=self.backend)
+            frames = layer_frames(buf.cpu())  # frames are host memory
+        reply = PullReply(msg.req_id, not error, len(frames), error,
+                          self.nixl.agent if msg.nixl and not error else "")
+        self._sock.send_multipart([ident, encode(reply), *frames], copy=False)
+        if frames:
+            self._finish(msg.req_id)
 
     def _hello(self, msg: NixlHello) -> NixlInfo:
         error = self._other_transport("nixl") if self.nixl is None else self._spec_error(msg.spec)
