@@ -28,16 +28,10 @@ def check_transport(transport: Any) -> str:
 
 
 def check_config(extra: dict[str, Any]) -> dict[str, Any]:
-    """``kv_connector_extra_config`` with the defaults filled in.
-
-    Raises
-    ------
-    ValueError
-        An unknown key (the known ones named), a bad ``transport`` (:func:`check_transport`),
-        ``timeout_s`` not > 0, ``lease_s`` not larger than ``timeout_s`` (P would free
-        blocks D may still be reading), ``staging_mb`` not > 0, a number setting that is not a
-        number, or an unknown ``backend``.
-    """
+    """``kv_connector_extra_config`` with the defaults filled in. ValueError names the key and
+    value of: an unknown key, a bad ``transport`` (:func:`check_transport`), a number setting
+    that is not a number, ``timeout_s`` or ``staging_mb`` not > 0, ``lease_s`` not larger than
+    ``timeout_s`` (P would free blocks D may still be reading), an unknown ``backend``."""
     unknown = sorted(set(extra) - set(DEFAULTS))
     if unknown:
         raise ValueError(f"kv_connector_extra_config has unknown keys {unknown}; "

@@ -74,8 +74,7 @@ class KvflowConnector(KVConnectorBase_V1):
         self.server: KVServer | None = None
         self.puller: Any = None
         self._jobs: queue.Queue = queue.Queue()
-        self._done_recv: set[str] = set()
-        self._failed_blocks: set[int] = set()
+        self._done_recv, self._failed_blocks = set(), set()
         self._lock = threading.Lock()
 
     def _release(self, request: "Request", params: dict[str, Any]) -> None:
@@ -83,7 +82,6 @@ class KvflowConnector(KVConnectorBase_V1):
         self._recv.append(RecvJob(request.request_id, params["remote_addr"],
                                   params["remote_request_id"]))
 
-    # ---- scheduler side ----
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[int, bool]:
         """D: the prompt tokens P holds beyond D's local prefix hit, loaded asynchronously.
@@ -155,7 +153,6 @@ class KvflowConnector(KVConnectorBase_V1):
                       "remote_block_ids": ids, "remote_num_tokens": len(prompt),
                       "remote_prompt_hash": prompt_hash(prompt)}
 
-    # ---- worker side ----
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Wrap vLLM's per-layer tensors (no copy); P starts serving pulls, D its loader thread
         (with nixl, each registers the tensors' memory with a NIXL agent)."""
@@ -183,9 +180,8 @@ class KvflowConnector(KVConnectorBase_V1):
         meta = self._connector_metadata
         if not isinstance(meta, KvflowMeta):
             return
-        if self.server is not None:
-            for req_id, ids in meta.hold:
-                self.server.hold(req_id, self.conf["lease_s"], ids)
+        for req_id, ids in meta.hold if self.server is not None else ():
+            self.server.hold(req_id, self.conf["lease_s"], ids)
         for job in meta.recv:
             self._jobs.put(job)
 

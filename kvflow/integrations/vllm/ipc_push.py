@@ -63,16 +63,9 @@ class StagingMaps(dict):
 
 class IpcPuller(Puller):
     """D's end of transport ``ipc-push``: D exports a staging cache of ``staging_blocks`` blocks
-    (:func:`staging_blocks_for`) and copies each chunk P wrote there into its own blocks with
-    kvflow backend ``backend`` (``cache``, ``timeout_s``, ``corrupt``: as :class:`.link.Puller`).
-
-    Raises
-    ------
-    ValueError
-        ``staging_blocks`` not an int >= 1.
-    kvflow.segments.SegmentSpaceError
-        The staging cache does not fit in the free shared memory (CPU).
-    """
+    (:func:`staging_blocks_for`; ValueError unless an int >= 1; CPU: SegmentSpaceError when it
+    does not fit the free shared memory) and copies each chunk P wrote there into its own blocks
+    with kvflow backend ``backend`` (the rest as :class:`.link.Puller`)."""
 
     def __init__(self, cache: PagedKVCache, *, staging_blocks: int, timeout_s: float = 30.0,
                  backend: str = "auto", corrupt: bool = False) -> None:

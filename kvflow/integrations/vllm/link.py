@@ -32,8 +32,7 @@ class PeerLink:
         self._socks: dict[str, zmq.Socket] = {}
 
     def _sock(self, addr: str) -> zmq.Socket:
-        s = self._socks.get(addr)
-        if s is None:
+        if (s := self._socks.get(addr)) is None:
             s = self._socks[addr] = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
             s.connect(addr)
@@ -62,8 +61,7 @@ class PeerLink:
 
     def drop(self, addr: str) -> None:
         """Close the socket to ``addr`` (P died or answered late); the next use reconnects."""
-        s = self._socks.pop(addr, None)
-        if s is not None:
+        if (s := self._socks.pop(addr, None)) is not None:
             s.close(linger=0)
 
     def close(self) -> None:
@@ -87,14 +85,9 @@ class Puller:
 
     def pull(self, addr: str, req_id: str, remote_ids: list[int], local_ids: list[int]) -> int:
         """Copy P's blocks ``remote_ids`` into D's ``local_ids`` (same length, logical order);
-        returns the payload bytes written (``len(local_ids) * spec.bytes_per_block``).
-
-        Raises
-        ------
-        PullError
-            Different lengths, P refused (its message), no answer within ``timeout_s``, or the
-            transport's own failure (frames of the wrong size; a failed or late NIXL READ).
-        """
+        returns the payload bytes written (``len(local_ids) * spec.bytes_per_block``). Raises
+        :class:`PullError`: different lengths, P refused (its message), no answer within
+        ``timeout_s``, or the transport's own failure (bad frames; a failed or late READ)."""
         if len(remote_ids) != len(local_ids):
             raise PullError(f"request {req_id}: {len(remote_ids)} remote blocks for "
                             f"{len(local_ids)} local blocks")

@@ -6,8 +6,7 @@ registers vLLM's KV storage once, D prepares P's descriptor list once per P (fro
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -42,15 +41,8 @@ def cache_descs(info: NixlInfo) -> np.ndarray:
 
 def export(cache: PagedKVCache, role: str = "vllm-prefill") -> tuple[Agent, NixlInfo]:
     """A new NIXL agent without a progress thread, ``cache`` registered with it, and what P
-    tells D of it in :class:`NixlInfo`.
-
-    Raises
-    ------
-    ImportError
-        NIXL is not installed (``pip install nixl-cu12``).
-    TransferError
-        NIXL has no UCX backend, or the cache is neither host nor CUDA memory.
-    """
+    tells D of it in :class:`NixlInfo`. ImportError without NIXL (``pip install nixl-cu12``);
+    TransferError without its UCX backend, or for a cache neither host nor CUDA memory."""
     agent = Agent(role, progress_thread=False)
     register(agent, cache)
     mem, dev = mem_type(cache.tensors()[0])
@@ -60,8 +52,7 @@ def export(cache: PagedKVCache, role: str = "vllm-prefill") -> tuple[Agent, Nixl
                            mem=mem, device_id=dev)
 
 
-@dataclasses.dataclass
-class _Peer:
+class _Peer(NamedTuple):
     agent: str           # P's agent name
     remote: Any          # P's prepared descriptor list
     num_blocks: int
@@ -69,15 +60,9 @@ class _Peer:
 
 class NixlPuller(Puller):
     """D's end of transport ``nixl``: a check with P over the side channel, one READ, a bounded
-    wait, then ``Release``. A P that does not answer or whose READ fails is forgotten (its agent
-    removed). ``cache`` is registered with a new agent; ``timeout_s`` bounds P's answer and,
-    separately, the READ (the rest as :class:`.link.Puller`).
-
-    Raises
-    ------
-    ImportError, TransferError
-        As :func:`export`.
-    """
+    wait, then ``Release``; a P that does not answer or whose READ fails is forgotten (its agent
+    removed). ``timeout_s`` bounds P's answer and, separately, the READ (the rest as
+    :class:`.link.Puller`); raises as :func:`export`."""
 
     def __init__(self, cache: PagedKVCache, *, timeout_s: float = 30.0,
                  corrupt: bool = False) -> None:
@@ -109,8 +94,7 @@ class NixlPuller(Puller):
 
     def forget(self, addr: str) -> None:
         """Drop P at ``addr``: its prepared list and its agent (NIXL disconnects)."""
-        peer = self.peers.pop(addr, None)
-        if peer is not None:
+        if (peer := self.peers.pop(addr, None)) is not None:
             with contextlib.suppress(Exception):  # else NIXL frees it with the agent
                 peer.remote.release()
         self.agent.remove_peer(addr)

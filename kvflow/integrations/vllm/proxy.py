@@ -44,10 +44,10 @@ def make_app(prefill: str, decode: str, timeout_s: float = 300.0) -> FastAPI:
         for url in (prefill, decode):
             try:
                 r = await client.get(f"{url}/health")
+                if r.status_code != 200:
+                    return JSONResponse({"error": f"{url}: {r.status_code}"}, status_code=503)
             except httpx.HTTPError as exc:
                 return JSONResponse({"error": f"{url}: {exc}"}, status_code=503)
-            if r.status_code != 200:
-                return JSONResponse({"error": f"{url}: {r.status_code}"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.post("/v1/completions")

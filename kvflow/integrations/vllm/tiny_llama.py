@@ -51,8 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("path", help="directory to write the checkpoint into")
     ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args(argv)
-    print(build(a.path, a.seed))
+    print(build(**vars(ap.parse_args(argv))))
 
 
 if __name__ == "__main__":

@@ -39,12 +39,8 @@ class KVServer:
     ``hold_wait_s``: a pull's wait for its request to be held (seconds); ``delay_s``: test hook,
     sleep before answering a pull.
 
-    Raises
-    ------
-    ValueError
-        An unknown ``transport`` (:func:`.config.check_transport`).
-    ImportError, TransferError
-        ``nixl`` without NIXL or its UCX backend.
+    Raises ValueError for an unknown ``transport`` (:func:`.config.check_transport`), and
+    ImportError / TransferError for ``nixl`` without NIXL or its UCX backend.
     """
 
     def __init__(self, cache: PagedKVCache, addr: str, *, transport: str = "tcp",
@@ -221,13 +217,8 @@ def open_puller(transport: str, cache: PagedKVCache, *, timeout_s: float = 30.0,
                 backend: str = "auto", corrupt: bool = False,
                 staging_blocks: int | None = None) -> Puller:
     """D's end of ``transport`` over D's ``cache`` (``staging_blocks``: ipc-push's staging
-    cache, :func:`.ipc_push.staging_blocks_for`; the rest as :class:`.link.Puller`).
-
-    Raises
-    ------
-    ValueError
-        An unknown ``transport``; ipc-push without ``staging_blocks`` >= 1.
-    """
+    cache, :func:`.ipc_push.staging_blocks_for`; the rest as :class:`.link.Puller`). ValueError
+    for an unknown ``transport``, or ipc-push without ``staging_blocks`` >= 1."""
     if check_transport(transport) == "nixl":
         from .nixl_pull import NixlPuller
         return NixlPuller(cache, timeout_s=timeout_s, corrupt=corrupt)
