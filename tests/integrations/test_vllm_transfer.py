@@ -159,9 +159,10 @@ def test_transport_names_are_the_serving_kinds_names():
     from kvflow.connector import CONNECTORS
     assert TRANSPORTS == ("tcp", "nixl", "ipc-push")
     assert set(TRANSPORTS) <= set(CONNECTORS)
-    d = _caches()[1]
-    assert [type(open_puller(t, d, staging_blocks=1)).__name__ for t in ("tcp", "ipc-push")] \
-        == [KVPuller.__name__, IpcPuller.__name__]
+    pullers = [open_puller(t, _caches()[1], staging_blocks=1) for t in ("tcp", "ipc-push")]
+    assert [type(p) for p in pullers] == [KVPuller, IpcPuller]
+    for p in pullers:
+        p.close()
     with pytest.raises(ValueError, match=r"^kv_connector_extra_config transport 'ipc' is now "
                                          r"called 'ipc-push' "):
         KVServer(_caches()[0], "tcp://127.0.0.1:1", transport="ipc")
