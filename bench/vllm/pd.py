@@ -182,9 +182,8 @@ PHASES = {"colocated": (_colocated_start, _colocated),
 
 def run_phase(name: str, model: str, lengths: list[int], reps: int,
               seed: int = 1800) -> list[dict]:
-    """Start phase ``name``'s engines, measure ``reps`` prompts per length (after one warm-up
-    prompt per length), stop them. Prompts depend only on ``seed``: every phase of a round
-    sees the same."""
+    """Start phase ``name``'s engines, measure ``reps`` prompts per length after a warm-up one,
+    stop them. Prompts depend only on ``seed``: every phase of a round sees the same."""
     start, measure = PHASES[name]
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f"kvflow-vllm-bench-{name}-"))
     procs, tail, rows = Procs(tmp), {}, []
