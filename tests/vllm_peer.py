@@ -31,21 +31,12 @@ def cache_on(device: str):
 def main(transport: str, addr: str, device: str) -> None:
     p = cache_on(device)
     fill(p)
-    info = agent = None
-    if transport == "nixl":
-        from kvflow.connector.transport.nixl_agent import Agent
-        from kvflow.integrations.vllm.nixl_pull import export
-        agent = Agent("test-prefill", progress_thread=False)
-        info = export(agent, p)
-    server = KVServer(p, addr, nixl=info, progress=agent and agent.progress,
-                      ipc=transport == "ipc")
+    server = KVServer(p, addr, transport=transport)
     for req in ("r1", "r2"):
         server.hold(req, 300.0)
     print("ready", flush=True)
     sys.stdin.read()
     server.close()
-    if agent is not None:
-        agent.close()
 
 
 if __name__ == "__main__":

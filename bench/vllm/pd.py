@@ -1,39 +1,24 @@
-"""TTFT and transfer ms of kvflow's vLLM connector (transports tcp, nixl and ipc) beside two
-connectors vLLM ships that move KV between two engines on a CPU host: its NixlConnector (the one
-vLLM users pick for P/D; needs the ``nixl`` package) and its ExampleConnector (safetensors files
-in a shared folder). Same prompts, one run.
+"""TTFT and transfer ms of kvflow's vLLM connector (transports tcp, nixl and ipc-push) beside
+vLLM's NixlConnector (needs the ``nixl`` package) and ExampleConnector (safetensors files in a
+shared folder), on a CPU host; same prompts, one run.
 
-``PYTHONPATH=. python -m bench.vllm.pd [--reps N] [--phases ...]`` (from the repo root, in the
-vLLM venv, with ``nixl`` and ``nixl-cu12`` installed); writes
-``bench/results/raw/vllm-pd-cpu-<date>.json``; ``--table FILE`` prints a result's markdown table.
+``PYTHONPATH=. python -m bench.vllm.pd [--reps N] [--phases ...]`` (repo root, the vLLM venv with
+``nixl`` and ``nixl-cu12``) writes ``bench/results/raw/vllm-pd-cpu-<date>.json``; ``--table FILE``
+prints a result's markdown table.
 
-Phases, one system's engines at a time (vLLM's idle CPU engines poll busily: seven engines on
-two cores measured their contention): ``colocated`` (one plain engine), ``tcp``, ``nixl``,
-``ipc`` (kvflow's connector), ``example``, ``vllm_nixl``; every P/D pair behind kvflow's proxy
-(``kvflow.integrations.vllm.proxy``, which hands P's transfer params to D as they are, so it
-fronts vLLM's connectors too). Both NIXL users run over UCX's TCP transport (``UCX_TLS=tcp``, the
-network path; on one host UCX would otherwise take shared memory); ipc moves the KV through D's
-shared-memory staging cache (one host only).
-
-Per prompt length and round, ``reps`` distinct random prompts (after one warm-up); ``rounds``
-rounds of the phases, every other one in reverse order (a drifting load falls on every phase
-alike). Every engine runs with ``OMP_WAIT_POLICY=PASSIVE`` (:class:`tests.vllm_pd.Procs`): P's
-and D's libgomp threads spinning while idle took each other's cores. Every timed request goes
-through one kept-alive ``httpx.Client``: a new client per
-request costs 25-60 ms on this host (its SSL context) and hid the differences. Per prompt:
-
-- TTFT, client send -> first streamed token (ms): colocated, or through the proxy (P's prefill
-  with ``max_tokens=1``, the move, D's first token);
-- greedy tokens of the same prompt through the proxy again, compared with colocated's
-  (``<phase>_tokens_match`` in the summary);
-- transfer ms: kvflow, D's whole pull as D's log line gives it (tcp: P's gather, ZMQ frames, D's
-  scatter; nixl: the ZMQ check with P, the READ and its wait; ipc: the ZMQ ask, P's copy into
-  D's staging, D's copy out); NixlConnector, the mean of D's ``vllm:nixl_xfer_time_seconds``
-  over the prompt's READs; ExampleConnector, P's save and D's load
-  (:mod:`bench.vllm.timed_example`).
-
-Summaries: median, p10, p90 over the prompts of a length. The 1-minute load average is sampled
-at every prompt (``<phase>_load_1min``): the host's cores are shared with other work.
+Phases, one system's engines at a time (idle CPU engines poll busily): ``colocated``, ``tcp``,
+``nixl``, ``ipc-push`` (kvflow's connector), ``example``, ``vllm_nixl``; every P/D pair behind
+kvflow's proxy (which passes P's transfer params on as they are, so it fronts vLLM's connectors
+too). Both NIXL users run UCX over TCP (``UCX_TLS=tcp``). Per length and round, ``reps`` random
+prompts after one warm-up; every other round runs the phases in reverse order (a drifting load
+falls on every phase alike). Every engine runs with ``OMP_WAIT_POLICY=PASSIVE``
+(:class:`tests.vllm_pd.Procs`); one kept-alive ``httpx.Client`` times every request (a new
+client costs 25-60 ms here, its SSL context). Per prompt: TTFT (client send -> first streamed
+token, ms); greedy tokens through the proxy again against colocated's
+(``<phase>_tokens_match``); transfer ms: kvflow's from D's log line (D's whole pull), the
+NixlConnector's mean ``vllm:nixl_xfer_time_seconds`` over the prompt's READs, the
+ExampleConnector's save and load (:mod:`bench.vllm.timed_example`). Summaries: median, p10, p90
+per length; the 1-minute load average at every prompt (``<phase>_load_1min``).
 """
 
 from __future__ import annotations
@@ -59,12 +44,10 @@ from kvflow.integrations.vllm.tiny_llama import build
 from tests.vllm_pd import Procs, complete, engine_cmd, kvflow_config, metric, tokens
 
 LENGTHS = (128, 512, 1000)
-TRANSPORTS = ("tcp", "nixl", "ipc")
+TRANSPORTS = ("tcp", "nixl", "ipc-push")  # kvflow.integrations.vllm.config.TRANSPORTS
 PULL = r"pulled \d+ blocks \(\d+ bytes\) of \S+ in ([\d.]+) ms over "
 
 
-#: One client for every timed request: creating an ``httpx.Client`` (its SSL context) costs
-#: 25-60 ms on this host, which a per-request client would add to every TTFT.
 CLIENT = httpx.Client(timeout=120)
 
 
@@ -107,8 +90,7 @@ def start_pd(procs: Procs, model: str, p_kv: dict, d_kv: dict,
 
 
 def through_proxy(name: str, url: dict[str, str], prompt: list[int]) -> dict:
-    """TTFT through the proxy, then the greedy tokens of the same prompt through it again
-    (D's prefix cache then holds the prompt that P's KV moved into it)."""
+    """TTFT through the proxy, then the greedy tokens of the same prompt through it again."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
     return {f"{name}_ttft_ms": stream_ttft(url["X"], body),
             f"{name}_tokens": tokens(complete(url["X"], prompt, 8))}
@@ -123,9 +105,10 @@ def _kvflow_phase(t: str):
 
     def measure(url: dict[str, str], procs: Procs, tail: dict, prompt: list[int]) -> dict:
         tail.setdefault("pull", LogTail(procs, "D", PULL + t))
-        row = through_proxy(f"kvflow_{t}", url, prompt)
+        key = f"kvflow_{t.replace('-', '_')}"  # ipc-push: kvflow_ipc_push_*
+        row = through_proxy(key, url, prompt)
         time.sleep(0.3)  # let the log line land
-        row[f"kvflow_{t}_transfer_ms"] = tail["pull"].new()[:1]  # the second: a prefix hit
+        row[f"{key}_transfer_ms"] = tail["pull"].new()[:1]  # the second: a prefix hit
         return row
     return start, measure
 
@@ -167,8 +150,7 @@ def _example(url: dict[str, str], procs: Procs, tail: dict, prompt: list[int]) -
 
 
 def _vllm_nixl_start(procs: Procs, model: str, tmp: pathlib.Path) -> dict[str, str]:
-    """vLLM's own NixlConnector (``kv_both``; each engine's side channel on a port of its
-    own), behind kvflow's proxy, which passes P's transfer params to D as they are."""
+    """vLLM's own NixlConnector (``kv_both``; each engine's side channel on its own port)."""
     nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
     env = {k: {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())} for k in ("P", "D")}
@@ -193,16 +175,15 @@ def _vllm_nixl(url: dict[str, str], procs: Procs, tail: dict, prompt: list[int])
 
 
 #: One system at a time (its engines alone on the host), each over the same prompts.
-PHASES = {"colocated": (_colocated_start, _colocated), "tcp": _kvflow_phase("tcp"),
-          "nixl": _kvflow_phase("nixl"), "ipc": _kvflow_phase("ipc"),
+PHASES = {"colocated": (_colocated_start, _colocated),
+          **{t: _kvflow_phase(t) for t in TRANSPORTS},
           "example": (_example_start, _example), "vllm_nixl": (_vllm_nixl_start, _vllm_nixl)}
 
 
 def run_phase(name: str, model: str, lengths: list[int], reps: int,
               seed: int = 1800) -> list[dict]:
-    """Start phase ``name``'s engines, measure ``reps`` prompts per length (after one warm-up
-    prompt per length), stop them. Prompts depend only on ``seed``: every phase of a round
-    sees the same."""
+    """Start phase ``name``'s engines, measure ``reps`` prompts per length after a warm-up one,
+    stop them. Prompts depend only on ``seed``: every phase of a round sees the same."""
     start, measure = PHASES[name]
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f"kvflow-vllm-bench-{name}-"))
     procs, tail, rows = Procs(tmp), {}, []
@@ -242,8 +223,7 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 
 def markdown(result: dict) -> str:
-    """The summary of a result file as a markdown table: one row per metric (ms), one column
-    per prompt length, ``median (p10-p90)``."""
+    """A result's summary as a markdown table: a row per metric (ms), a column per length."""
     summary = result["summary"]
     keys = [k for k in summary[0] if k.endswith("_ms")]
     head = "| ms, median (p10-p90) | " + " | ".join(f"{s['tokens']} tokens"

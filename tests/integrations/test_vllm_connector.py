@@ -1,6 +1,6 @@
 """kvflow inside vLLM (issue #18): a random 2-layer Llama saved with transformers, a vLLM
 producer P and consumer D in two processes with :class:`KvflowConnector`, kvflow's proxy in front;
-every test runs with transports tcp, nixl (UCX over TCP, ``UCX_TLS=tcp``) and ipc.
+every test runs with transports tcp, nixl (UCX over TCP, ``UCX_TLS=tcp``) and ipc-push.
 
 - greedy tokens through P -> kvflow -> D equal a plain vLLM engine's on 9 prompts (one block
   exactly, one token more, two blocks exactly and one more, 1..7 blocks, a prefix hit on D that
@@ -68,7 +68,7 @@ def ref(tmp_path_factory):
         procs.close()
 
 
-@pytest.fixture(scope="module", params=["tcp", NIXL, "ipc"])
+@pytest.fixture(scope="module", params=["tcp", NIXL, "ipc-push"])
 def pd(request, ref, tmp_path_factory):
     """Four engines and two proxies of one transport: P/D, and P2/D2 (P2 answers pulls 3 s
     late; D2 writes noise instead of the moved KV)."""

@@ -19,8 +19,7 @@ if not torch.cuda.is_available():
 
 from kvflow.bench.ports import free_port  # noqa: E402
 from kvflow.connector.transport.nixl_agent import nixl_available  # noqa: E402
-from kvflow.integrations.vllm.ipc_pull import IpcPuller  # noqa: E402
-from kvflow.integrations.vllm.transfer import KVPuller  # noqa: E402
+from kvflow.integrations.vllm.transfer import open_puller  # noqa: E402
 
 from tests.reap import reap, spawn  # noqa: E402
 from tests.vllm_peer import cache_on, fill  # noqa: E402
@@ -30,16 +29,11 @@ NIXL = pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(),
 
 
 def _puller(d, transport):
-    if transport == "nixl":
-        from kvflow.integrations.vllm.nixl_pull import NixlPuller
-        return NixlPuller(d, timeout_s=60.0)
-    if transport == "ipc":
-        return IpcPuller(d, staging_blocks=3, timeout_s=60.0)
-    return KVPuller(d, timeout_s=60.0)
+    return open_puller(transport, d, timeout_s=60.0, staging_blocks=3)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("transport", ["tcp", "ipc", NIXL])
+@pytest.mark.parametrize("transport", ["tcp", "ipc-push", NIXL])
 def test_gpu_pull_from_a_p_process_moves_exact_blocks(transport):
     addr = f"tcp://127.0.0.1:{free_port()}"
     peer = spawn([sys.executable, "-m", "tests.vllm_peer", transport, addr, "cuda"],
@@ -62,7 +56,7 @@ def test_gpu_pull_from_a_p_process_moves_exact_blocks(transport):
                 assert td.device.type == "cuda"
                 assert torch.equal(td[dst], tw[src]) and torch.equal(td[11], tw[11])
                 assert not td[[3, 4, 5, 6, 8, 9, 10]].any()  # nothing else written
-            if transport == "ipc":
+            if transport == "ipc-push":
                 assert puller.chunks == 1  # r2: one block
         finally:
             puller.close()

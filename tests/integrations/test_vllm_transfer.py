@@ -1,6 +1,6 @@
 """The three transports of kvflow's vLLM connector without vLLM: P's :class:`KVServer` and D's
-:class:`KVPuller` (tcp) / :class:`NixlPuller` (nixl, UCX over TCP) / :class:`IpcPuller` (ipc,
-a shared-memory staging cache) between two caches laid out as vLLM lays them (``vllm_like``),
+:class:`KVPuller` (tcp) / :class:`NixlPuller` (nixl, UCX over TCP) / :class:`IpcPuller`
+(ipc-push, a shared-memory staging cache) between two caches laid out as vLLM lays them (``vllm_like``),
 in one process. Exact bytes moved, exact refusals, a dead P's
 agent forgotten, and the connector's settings checks."""
 
@@ -18,10 +18,10 @@ pytest.importorskip("msgspec")
 
 from kvflow.bench.ports import free_port  # noqa: E402
 from kvflow.connector.transport.nixl_agent import nixl_available, tcp_tls  # noqa: E402
-from kvflow.integrations.vllm.config import check_config  # noqa: E402
-from kvflow.integrations.vllm.ipc_pull import IpcPuller, staging_blocks_for  # noqa: E402
+from kvflow.integrations.vllm.config import TRANSPORTS, check_config  # noqa: E402
+from kvflow.integrations.vllm.ipc_push import IpcPuller, staging_blocks_for  # noqa: E402
 from kvflow.integrations.vllm.link import PullError  # noqa: E402
-from kvflow.integrations.vllm.transfer import KVPuller, KVServer  # noqa: E402
+from kvflow.integrations.vllm.transfer import KVPuller, KVServer, open_puller  # noqa: E402
 from kvflow.vllm_layout import from_vllm, vllm_like  # noqa: E402
 
 
@@ -39,24 +39,12 @@ def _caches():
 
 
 def _server(p, transport, **kw):
-    addr = f"tcp://127.0.0.1:{free_port()}"
-    info = agent = None
-    if transport == "nixl":
-        from kvflow.connector.transport.nixl_agent import Agent
-        from kvflow.integrations.vllm.nixl_pull import export
-        agent = Agent("test-prefill", progress_thread=False)  # as the connector's P
-        info = export(agent, p)
-    return KVServer(p, addr, nixl=info, progress=agent and agent.progress,
-                    ipc=transport == "ipc", **kw), agent
+    return KVServer(p, f"tcp://127.0.0.1:{free_port()}", transport=transport, **kw)
 
 
 def _puller(d, transport, timeout_s=5.0, staging_blocks=3):
-    if transport == "nixl":
-        from kvflow.integrations.vllm.nixl_pull import NixlPuller
-        return NixlPuller(d, timeout_s=timeout_s)
-    if transport == "ipc":  # 3 staging blocks: a pull of 4 blocks moves in two chunks
-        return IpcPuller(d, staging_blocks=staging_blocks, timeout_s=timeout_s)
-    return KVPuller(d, timeout_s=timeout_s)
+    # ipc-push, 3 staging blocks: a pull of 4 blocks moves in two chunks
+    return open_puller(transport, d, timeout_s=timeout_s, staging_blocks=staging_blocks)
 
 
 @contextlib.contextmanager
@@ -64,15 +52,13 @@ def _pair(p_transport, d_transport=None, hold_wait_s=5.0):
     """``(p, d, server, puller)``: P's server of ``p_transport`` and D's puller of
     ``d_transport`` (default the same) over two fresh caches; all closed on exit."""
     p, d = _caches()
-    server, agent = _server(p, p_transport, hold_wait_s=hold_wait_s)
+    server = _server(p, p_transport, hold_wait_s=hold_wait_s)
     puller = _puller(d, d_transport or p_transport)
     try:
         yield p, d, server, puller
     finally:
         puller.close()
         server.close()
-        if agent is not None:
-            agent.close()
 
 
 @pytest.fixture(autouse=True)
@@ -80,7 +66,7 @@ def _ucx_tcp(monkeypatch):
     monkeypatch.setenv("UCX_TLS", tcp_tls())  # the network path, not shared memory
 
 
-@pytest.mark.parametrize("transport", ["tcp", NIXL, "ipc"])
+@pytest.mark.parametrize("transport", ["tcp", NIXL, "ipc-push"])
 def test_pull_moves_exact_blocks_and_frees_p(transport):
     with _pair(transport) as (p, d, server, puller):
         src, dst = [3, 4, 5, 9], [0, 1, 7, 2]
@@ -89,7 +75,7 @@ def test_pull_moves_exact_blocks_and_frees_p(transport):
         for tp, td in zip(p.tensors(), d.tensors()):
             assert torch.equal(td[dst], tp[src])
             assert not td[[3, 4, 5, 6, 8, 9, 10, 11]].any()  # nothing else written
-        deadline = time.monotonic() + 5  # nixl, ipc: D's Release reaches P's thread later
+        deadline = time.monotonic() + 5  # nixl, ipc-push: D's Release reaches P's thread later
         while not (done := server.take_done()) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert done == {"r1"}
@@ -100,12 +86,12 @@ def test_pull_moves_exact_blocks_and_frees_p(transport):
             puller.pull(server.addr, "r2", [0], [11])
             assert torch.equal(d.tensors()[1][11], p.tensors()[1][0])
             assert list(puller.peers) == [server.addr] == list(puller.agent.peers)
-        if transport == "ipc":
+        if transport == "ipc-push":
             assert puller.chunks == 2  # 3 + 1 blocks through 3 staging blocks
-            assert list(server.staging._maps) == [puller.name]  # mapped once
+            assert list(server.staging) == [puller.name]  # mapped once
 
 
-@pytest.mark.parametrize("transport", ["tcp", NIXL, "ipc"])
+@pytest.mark.parametrize("transport", ["tcp", NIXL, "ipc-push"])
 def test_pull_of_a_request_p_does_not_hold_is_refused(transport):
     with _pair(transport, hold_wait_s=0.2) as (p, d, server, puller):
         with pytest.raises(PullError, match=r"^request r9: P refused the pull: P holds no "
@@ -116,7 +102,7 @@ def test_pull_of_a_request_p_does_not_hold_is_refused(transport):
 
 @pytest.mark.parametrize("transport, asked", [
     pytest.param("nixl", r"refused the NIXL hello: ", marks=NIXL.marks),
-    ("ipc", r"^request r1: P refused the pull: ")])
+    ("ipc-push", r"^request r1: P refused the pull: ")])
 def test_d_against_a_tcp_p_names_the_setting(transport, asked):
     with _pair("tcp", transport) as (p, d, server, puller):
         server.hold("r1", 30.0)
@@ -130,7 +116,7 @@ def test_d_against_a_tcp_p_names_the_setting(transport, asked):
 @pytest.mark.skipif(not nixl_available(), reason="NIXL not installed")
 def test_nixl_dead_p_times_out_and_its_agent_is_removed():
     p, d = _caches()
-    server, agent = _server(p, "nixl")
+    server = _server(p, "nixl")
     puller = _puller(d, "nixl", timeout_s=0.5)
     try:
         server.hold("r1", 30.0)
@@ -143,11 +129,16 @@ def test_nixl_dead_p_times_out_and_its_agent_is_removed():
         assert puller.peers == {} and puller.agent.peers == {}
     finally:
         puller.close()
-        agent.close()
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({"transport": "ucx"}, "transport must be one of ('tcp', 'nixl', 'ipc'), got 'ucx'"),
+    ({"transport": "ucx"}, "kv_connector_extra_config transport must be one of ('tcp', 'nixl', "
+                           "'ipc-push'), got 'ucx'"),
+    ({"transport": "ipc-pull"}, "transport must be one of ('tcp', 'nixl', 'ipc-push'), got "
+                                "'ipc-pull'"),
+    ({"transport": "ipc"}, "kv_connector_extra_config transport 'ipc' is now called "
+                           "'ipc-push' (P writes into D's staging cache, as serving's ipc-push "
+                           "kind); set transport 'ipc-push'"),
     ({"staging_mb": 0}, "staging_mb must be > 0 MiB, got 0"),
     ({"timeout_s": "abc"}, "kv_connector_extra_config timeout_s must be a number, got 'abc'"),
     ({"backend": "bogus"}, "kv_connector_extra_config backend must be 'auto' or one of "),
@@ -160,41 +151,52 @@ def test_bad_settings_are_refused_by_name(extra, message):
         check_config(extra)
     assert message in str(exc.value)
     assert check_config({"transport": "nixl"})["transport"] == "nixl"
+    assert check_config({"transport": "ipc-push"})["transport"] == "ipc-push"
     assert check_config({})["transport"] == "tcp"
+
+
+def test_transport_names_are_the_serving_kinds_names():
+    from kvflow.connector import CONNECTORS
+    assert TRANSPORTS == ("tcp", "nixl", "ipc-push")
+    assert set(TRANSPORTS) <= set(CONNECTORS)
+    pullers = [open_puller(t, _caches()[1], staging_blocks=1) for t in ("tcp", "ipc-push")]
+    assert [type(p) for p in pullers] == [KVPuller, IpcPuller]
+    for p in pullers:
+        p.close()
+    with pytest.raises(ValueError, match=r"^kv_connector_extra_config transport 'ipc' is now "
+                                         r"called 'ipc-push' "):
+        KVServer(_caches()[0], "tcp://127.0.0.1:1", transport="ipc")
+    with pytest.raises(ValueError, match=r"^kv_connector_extra_config transport 'ipc' is now "):
+        open_puller("ipc", _caches()[1])
 
 
 
 @pytest.mark.skipif(not nixl_available(), reason="NIXL not installed")
 def test_nixl_p_restarted_on_the_same_address_is_met_anew():
-    from kvflow.connector.transport.nixl_agent import Agent
-    from kvflow.integrations.vllm.nixl_pull import export
     p, d = _caches()
-    server, agent = _server(p, "nixl")
+    server = _server(p, "nixl")
     puller = _puller(d, "nixl")
     try:
         server.hold("r1", 30.0)
         puller.pull(server.addr, "r1", [1], [1])
         first = puller.peers[server.addr].agent
         server.close()
-        agent.close()
         p2, _ = _caches()  # the new P: another agent, another cache, the same address
-        agent = Agent("test-prefill", progress_thread=False)
-        server = KVServer(p2, server.addr, nixl=export(agent, p2), progress=agent.progress)
+        server = KVServer(p2, server.addr, transport="nixl")
         server.hold("r2", 30.0)
         assert puller.pull(server.addr, "r2", [2], [3]) == p.spec.bytes_per_block
-        assert puller.peers[server.addr].agent == agent.name != first
+        assert puller.peers[server.addr].agent == server.agent.name != first
         assert list(puller.agent.peers) == [server.addr]
         for tp, td in zip(p2.tensors(), d.tensors()):
             assert torch.equal(td[3], tp[2])
     finally:
         puller.close()
         server.close()
-        agent.close()
 
 
 def test_ipc_staging_of_a_gone_d_is_refused_and_unlinked_on_close():
     from kvflow.segments import segment_path
-    with _pair("ipc") as (p, d, server, puller):
+    with _pair("ipc-push") as (p, d, server, puller):
         path = segment_path(puller.name)
         assert os.path.exists(path)
         os.unlink(path)  # D's staging segment vanished
@@ -203,7 +205,7 @@ def test_ipc_staging_of_a_gone_d_is_refused_and_unlinked_on_close():
                                             rf"staging cache '{puller.name}': shared-memory "
                                             rf"segment '{puller.name}' does not exist$"):
             puller.pull(server.addr, "r1", [1], [1])
-    puller2 = _puller(d, "ipc")
+    puller2 = _puller(d, "ipc-push")
     puller2.close()
     assert not os.path.exists(segment_path(puller2.name))
 
@@ -218,7 +220,7 @@ def test_ipc_staging_size_follows_the_longest_prompt_and_the_budget():
         IpcPuller(_caches()[1], staging_blocks=0)
 
 
-@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+@pytest.mark.parametrize("transport", ["tcp", "ipc-push"])
 def test_pull_of_blocks_that_are_not_the_requests_is_refused(transport):
     """P serves a held request's own blocks only: ids of another request's blocks (in range,
     the request held) are refused, and D's cache is not written."""
@@ -228,7 +230,7 @@ def test_pull_of_blocks_that_are_not_the_requests_is_refused(transport):
                                             r"are not blocks of request 'r1' \(P holds \[1, 5\]\)$"):
             puller.pull(server.addr, "r1", [1, 3, 4], [0, 1, 2])
         assert not any(t.any() for t in d.tensors())
-        server.hold("r2", 30.0, [1, 5])  # (ipc's puller releases r1 after the refusal)
+        server.hold("r2", 30.0, [1, 5])  # (ipc-push's puller releases r1 after the refusal)
         assert puller.pull(server.addr, "r2", [5], [2]) == p.spec.bytes_per_block  # a suffix
         assert torch.equal(d.tensors()[0][2], p.tensors()[0][5])
 

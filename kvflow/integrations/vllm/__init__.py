@@ -1,19 +1,11 @@
-"""kvflow as a vLLM KV connector (vLLM >= 0.32, ``pip install -e ".[vllm]"``).
+"""kvflow as a vLLM KV connector (vLLM >= 0.32, ``pip install -e ".[vllm]"``): only
+``KvflowConnector`` (:mod:`.connector`) imports vLLM. docs/tutorials/vllm.md."""
 
-``KvflowConnector`` (:mod:`.connector`) imports vLLM; :mod:`.transfer` and :mod:`.messages`
-(the pull over ZMQ) and :mod:`.proxy` (the OpenAI front) do not. See docs/tutorials/vllm.md.
-"""
-
-from __future__ import annotations
-
-from typing import Any
+__all__ = ["KvflowConnector", "KvflowMeta"]
 
 
-def __getattr__(name: str) -> Any:
-    if name in ("KvflowConnector", "KvflowMeta"):
+def __getattr__(name: str) -> object:
+    if name in __all__:
         from . import connector
         return getattr(connector, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = ["KvflowConnector", "KvflowMeta"]

@@ -1,43 +1,13 @@
-"""``KvflowConnector``: kvflow as an out-of-tree vLLM (>= 0.32) KV connector.
-
-Load it with::
+"""``KvflowConnector``: kvflow as an out-of-tree vLLM (>= 0.32) KV connector; D pulls the
+prompt's blocks after P's prefill over transport ``tcp``, ``nixl`` or ``ipc-push``::
 
     KVTransferConfig(kv_connector="KvflowConnector",
                      kv_connector_module_path="kvflow.integrations.vllm",
                      kv_role="kv_producer" | "kv_consumer" | "kv_both",
                      kv_connector_extra_config={"kvflow_port": 5601, "transport": "tcp"})
 
-Transports (``transport``, the same on P and D): ``tcp`` (default; P gathers the blocks with
-kvflow's ``gather_blocks`` and sends zero-copy ZMQ frames, D ``scatter_blocks`` them) and
-``nixl`` (D READs P's blocks with one-sided NIXL, :mod:`.nixl_pull`; ``pip install nixl-cu12``)
-work on one host and across hosts; ``ipc`` (P copies into a staging cache D exports in shared
-memory or by CUDA IPC, :mod:`.ipc_pull`) on one host.
-
-One request (pull after prefill, as vLLM's NIXL connector; docs/tutorials/vllm.md):
-
-1. the proxy sends the prompt to P with ``kv_transfer_params={"do_remote_decode": True}`` and
-   ``max_tokens=1``; P prefills; :meth:`request_finished` keeps P's blocks (delay free) and
-   returns the transfer params (P's address, block ids, request id);
-2. the proxy sends the request to D with those params; D's scheduler counts the prompt tokens
-   it lacks (:meth:`get_num_new_matched_tokens`, a local prefix hit excluded), allocates, and
-   :meth:`update_state_after_alloc` pairs P's logical blocks ``k..`` with D's new blocks;
-3. D's worker pulls them in a background thread (:meth:`start_load_kv`, by the transport)
-   and reports the request through :meth:`get_finished`; P's worker reports it sent, and vLLM
-   frees P's blocks.
-
-Reliability: a failed pull (P refused or died, a timeout, a failed NIXL READ) reports the
-request as received with its blocks in :meth:`get_block_ids_with_load_errors` (vLLM recomputes
-or fails it, ``kv_load_failure_policy``), and a dead P's NIXL agent is removed; a request D
-aborts before it allocated sends P a release; P frees blocks no D pulled within ``lease_s``.
-
-Why ``save_kv_layer`` and ``wait_for_layer_load`` do nothing (the pull model, as vLLM's own
-NixlConnector): the KV moves once, after P's whole prefill, when D has allocated its blocks.
-During P's forward pass no D block exists yet (the proxy sends the request to D only after P
-answered), so P has nowhere to save a layer to; and D's forward pass for the request starts
-only after :meth:`get_finished` reported the pull complete, so no layer is ever waited for.
-Overlapping the transfer with P's prefill would need a push to blocks D reserved in advance
-(kvflow's own serving stack does that, ``kvflow.connector.layerwise``); vLLM's scheduler does
-not reserve them.
+One request's hooks, the failure rules, why ``save_kv_layer`` does nothing:
+docs/tutorials/vllm.md.
 """
 
 from __future__ import annotations
@@ -58,9 +28,10 @@ from kvflow.cache import PagedKVCache
 from kvflow.vllm_layout import from_vllm
 
 from .config import check_config
+from .ipc_push import staging_blocks_for
 from .link import PullError
 from .params import check_params, prompt_hash
-from .transfer import KVPuller, KVServer
+from .transfer import KVServer, open_puller
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -76,8 +47,8 @@ class RecvJob:
     req_id: str
     addr: str
     remote_req_id: str
-    remote_ids: list[int]
-    local_ids: list[int]
+    remote_ids: list[int] = dataclasses.field(default_factory=list)
+    local_ids: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -87,15 +58,9 @@ class KvflowMeta(KVConnectorMetadata):
     hold: list[tuple[str, list[int]]] = dataclasses.field(default_factory=list)  # (req, P's ids)
 
 
-def _first_group(block_ids: Any) -> list[int]:
-    """vLLM passes one list of block ids, or one list per KV cache group."""
-    if block_ids and isinstance(block_ids[0], (list, tuple)):
-        return list(block_ids[0])
-    return list(block_ids)
-
-
 class KvflowConnector(KVConnectorBase_V1):
-    """kvflow's vLLM KV connector; see the module docstring."""
+    """kvflow's vLLM KV connector (module docstring); ValueError for a bad
+    ``kv_connector_extra_config`` (:func:`.config.check_config`)."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
@@ -103,43 +68,39 @@ class KvflowConnector(KVConnectorBase_V1):
         self.conf = check_config(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
         self.addr = f"tcp://{self.conf['kvflow_host']}:{int(self.conf['kvflow_port'])}"
         self.block_size = vllm_config.cache_config.block_size
-        # scheduler side
-        self._recv: list[RecvJob] = []
+        self._recv: list[RecvJob] = []                     # scheduler side
         self._hold: list[tuple[str, list[int]]] = []
-        # worker side
-        self.cache: PagedKVCache | None = None
+        self.cache: PagedKVCache | None = None             # worker side
         self.server: KVServer | None = None
-        self.agent: Any = None                 # P's NIXL agent (transport nixl)
-        self.puller: Any = None                # D's KVPuller or NixlPuller
+        self.puller: Any = None
         self._jobs: queue.Queue = queue.Queue()
-        self._done_recv: set[str] = set()
-        self._failed_blocks: set[int] = set()
+        self._done_recv, self._failed_blocks = set(), set()
         self._lock = threading.Lock()
-        self._loader: threading.Thread | None = None
-        self.stats: list[dict[str, Any]] = []
 
-    # ================================ scheduler side ======================================
+    def _release(self, request: "Request", params: dict[str, Any]) -> None:
+        params["do_remote_prefill"] = False
+        self._recv.append(RecvJob(request.request_id, params["remote_addr"],
+                                  params["remote_request_id"]))
+
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[int, bool]:
         """D: the prompt tokens P holds beyond D's local prefix hit, loaded asynchronously.
         Params that do not describe this very prompt (:func:`.params.check_params`) load
         nothing: D computes the prompt itself and releases P's blocks."""
         params = request.kv_transfer_params or {}
-        if params.get("do_remote_prefill"):
-            prompt = list(request.prompt_token_ids or [])
-            why = check_params(params, prompt, self.block_size)
-            if why:
-                log.error("kvflow: request %s: %s; D computes the prompt itself",
-                          request.request_id, why)
-                params["do_remote_prefill"] = False
-                if not why.startswith(("remote_addr", "remote_request_id")):
-                    self._recv.append(RecvJob(request.request_id, params["remote_addr"],
-                                              params["remote_request_id"], [], []))
-                return 0, False
-            count = len(prompt) - num_computed_tokens
-            if count > 0:
-                return count, True
-        return 0, False
+        if not params.get("do_remote_prefill"):
+            return 0, False
+        prompt = list(request.prompt_token_ids or [])
+        why = check_params(params, prompt, self.block_size)
+        if why:
+            log.error("kvflow: request %s: %s; D computes the prompt itself",
+                      request.request_id, why)
+            params["do_remote_prefill"] = False
+            if not why.startswith(("remote_addr", "remote_request_id")):  # a P to release
+                self._release(request, params)
+            return 0, False
+        count = len(prompt) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
@@ -149,8 +110,7 @@ class KvflowConnector(KVConnectorBase_V1):
             return
         params["do_remote_prefill"] = False  # one transfer per request
         remote = list(params["remote_block_ids"])
-        job = RecvJob(request.request_id, params["remote_addr"], params["remote_request_id"],
-                      [], [])
+        job = RecvJob(request.request_id, params["remote_addr"], params["remote_request_id"])
         if num_external_tokens > 0:
             group = blocks.blocks[0]
             hit = 0
@@ -173,9 +133,7 @@ class KvflowConnector(KVConnectorBase_V1):
         from vllm.v1.request import RequestStatus
         params = request.kv_transfer_params or {}
         if params.get("do_remote_prefill"):  # D, never allocated (aborted while waiting)
-            self._recv.append(RecvJob(request.request_id, params["remote_addr"],
-                                      params["remote_request_id"], [], []))
-            params["do_remote_prefill"] = False
+            self._release(request, params)
             return False, None
         if not params.get("do_remote_decode"):
             return False, {"kvflow_pulled_blocks": params["kvflow_pulled_blocks"]} \
@@ -183,81 +141,56 @@ class KvflowConnector(KVConnectorBase_V1):
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED,
                                   RequestStatus.FINISHED_STOPPED):
             return False, None  # P aborted: free now, nothing to send
-        n = -(-len(request.prompt_token_ids or []) // self.block_size)
-        ids = _first_group(block_ids)[:n]
+        prompt = list(request.prompt_token_ids or [])
+        if block_ids and isinstance(block_ids[0], (list, tuple)):  # one list per cache group
+            block_ids = block_ids[0]
+        ids = list(block_ids)[:-(-len(prompt) // self.block_size)]
         if not ids:
             return False, None
         self._hold.append((request.request_id, ids))
-        prompt = list(request.prompt_token_ids or [])
         return True, {"do_remote_prefill": True, "do_remote_decode": False,
                       "remote_addr": self.addr, "remote_request_id": request.request_id,
                       "remote_block_ids": ids, "remote_num_tokens": len(prompt),
                       "remote_prompt_hash": prompt_hash(prompt)}
 
-    # ================================= worker side ========================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Wrap vLLM's per-layer tensors (no copy); P starts serving pulls; with transport
-        nixl, P and D register the tensors' memory with a NIXL agent."""
+        """Wrap vLLM's per-layer tensors (no copy); P starts serving pulls, D its loader thread
+        (with nixl, each registers the tensors' memory with a NIXL agent)."""
         self.cache = from_vllm(kv_caches)
-        transport = self.conf["transport"]
-        nixl = transport == "nixl"
+        transport, backend = self.conf["transport"], self.conf["backend"]
         log.info("kvflow: %s over %d blocks (%s, transport %s)", self.cache.spec,
-                 self.cache.num_blocks, self._kv_transfer_config.kv_role, self.conf["transport"])
+                 self.cache.num_blocks, self._kv_transfer_config.kv_role, transport)
         if self._kv_transfer_config.is_kv_producer:
-            info = None
-            if nixl:
-                from kvflow.connector.transport.nixl_agent import Agent
-                from .nixl_pull import export
-                # no progress thread (it polls while idle): the server progresses P's agent
-                # while a D READs
-                self.agent = Agent("vllm-prefill", progress_thread=False)
-                info = export(self.agent, self.cache)
-            self.server = KVServer(self.cache, self.addr, backend=self.conf["backend"],
-                                   delay_s=float(self.conf["test_serve_delay_s"]), nixl=info,
-                                   progress=self.agent.progress if nixl else None,
-                                   ipc=transport == "ipc")
+            self.server = KVServer(self.cache, self.addr, transport=transport, backend=backend,
+                                   delay_s=float(self.conf["test_serve_delay_s"]))
         if self._kv_transfer_config.is_kv_consumer:
-            timeout_s, corrupt = float(self.conf["timeout_s"]), bool(self.conf["test_corrupt_kv"])
-            if nixl:
-                from .nixl_pull import NixlPuller
-                self.puller = NixlPuller(self.cache, timeout_s=timeout_s, corrupt=corrupt)
-            elif transport == "ipc":
-                from .ipc_pull import IpcPuller, staging_blocks_for
-                longest = -(-self._vllm_config.model_config.max_model_len // self.block_size)
-                blocks = staging_blocks_for(self.cache.spec, longest,
-                                            int(float(self.conf["staging_mb"]) * (1 << 20)))
-                self.puller = IpcPuller(self.cache, staging_blocks=blocks, timeout_s=timeout_s,
-                                        backend=self.conf["backend"], corrupt=corrupt)
-                log.info("kvflow: ipc staging cache %s of %d blocks (%d bytes)",
+            longest = -(-self._vllm_config.model_config.max_model_len // self.block_size)
+            blocks = staging_blocks_for(self.cache.spec, longest,
+                                        int(self.conf["staging_mb"] * (1 << 20)))
+            self.puller = open_puller(transport, self.cache, timeout_s=self.conf["timeout_s"],
+                                      backend=backend, corrupt=bool(self.conf["test_corrupt_kv"]),
+                                      staging_blocks=blocks)
+            if transport == "ipc-push":
+                log.info("kvflow: ipc-push staging cache %s of %d blocks (%d bytes)",
                          self.puller.name, blocks, blocks * self.cache.spec.bytes_per_block)
-            else:
-                self.puller = KVPuller(self.cache, timeout_s=timeout_s,
-                                       backend=self.conf["backend"], corrupt=corrupt)
-            self._loader = threading.Thread(target=self._load_loop, name="kvflow-kv-loader",
-                                            daemon=True)
-            self._loader.start()
+            threading.Thread(target=self._load_loop, name="kvflow-kv-loader", daemon=True).start()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Hand this step's pulls to the loader thread; P starts holding finished requests."""
         meta = self._connector_metadata
         if not isinstance(meta, KvflowMeta):
             return
-        if self.server is not None:
-            for req_id, ids in meta.hold:
-                self.server.hold(req_id, float(self.conf["lease_s"]), ids)
+        for req_id, ids in meta.hold if self.server is not None else ():
+            self.server.hold(req_id, self.conf["lease_s"], ids)
         for job in meta.recv:
             self._jobs.put(job)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing: D computes a pulled request only after :meth:`get_finished` reported its
-        pull complete, so every layer is loaded before it is read (module docstring)."""
-        return
+        """Nothing: D computes a pulled request only after :meth:`get_finished` reported it."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        """Nothing: during P's forward pass D has no blocks yet; D pulls P's blocks after the
-        prefill, which :meth:`request_finished` keeps for it (module docstring)."""
-        return
+        """Nothing: during P's forward pass D has no blocks yet; D pulls after the prefill."""
 
     def wait_for_save(self) -> None:
         return
@@ -278,30 +211,22 @@ class KvflowConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.server is not None:
             self.server.close()
-        if self.agent is not None:
-            self.agent.close()
         self._jobs.put(None)
 
-    # ---- the loader thread (D) ------------------------------------------------------------
     def _load_loop(self) -> None:
+        """D's loader thread: one pull (or release) at a time, failures reported by block."""
         puller = self.puller
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                puller.close()
-                return
+        while (job := self._jobs.get()) is not None:
             if not job.local_ids:
                 puller.release(job.addr, job.remote_req_id)
                 continue
             t0 = time.perf_counter()
+            failed: list[int] = []
             try:
                 nbytes = puller.pull(job.addr, job.remote_req_id, job.remote_ids, job.local_ids)
-                self.stats.append({"req_id": job.req_id, "blocks": len(job.local_ids),
-                                   "bytes": nbytes, "ms": (time.perf_counter() - t0) * 1e3})
                 log.info("kvflow: pulled %d blocks (%d bytes) of %s in %.2f ms over %s",
-                         len(job.local_ids), nbytes, job.req_id, self.stats[-1]["ms"],
-                         self.conf["transport"])
-                failed: list[int] = []
+                         len(job.local_ids), nbytes, job.req_id,
+                         (time.perf_counter() - t0) * 1e3, self.conf["transport"])
             except (PullError, ValueError, OSError) as exc:
                 log.error("kvflow: %s", exc)
                 failed = job.local_ids
@@ -311,3 +236,4 @@ class KvflowConnector(KVConnectorBase_V1):
             with self._lock:
                 self._failed_blocks.update(failed)
                 self._done_recv.add(job.req_id)
+        puller.close()

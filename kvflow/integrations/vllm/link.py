@@ -1,20 +1,18 @@
-"""D's side channel to the P workers it pulls from: one ZMQ DEALER socket per P address, used
-from D's loader thread only. Both transports ask P over it (tcp: the KV comes back as frames;
-nixl: P's agent and a check, the KV moves by NIXL READ).
-"""
+"""D's side channel to the P workers it pulls from (one ZMQ DEALER socket per P address, used
+from D's loader thread only) and :class:`Puller`, D's end of every transport."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 import zmq
 
 from .messages import PullReply, Release, decode, encode
 
 
 class PullError(RuntimeError):
-    """A pull that did not put the KV into D's blocks (P refused or timed out, bad frames, a
-    failed NIXL READ)."""
+    """A pull that did not put the KV into D's blocks (P refused or timed out, bad frames...)."""
 
 
 class PeerTimeout(PullError):
@@ -22,14 +20,9 @@ class PeerTimeout(PullError):
 
 
 class PeerLink:
-    """D's DEALER sockets, one per P address (``tcp://host:port``).
-
-    Parameters
-    ----------
-    timeout_s : float
-        Longest wait for one answer of P (seconds); then :class:`PullError` and the socket is
-        dropped (a late answer never reaches a later question).
-    """
+    """D's DEALER sockets, one per P address (``tcp://host:port``). ``timeout_s``: longest wait
+    for one answer of P (seconds, > 0, else ValueError); then :class:`PeerTimeout` and the
+    socket is dropped (a late answer never reaches a later question)."""
 
     def __init__(self, timeout_s: float) -> None:
         if not timeout_s > 0:
@@ -39,8 +32,7 @@ class PeerLink:
         self._socks: dict[str, zmq.Socket] = {}
 
     def _sock(self, addr: str) -> zmq.Socket:
-        s = self._socks.get(addr)
-        if s is None:
+        if (s := self._socks.get(addr)) is None:
             s = self._socks[addr] = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
             s.connect(addr)
@@ -52,19 +44,9 @@ class PeerLink:
 
     def ask(self, addr: str, msg: Any, answer: type, what: str,
             req_id: str | None = None) -> tuple[Any, list[Any]]:
-        """Send ``msg`` and wait for P's answer of type ``answer`` (with ``req_id``, when
-        given; other answers, late ones of an earlier question, are skipped).
-
-        Returns
-        -------
-        (answer, frames)
-            The decoded answer and the raw frames after it (zmq ``Frame`` objects, not copied).
-
-        Raises
-        ------
-        PeerTimeout
-            No answer within ``timeout_s`` (naming ``what`` and ``addr``).
-        """
+        """Send ``msg``; return P's answer of type ``answer`` (with ``req_id``, when given:
+        late answers of an earlier question are skipped) and the raw zmq frames after it, or
+        raise :class:`PeerTimeout` naming ``what`` and ``addr``."""
         sock = self._sock(addr)
         sock.send(encode(msg))
         while True:
@@ -79,8 +61,7 @@ class PeerLink:
 
     def drop(self, addr: str) -> None:
         """Close the socket to ``addr`` (P died or answered late); the next use reconnects."""
-        s = self._socks.pop(addr, None)
-        if s is not None:
+        if (s := self._socks.pop(addr, None)) is not None:
             s.close(linger=0)
 
     def close(self) -> None:
@@ -89,18 +70,10 @@ class PeerLink:
 
 
 class Puller:
-    """What D's loader thread calls, whatever the transport (:class:`.transfer.KVPuller`,
-    :class:`.nixl_pull.NixlPuller`): :meth:`pull`, :meth:`release`, :meth:`close`.
-
-    Parameters
-    ----------
-    cache : PagedKVCache
-        D's cache.
-    timeout_s : float
-        Longest wait for one answer of P, and for a NIXL READ (seconds).
-    corrupt : bool
-        Test hook (the negative control): write noise instead of the moved KV.
-    """
+    """D's end of a transport (:class:`.transfer.KVPuller`, :class:`.ipc_push.IpcPuller`,
+    :class:`.nixl_pull.NixlPuller`) over D's ``cache``, called from D's loader thread.
+    ``timeout_s``: longest wait for one answer of P, and for a NIXL READ (seconds);
+    ``corrupt``: test hook (the negative control), noise instead of the moved KV."""
 
     def __init__(self, cache: Any, *, timeout_s: float = 30.0, corrupt: bool = False) -> None:
         self.cache, self.timeout_s, self.corrupt = cache, timeout_s, corrupt
@@ -111,35 +84,24 @@ class Puller:
         self.link.send(addr, Release(req_id))
 
     def pull(self, addr: str, req_id: str, remote_ids: list[int], local_ids: list[int]) -> int:
-        """Copy P's blocks ``remote_ids`` into D's ``local_ids`` (same length, logical order).
-
-        Returns
-        -------
-        int
-            Payload bytes written into D's cache (``len(local_ids) * spec.bytes_per_block``).
-
-        Raises
-        ------
-        PullError
-            Different lengths, P refused (its message), no answer within ``timeout_s``, or the
-            transport's own failure (frames of the wrong size; a failed or late NIXL READ).
-        """
+        """Copy P's blocks ``remote_ids`` into D's ``local_ids`` (same length, logical order);
+        returns the payload bytes written (``len(local_ids) * spec.bytes_per_block``). Raises
+        :class:`PullError`: different lengths, P refused (its message), no answer within
+        ``timeout_s``, or the transport's own failure (bad frames; a failed or late READ)."""
         if len(remote_ids) != len(local_ids):
             raise PullError(f"request {req_id}: {len(remote_ids)} remote blocks for "
                             f"{len(local_ids)} local blocks")
-        return self._pull(addr, req_id, list(remote_ids), list(local_ids))
+        self._pull(addr, req_id, list(remote_ids), list(local_ids))
+        if self.corrupt:
+            ids = torch.tensor(local_ids, dtype=torch.int64)
+            for t in self.cache.tensors():
+                t[ids] = torch.randn(t[ids].shape).to(t.device, t.dtype)
+        return len(local_ids) * self.cache.spec.bytes_per_block
 
-    def _pull(self, addr: str, req_id: str, remote_ids: list[int], local_ids: list[int]) -> int:
+    def _pull(self, addr: str, req_id: str, remote_ids: list[int], local_ids: list[int]) -> None:
         raise NotImplementedError
 
     def _ask_pull(self, addr: str, msg: Any) -> tuple[Any, list[Any]]:
-        """Send a ``Pull`` and return P's ``PullReply`` (and frames) if P agreed.
-
-        Raises
-        ------
-        PullError
-            No answer within ``timeout_s``, or P refused (its message).
-        """
         reply, frames = self.link.ask(addr, msg, PullReply, f"request {msg.req_id}", msg.req_id)
         if not reply.ok:
             raise PullError(f"request {msg.req_id}: P refused the pull: {reply.error}")

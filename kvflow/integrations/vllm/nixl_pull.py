@@ -1,29 +1,12 @@
-"""Transport ``nixl`` of :class:`~kvflow.integrations.vllm.KvflowConnector`: D READs P's blocks
-with one-sided NIXL (:class:`kvflow.connector.transport.nixl_agent.Agent`).
-
-Why D reads (pull) rather than P writes: D's blocks exist only once D's scheduler allocated
-them, after P's prefill ended and the proxy forwarded the request; at that point D knows both
-sides' block ids (P's come in the transfer params), so a READ needs no further round trip,
-P's CPU takes no part in moving the bytes, and P's ``save_kv_layer`` has nothing to do. A P
-WRITE would need D's ids sent back to P first. vLLM's own NixlConnector pulls for the same reason.
-
-Memory: each side registers the storage under vLLM's per-layer KV views once (one
-registration per distinct allocation, :func:`register`). Descriptors (:func:`cache_descs`): one
-per (tensor, block), ``spec.block_bytes`` each, row ``t * num_blocks + b`` = block ``b`` of
-tensor ``t`` of :meth:`~kvflow.PagedKVCache.tensors`; D prepares its own list once and P's once
-per P (:class:`NixlPuller`). A READ names the rows of P's and D's block ids for every tensor
-(:func:`~kvflow.connector.transport.nixl_plan.desc_indices`); NIXL merges rows adjacent on both
-sides, so a run of consecutive ids on both sides moves as one descriptor per tensor
-(:func:`~kvflow.connector.transport.nixl_plan.coalesce`).
-
-The side channel is :class:`.link.PeerLink` (ZMQ, msgpack messages of :mod:`.messages`): P's
-agent metadata and tensor addresses come once per P in :class:`~.messages.NixlInfo`.
-"""
+"""Transport ``nixl``: D READs P's blocks with one-sided NIXL
+(:class:`kvflow.connector.transport.nixl_agent.Agent`) once it has allocated its own; each side
+registers vLLM's KV storage once, D prepares P's descriptor list once per P (from P's
+:class:`~.messages.NixlInfo`). Why D reads: docs/tutorials/vllm.md, "Why D pulls"."""
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
+import contextlib
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -37,121 +20,96 @@ from .link import PeerTimeout, Puller, PullError
 from .messages import NixlHello, NixlInfo, Pull
 
 
-def register(agent: Agent, cache: PagedKVCache) -> int:
+def register(agent: Agent, cache: PagedKVCache) -> None:
     """Register the memory under ``cache``'s tensors with ``agent``: each distinct storage
-    (vLLM may put every layer in one allocation or one per layer) once, whole. Returns the
-    number of registrations."""
+    (vLLM may put every layer in one allocation or one per layer) once, whole."""
     seen: set[int] = set()
     for t in cache.tensors():
         storage = t.untyped_storage()
-        if storage.data_ptr() in seen:
-            continue
-        seen.add(storage.data_ptr())
-        agent.register(torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage))
-    return len(seen)
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            agent.register(torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage))
 
 
-def cache_descs(addrs: list[int], num_blocks: int, block_bytes: int,
-                device_id: int = 0) -> np.ndarray:
+def cache_descs(info: NixlInfo) -> np.ndarray:
     """Descriptors ``(address, bytes, device_id)`` (uint64, ``len(addrs) * num_blocks`` rows) of
-    every block of tensors based at ``addrs``: row ``t * num_blocks + b`` is block ``b`` of
+    every block of the cache ``info`` describes: row ``t * num_blocks + b`` is block ``b`` of
     tensor ``t``, ``block_bytes`` bytes at ``addrs[t] + b * block_bytes``."""
-    return np.concatenate([block_descs(a, 1, num_blocks, block_bytes, device_id)
-                           for a in addrs])
+    return np.concatenate([block_descs(a, 1, info.num_blocks, info.block_bytes, info.device_id)
+                           for a in info.addrs])
 
 
-def export(agent: Agent, cache: PagedKVCache) -> NixlInfo:
-    """P: register ``cache`` with ``agent``; what P tells D in :class:`NixlInfo`."""
+def export(cache: PagedKVCache, role: str = "vllm-prefill") -> tuple[Agent, NixlInfo]:
+    """A new NIXL agent without a progress thread, ``cache`` registered with it, and what P
+    tells D of it in :class:`NixlInfo`. ImportError without NIXL (``pip install nixl-cu12``);
+    TransferError without its UCX backend, or for a cache neither host nor CUDA memory."""
+    agent = Agent(role, progress_thread=False)
     register(agent, cache)
     mem, dev = mem_type(cache.tensors()[0])
-    return NixlInfo(True, agent=agent.name, metadata=agent.metadata(),
-                    addrs=[t.data_ptr() for t in cache.tensors()], num_blocks=cache.num_blocks,
-                    block_bytes=cache.spec.block_bytes, mem=mem, device_id=dev)
+    return agent, NixlInfo(True, agent=agent.name, metadata=agent.metadata(),
+                           addrs=[t.data_ptr() for t in cache.tensors()],
+                           num_blocks=cache.num_blocks, block_bytes=cache.spec.block_bytes,
+                           mem=mem, device_id=dev)
 
 
-@dataclasses.dataclass
-class _Peer:
+class _Peer(NamedTuple):
     agent: str           # P's agent name
     remote: Any          # P's prepared descriptor list
     num_blocks: int
 
 
 class NixlPuller(Puller):
-    """D's end of transport ``nixl`` (:class:`.link.Puller`), used from D's loader thread only:
-    a check with P over the side channel, one READ, a bounded wait, then ``Release``. A P that
-    does not answer or whose READ fails is forgotten (its agent removed).
-
-    Parameters
-    ----------
-    cache, timeout_s, corrupt
-        As :class:`.link.Puller` (``cache`` is registered with a new agent here; ``timeout_s``
-        bounds P's answer and, separately, the READ).
-
-    Raises
-    ------
-    ImportError
-        NIXL is not installed (``pip install nixl-cu12``).
-    TransferError
-        NIXL has no UCX backend, or the cache is neither host nor CUDA memory.
-    """
+    """D's end of transport ``nixl``: a check with P over the side channel, one READ, a bounded
+    wait, then ``Release``; a P that does not answer or whose READ fails is forgotten (its agent
+    removed). ``timeout_s`` bounds P's answer and, separately, the READ (the rest as
+    :class:`.link.Puller`); raises as :func:`export`."""
 
     def __init__(self, cache: PagedKVCache, *, timeout_s: float = 30.0,
                  corrupt: bool = False) -> None:
         super().__init__(cache, timeout_s=timeout_s, corrupt=corrupt)
-        self.agent = Agent("vllm-decode", progress_thread=False)  # wait() progresses it
-        register(self.agent, cache)
-        self.mem, dev = mem_type(cache.tensors()[0])
-        descs = cache_descs([t.data_ptr() for t in cache.tensors()], cache.num_blocks,
-                            cache.spec.block_bytes, dev)
-        self.local = self.agent.prep("", descs, self.mem)
+        self.agent, mine = export(cache, "vllm-decode")  # wait() progresses it
+        self.local = self.agent.prep("", cache_descs(mine), mine.mem)
         self.peers: dict[str, _Peer] = {}
         self.last_runs = 0  # coalesced runs of the last READ (descriptors per tensor)
 
     def _meet(self, addr: str) -> _Peer:
-        """P's agent and descriptor list: loaded and prepared once per P (and again when P's
-        agent changed, e.g. P restarted on the same address)."""
-        info, _ = self.link.ask(addr, NixlHello(self.cache.spec.to_dict()), NixlInfo,
+        """Load P's agent and prepare its descriptor list (again when P's agent changed)."""
+        spec = self.cache.spec
+        info, _ = self.link.ask(addr, NixlHello(spec.to_dict()), NixlInfo,
                                 f"NIXL hello to {addr}")
         if not info.ok:
             raise PullError(f"P at {addr} refused the NIXL hello: {info.error}")
-        if len(info.addrs) != self.cache.spec.num_tensors or \
-                info.block_bytes != self.cache.spec.block_bytes:
+        if len(info.addrs) != spec.num_tensors or info.block_bytes != spec.block_bytes:
             raise PullError(f"P at {addr} has {len(info.addrs)} tensors of {info.block_bytes}-"
-                            f"byte blocks; D has {self.cache.spec.num_tensors} of "
-                            f"{self.cache.spec.block_bytes}")
+                            f"byte blocks; D has {spec.num_tensors} of {spec.block_bytes}")
         self.forget(addr)
         try:
             name = self.agent.add_peer(addr, info.metadata)
-            remote = self.agent.prep(name, cache_descs(info.addrs, info.num_blocks,
-                                                       info.block_bytes, info.device_id),
-                                     info.mem)
+            remote = self.agent.prep(name, cache_descs(info), info.mem)
         except TransferError as exc:
             self.forget(addr)
             raise PullError(str(exc)) from None
-        peer = self.peers[addr] = _Peer(name, remote, info.num_blocks)
-        return peer
+        self.peers[addr] = _Peer(name, remote, info.num_blocks)
+        return self.peers[addr]
 
     def forget(self, addr: str) -> None:
         """Drop P at ``addr``: its prepared list and its agent (NIXL disconnects)."""
-        peer = self.peers.pop(addr, None)
-        if peer is not None:
-            try:
+        if (peer := self.peers.pop(addr, None)) is not None:
+            with contextlib.suppress(Exception):  # else NIXL frees it with the agent
                 peer.remote.release()
-            except Exception:  # NIXL frees it with the agent
-                pass
         self.agent.remove_peer(addr)
 
-    def _pull(self, addr: str, req_id: str, remote_ids: list[int], local_ids: list[int]) -> int:
-        spec = self.cache.spec
+    def _pull(self, addr: str, req_id: str, remote_ids: list[int], local_ids: list[int]) -> None:
         peer = self.peers.get(addr) or self._meet(addr)
         try:
-            reply, _ = self._ask_pull(addr, Pull(req_id, remote_ids, spec.to_dict(), nixl=True))
+            reply, _ = self._ask_pull(addr, Pull(req_id, remote_ids, self.cache.spec.to_dict(),
+                                                 nixl=True))
         except PeerTimeout:
             self.forget(addr)  # P is gone (or hangs): its agent goes too
             raise
         if reply.agent != peer.agent:  # P restarted behind the same address
             peer = self._meet(addr)
-        tensors = range(spec.num_tensors)
+        tensors = range(self.cache.spec.num_tensors)
         what = f"{len(local_ids)} blocks of request {req_id} from {addr}"
         try:
             handle = self.agent.read(self.local, desc_indices(local_ids, tensors,
@@ -165,11 +123,6 @@ class NixlPuller(Puller):
         finally:
             self.release(addr, req_id)
         self.last_runs = len(coalesce(remote_ids, local_ids))
-        if self.corrupt:
-            ids = torch.tensor(local_ids, dtype=torch.int64)
-            for t in self.cache.tensors():
-                t[ids] = torch.randn(t[ids].shape).to(t.dtype)
-        return len(local_ids) * spec.bytes_per_block
 
     def close(self) -> None:
         for addr in list(self.peers):

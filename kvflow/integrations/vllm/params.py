@@ -1,18 +1,6 @@
-"""The transfer params P returns with a prefill and D receives with the request (vLLM's
-``kv_transfer_params``), and D's check of them before it counts a single token as loaded.
-
-P adds to its response (:meth:`KvflowConnector.request_finished`)::
-
-    {"do_remote_prefill": True, "do_remote_decode": False, "remote_addr": "tcp://host:port",
-     "remote_request_id": str, "remote_block_ids": [int, ...], "remote_num_tokens": int,
-     "remote_prompt_hash": str}
-
-D trusts none of it blindly: a proxy bug or a hand-written request could pair D's prompt with
-another prompt's blocks, and decoding would then give wrong tokens with HTTP 200.
-:func:`check_params` refuses params that do not describe D's own prompt (its length and a hash
-of its token ids) or that are malformed; D then computes the prompt itself. Imports nothing from
-vLLM.
-"""
+"""The transfer params P returns with a prefill (vLLM's ``kv_transfer_params``: P's address,
+request id, block ids, prompt length and hash) and D's check that they describe its own prompt
+before it loads anything (docs/tutorials/vllm.md, "Reliability")."""
 
 from __future__ import annotations
 
@@ -33,23 +21,9 @@ def prompt_hash(token_ids: Sequence[int]) -> str:
 
 
 def check_params(params: dict[str, Any], token_ids: Sequence[int], block_size: int) -> str:
-    """'' when ``params`` are P's transfer params for exactly this prompt, else why not.
-
-    Parameters
-    ----------
-    params : dict
-        The request's ``kv_transfer_params`` (see the module docstring).
-    token_ids : sequence of int
-        D's prompt token ids.
-    block_size : int
-        Tokens per block (the same on P and D: the pull checks the specs).
-
-    Returns
-    -------
-    str
-        '' or a message naming the field and its value, e.g. ``remote_block_ids holds 1 block
-        ids; a 36-token prompt fills 2 blocks of 32``.
-    """
+    """'' when ``params`` (a request's ``kv_transfer_params``) are P's for exactly the prompt
+    ``token_ids`` of ``block_size``-token blocks, else a message naming the field and its value,
+    e.g. ``remote_block_ids holds 1 block ids; a 36-token prompt fills 2 blocks of 32``."""
     addr = params.get("remote_addr")
     if not isinstance(addr, str) or not _ADDR.match(addr):
         return f"remote_addr must be 'tcp://host:port', got {addr!r}"

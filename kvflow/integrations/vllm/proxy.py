@@ -1,17 +1,7 @@
-"""A small OpenAI ``/v1/completions`` proxy in front of one vLLM producer (P) and one vLLM
-consumer (D) that run :class:`~kvflow.integrations.vllm.KvflowConnector` (or vLLM's own
-NixlConnector, whose transfer params it passes on just the same: bench/vllm/pd.py).
-
-``python -m kvflow.integrations.vllm.proxy --prefill http://127.0.0.1:8101 --decode
-http://127.0.0.1:8102 --port 8100``
-
-Per request: POST to P with ``max_tokens=1``, ``stream=False`` and
-``kv_transfer_params={"do_remote_decode": true}``; P's response carries the transfer params
-(where its blocks are); POST the client's request unchanged to D with those params and stream or
-return D's answer. A client that disconnects mid-stream closes the D stream (vLLM aborts the
-request there); P's held blocks are freed when D pulls or releases them, or when P's lease ends.
-Errors of P or D are returned with their status code. FastAPI + httpx; binds 127.0.0.1 by default.
-"""
+"""An OpenAI ``/v1/completions`` proxy in front of one vLLM P and one vLLM D:
+``python -m kvflow.integrations.vllm.proxy --prefill URL --decode URL --port 8100``. P gets the
+prompt with ``max_tokens=1`` and a remote decode, D the client's request plus P's
+``kv_transfer_params``; errors come back with their status code. docs/tutorials/vllm.md."""
 
 from __future__ import annotations
 
@@ -33,8 +23,13 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _json(content: bytes, status: int) -> Response:
+    return Response(content, status_code=status, media_type="application/json")
+
+
 def make_app(prefill: str, decode: str, timeout_s: float = 300.0) -> FastAPI:
-    """The proxy app for a P at ``prefill`` and a D at ``decode`` (base URLs)."""
+    """The proxy app for a P at ``prefill`` and a D at ``decode`` (base URLs); ``timeout_s``
+    bounds each call to P or D (seconds)."""
     client = httpx.AsyncClient(timeout=timeout_s)
 
     @contextlib.asynccontextmanager
@@ -49,10 +44,10 @@ def make_app(prefill: str, decode: str, timeout_s: float = 300.0) -> FastAPI:
         for url in (prefill, decode):
             try:
                 r = await client.get(f"{url}/health")
+                if r.status_code != 200:
+                    return JSONResponse({"error": f"{url}: {r.status_code}"}, status_code=503)
             except httpx.HTTPError as exc:
                 return JSONResponse({"error": f"{url}: {exc}"}, status_code=503)
-            if r.status_code != 200:
-                return JSONResponse({"error": f"{url}: {r.status_code}"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.post("/v1/completions")
@@ -60,18 +55,17 @@ def make_app(prefill: str, decode: str, timeout_s: float = 300.0) -> FastAPI:
         body = await request.json()
         p = await client.post(f"{prefill}/v1/completions", json=prefill_body(body))
         if p.status_code != 200:
-            return Response(p.content, status_code=p.status_code, media_type="application/json")
-        params = p.json().get("kv_transfer_params")
-        d_body = dict(body, kv_transfer_params=params)
+            return _json(p.content, p.status_code)
+        d_body = dict(body, kv_transfer_params=p.json().get("kv_transfer_params"))
         if not body.get("stream"):
             d = await client.post(f"{decode}/v1/completions", json=d_body)
-            return Response(d.content, status_code=d.status_code, media_type="application/json")
-        req = client.build_request("POST", f"{decode}/v1/completions", json=d_body)
-        d = await client.send(req, stream=True)
+            return _json(d.content, d.status_code)
+        d = await client.send(client.build_request("POST", f"{decode}/v1/completions",
+                                                   json=d_body), stream=True)
         if d.status_code != 200:
             content = await d.aread()
             await d.aclose()
-            return Response(content, status_code=d.status_code, media_type="application/json")
+            return _json(content, d.status_code)
 
         async def relay():
             try:

@@ -1,11 +1,9 @@
-"""Write a random 2-layer Llama with transformers' ``save_pretrained`` (for vLLM tests, the
-tutorial and the benchmark): ``python -m kvflow.integrations.vllm.tiny_llama DIR``.
+"""A random 2-layer Llama for the vLLM tests, tutorial and benchmark:
+``python -m kvflow.integrations.vllm.tiny_llama DIR`` (needs transformers and tokenizers).
 
-Geometry: hidden 128, 4 query heads, 2 KV heads, head_dim 32 (vLLM's CPU attention takes head
-sizes from 32), 2 layers, vocab 512 (a word-level tokenizer of ``w0 .. w503`` plus 8 special
-tokens), float32. Weights are drawn from a seeded generator with unit-scale embeddings, so
-greedy picks are far from ties. Needs ``transformers`` and ``tokenizers``.
-"""
+Hidden 128, 4 query and 2 KV heads of head_dim 32 (vLLM's CPU attention takes head sizes from
+32), vocab 512 (words ``w0 .. w503`` plus 8 special tokens), float32; seeded weights with
+unit-scale embeddings, so greedy picks are far from ties."""
 
 from __future__ import annotations
 
@@ -18,22 +16,10 @@ VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, FF, MAXPOS = 512, 128, 2, 4, 2, 256, 102
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>", "<r0>", "<r1>", "<r2>", "<r3>"]
 
 
-def write_tokenizer(path: pathlib.Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = SPECIAL + [f"w{i}" for i in range(VOCAB - len(SPECIAL))]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>", pad_token="<pad>")
-    fast.save_pretrained(str(path))
-
-
 def build(path: str | pathlib.Path, seed: int = 0) -> pathlib.Path:
     """Write the checkpoint (config.json, model.safetensors, tokenizer files) into ``path``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -52,7 +38,12 @@ def build(path: str | pathlib.Path, seed: int = 0) -> pathlib.Path:
             else:
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
     model.save_pretrained(str(path))
-    write_tokenizer(path)
+    words = SPECIAL + [f"w{i}" for i in range(VOCAB - len(SPECIAL))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>", pad_token="<pad>").save_pretrained(str(path))
     return path
 
 
@@ -60,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("path", help="directory to write the checkpoint into")
     ap.add_argument("--seed", type=int, default=0)
-    print(build(ap.parse_args(argv).path, ap.parse_args(argv).seed))
+    print(build(**vars(ap.parse_args(argv))))
 
 
 if __name__ == "__main__":

@@ -1,18 +1,7 @@
-"""P's :class:`KVServer` (every transport) and D's :class:`KVPuller` (transport ``tcp``).
-
-tcp: P gathers held blocks out of vLLM's cache with :func:`kvflow.kernels.gather_blocks` and
-sends one zero-copy frame per layer (:func:`kvflow.connector.transport.frames.layer_frames`);
-D checks every frame, views it without copying and :func:`kvflow.kernels.scatter_blocks` it
-into the blocks D allocated (:func:`kvflow.connector.transport.frames.scatter_frames`).
-nixl: P answers D's :class:`~.messages.NixlHello` with its agent and cache addresses and a
-``Pull(nixl=True)`` with a check only; D READs the blocks itself (:mod:`.nixl_pull`) and then
-sends ``Release``. ipc: P copies the blocks into D's staging cache, mapped once per D
-(:mod:`.ipc_pull`), and answers; D copies them on and sends ``Release``.
-
-Works on one host and across hosts (``tcp://``). P only serves a request it holds (announced
-by its scheduler through :meth:`KVServer.hold`, waiting up to ``hold_wait_s`` for it); a pull
-for anything else is answered with an error, never with whatever the blocks hold now.
-"""
+"""P's :class:`KVServer` (every transport), D's :class:`KVPuller` (``tcp``: layer frames of
+:mod:`kvflow.connector.transport.frames`, every frame checked before the scatter) and
+:func:`open_puller` (D's end of any transport). P serves only a request it holds, only its
+blocks, only to a D of its spec. docs/tutorials/vllm.md, "What happens to one request"."""
 
 from __future__ import annotations
 
@@ -30,87 +19,70 @@ from kvflow.kernels import gather_blocks, scatter_blocks
 from kvflow.layout import KVCacheSpec
 from kvflow.wire import ProtocolError
 
-from .ipc_pull import StagingMaps, check_ipc_pull
+from .config import check_transport
+from .ipc_push import IpcPuller, StagingMaps
 from .link import Puller, PullError
 from .messages import NixlHello, NixlInfo, Pull, PullReply, Release, decode, encode
 
 log = logging.getLogger("kvflow.integrations.vllm")
 
-# D's messages for a reply's frames (tests assert them)
 FRAME_COUNT = "request {req_id}: {got} layer frames, expected {expected}"
 FRAME_SIZE = "request {req_id}: layer {layer} frame holds {nbytes} bytes, expected {expected}"
 
 
 class KVServer:
-    """P's end: a ROUTER socket served by one thread.
+    """P's end: a ROUTER socket bound at ``addr`` (e.g. ``"tcp://127.0.0.1:5601"``) over P's
+    ``cache`` (:func:`kvflow.vllm_layout.from_vllm`), served by one thread. ``transport``:
+    ``tcp`` (always served too), ``nixl`` (P's cache registered with a NIXL agent,
+    :attr:`agent`, progressed about every millisecond while a D may be READing) or ``ipc-push``
+    (copies into D's mapped staging cache). ``backend``: of ``gather_blocks`` / ``copy_blocks``;
+    ``hold_wait_s``: a pull's wait for its request to be held (seconds); ``delay_s``: test hook,
+    sleep before answering a pull.
 
-    Parameters
-    ----------
-    cache : PagedKVCache
-        P's cache (:func:`kvflow.vllm_layout.from_vllm`).
-    addr : str
-        Where to bind, e.g. ``"tcp://127.0.0.1:5601"``.
-    backend : str
-        kvflow backend for ``gather_blocks``.
-    hold_wait_s : float
-        How long a pull waits for its request to be held (seconds).
-    delay_s : float
-        Test hook: sleep before answering a pull (to abort a transfer in flight).
-    nixl : NixlInfo or None
-        P's NIXL agent and cache (:func:`.nixl_pull.export`): P also serves transport nixl.
-    progress : callable or None
-        With ``nixl``: P's ``Agent.progress``, called about every millisecond while some D may
-        be READing (between a ``Pull(nixl=True)`` and its ``Release`` or lease end), so P's
-        agent needs no progress thread polling while idle.
-    ipc : bool
-        Serve transport ``ipc`` (copy into D's mapped staging cache; one host).
+    Raises ValueError for an unknown ``transport`` (:func:`.config.check_transport`), and
+    ImportError / TransferError for ``nixl`` without NIXL or its UCX backend.
     """
 
-    def __init__(self, cache: PagedKVCache, addr: str, *, backend: str = "auto",
-                 hold_wait_s: float = 5.0, delay_s: float = 0.0,
-                 nixl: NixlInfo | None = None, progress: Any = None, ipc: bool = False) -> None:
+    def __init__(self, cache: PagedKVCache, addr: str, *, transport: str = "tcp",
+                 backend: str = "auto", hold_wait_s: float = 5.0, delay_s: float = 0.0) -> None:
+        self.transport = check_transport(transport)
         self.cache, self.addr, self.backend = cache, addr, backend
-        self.staging = StagingMaps(cache.spec, cache.device) if ipc else None
-        self.transport = "ipc" if ipc else "nixl" if nixl is not None else "tcp"
-        self.hold_wait_s, self.delay_s, self.nixl = hold_wait_s, delay_s, nixl
-        self.progress = progress
-        self._reading: set[str] = set()        # nixl: requests some D may be READing now
+        self.hold_wait_s, self.delay_s = hold_wait_s, delay_s
+        self.staging = StagingMaps(cache.spec, cache.device) if transport == "ipc-push" else None
+        self.agent, self.nixl = None, None
+        if transport == "nixl":
+            from .nixl_pull import export
+            self.agent, self.nixl = export(cache)
         # compile the gather now, not in the first tcp pull's TTFT (P serves tcp pulls always)
         gather_blocks(PagedKVCache(cache.spec, 2, device=cache.device), [1],
                       staging_buffer(cache.spec, 1, device=cache.device), backend=backend)
-        self._held: dict[str, float] = {}      # req_id -> deadline (monotonic seconds)
-        self._held_ids: dict[str, frozenset[int]] = {}  # req_id -> P's blocks of it
+        self._held: dict[str, tuple[float, frozenset[int] | None]] = {}  # deadline, P's blocks
+        self._reading: set[str] = set()        # nixl: requests some D may be READing now
         self._done: set[str] = set()           # pulled, released or expired: P may free
         self._cond = threading.Condition()
-        self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(addr)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kvflow-kv-server", daemon=True)
         self._thread.start()
 
-    # ---- called by the worker connector ---------------------------------------------------
     def hold(self, req_id: str, lease_s: float, block_ids: list[int] | None = None) -> None:
-        """P's scheduler kept ``req_id``'s blocks ``block_ids`` for D: serve pulls of those
-        blocks (any block of P's cache when None) until ``lease_s`` ends."""
+        """Serve pulls of ``req_id``'s blocks ``block_ids`` (any block of P's cache when None)
+        until ``lease_s`` seconds from now."""
         with self._cond:
-            self._held[req_id] = time.monotonic() + lease_s
-            if block_ids is not None:
-                self._held_ids[req_id] = frozenset(block_ids)
+            self._held[req_id] = (time.monotonic() + lease_s,
+                                  None if block_ids is None else frozenset(block_ids))
             self._cond.notify_all()
 
     def take_done(self) -> set[str]:
         """Requests whose blocks P may free now (pulled, released, or lease expired)."""
         now = time.monotonic()
         with self._cond:
-            for req_id, deadline in list(self._held.items()):
+            for req_id, (deadline, _) in list(self._held.items()):
                 if deadline <= now:
                     log.warning("request %s: no pull within its lease; freeing P's blocks", req_id)
-                    self._held.pop(req_id)
-                    self._held_ids.pop(req_id, None)
-                    self._reading.discard(req_id)
-                    self._done.add(req_id)
+                    self._finish(req_id)
             done, self._done = self._done, set()
         return done
 
@@ -119,15 +91,16 @@ class KVServer:
         self._thread.join(timeout=2)
         self._sock.close(linger=0)
         if self.staging is not None:
-            self.staging.close()
+            self.staging.clear()
+        if self.agent is not None:
+            self.agent.close()
 
-    # ---- the serving thread ---------------------------------------------------------------
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():
-            if self._reading and self.progress is not None:
-                self.progress()  # a D READs P's memory: UCX needs P's side to progress
+            if self._reading:
+                self.agent.progress()  # a D READs P's memory: UCX needs P's side to progress
             if not poller.poll(1 if self._reading else 100):
                 continue
             ident, *frames = self._sock.recv_multipart(copy=False)
@@ -148,43 +121,33 @@ class KVServer:
     def _finish(self, req_id: str) -> None:
         with self._cond:
             self._reading.discard(req_id)
-            self._held_ids.pop(req_id, None)
             if self._held.pop(req_id, None) is not None:
                 self._done.add(req_id)
 
     def _answer(self, ident: Any, msg: Pull) -> None:
         if self.delay_s:
             time.sleep(self.delay_s)
-        error = self._check(msg)
+        error, frames = self._check(msg), []
         if error:
-            self._sock.send_multipart([ident, encode(PullReply(msg.req_id, False, error=error))])
-            return
-        if msg.nixl:  # D READs the blocks; they stay held until its Release (or the lease)
+            pass
+        elif msg.nixl:  # D READs the blocks; held until its Release (or the lease)
             with self._cond:
                 self._reading.add(msg.req_id)
-            self._sock.send_multipart([ident, encode(PullReply(msg.req_id, True,
-                                                               agent=self.nixl.agent))])
-            return
-        if msg.staging:  # ipc: into D's staging cache; held until D's Release (or the lease)
-            self.staging.copy_in(self.cache, msg.staging, msg.staging_blocks, msg.block_ids,
-                                 self.backend)
-            self._sock.send_multipart([ident, encode(PullReply(msg.req_id, True))])
-            return
-        ids = torch.tensor(msg.block_ids, dtype=torch.int64)
-        buf = gather_blocks(self.cache, ids, staging_buffer(self.cache.spec, len(ids),
-                                                            device=self.cache.device),
-                            backend=self.backend)
-        if buf.device.type != "cpu":
-            buf = buf.cpu()  # frames are host memory
-        frames = layer_frames(buf)
-        header = encode(PullReply(msg.req_id, True, num_layers=len(frames)))
-        self._sock.send_multipart([ident, header, *frames], copy=False)
-        self._finish(msg.req_id)
+        elif msg.staging:  # into D's staging; held until its Release (or the lease)
+            self.staging.copy_in(self.cache, msg, self.backend)
+        else:
+            buf = staging_buffer(self.cache.spec, len(msg.block_ids), device=self.cache.device)
+            gather_blocks(self.cache, torch.tensor(msg.block_ids, dtype=torch.int64), buf,
+                          backend=self.backend)
+            frames = layer_frames(buf.cpu())  # frames are host memory
+        reply = PullReply(msg.req_id, not error, len(frames), error,
+                          self.nixl.agent if msg.nixl and not error else "")
+        self._sock.send_multipart([ident, encode(reply), *frames], copy=False)
+        if frames:
+            self._finish(msg.req_id)
 
     def _hello(self, msg: NixlHello) -> NixlInfo:
-        if self.nixl is None:
-            return NixlInfo(False, error=self._other_transport("nixl"))
-        error = self._spec_error(msg.spec)
+        error = self._other_transport("nixl") if self.nixl is None else self._spec_error(msg.spec)
         return NixlInfo(False, error=error) if error else self.nixl
 
     def _other_transport(self, wanted: str) -> str:
@@ -197,9 +160,8 @@ class KVServer:
         except (TypeError, ValueError) as exc:
             return f"D's spec {spec} is not a KVCacheSpec: {exc}"
         diff = self.cache.spec.diff(theirs)
-        if diff:
-            return "P and D caches differ: " + "; ".join(f"{d} (P vs D)" for d in diff)
-        return ""
+        return "P and D caches differ: " + "; ".join(f"{d} (P vs D)" for d in diff) if diff \
+            else ""
 
     def _check(self, msg: Pull) -> str:
         error = self._spec_error(msg.spec)
@@ -211,11 +173,9 @@ class KVServer:
         if bad:
             return (f"block id {bad[0]} is out of range for P's cache of "
                     f"{self.cache.num_blocks} blocks")
-        if msg.staging:
-            error = (self._other_transport("ipc") if self.staging is None
-                     else check_ipc_pull(msg, self.staging))
-            if error:
-                return error
+        if msg.staging and (error := self._other_transport("ipc-push") if self.staging is None
+                            else self.staging.refusal(msg)):
+            return error
         deadline = time.monotonic() + self.hold_wait_s
         with self._cond:
             while msg.req_id not in self._held:
@@ -223,8 +183,8 @@ class KVServer:
                 if left <= 0:
                     return f"P holds no blocks for request {msg.req_id!r} (freed or never held)"
                 self._cond.wait(left)
-            held = self._held_ids.get(msg.req_id)
-            foreign = [b for b in msg.block_ids if held is not None and b not in held]
+            held = self._held[msg.req_id][1]
+        foreign = [b for b in msg.block_ids if held is not None and b not in held]
         if foreign:
             return (f"block ids {foreign} are not blocks of request {msg.req_id!r} (P holds "
                     f"{sorted(held)})")
@@ -232,16 +192,9 @@ class KVServer:
 
 
 class KVPuller(Puller):
-    """D's end of transport ``tcp`` (:class:`.link.Puller`): P's answer carries one frame per
-    layer, viewed without a copy and scattered into D's blocks.
-
-    Parameters
-    ----------
-    cache, timeout_s, corrupt
-        As :class:`.link.Puller`.
-    backend : str
-        kvflow backend for ``scatter_blocks``.
-    """
+    """D's end of transport ``tcp``: P's answer carries one frame per layer, checked, viewed
+    without a copy and scattered into D's blocks with kvflow backend ``backend``
+    (``cache``, ``timeout_s``, ``corrupt``: as :class:`.link.Puller`)."""
 
     def __init__(self, cache: PagedKVCache, *, timeout_s: float = 30.0, backend: str = "auto",
                  corrupt: bool = False) -> None:
@@ -251,12 +204,25 @@ class KVPuller(Puller):
         scatter_blocks(staging_buffer(cache.spec, 1, device=cache.device),
                        PagedKVCache(cache.spec, 2, device=cache.device), [1], backend=backend)
 
-    def _pull(self, addr: str, req_id: str, remote_ids: list[int], local_ids: list[int]) -> int:
-        spec, n = self.cache.spec, len(remote_ids)
+    def _pull(self, addr: str, req_id: str, remote_ids: list[int], local_ids: list[int]) -> None:
+        spec = self.cache.spec
         reply, frames = self._ask_pull(addr, Pull(req_id, remote_ids, spec.to_dict()))
-        corrupt = (lambda src: torch.randn(src.shape).to(spec.dtype)) if self.corrupt else None
         scatter_frames(frames, self.cache, torch.tensor(local_ids, dtype=torch.int64),
                        range(spec.num_layers), req_id=req_id, error=PullError,
                        count_msg=FRAME_COUNT, size_msg=FRAME_SIZE, num_frames=reply.num_layers,
-                       num_blocks=n, backend=self.backend, src_fn=corrupt)
-        return n * spec.bytes_per_block
+                       backend=self.backend)
+
+
+def open_puller(transport: str, cache: PagedKVCache, *, timeout_s: float = 30.0,
+                backend: str = "auto", corrupt: bool = False,
+                staging_blocks: int | None = None) -> Puller:
+    """D's end of ``transport`` over D's ``cache`` (``staging_blocks``: ipc-push's staging
+    cache, :func:`.ipc_push.staging_blocks_for`; the rest as :class:`.link.Puller`). ValueError
+    for an unknown ``transport``, or ipc-push without ``staging_blocks`` >= 1."""
+    if check_transport(transport) == "nixl":
+        from .nixl_pull import NixlPuller
+        return NixlPuller(cache, timeout_s=timeout_s, corrupt=corrupt)
+    if transport == "ipc-push":
+        return IpcPuller(cache, staging_blocks=staging_blocks, timeout_s=timeout_s,
+                         backend=backend, corrupt=corrupt)
+    return KVPuller(cache, timeout_s=timeout_s, backend=backend, corrupt=corrupt)
