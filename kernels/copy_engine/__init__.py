@@ -19,7 +19,9 @@ is a pure function of those, and a cache's tensors never move, so reusing it is 
 Capabilities (:mod:`kvflow.kernels.contract`): ``directions`` ("pull", "push"): between two
 GPUs the memcpys are enqueued on the current stream of ``dst_cache``'s device ("pull") or of
 ``src_cache``'s ("push"), addresses of either GPU being valid under unified addressing (the
-ipc-pull connector's CUDA receiver pushes by default). None of the other optional ones: the
+ipc-pull connector's CUDA receiver pushes by default); ``block_strides``: plans step
+``spec.block_stride_bytes``, so a run of a block-major cache (``BM_NHD``) is one memcpy.
+None of the other optional ones: the
 ops check ids on the host (``device_checks`` False), compute ``digest=`` with the torch
 reference after the copy (``digests`` False), move fp8 per-block scales themselves, and
 refuse re-blocked moves (no ``reblock``: another spec or a partial block needs a kernel)
@@ -56,6 +58,7 @@ class CopyEngineBackend:
     name = "copy_engine"
     devices = {"cuda"}
     directions = DIRECTIONS
+    block_strides = True  # plans step spec.block_stride_bytes (block-major caches)
 
     def unavailable_reason(self) -> str | None:
         if launch.bindings_error() is not None:

@@ -12,9 +12,12 @@ How a plan is made (:func:`make_plan`):
    (the -1 padding) are dropped: no copy reads or writes their blocks.
 2. Consecutive pairs whose source and destination ids both go up by one form a **run**: one
    copy of ``length * block_bytes`` bytes per per-layer tensor (block ``b`` of a tensor is
-   the ``block_bytes`` bytes at ``base + b * block_bytes`` in every layout of
-   :mod:`kvflow.layout`, so a run of ids is one contiguous range on each side).
-3. The runs are repeated for every tensor of the layer range, tensor by tensor, and copies
+   the ``block_bytes`` bytes at ``base + b * stride``, where ``stride`` is
+   ``spec.block_stride_bytes``: ``block_bytes`` in a layer-major layout, so a run of ids is
+   one contiguous range of each tensor; in a block-major layout (``BM_NHD``) a run is
+   spread into its blocks, tensor by tensor, and step 3 joins them again).
+3. The runs are repeated for every tensor of the layer range (tensor-major order; block-major
+   when a side is block-major, so that a run of a block-major cache is one copy), and copies
    that continue one another on both sides (the end of one is the start of the next, in
    source and destination) are merged: gathering every block of a cache laid over one buffer,
    in order, is a single copy.
@@ -87,7 +90,8 @@ def block_runs(src_ids: np.ndarray, dst_ids: np.ndarray, src_n: int,
 
 
 def make_plan(src_bases: Sequence[int], dst_bases: Sequence[int], block_bytes: int,
-              src_ids: np.ndarray, dst_ids: np.ndarray, src_n: int, dst_n: int) -> Plan:
+              src_ids: np.ndarray, dst_ids: np.ndarray, src_n: int, dst_n: int,
+              src_stride: int | None = None, dst_stride: int | None = None) -> Plan:
     """The plan of moving block ``src_ids[i]`` of every tensor ``j`` (base address
     ``src_bases[j]``) to block ``dst_ids[i]`` of tensor ``j`` (``dst_bases[j]``).
 
@@ -101,6 +105,9 @@ def make_plan(src_bases: Sequence[int], dst_bases: Sequence[int], block_bytes: i
         Block ids per pair (a staging buffer's side: ``arange(n)``, its slots).
     src_n, dst_n : int
         Blocks per tensor on each side; ids outside ``[0, num)`` skip their pair.
+    src_stride, dst_stride : int, optional
+        Bytes from block ``b`` to block ``b + 1`` of one tensor on each side
+        (``spec.block_stride_bytes``; default ``block_bytes``).
 
     Returns
     -------
@@ -111,13 +118,24 @@ def make_plan(src_bases: Sequence[int], dst_bases: Sequence[int], block_bytes: i
         raise ValueError(f"{len(src_bases)} source tensors but {len(dst_bases)} destination "
                          f"tensors")
     s0, d0, length = block_runs(src_ids, dst_ids, src_n, dst_n)
+    runs = len(length)
+    ss, ds = src_stride or block_bytes, dst_stride or block_bytes
     sb = np.asarray(src_bases, dtype=np.uint64)[:, None]
     db = np.asarray(dst_bases, dtype=np.uint64)[:, None]
     bb = np.uint64(block_bytes)
-    src = (sb + s0.astype(np.uint64) * bb).ravel()
-    dst = (db + d0.astype(np.uint64) * bb).ravel()
-    size = np.broadcast_to(length.astype(np.uint64) * bb, (len(src_bases), len(length))).ravel()
-    return _merged(src, dst, size, len(length))
+    if ss == block_bytes and ds == block_bytes:
+        src = (sb + s0.astype(np.uint64) * bb).ravel()
+        dst = (db + d0.astype(np.uint64) * bb).ravel()
+        size = np.broadcast_to(length.astype(np.uint64) * bb, (len(src_bases), runs)).ravel()
+        return _merged(src, dst, size, runs)
+    # a block-major side: one copy per (block, tensor), block-major order, then merged
+    step = np.arange(int(length.sum()), dtype=np.int64) - np.repeat(np.cumsum(length) - length,
+                                                                   length)
+    s1 = (np.repeat(s0, length) + step).astype(np.uint64)[:, None]
+    d1 = (np.repeat(d0, length) + step).astype(np.uint64)[:, None]
+    src = (sb.T + s1 * np.uint64(ss)).ravel()
+    dst = (db.T + d1 * np.uint64(ds)).ravel()
+    return _merged(src, dst, np.full(src.shape[0], bb, dtype=np.uint64), runs)
 
 
 def _merged(src: np.ndarray, dst: np.ndarray, size: np.ndarray, runs: int) -> Plan:
@@ -152,7 +170,7 @@ def gather_plan(cache, ids: np.ndarray, out_ptr: int, start: int, stop: int) -> 
     bb, n = cache.spec.block_bytes, ids.shape[0]
     src = _bases(cache, start, stop)
     return make_plan(src, _stage_bases(out_ptr, len(src), n, bb), bb, ids, np.arange(n),
-                     cache.num_blocks, n)
+                     cache.num_blocks, n, src_stride=cache.spec.block_stride_bytes)
 
 
 def scatter_plan(src_ptr: int, cache, ids: np.ndarray, start: int, stop: int) -> Plan:
@@ -161,7 +179,7 @@ def scatter_plan(src_ptr: int, cache, ids: np.ndarray, start: int, stop: int) ->
     bb, n = cache.spec.block_bytes, ids.shape[0]
     dst = _bases(cache, start, stop)
     return make_plan(_stage_bases(src_ptr, len(dst), n, bb), dst, bb, np.arange(n), ids,
-                     n, cache.num_blocks)
+                     n, cache.num_blocks, dst_stride=cache.spec.block_stride_bytes)
 
 
 def copy_plan(src_cache, dst_cache, src_ids: np.ndarray, dst_ids: np.ndarray, start: int,
@@ -170,7 +188,8 @@ def copy_plan(src_cache, dst_cache, src_ids: np.ndarray, dst_ids: np.ndarray, st
     ``src_ids[i]`` to block ``dst_ids[i]`` of each tensor of layers ``[start, stop)``."""
     return make_plan(_bases(src_cache, start, stop), _bases(dst_cache, start, stop),
                      dst_cache.spec.block_bytes, src_ids, dst_ids, src_cache.num_blocks,
-                     dst_cache.num_blocks)
+                     dst_cache.num_blocks, src_stride=src_cache.spec.block_stride_bytes,
+                     dst_stride=dst_cache.spec.block_stride_bytes)
 
 
 def run_on_host(plan: Plan) -> None:

@@ -166,7 +166,7 @@ def test_connectors_pass_the_backend_through(host_backend, request):
     from kvflow.connector import make_receiver
     from kvflow.connector.tcp import TcpSender
     from kvflow.integrations.vllm.config import check_config
-    from kvflow.serve.checks import BACKEND_NAMES
+    from kvflow.serve.launch.checks import BACKEND_NAMES
     assert "copy_engine" in BACKEND_NAMES
     assert check_config({"backend": "copy_engine"})["backend"] == "copy_engine"
     spec = make_spec("HND", torch.float16)
