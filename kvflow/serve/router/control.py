@@ -1,26 +1,9 @@
 """The router's control plane: one ZMQ ROUTER socket that every P, D or colocated instance
-connects a DEALER to; registration, pairing, liveness, and routing of replies to requests.
-
-Registration: every :class:`~kvflow.protocol.Register` is answered with
-:class:`~kvflow.protocol.Registered`, ok or refused with the reason (another protocol version,
-or a role that does not fit the router's ``--mode``); a refused instance prints it and exits 1.
-Pairing: when a P and a D have both registered, each gets a :class:`~kvflow.protocol.Pair`
-with the other's KV cache spec and model fingerprint, checks them and answers
-:class:`~kvflow.protocol.PairResult`; ``ready`` is true only when a pair has been accepted by
-both (colocated: one instance). Every P is paired with every D (N x M); :meth:`Controller.pick`
-chooses a (P, D) per request and the Prefill names that D, so a P with several D's sends each
-request to its own D. When a D dies its P's get :class:`~kvflow.protocol.Unpair`; when a P
-dies, its D's do: every instance that was sent a Pair naming the dead one, also one whose
-pairing is not (yet) accepted, e.g. a D waiting for a free staging slot to pair with it.
-Liveness (:mod:`kvflow.serve.router.liveness`): an instance whose process has exited is dead at
-once; one that went silent is *late* while its process lives on this host (up to
-``hung_after_s``), or, where its process cannot be seen, up to ``dead_after_s``; then dead.
-Every request that still needed a dead instance fails at once (the request's own clean-up
-then sends :class:`~kvflow.protocol.Abort` to the survivor, which frees its blocks), and its
-shared-memory segment is unlinked once its process is gone. Heartbeats come from each
-instance's heartbeat socket (identity ``<id>#hb``) as well as its control socket. An instance
-declared dead that heartbeats again is asked to register again
-(:class:`~kvflow.protocol.Reregister`, at most once a second) and is then paired anew.
+connects a DEALER to; registration (refused: ``Registered(ok=False)``, the instance exits 1),
+N x M pairing (``Pair`` / ``PairResult``; ``ready`` once a pair is accepted by both), liveness
+(:mod:`kvflow.serve.router.liveness`), ``Unpair`` to a dead instance's peers, ``Reregister`` to
+one declared dead that heartbeats again (at most once a second), and routing of replies to
+requests. Rules and their tests: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -36,14 +19,15 @@ import zmq.asyncio
 from kvflow.protocol import (Heartbeat, Leaving, Pair, PairResult, Register, Registered,
                              Reregister, Tokens, Unpair, decode_or_log, encode)
 
-from ..launch.config import ServeConfig
-from .errors import registration_refusal
 from kvflow.segments import ALIVE, DEAD, UNKNOWN, process_state
-from ..instance.heartbeat import BEAT_SUFFIX
-from .liveness import GONE, StallClock, judge
-from .placement import InstanceInfo, ReqState, pick_pair
 
 from ..advertise import advertised_host
+from ..instance.heartbeat import BEAT_SUFFIX
+from ..launch.config import ServeConfig
+from .errors import registration_refusal
+from .health import health_report
+from .liveness import GONE, StallClock, judge
+from .placement import InstanceInfo, ReqState, pick_pair
 
 log = logging.getLogger("kvflow.serve.router")
 
@@ -65,8 +49,7 @@ class Controller:
         self.mode, self.metrics, self.proc_alive = mode, metrics, proc_alive
         # the router encodes prompts and decodes tokens: an instance must share its vocabulary
         self.model, self.tokenizer = model, tokenizer
-        self.dead_after_s = dead_after_s
-        self.hung_after_s = hung_after_s
+        self.dead_after_s, self.hung_after_s = dead_after_s, hung_after_s
         self.stalls = StallClock(time.monotonic(), self.MONITOR_S)
         self.registered_pids: set[int] = set()  # every pid that ever registered (kept after death)
         self.ctx = zmq.asyncio.Context()
@@ -89,7 +72,6 @@ class Controller:
         self._tasks: list[asyncio.Task] = []
         self._rr = 0
 
-    # ---- lifecycle ------------------------------------------------------------------
     def start(self) -> None:
         self._tasks = [asyncio.ensure_future(self._recv_loop()), asyncio.ensure_future(self._monitor())]
 
@@ -101,7 +83,6 @@ class Controller:
         # left open anywhere would hold a stopping router forever (a Ctrl-C once seemed lost)
         self.ctx.destroy(linger=0)
 
-    # ---- state ----------------------------------------------------------------------
     def by_role(self, role: str) -> list[InstanceInfo]:
         return [i for i in self.instances.values() if i.role == role]
 
@@ -125,7 +106,6 @@ class Controller:
         except zmq.ZMQError as exc:  # instance gone (ROUTER_MANDATORY)
             log.error("cannot send %s to %s: %s", type(msg).__name__, inst.id, exc)
 
-    # ---- receiving ------------------------------------------------------------------
     async def _recv_loop(self) -> None:
         while True:
             frames = await self.sock.recv_multipart()
@@ -244,7 +224,6 @@ class Controller:
                                     peer_fingerprint=p.reg.fingerprint,
                                     peer_connector_md=p.reg.connector_md))
 
-    # ---- liveness -------------------------------------------------------------------
     async def _monitor(self) -> None:
         while True:
             await asyncio.sleep(self.MONITOR_S)
@@ -310,34 +289,5 @@ class Controller:
                                            error=f"{info.role} instance {info.id} " +
                                                  (why if stopped else f"died ({why})")))
 
-    def _spec_differs(self, info: InstanceInfo) -> dict:
-        """``{peer id: {field: [ours, theirs]}}`` for each paired peer whose KV cache spec
-        differs (the connector re-blocks between them); peers with equal specs left out."""
-        out = {}
-        for peer_id in sorted(info.pair_ok):
-            peer = self.instances.get(peer_id)
-            if peer is None:
-                continue
-            diff = {k: [v, peer.reg.spec.get(k)] for k, v in info.reg.spec.items()
-                    if peer.reg.spec.get(k) != v}
-            if diff:
-                out[peer_id] = diff
-        return out
-
     def health(self) -> dict:
-        now = time.monotonic()
-        return {"status": "ok" if self.ready() else "starting", "mode": self.mode,
-                "control_addr": self.addr,
-                "instances": [{"id": i.id, "role": i.role, "pid": i.reg.pid,
-                               "kv_connector": i.reg.kv_connector, "num_blocks": i.reg.num_blocks,
-                               "free_blocks": i.free_blocks, "num_running": i.num_running,
-                               "heartbeat_age_s": now - i.heartbeat_at,
-                               "liveness": i.liveness,
-                               "max_model_len": i.reg.max_model_len, "spec": i.reg.spec,
-                               "shm_name": i.reg.shm_name, "data_addr": i.reg.data_addr,
-                               "lease_addr": i.reg.lease_addr,
-                               "paired_with": sorted(i.pair_ok),
-                               "spec_differs": self._spec_differs(i)}
-                              for i in self.instances.values()],
-                "router_stalled_s": self.stalls.stalled_s,
-                "errors": self.errors[-20:]}
+        return health_report(self)
