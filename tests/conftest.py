@@ -23,7 +23,10 @@ from kvflow import KVCacheSpec, PagedKVCache  # noqa: E402
 from kvflow.kernels import available_backends  # noqa: E402
 from kvflow.kernels.registry import get_backend  # noqa: E402
 
-LAYOUTS = ("NHD", "HND", "MLA", "LBHNC", "LBNHC", "BM_NHD")  # every row of kvflow.layout.LAYOUT_TABLE
+# every row of kvflow.layout.LAYOUT_TABLE; block-major rows only where a backend takes
+# block strides (kernels/contract.py: block_strides): torch, numba, copy_engine so far
+LAYER_MAJOR = ("NHD", "HND", "MLA", "LBHNC", "LBNHC")
+LAYOUTS = LAYER_MAJOR + ("BM_NHD",)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

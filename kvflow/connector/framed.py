@@ -141,7 +141,7 @@ class FramedSender(KVSender):
             if self.reblocks(job.decode_id):
                 raise TransferError(f"kv verify: D {job.decode_id}'s KV cache spec differs "
                                     f"from P's; --kv-verify does not check re-blocked moves")
-            from kvflow.serve import faults
+            from kvflow.serve.instance import faults
             corrupt = faults.fails("corrupt", job.token_ids)
         keep = self.send(self.link_to(job.decode_id), job.req_id, self.cache, job.blocks[skip:],
                          first_token=first_token, num_prompt_tokens=len(job.token_ids),

@@ -13,7 +13,7 @@ from kvflow import KVCacheSpec, PagedKVCache, staging_buffer
 from kvflow.kernels import block_digest, copy_blocks, gather_blocks, scatter_blocks
 from kvflow.kernels.digest import digest_blocks
 
-from tests.conftest import (DEVICES, DTYPES, GEOMETRY, LAYOUTS, assert_bytes_equal, backends_for,
+from tests.conftest import (DEVICES, DTYPES, GEOMETRY, LAYER_MAJOR, assert_bytes_equal, backends_for,
                        cache_bytes, make_spec, random_bytes_, random_cache)
 
 CASES = [(dev, be) for dev in DEVICES for be in backends_for(dev)]
@@ -44,7 +44,7 @@ def test_reference_is_the_formula():
 
 
 @pytest.mark.parametrize("device,backend", CASES)
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", LAYER_MAJOR)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_NAMES.get)
 def test_ops_digest_matches_reference(device, backend, layout, dtype):
     spec, g = make_spec(layout, dtype), GEOMETRY
@@ -91,7 +91,7 @@ def test_four_byte_runs(device, backend):
 
 
 @pytest.mark.parametrize("device,backend", CASES)
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", LAYER_MAJOR)
 def test_digest_blocks_matches_reference(device, backend, layout):
     """The read-only digest launch (ipc-pull's P): the reference's bits, over all layers and a
     range, -1 and repeated ids included; the cache is left as it was; 12-byte runs too."""

@@ -18,7 +18,7 @@ from kvflow import KVCacheSpec, PagedKVCache, staging_buffer
 from kvflow.kernels import available_backends, copy_blocks, gather_blocks, scatter_blocks
 from kvflow.kernels import native
 
-from tests.conftest import DTYPES, LAYOUTS, assert_bytes_equal, cache_bytes, make_spec, random_bytes_, random_cache
+from tests.conftest import DTYPES, LAYER_MAJOR, assert_bytes_equal, cache_bytes, make_spec, random_bytes_, random_cache
 
 NB = 16
 SRC_IDS = [15, -1, 3, 4, 5, -1, 0, 9]          # padding, a consecutive run 3,4,5, first/last block
@@ -35,7 +35,7 @@ def _clone(cache):
     return out
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", LAYER_MAJOR)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("layers", [None, (1, 3), 2], ids=["all", "1-3", "2"])
 def test_three_ops_match_torch_bytes(layout, dtype, layers):

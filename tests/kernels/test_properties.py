@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from kvflow import KVCacheSpec, staging_buffer
 from kvflow.kernels import copy_blocks, gather_blocks, scatter_blocks
 
-from tests.conftest import (DTYPES, LAYOUTS, assert_bytes_equal, backends_for, cache_bytes,
+from tests.conftest import (DTYPES, LAYER_MAJOR, assert_bytes_equal, backends_for, cache_bytes,
                        random_bytes_, random_cache)
 
 BACKENDS = [b for b in backends_for("cpu") if b != "torch"]
@@ -22,7 +22,7 @@ SETTINGS = settings(max_examples=30, deadline=None, derandomize=True,
 
 @st.composite
 def specs(draw):
-    layout = draw(st.sampled_from(LAYOUTS))
+    layout = draw(st.sampled_from(LAYER_MAJOR))
     return KVCacheSpec(num_layers=draw(st.integers(1, 4)),
                        num_kv_heads=1 if layout == "MLA" else draw(st.integers(1, 3)),
                        head_dim=draw(st.integers(1, 12)), block_size=draw(st.integers(1, 6)),

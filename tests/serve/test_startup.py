@@ -86,7 +86,7 @@ def test_device_cuda_without_cuda_fails_before_any_child_starts():
                                  "kvflow.serve --help lists the flags"),
     (["--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization 0.5 needs --device cuda; "
                                           "on cpu the budget is --memory-budget-mb"),
-    (["--backend", "nonsense"], "--backend nonsense is unknown; use auto or one of native, numba, "
+    (["--backend", "nonsense"], "--backend nonsense is unknown; use auto or one of copy_engine, native, numba, "
                                 "numba_cuda, torch, triton, xpu"),
     (["--role", "decode", "--router-url", "tcp://host"],
      "--router-url must look like tcp://HOST:PORT, got 'tcp://host'"),
