@@ -74,8 +74,8 @@ class Cluster:
     def inst(self, pid, h=None):
         return next((i for i in (h or self.health())["instances"] if i["pid"] == pid), None)
 
-    def complete(self, **body):
-        return self.client.post("/v1/completions", json=body)
+    def complete(self, timeout_s: float = 30, **body):
+        return self.client.post("/v1/completions", json=body, timeout=timeout_s)
 
     def close(self):
         for p in self.procs:

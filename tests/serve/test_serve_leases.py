@@ -65,8 +65,9 @@ def cl():
         c.close()
 
 
-def complete(cl, token_ids):
-    return cl.complete(prompt=token_ids, max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0)
+def complete(cl, token_ids, timeout_s=30):
+    return cl.complete(prompt=token_ids, max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0,
+                       timeout_s=timeout_s)
 
 
 def test_prefill_longer_than_dead_after_s_heartbeats_between_chunks(cl):
@@ -95,11 +96,14 @@ def test_blocks_lent_to_a_p_declared_dead_are_not_reused_while_it_lives(cl):
         th_a.join(10)
         assert out_a["r"].status_code == 502
         assert out_a["r"].json()["error"]["message"].startswith(f"prefill instance {slow['id']} died")
-        th_b, out_b = _in_background(complete, cl, b)  # needs all 4 of D's blocks
+        # B needs all 4 of D's blocks: it waits until the stopped P, once it runs again, has
+        # finished A's prefill and push (at a load of 16 on 2 cores: 17 s after SIGCONT, and
+        # a CI run passed 30 s), so its bound is a hang guard, not a timing
+        th_b, out_b = _in_background(complete, cl, b, 120)
         time.sleep(0.7)                          # B is admitted (before the fix) and pushed
     finally:
         os.kill(slow["pid"], signal.SIGCONT)     # the stopped P runs on: it writes A's KV
-    th_b.join(30)
+    th_b.join(120)
     assert out_b["r"].status_code == 200, out_b["r"].text
     assert out_b["r"].json()["choices"][0]["token_ids"] == want_b
     cl.wait(lambda h: len(h["instances"]) == 3 and all(

@@ -47,6 +47,7 @@ class Instance(EventLoop):
         self.cfg = cfg
         self.instance_id = f"{self.role[0]}-{os.getpid()}-{secrets.token_hex(3)}"
         self.registered = False
+        self._reregistered_at = 0.0  # monotonic time of the last Register asked for again
         self.fatal = ""  # set when the router refused this instance: print it and exit 1
 
     # ---- start-up -------------------------------------------------------------------
@@ -141,8 +142,16 @@ class Instance(EventLoop):
         self.stopping = True
 
     def on_reregister(self, msg, frames, ident) -> None:
+        """Register again, once: the router asks about once a second while it hears beats
+        from an instance it lost, so a loop that was busy for seconds (a long prefill chunk
+        on loaded cores) finds several asks queued; those after the first wait for its
+        answer (:meth:`on_registered`) for up to 5 s."""
+        now = time.monotonic()
+        if not self.registered and now - self._reregistered_at < 5.0:
+            return
         log.warning("%s: the router lost this instance (%s); registering again", self.instance_id,
                     msg.reason or "no reason given")
+        self.registered, self._reregistered_at = False, now
         self.register()
 
     def profile(self, budget=None) -> int:
