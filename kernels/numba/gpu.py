@@ -4,7 +4,8 @@ A second GPU backend for comparison (docs/design.md, "Measuring": the Numba base
 work decomposition as :mod:`kvflow.kernels.triton.copy_runs`: a grid-stride loop of thread blocks
 over (tensor ``j``) x (pair ``i``) x (chunk ``c``), one launch for all layers, cache sides read
 as int64 base-address tables (built once per cache and device in ``cache.backend_state``),
-staging sides as one base address plus ``(j * n + i) * block_bytes``. Inside a chunk the threads
+staging sides as one base address plus ``(j * n + i) * block_bytes``; block ``b`` of a cache
+tensor starts ``b * spec.block_stride_bytes`` after its base (block-major ``BM_NHD`` too). Inside a chunk the threads
 of a block copy consecutive ``width``-byte words, where ``width`` (16, 8, 4, 2 or 1) is the
 largest power of two dividing ``block_bytes`` and every base address; the 16-byte copy is an
 LLVM ``<2 x i64>`` load/store with ``align 16`` (a 128-bit ``ld.global.v2``/``st.global.v2``).
@@ -80,7 +81,7 @@ def _kernel(width: int):
 
     @cuda.jit
     def copy_runs(src_table, dst_table, src_ids, dst_ids, src_stage, dst_stage, n, src_n,
-                  dst_n, run, chunk, nchunk, total, src_cache, dst_cache):
+                  dst_n, run, chunk, nchunk, total, src_cache, dst_cache, src_step, dst_step):
         for w in range(cuda.blockIdx.x, total, cuda.gridDim.x):
             c = w % nchunk
             r = w // nchunk
@@ -90,14 +91,14 @@ def _kernel(width: int):
                 s = src_ids[i]
                 if s < 0 or s >= src_n:
                     continue
-                sa = src_table[j] + s * run
+                sa = src_table[j] + s * src_step
             else:
                 sa = src_stage + (j * n + i) * run
             if dst_cache:
                 d = dst_ids[i]
                 if d < 0 or d >= dst_n:
                     continue
-                da = dst_table[j] + d * run
+                da = dst_table[j] + d * dst_step
             else:
                 da = dst_stage + (j * n + i) * run
             lo = c * chunk
@@ -115,8 +116,8 @@ def _arr(t: torch.Tensor):
 
 def _launch(device, src_table, dst_table, src_ids, dst_ids, src_stage: int, dst_stage: int,
             n: int, src_n: int, dst_n: int, num_tensors: int, run: int, align: int,
-            max_ctas) -> None:
-    width = _alignment(align, run)
+            max_ctas, src_step: int, dst_step: int) -> None:
+    width = _alignment(align, run, src_step, dst_step)
     chunk = max(width, min(run, CHUNK_BYTES))
     nchunk = -(-run // chunk)
     total = num_tensors * n * nchunk
@@ -128,7 +129,8 @@ def _launch(device, src_table, dst_table, src_ids, dst_ids, src_stage: int, dst_
         grid = min(total, max_ctas or CTAS_PER_SM * sms)
         stream = cuda.external_stream(torch.cuda.current_stream(device).cuda_stream)
     args = (_arr(src_table), _arr(dst_table), _arr(src_ids), _arr(dst_ids), src_stage, dst_stage,
-            n, src_n, dst_n, run, chunk, nchunk, total, src_stage == 0, dst_stage == 0)
+            n, src_n, dst_n, run, chunk, nchunk, total, src_stage == 0, dst_stage == 0,
+            src_step, dst_step)
     if _SIM:
         _kernel(width)[grid, THREADS](*args)
     else:
@@ -149,6 +151,7 @@ class NumbaCUDABackend:
     name = "numba_cuda"
     directions = ("pull", "push")
     devices = {"cpu"} if _SIM else {"cuda"}
+    block_strides = True  # block-major caches (BM_NHD): blocks block_stride_bytes apart
 
     def unavailable_reason(self) -> str | None:
         if cuda is None:
@@ -175,7 +178,8 @@ class NumbaCUDABackend:
         t = table[start * T:stop * T]
         _launch(cache.device, t, t, ids, ids, 0, out.data_ptr(), ids.numel(), cache.num_blocks,
                 ids.numel(), (stop - start) * T, cache.spec.block_bytes,
-                _alignment(align, out.data_ptr()), max_ctas)
+                _alignment(align, out.data_ptr()), max_ctas, cache.spec.block_stride_bytes,
+                cache.spec.block_bytes)
 
     def scatter(self, src, cache, ids, start, stop, max_ctas=None):
         T = cache.spec.tensors_per_layer
@@ -183,7 +187,8 @@ class NumbaCUDABackend:
         t = table[start * T:stop * T]
         _launch(cache.device, t, t, ids, ids, src.data_ptr(), 0, ids.numel(), ids.numel(),
                 cache.num_blocks, (stop - start) * T, cache.spec.block_bytes,
-                _alignment(align, src.data_ptr()), max_ctas)
+                _alignment(align, src.data_ptr()), max_ctas, cache.spec.block_bytes,
+                cache.spec.block_stride_bytes)
 
     def copy(self, src_cache, dst_cache, src_ids, dst_ids, start, stop, max_ctas=None,
              direction="pull"):
@@ -196,7 +201,8 @@ class NumbaCUDABackend:
         _launch(dev, s_table[start * T:stop * T], d_table[start * T:stop * T],
                 src_ids.to(dev, non_blocking=True), dst_ids.to(dev, non_blocking=True), 0, 0,
                 src_ids.numel(), src_cache.num_blocks, dst_cache.num_blocks, (stop - start) * T,
-                src_cache.spec.block_bytes, _alignment(s_align, d_align), max_ctas)
+                src_cache.spec.block_bytes, _alignment(s_align, d_align), max_ctas,
+                src_cache.spec.block_stride_bytes, dst_cache.spec.block_stride_bytes)
 
 
 register_backend(NumbaCUDABackend())

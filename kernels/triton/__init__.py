@@ -45,6 +45,7 @@ class TritonBackend:
     directions = DIRECTIONS
     device_checks = True  # check=True: ids are checked by the kernel, on the device
     digests = True  # digest=: in the copy's launch (runs not 4-byte aligned: the reference)
+    block_strides = True  # block-major caches (BM_NHD): blocks block_stride_bytes apart
 
     @property
     def devices(self) -> set[str]:
@@ -162,6 +163,11 @@ class TritonBackend:
         """Copy between different specs in one launch (:mod:`.reblock`); runs on the
         destination's device (``job.dst``), reading the source over the peer link if needed."""
         from . import reblock_launch
+        for side in (job.src, job.dst):
+            if side.cache is not None and side.cache.spec.block_major:
+                raise ValueError(f"backend 'triton' does not re-block block-major caches "
+                                 f"(layout={side.cache.spec.layout!r}); use backend='torch' "
+                                 f"or 'numba'")
         op = job.dst.cache if job.dst.cache is not None else job.src.cache
         dev = op.device if job.dst.cache is not None else job.dst.stage.device
         for side in (job.src, job.dst):
@@ -187,7 +193,7 @@ class _Info:
         table, base_align = device_table(cache, device)
         self.table = table.data_ptr()
         self.layer_bytes = cache.spec.tensors_per_layer * 8
-        self.align = alignment(base_align, cache.spec.block_bytes)
+        self.align = alignment(base_align, cache.spec.block_bytes, cache.spec.block_stride_bytes)
         self.plans: dict = {}
         rec = record_for(device)
         self.errors, self.ready = rec.record_addr, rec.ready_addr
@@ -205,10 +211,12 @@ def _new_plan(cache, device, align, layers, src_cache, dst_cache, src_i64, dst_i
     """A launch plan over ``layers`` layers of ``cache`` (see :class:`.launch.Plan`). Plans are
     kept in the destination's (gather: the source's) :class:`_Info`; they hold no address, so a
     peer cache never lives in one."""
+    stride = cache.spec.block_stride_bytes  # copy_blocks: one spec on both sides
     return _launch.Plan(device=device, run_bytes=cache.spec.block_bytes, align=align,
                         num_tensors=layers * cache.spec.tensors_per_layer, src_cache=src_cache,
                         dst_cache=dst_cache, src_i64=src_i64, dst_i64=dst_i64, check=check,
-                        dup=dup, max_ctas=max_ctas, **modes)
+                        dup=dup, max_ctas=max_ctas, src_stride=stride if src_cache else None,
+                        dst_stride=stride if dst_cache else None, **modes)
 
 
 def _capturing(device: torch.device) -> bool:

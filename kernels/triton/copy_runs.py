@@ -1,8 +1,10 @@
 """One Triton kernel for gather, scatter and copy_blocks: copy runs of bytes between tables.
 
 Layout: one block of one per-layer tensor is ``spec.block_bytes`` contiguous bytes in every
-layout (NHD, HND, MLA), so every op is "copy run ``src_id`` of source tensor ``j`` to run
-``dst_id`` of destination tensor ``j``". A cache side is an int64 table of per-tensor base
+layout (NHD, HND, MLA, block-major BM_NHD), so every op is "copy run ``src_id`` of source tensor
+``j`` to run ``dst_id`` of destination tensor ``j``"; block ``b`` of a cache tensor starts
+``b * spec.block_stride_bytes`` after the tensor's base (``block_bytes`` unless block-major).
+A cache side is an int64 table of per-tensor base
 addresses (built once per cache and device, see :func:`cache_table`); a staging side is one
 buffer whose run ``(j, i)`` starts at ``(j * n + i) * run`` words (``staging_shape`` order).
 
@@ -49,9 +51,12 @@ def _copy_runs(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
                SRC_CACHE: tl.constexpr, DST_CACHE: tl.constexpr, STREAM: tl.constexpr,
                SRC_I64: tl.constexpr, DST_I64: tl.constexpr, CHECK: tl.constexpr,
                DUP: tl.constexpr, SHARED: tl.constexpr, STAMP_ONLY: tl.constexpr,
-               DIGEST: tl.constexpr, WPW: tl.constexpr, STORE: tl.constexpr):
+               DIGEST: tl.constexpr, WPW: tl.constexpr, STORE: tl.constexpr,
+               SRC_STRIDE: tl.constexpr, DST_STRIDE: tl.constexpr):
     """Copy ``total`` work items; see the module docstring. RUN, CHUNK, BLOCK are in words;
     every pointer argument is an int64 address (so a new buffer never recompiles).
+    ``SRC_STRIDE`` / ``DST_STRIDE``: words from one block of a cache side's tensor to the next
+    (``RUN`` in layer-major layouts, ``spec.block_stride_bytes`` in block-major ones).
 
     Copies within one cache take two launches: ``STAMP_ONLY`` (one item per pair: check and
     stamp the destination ids, copy nothing), then the copy with ``SHARED``, which reports a
@@ -89,7 +94,7 @@ def _copy_runs(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
             in_src = (s >= 0) & (s < src_n)
             valid = valid & in_src
             base = tl.load(src_table.to(tl.pointer_type(tl.int64)) + j).to(tl.pointer_type(WORD))
-            sp = base + s * RUN
+            sp = base + s * SRC_STRIDE
         else:
             sp = src_stage.to(tl.pointer_type(WORD)) + (j.to(tl.int64) * n + i) * RUN
         if DST_CACHE:
@@ -100,7 +105,7 @@ def _copy_runs(src_table, dst_table, src_stage, dst_stage, src_ids, dst_ids,
             in_dst = (d >= 0) & (d < dst_n)
             valid = valid & in_dst
             base = tl.load(dst_table.to(tl.pointer_type(tl.int64)) + j).to(tl.pointer_type(WORD))
-            dp = base + d * RUN
+            dp = base + d * DST_STRIDE
         elif STORE:
             dp = dst_stage.to(tl.pointer_type(WORD)) + (j.to(tl.int64) * n + i) * RUN
         else:  # digest only: no destination, nothing is written

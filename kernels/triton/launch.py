@@ -70,6 +70,9 @@ class Plan:
         launch before it that only stamps (one work item per pair).
     max_ctas : int or None
         Grid cap; None fills the GPU.
+    src_stride, dst_stride : int or None
+        Bytes from one block of a cache side's tensor to the next
+        (``spec.block_stride_bytes``); None: ``run_bytes`` (layer-major layouts).
     digest : bool
         Also add each pair's digest (:mod:`kvflow.kernels.digest`) into the ``digest`` array
         of :meth:`launch`; needs 4- or 8-byte words (``align >= 4``).
@@ -81,7 +84,8 @@ class Plan:
     def __init__(self, *, device: torch.device, run_bytes: int, align: int, num_tensors: int,
                  src_cache: bool, dst_cache: bool, src_i64: bool, dst_i64: bool, check: bool,
                  dup: bool, max_ctas: int | None, config: Any = None, shared: bool = False,
-                 stamp_only: bool = False, digest: bool = False, store: bool = True) -> None:
+                 stamp_only: bool = False, digest: bool = False, store: bool = True,
+                 src_stride: int | None = None, dst_stride: int | None = None) -> None:
         cfg = self.config = config or _cr.CONFIG
         word = min(align, 8)
         if digest and word < 4:
@@ -108,7 +112,9 @@ class Plan:
                            STREAM=cfg.capped_streaming if capped else cfg.streaming,
                            SRC_I64=src_i64, DST_I64=dst_i64, CHECK=check, DUP=dup,
                            SHARED=shared, STAMP_ONLY=stamp_only, DIGEST=digest,
-                           WPW=2 if word == 8 else 1, STORE=store)
+                           WPW=2 if word == 8 else 1, STORE=store,
+                           SRC_STRIDE=(src_stride or run_bytes) // word,
+                           DST_STRIDE=(dst_stride or run_bytes) // word)
         self.const_values = tuple(self.consts.values())
         self.compiled = None
 

@@ -7,7 +7,8 @@ uniform range ``"A:B"`` (tokens), or a JSON dataset file (a list of ``{"prompt":
 ids (printable ASCII byte values 32..126, valid in a byte-level vocabulary and in any BPE
 vocabulary of more than 127 entries), so the prompt length is exact.
 
-Per request, from the server-sent-event stream (one ``data:`` chunk with text = one token):
+Per request, from the server-sent-event stream (a ``data:`` chunk's ``token_ids``, or one token
+for a chunk with text; :func:`chunk_tokens`):
 TTFT = first token time - send time; ITL = the gaps between tokens; TPOT = (E2E - TTFT) /
 (output tokens - 1); E2E = last event time - send time. Goodput is the number of requests per
 second that meet both the TTFT and the TPOT SLO (DistServe, Zhong et al., OSDI 2024, Section 2;
@@ -107,6 +108,16 @@ def arrival_offsets(n: int, rate: float, arrival: str = "poisson", seed: int = 0
     return out
 
 
+def chunk_tokens(chunk: dict) -> int:
+    """Output tokens in one stream chunk: its choices' ``token_ids`` (kvflow.serve and vLLM
+    send them: a token whose text is empty, e.g. part of a UTF-8 character, still counts), else
+    1 for a chunk with text."""
+    choices = chunk.get("choices") or []
+    if any("token_ids" in c for c in choices):
+        return sum(len(c.get("token_ids") or []) for c in choices)
+    return 1 if "".join(c.get("text") or "" for c in choices) else 0
+
+
 async def send_one(client, url: str, req: Request, model: str, timeout: float) -> Result:
     """Send one streaming completion and time its events (greedy: temperature 0)."""
     body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens,
@@ -133,15 +144,15 @@ async def send_one(client, url: str, req: Request, model: str, timeout: float) -
                 usage = chunk.get("usage") or {}
                 if usage.get("prompt_tokens"):
                     res.prompt_tokens = usage["prompt_tokens"]
-                text = "".join(c.get("text") or "" for c in chunk.get("choices") or [])
-                if not text:
+                got = chunk_tokens(chunk)
+                if not got:
                     continue
                 if last is None:
                     res.ttft_s = now - t0
                 else:
                     res.itl_s.append(now - last)
                 last = now
-                res.output_tokens += 1
+                res.output_tokens += got
     except Exception as exc:  # noqa: BLE001 - a failed request is a result, not a crash
         res.error = f"{type(exc).__name__}: {exc}"
         return res

@@ -22,7 +22,7 @@ import math
 import time
 from typing import Any
 
-from . import cli, loadgen
+from . import cli, loadgen, serve_mix
 from .record import sink_of
 from .schema import make_row
 from .server import started_server
@@ -53,6 +53,7 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="kvflow-tiny", help="model name sent in each request")
     p.add_argument("--request-timeout", type=float, default=120.0, help="seconds per request")
     p.add_argument("--device-name", help="device label of the rows (default: this host's CPU)")
+    serve_mix.add_arguments(p)
 
 
 def measure(url: str, opts: dict[str, Any], rate: float, progress: bool = True) -> dict[str, Any]:
@@ -61,13 +62,18 @@ def measure(url: str, opts: dict[str, Any], rate: float, progress: bool = True) 
                                   seed=opts["seed"], dataset=opts.get("dataset"))
     offsets = loadgen.arrival_offsets(len(work), rate, opts["arrival"], opts["seed"])
     bar = cli.progress(len(work), f"serve {rate} req/s", progress)
-    results, dur = asyncio.run(loadgen.run_load(
-        url, work, offsets, model=opts["model"], concurrency=opts["concurrency"],
-        timeout=opts["request_timeout"], on_done=lambda r: bar.update(1)))
+    running = None
+    if opts.get("mix_decodes"):
+        results, dur, running = serve_mix.measure_mixed(url, opts, work, offsets,
+                                                        on_done=lambda r: bar.update(1))
+    else:
+        results, dur = asyncio.run(loadgen.run_load(
+            url, work, offsets, model=opts["model"], concurrency=opts["concurrency"],
+            timeout=opts["request_timeout"], on_done=lambda r: bar.update(1)))
     bar.close()
     summary = loadgen.summarize(results, dur, slo_ttft_ms=opts["slo_ttft_ms"],
                                 slo_tpot_ms=opts["slo_tpot_ms"])
-    return {"summary": summary, "results": results, "duration_s": dur}
+    return {"summary": summary, "results": results, "duration_s": dur, "running": running}
 
 
 def run_serve(opts: dict[str, Any], env: dict[str, Any], progress: bool = True) -> list[dict]:
@@ -85,6 +91,7 @@ def run_serve(opts: dict[str, Any], env: dict[str, Any], progress: bool = True) 
     starts = int(opts.get("starts") or 2) if own else 1
     if starts < 1:
         raise SystemExit(f"serve: --starts must be >= 1, got {starts}")
+    serve_mix.check(opts)
     rows = cli.rows(env, opts)
     got: dict[tuple[str, float], list] = {}
     for start in range(1, starts + 1):
@@ -95,7 +102,8 @@ def run_serve(opts: dict[str, Any], env: dict[str, Any], progress: bool = True) 
                 for rate in rates:
                     m = dict(measure(url, opts, rate, progress), start=start)
                     got.setdefault((mode, rate), []).append(m)
-                    rows.append(_row(env, opts, mode, rate, m["summary"], m["results"], 1, start))
+                    rows.append(_row(env, opts, mode, rate, m["summary"], m["results"], 1, start,
+                                     m["running"]))
     if all(len(ms) == 1 for ms in got.values()):
         return rows
     pooled = []
@@ -103,8 +111,10 @@ def run_serve(opts: dict[str, Any], env: dict[str, Any], progress: bool = True) 
         results = [r for m in ms for r in m["results"]]
         summary = loadgen.summarize(results, sum(m["duration_s"] for m in ms),
                                     slo_ttft_ms=opts["slo_ttft_ms"], slo_tpot_ms=opts["slo_tpot_ms"])
+        running = None if ms[0]["running"] is None else {
+            k: [r for m in ms for r in m["running"][k]] for k in ("alone", "beside")}
         pooled.append(_row(env, opts, mode, rate, summary, results,
-                           len({m["start"] for m in ms})))
+                           len({m["start"] for m in ms}), running=running))
     sink = sink_of(rows)
     if sink is None:
         return pooled
@@ -113,7 +123,7 @@ def run_serve(opts: dict[str, Any], env: dict[str, Any], progress: bool = True) 
 
 
 def _row(env, opts, mode, rate, summary, results, starts: int = 1,
-         start: int | None = None) -> dict:
+         start: int | None = None, running: dict | None = None) -> dict:
     from .hops import hop_medians
     ok = [r for r in results if r.ok]
     moved = [r.kvflow for r in ok if r.kvflow]
@@ -128,8 +138,10 @@ def _row(env, opts, mode, rate, summary, results, starts: int = 1,
         tpot_ms=[round(r.tpot_s * 1e3, 3) for r in ok if r.tpot_s is not None],
         transfer_ms=[k.get("transfer_ms") for k in moved if k.get("transfer_ms") is not None],
         hops_ms=hop_medians(moved), starts=starts, start=start, kvflow=moved,
+        **(serve_mix.fields(running) if running else {}),
         config={k: opts.get(k) for k in ("num_requests", "prompt_len", "output_len", "dataset",
-                                         "concurrency", "model", "server_args", "url")})
+                                         "concurrency", "model", "server_args", "url",
+                                         *serve_mix.KEYS)})
 
 
 def format_table(rows: list[dict]) -> str:
@@ -168,5 +180,7 @@ def run(args) -> int:
     rows = run_serve(opts, env, progress=not args.no_progress)
     print(format_table(rows))
     print(format_hops(rows))
+    if serve_mix.format_running(rows):
+        print(serve_mix.format_running(rows))
     cli.finish(args, opts, env, rows, t0=t0)
     return 0

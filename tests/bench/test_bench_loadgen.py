@@ -18,6 +18,8 @@ from kvflow.bench import loadgen
 from kvflow.bench.__main__ import main
 
 FIRST_S, GAP_S = 0.08, 0.02  # the fake server's time to first token and between tokens
+LONG = 60  # prompts of more tokens are "long": while one streams, every gap is 3x as long
+_LONG_IN_FLIGHT = [0]
 
 
 def _fake_app():
@@ -34,19 +36,29 @@ def _fake_app():
             return JSONResponse({"error": "too long"}, status_code=400)
         n_prompt = len(body["prompt"])
 
+        long = n_prompt > LONG
+
         async def events():
-            await asyncio.sleep(FIRST_S)
-            for i in range(body["max_tokens"]):
-                if i:
-                    await asyncio.sleep(GAP_S)
-                chunk = {"choices": [{"text": f"t{i}", "index": 0}]}
-                if i == body["max_tokens"] - 1:
-                    chunk["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": i + 1}
-                    chunk["kvflow"] = {"payload_bytes": 1000 * n_prompt, "transfer_ms": 1.5}
-                yield f"data: {json.dumps(chunk)}\n\n"
+            _LONG_IN_FLIGHT[0] += long
+            try:
+                await asyncio.sleep(FIRST_S)
+                for i in range(body["max_tokens"]):
+                    if i:
+                        await asyncio.sleep(GAP_S * (3 if _LONG_IN_FLIGHT[0] else 1))
+                    yield _chunk(i, body["max_tokens"], n_prompt)
+            finally:
+                _LONG_IN_FLIGHT[0] -= long
             yield "data: [DONE]\n\n"
         return StreamingResponse(events(), media_type="text/event-stream")
     return app
+
+
+def _chunk(i, max_tokens, n_prompt):
+    chunk = {"choices": [{"text": f"t{i}", "index": 0}]}
+    if i == max_tokens - 1:
+        chunk["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": i + 1}
+        chunk["kvflow"] = {"payload_bytes": 1000 * n_prompt, "transfer_ms": 1.5}
+    return f"data: {json.dumps(chunk)}\n\n"
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +155,42 @@ def test_serve_subcommand_with_url(fake_url, tmp_path, monkeypatch, capsys):
         assert r["tokens"] == round(sum(w.prompt_tokens for w in work) / 8)
         assert r["transfer_ms"] == [1.5] * 8
     assert "TTFT p50" in capsys.readouterr().out
+
+
+def test_chunk_tokens_counts_token_ids_even_with_empty_text():
+    assert loadgen.chunk_tokens({"choices": [{"text": "", "token_ids": [200]}]}) == 1
+    assert loadgen.chunk_tokens({"choices": [{"text": "ab", "token_ids": [1, 2]}]}) == 2
+    assert loadgen.chunk_tokens({"choices": [{"text": "", "token_ids": []}]}) == 0
+    assert loadgen.chunk_tokens({"choices": [{"text": "x"}]}) == 1   # no token_ids: one per text
+    assert loadgen.chunk_tokens({"choices": [{"text": ""}]}) == 0
+
+
+def test_mixed_load_reports_running_tpot_alone_and_beside_long_prompts(fake_url, tmp_path, capsys):
+    """4 running requests of 12 tokens, then 2 long prompts (64 tokens: the fake server's gaps
+    triple while one streams): the running TPOT beside them is over 1.5x the one alone."""
+    assert main(["serve", "--url", fake_url, "--out-dir", str(tmp_path), "--no-progress",
+                 "--num-requests", "2", "--rate", "inf", "--prompt-len", "64",
+                 "--output-len", "30", "--mix-decodes", "4", "--mix-output-len", "12",
+                 "--mix-prompt-len", "8", "--mix-delay-s", "0.1"]) == 0
+    row = json.loads(next(tmp_path.glob("serve-*.json")).read_text())["rows"][0]
+    assert row["completed"] == 2 and row["running_completed"] == row["running_alone_completed"] == 4
+    assert GAP_S * 1e3 <= row["running_alone_tpot_ms_p50"] < 2 * GAP_S * 1e3
+    assert row["running_tpot_ratio_p50"] > 1.5
+    assert row["running_tpot_ratio_p99"] == pytest.approx(
+        row["running_tpot_ms_p99"] / row["running_alone_tpot_ms_p99"])
+    assert row["config"]["mix_decodes"] == 4 and row["running_errors"] == []
+    assert "running requests (TPOT ms) beside the workload vs alone:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--mix-decodes", "-1"], "serve: --mix-decodes must be >= 0, got -1"),
+    (["--mix-decodes", "2", "--mix-output-len", "1"],
+     "serve: --mix-output-len must be >= 2 tokens (a TPOT needs two), got '1'"),
+    (["--mix-decodes", "2", "--mix-prompt-len", "0"],
+     "serve: --mix-prompt-len: mix_prompt_len='0': expected a positive token count N or a range "
+     "A:B with 0 < A <= B"),
+])
+def test_bad_mix_flags_refused(fake_url, tmp_path, flags, message):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--url", fake_url, "--out-dir", str(tmp_path), "--no-progress", *flags])
+    assert str(e.value) == message

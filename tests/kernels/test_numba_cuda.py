@@ -24,11 +24,12 @@ from kvflow.kernels import copy_blocks, gather_blocks, scatter_blocks
 from tests.conftest import assert_bytes_equal, backends_for, cache_bytes, random_bytes_, random_cache
 
 ROOT = Path(__file__).resolve().parents[2]
-CASES = [  # (layout, dtype, heads, head_dim, block_size): word widths 16, 1, 4, 2
+CASES = [  # (layout, dtype, heads, head_dim, block_size): word widths 16, 1, 4, 2, 16
     ("NHD", torch.bfloat16, 2, 8, 4),
     ("HND", torch.float8_e4m3fn, 3, 5, 3),
     ("MLA", torch.float32, 1, 5, 3),
     ("NHD", torch.float16, 1, 3, 3),
+    ("BM_NHD", torch.bfloat16, 2, 8, 4),  # block-major: blocks block_stride_bytes apart
 ]
 
 

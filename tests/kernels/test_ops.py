@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvflow import KVCacheSpec, PagedKVCache, staging_buffer
-from kvflow.kernels import copy_blocks, copy_sequence, gather_blocks, payload_bytes, scatter_blocks
+from kvflow.kernels import copy_blocks, copy_sequence, gather_blocks, payload_bytes, registry, scatter_blocks
 from kvflow.layout import normalize_layers
 
 from tests.conftest import (DEVICES, DTYPES, GEOMETRY, LAYOUTS, assert_bytes_equal, backends_for,
@@ -287,7 +287,34 @@ def test_payload_bytes_counts_valid_blocks_layers_and_tensors():
 @pytest.fixture(autouse=True)
 def _block_major_backends(request):
     """Block-major caches run on the backends that step ``block_stride_bytes``
-    (``block_strides``); the others are refused (see test_block_major_refused)."""
+    (``block_strides``); the others are refused (see test_block_major_refused_naming_the_backend)."""
     p = getattr(request.node, "callspec", None)
-    if p and p.params.get("layout") == "BM_NHD" and p.params.get("backend") not in (None, "torch", "numba"):
+    name = p.params.get("backend") if p else None
+    if p and p.params.get("layout") == "BM_NHD" and name is not None \
+            and not getattr(registry._load(name), "block_strides", False):
         pytest.skip("backend without block_strides: refused with a ValueError")
+
+
+def test_block_major_refused_naming_the_backend(monkeypatch):
+    """A backend without ``block_strides`` (a plugin) is refused before it runs: the cache and
+    the buffer stay as they were."""
+    class Plain:
+        name, devices, directions = "plain_bm", {"cpu"}, ("pull",)
+
+        def unavailable_reason(self):
+            return None
+
+        def gather(self, *a, **k):
+            raise AssertionError("ran")
+
+    monkeypatch.setitem(registry._BACKENDS, "plain_bm", Plain())
+    spec = make_spec("BM_NHD", torch.float16)
+    cache = random_cache(spec, 4, seed=2)
+    out = random_bytes_(staging_buffer(spec, 2), 3)
+    before, out_before = cache_bytes(cache).clone(), out.clone()
+    with pytest.raises(ValueError) as e:
+        gather_blocks(cache, torch.tensor([1, 2]), out, backend="plain_bm")
+    assert str(e.value) == ("backend 'plain_bm' does not move block-major caches "
+                            "(layout='BM_NHD'); use backend='torch' or 'numba'")
+    assert_bytes_equal(cache_bytes(cache), before, "cache")
+    assert_bytes_equal(out, out_before, "buffer")

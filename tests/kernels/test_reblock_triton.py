@@ -67,3 +67,20 @@ def test_grid_cap_gives_reference_bytes(max_ctas):
         got.append((cache_bytes(dst), dst.scales.cpu()))
     assert_bytes_equal(got[1][0], got[0][0], f"max_ctas={max_ctas}")
     assert_bytes_equal(got[1][1], got[0][1], "scales")
+
+
+def test_block_major_reblock_refused_before_it_runs():
+    """The re-blocking kernel steps layer-major strides only: a block-major (BM_NHD) side is
+    refused naming the backend, and the destination is untouched (torch and numba take it)."""
+    dev = "cpu" if "triton" in backends_for("cpu") else "cuda"
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=2,
+                       dtype=torch.bfloat16, layout="BM_NHD")
+    src = finite_cache(spec, 4, seed=1, device=dev)
+    dst = poisoned_cache(spec.with_(block_size=4, layout="NHD"), 2, seed=2, device=dev)
+    before = cache_bytes(dst).clone()
+    with pytest.raises(ValueError) as e:
+        copy_sequence(src, dst, torch.tensor([0, 1], device=dev), torch.tensor([1], device=dev),
+                      num_tokens=4, backend="triton")
+    assert str(e.value) == ("backend 'triton' does not re-block block-major caches "
+                            "(layout='BM_NHD'); use backend='torch' or 'numba'")
+    assert_bytes_equal(cache_bytes(dst), before, "destination")
