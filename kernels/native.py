@@ -2,12 +2,15 @@
 only with ``KVFLOW_XPU_SDK``), both from the extension ``kvflow._native`` (sources in ``xpu/``).
 
 The work is the same "copy runs" as :mod:`kvflow.kernels.numba.cpu`: every block of every
-per-layer tensor is one contiguous run of ``spec.block_bytes`` bytes, so gather, scatter and
-copy_blocks copy run ``src_ids[i]`` of tensor base ``src_ptrs[t]`` to run ``dst_ids[i]`` of
-``dst_ptrs[t]``; a staging buffer is one base per (layer, tensor) with slots ``0..n-1``. Ids
-outside the cache (padding -1 included) are skipped. The host backend splits the runs over a
-persistent C++ thread pool (GIL released), merging runs that continue each other into one
-``memcpy``. ``KVFLOW_NATIVE_THREADS`` caps its threads (default: all cores, at most 16).
+per-layer tensor is one contiguous run of ``spec.block_bytes`` bytes, and consecutive blocks of
+a cache tensor lie ``spec.block_stride_bytes`` apart (``block_bytes``; block-major ``BM_NHD``:
+``num_tensors * block_bytes``, hence ``block_strides = True``). Gather, scatter and copy_blocks
+copy the run at ``src_ptrs[t] + src_ids[i] * src_stride`` to ``dst_ptrs[t] + dst_ids[i] *
+dst_stride``; a staging buffer is one base per (layer, tensor) with slots ``0..n-1`` (stride
+``block_bytes``). Ids outside the cache (padding -1 included) are skipped. The host backend
+splits the runs over a persistent C++ thread pool (GIL released), merging runs that continue
+each other in memory on both sides into one ``memcpy``. ``KVFLOW_NATIVE_THREADS`` caps its
+threads (default: all cores, at most 16).
 
 The ``xpu`` backend issues one ``xpu_memcpy_async`` per run on the default XPU stream, then
 ``xpu_wait``; its ids are read on the host. torch has no Kunlun device (torch's ``"xpu"`` is
@@ -57,9 +60,11 @@ def _ids(ids: torch.Tensor) -> np.ndarray:
 
 
 def copy_runs_ptr(src_ptrs: Any, dst_ptrs: Any, src_ids: Any, dst_ids: Any, *, src_n: int,
-                  dst_n: int, run_bytes: int, device: str = "host", num_threads: int = 0) -> int:
-    """Pointer-level entry point: copy run ``src_ids[i]`` of every ``src_ptrs[t]`` to run
-    ``dst_ids[i]`` of ``dst_ptrs[t]`` (for callers without torch tensors, e.g. paddle on XPU).
+                  dst_n: int, run_bytes: int, device: str = "host", num_threads: int = 0,
+                  src_stride: int | None = None, dst_stride: int | None = None) -> int:
+    """Pointer-level entry point: copy the ``run_bytes`` at ``src_ptrs[t] + src_ids[i] *
+    src_stride`` to ``dst_ptrs[t] + dst_ids[i] * dst_stride`` for every t and i (for callers
+    without torch tensors, e.g. paddle on XPU).
 
     Parameters
     ----------
@@ -72,6 +77,9 @@ def copy_runs_ptr(src_ptrs: Any, dst_ptrs: Any, src_ids: Any, dst_ids: Any, *, s
         Runs (blocks) per source / destination tensor.
     run_bytes : int
         Bytes per run (``KVCacheSpec.block_bytes``).
+    src_stride, dst_stride : int or None
+        Bytes from run k to run k + 1 of one source / destination tensor
+        (``KVCacheSpec.block_stride_bytes``); None: ``run_bytes``. At least ``run_bytes``.
     device : {"host", "xpu"}
         ``"xpu"`` only when compiled with the SDK.
 
@@ -83,7 +91,8 @@ def copy_runs_ptr(src_ptrs: Any, dst_ptrs: Any, src_ids: Any, dst_ids: Any, *, s
     Raises
     ------
     RuntimeError
-        ``kvflow._native`` is not available; ValueError for a bad length or size.
+        ``kvflow._native`` is not available; ValueError for a bad length, size or stride
+        (``"src_stride must be >= run_bytes (R), got S"``).
     """
     if _native is None:
         raise RuntimeError(_IMPORT_ERROR)
@@ -92,7 +101,8 @@ def copy_runs_ptr(src_ptrs: Any, dst_ptrs: Any, src_ids: Any, dst_ids: Any, *, s
     n = len(src_ids) if src_ids is not None else len(dst_ids)
     as_arr = (lambda v: None if v is None else np.asarray(v, dtype=np.int64))
     return _native.copy_runs(as_arr(src_ptrs), as_arr(dst_ptrs), as_arr(src_ids), as_arr(dst_ids),
-                             n, src_n, dst_n, run_bytes, num_threads=num_threads, device=device)
+                             n, src_n, dst_n, run_bytes, num_threads=num_threads, device=device,
+                             src_stride=src_stride, dst_stride=dst_stride)
 
 
 def get_peer_mem_addr(tensor: Any, device: str = "host") -> int:
@@ -117,9 +127,11 @@ def get_peer_mem_addr(tensor: Any, device: str = "host") -> int:
 
 
 class _NativeBackend:
-    """The three ops over ``kvflow._native`` on one of its compiled devices."""
+    """The three ops over ``kvflow._native`` on one of its compiled devices; cache sides step
+    ``spec.block_stride_bytes`` between blocks (block-major caches too)."""
 
     native_device = "host"
+    block_strides = True
 
     def unavailable_reason(self) -> str | None:
         if _native is None:
@@ -132,18 +144,22 @@ class _NativeBackend:
     def gather(self, cache, ids, out, start, stop, max_ctas=None):
         _native.gather_blocks(_ptrs(cache, start, stop), _ids(ids), out.data_ptr(),
                               cache.num_blocks, cache.spec.block_bytes,
-                              num_threads=_num_threads(), device=self.native_device)
+                              num_threads=_num_threads(), device=self.native_device,
+                              src_stride=cache.spec.block_stride_bytes)
 
     def scatter(self, src, cache, ids, start, stop, max_ctas=None):
         _native.scatter_blocks(src.data_ptr(), _ptrs(cache, start, stop), _ids(ids),
                                cache.num_blocks, cache.spec.block_bytes,
-                               num_threads=_num_threads(), device=self.native_device)
+                               num_threads=_num_threads(), device=self.native_device,
+                               dst_stride=cache.spec.block_stride_bytes)
 
     def copy(self, src_cache, dst_cache, src_ids, dst_ids, start, stop, max_ctas=None):
         _native.copy_blocks(_ptrs(src_cache, start, stop), _ptrs(dst_cache, start, stop),
                             _ids(src_ids), _ids(dst_ids), src_cache.num_blocks,
                             dst_cache.num_blocks, src_cache.spec.block_bytes,
-                            num_threads=_num_threads(), device=self.native_device)
+                            num_threads=_num_threads(), device=self.native_device,
+                            src_stride=src_cache.spec.block_stride_bytes,
+                            dst_stride=dst_cache.spec.block_stride_bytes)
 
 
 class NativeHostBackend(_NativeBackend):

@@ -24,7 +24,7 @@ from kvflow.kernels import available_backends  # noqa: E402
 from kvflow.kernels.registry import get_backend  # noqa: E402
 
 # every row of kvflow.layout.LAYOUT_TABLE; block-major rows only where a backend takes
-# block strides (kernels/contract.py: block_strides): torch, numba, copy_engine so far
+# block strides (kernels/contract.py: block_strides; see takes_block_major)
 LAYER_MAJOR = ("NHD", "HND", "MLA", "LBHNC", "LBNHC")
 LAYOUTS = LAYER_MAJOR + ("BM_NHD",)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
@@ -61,6 +61,12 @@ def make_spec(layout: str, dtype: torch.dtype, geo: Geometry = GEOMETRY) -> KVCa
         (geo.num_kv_heads, geo.head_dim)
     return KVCacheSpec(num_layers=geo.num_layers, num_kv_heads=heads, head_dim=dim,
                        block_size=geo.block_size, dtype=dtype, layout=layout)
+
+
+def takes_block_major(backend: str, device: str = "cpu") -> bool:
+    """Whether ``backend`` moves block-major caches (``block_strides``, kernels/contract.py)."""
+    return bool(getattr(get_backend(backend, torch.device(device)), "block_strides", False))
+
 
 
 def backends_for(device: str) -> list[str]:

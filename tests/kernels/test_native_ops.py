@@ -3,7 +3,8 @@
 Every destination byte is compared: destinations start as random non-zero bytes, so a write to
 a padded slot, a block outside the ids or a layer outside the range shows. Sizes cover both the
 single-thread path (small copies) and the thread-pool path (> 512 KiB), merged runs
-(consecutive ids), int32 ids, and ids outside the cache with ``validate=False`` (skipped).
+(consecutive ids), block-major caches (``src_stride`` / ``dst_stride``), int32 ids, and ids
+outside the cache with ``validate=False`` (skipped).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from kvflow import KVCacheSpec, PagedKVCache, staging_buffer
 from kvflow.kernels import available_backends, copy_blocks, gather_blocks, scatter_blocks
 from kvflow.kernels import native
 
-from tests.conftest import DTYPES, LAYER_MAJOR, assert_bytes_equal, cache_bytes, make_spec, random_bytes_, random_cache
+from tests.conftest import DTYPES, LAYOUTS, assert_bytes_equal, cache_bytes, make_spec, random_bytes_, random_cache
 
 NB = 16
 SRC_IDS = [15, -1, 3, 4, 5, -1, 0, 9]          # padding, a consecutive run 3,4,5, first/last block
@@ -35,7 +36,7 @@ def _clone(cache):
     return out
 
 
-@pytest.mark.parametrize("layout", LAYER_MAJOR)
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("layers", [None, (1, 3), 2], ids=["all", "1-3", "2"])
 def test_three_ops_match_torch_bytes(layout, dtype, layers):
@@ -157,3 +158,69 @@ def test_peer_mem_addr_host_is_the_pointer():
     assert native.get_peer_mem_addr(12345) == 12345
     with pytest.raises(TypeError, match="tensor must be a torch.Tensor or an int address, got str"):
         native.get_peer_mem_addr("0x10")
+
+
+def test_pointer_level_block_strides():
+    """Block-major addressing: 2 tensors interleaved per block (runs of 4 bytes, stride 8).
+    Consecutive ids are not adjacent then, so they must not merge into one 8-byte memcpy."""
+    a = np.arange(24, dtype=np.uint8)                     # 3 blocks x 2 tensors x 4 bytes
+    b = np.full(16, 255, dtype=np.uint8)                  # 2 blocks x 2 tensors x 4 bytes
+    pa, pb = a.ctypes.data, b.ctypes.data
+    n = native.copy_runs_ptr([pa, pa + 4], [pb, pb + 4], [2, 0], [0, 1], src_n=3, dst_n=2,
+                             run_bytes=4, src_stride=8, dst_stride=8)
+    assert n == 4
+    assert b.tolist() == list(range(16, 24)) + list(range(0, 8))
+    b[:] = 255
+    assert native.copy_runs_ptr([pa], [pb], [0, 1], [0, 1], src_n=3, dst_n=2, run_bytes=4,
+                                src_stride=8, dst_stride=8) == 2
+    assert b.tolist() == [0, 1, 2, 3] + [255] * 4 + [8, 9, 10, 11] + [255] * 4
+    b[:] = 255  # strided source into a staging side (stride run_bytes, the default)
+    assert native.copy_runs_ptr([pa + 4], [pb], [1, 2], None, src_n=3, dst_n=2, run_bytes=4,
+                                src_stride=8) == 2
+    assert b.tolist() == [12, 13, 14, 15, 20, 21, 22, 23] + [255] * 8
+
+
+def test_native_stride_errors_name_the_argument():
+    from kvflow import _native
+    one, ids = np.zeros(1, np.int64), np.array([-1])
+    with pytest.raises(ValueError, match=r"^src_stride must be positive, got 0$"):
+        _native.copy_blocks(one, one, ids, ids, 1, 1, 8, src_stride=0)
+    with pytest.raises(ValueError, match=r"^dst_stride must be >= run_bytes \(8\), got 4$"):
+        _native.copy_blocks(one, one, ids, ids, 1, 1, 8, dst_stride=4)
+    with pytest.raises(ValueError, match=r"^src_stride must be positive, got -16$"):
+        _native.gather_blocks(one, ids, 0, 1, 8, src_stride=-16)
+    with pytest.raises(ValueError, match=r"^dst_stride must be >= run_bytes \(8\), got 7$"):
+        _native.scatter_blocks(0, one, ids, 1, 8, dst_stride=7)
+    with pytest.raises(ValueError, match=r"^src_stride must be >= run_bytes \(8\), got 1$"):
+        _native.copy_runs(one, one, ids, None, 1, 1, 1, 8, src_stride=1)
+    with pytest.raises(TypeError):  # a staging side has no stride
+        _native.gather_blocks(one, ids, 0, 1, 8, dst_stride=8)
+    with pytest.raises(TypeError):  # keyword-only: old positional calls keep their meaning
+        _native.copy_blocks(one, one, ids, ids, 1, 1, 8, 0, "host", 0, 16)
+    assert _native.copy_blocks(one, one, ids, ids, 1, 1, 8, src_stride=8, dst_stride=64) == 0
+    with pytest.raises(ValueError, match=r"^src_stride must be >= run_bytes \(4\), got 2$"):
+        native.copy_runs_ptr([0], [0], [-1], None, src_n=1, dst_n=1, run_bytes=4, src_stride=2)
+
+
+def test_block_major_cache_merged_and_strided_runs():
+    """BM_NHD (stride 8 * block_bytes) on the thread-pool path (> 512 KiB): consecutive ids,
+    padding, first and last block; all layers and a range."""
+    spec = KVCacheSpec(num_layers=4, num_kv_heads=8, head_dim=128, block_size=16,
+                       dtype=torch.float16, layout="BM_NHD")
+    assert spec.block_stride_bytes == 8 * spec.block_bytes
+    src, dst = random_cache(spec, 40, seed=4), random_cache(spec, 40, seed=6)
+    s = torch.tensor([3, 4, 5, 6, -1, 20, 0, 39])
+    d = torch.tensor([10, 11, 12, 13, 14, -1, 39, 0])
+    ref = _clone(dst)
+    copy_blocks(src, dst, s, d, backend="native")
+    copy_blocks(src, ref, s, d, backend="torch")
+    assert_bytes_equal(cache_bytes(dst), cache_bytes(ref), "block-major copy_blocks")
+    for layers in (None, (1, 3)):
+        out_n = random_bytes_(staging_buffer(spec, len(s), layers), 3)
+        out_t = out_n.clone()
+        gather_blocks(src, s, out_n, layers, backend="native")
+        gather_blocks(src, s, out_t, layers, backend="torch")
+        assert_bytes_equal(out_n, out_t, f"block-major gather layers={layers}")
+        scatter_blocks(out_t, dst, d, layers, backend="native")
+        scatter_blocks(out_t, ref, d, layers, backend="torch")
+        assert_bytes_equal(cache_bytes(dst), cache_bytes(ref), f"block-major scatter layers={layers}")

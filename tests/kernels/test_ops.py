@@ -17,7 +17,7 @@ from kvflow.kernels import copy_blocks, copy_sequence, gather_blocks, payload_by
 from kvflow.layout import normalize_layers
 
 from tests.conftest import (DEVICES, DTYPES, GEOMETRY, LAYOUTS, assert_bytes_equal, backends_for,
-                       cache_bytes, make_spec, random_bytes_, random_cache)
+                       cache_bytes, make_spec, random_bytes_, random_cache, takes_block_major)
 
 LAYER_RANGES = (None, (1, 3), 2)  # all layers, a partial range, a single layer (as an int)
 ID_DTYPES = (torch.int32, torch.int64)
@@ -318,3 +318,18 @@ def test_block_major_refused_naming_the_backend(monkeypatch):
                             "(layout='BM_NHD'); use backend='torch' or 'numba'")
     assert_bytes_equal(cache_bytes(cache), before, "cache")
     assert_bytes_equal(out, out_before, "buffer")
+
+
+def test_check_block_strides_passes_strided_and_layer_major():
+    """A backend without ``block_strides`` is refused a block-major cache, naming it; the CPU
+    backends (torch, numba, native) all take one."""
+    from types import SimpleNamespace
+
+    from kvflow.kernels.validate import check_block_strides
+    bm, nhd = make_spec("BM_NHD", torch.float16), make_spec("NHD", torch.float16)
+    check_block_strides(SimpleNamespace(name="plain"), nhd, None)
+    check_block_strides(SimpleNamespace(name="strided", block_strides=True), bm, nhd)
+    with pytest.raises(ValueError, match=r"^backend 'plain' does not move block-major caches "
+                                         r"\(layout='BM_NHD'\); use backend='torch' or 'numba'$"):
+        check_block_strides(SimpleNamespace(name="plain"), nhd, bm)
+    assert all(takes_block_major(b) for b in ("torch", "numba", "native", "triton"))

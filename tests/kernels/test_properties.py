@@ -13,16 +13,17 @@ from kvflow import KVCacheSpec, staging_buffer
 from kvflow.kernels import copy_blocks, gather_blocks, scatter_blocks
 
 from tests.conftest import (DTYPES, LAYER_MAJOR, assert_bytes_equal, backends_for, cache_bytes,
-                       random_bytes_, random_cache)
+                       random_bytes_, random_cache, takes_block_major)
 
 BACKENDS = [b for b in backends_for("cpu") if b != "torch"]
+BLOCK_MAJOR = [b for b in BACKENDS if takes_block_major(b)]  # BM_NHD: block_strides backends
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite
-def specs(draw):
-    layout = draw(st.sampled_from(LAYER_MAJOR))
+def specs(draw, layouts=LAYER_MAJOR):
+    layout = draw(st.sampled_from(layouts))
     return KVCacheSpec(num_layers=draw(st.integers(1, 4)),
                        num_kv_heads=1 if layout == "MLA" else draw(st.integers(1, 3)),
                        head_dim=draw(st.integers(1, 12)), block_size=draw(st.integers(1, 6)),
@@ -37,9 +38,9 @@ def layer_ranges(draw, num_layers):
 
 
 @st.composite
-def problems(draw):
+def problems(draw, layouts=LAYER_MAJOR):
     """(spec, num_blocks, layers, source ids, distinct destination ids, id dtype, seed)."""
-    spec = draw(specs())
+    spec = draw(specs(layouts))
     nb = draw(st.integers(1, 10))
     n = draw(st.integers(0, 12))
     src = draw(st.lists(st.integers(-1, nb - 1), min_size=n, max_size=n))
@@ -52,6 +53,10 @@ def problems(draw):
 @SETTINGS
 @given(problems())
 def test_gather_scatter_round_trip(backend, problem):
+    _round_trip(backend, problem)
+
+
+def _round_trip(backend, problem):
     spec, nb, layers, _, ids, id_dtype, seed = problem
     ids_t = torch.tensor(ids, dtype=id_dtype)
     a, b = random_cache(spec, nb, seed=seed), random_cache(spec, nb, seed=seed + 1)
@@ -79,6 +84,20 @@ def test_gather_scatter_round_trip(backend, problem):
 @SETTINGS
 @given(problems())
 def test_backend_equals_torch(backend, problem):
+    _equals_torch(backend, problem)
+
+
+@pytest.mark.skipif(not BLOCK_MAJOR, reason="no CPU backend besides torch takes block strides")
+@pytest.mark.parametrize("backend", BLOCK_MAJOR)
+@SETTINGS
+@given(problems(layouts=("BM_NHD",)))
+def test_block_major_round_trip_and_equals_torch(backend, problem):
+    """Both properties above on block-major BM_NHD caches (backends with ``block_strides``)."""
+    _round_trip(backend, problem)
+    _equals_torch(backend, problem)
+
+
+def _equals_torch(backend, problem):
     spec, nb, layers, src_ids, dst_ids, id_dtype, seed = problem
     s, d = torch.tensor(src_ids, dtype=id_dtype), torch.tensor(dst_ids, dtype=id_dtype)
     src = random_cache(spec, nb, seed=seed)

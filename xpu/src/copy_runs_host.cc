@@ -3,8 +3,9 @@
 // Work item w = t * n + i (tensor-major, like kernels/numba/cpu.py) copies one run. The items
 // are split into chunks taken from an atomic counter by the threads of a small persistent pool
 // (created on first use; re-created after fork()). Within a chunk, runs that continue the
-// previous one on both sides (consecutive ids, e.g. a gather of blocks 7, 8, 9 into slots
-// 0, 1, 2) are merged into one memcpy.
+// previous one in memory on both sides (e.g. a gather of blocks 7, 8, 9 into slots 0, 1, 2 of
+// a layer-major cache, stride == run_bytes) are merged into one memcpy; with a larger stride
+// (block-major) consecutive ids are not adjacent, and the address check keeps them apart.
 #include <unistd.h>
 
 #include <algorithm>
@@ -99,8 +100,8 @@ int64_t copy_items(const CopyRuns& j, int64_t begin, int64_t end) {
     const int64_t s = j.src_ids ? j.src_ids[i] : i;
     const int64_t d = j.dst_ids ? j.dst_ids[i] : i;
     if (!valid(s, j.src_n) || !valid(d, j.dst_n)) continue;
-    auto* src = reinterpret_cast<const uint8_t*>(j.src_ptrs[t] + s * rb);
-    auto* dst = reinterpret_cast<uint8_t*>(j.dst_ptrs[t] + d * rb);
+    auto* src = reinterpret_cast<const uint8_t*>(j.src_ptrs[t] + s * j.src_stride);
+    auto* dst = reinterpret_cast<uint8_t*>(j.dst_ptrs[t] + d * j.dst_stride);
     if (pend_len && src == pend_src + pend_len && dst == pend_dst + pend_len) {
       pend_len += rb;  // continues the pending run on both sides
     } else {

@@ -31,8 +31,8 @@ int64_t copy_runs_device(const CopyRuns& j, uint64_t stream) {
       const int64_t src = j.src_ids ? j.src_ids[i] : i;
       const int64_t dst = j.dst_ids ? j.dst_ids[i] : i;
       if (!valid(src, j.src_n) || !valid(dst, j.dst_n)) continue;
-      check(xpu_memcpy_async(reinterpret_cast<void*>(j.dst_ptrs[t] + dst * j.run_bytes),
-                             reinterpret_cast<const void*>(j.src_ptrs[t] + src * j.run_bytes),
+      check(xpu_memcpy_async(reinterpret_cast<void*>(j.dst_ptrs[t] + dst * j.dst_stride),
+                             reinterpret_cast<const void*>(j.src_ptrs[t] + src * j.src_stride),
                              static_cast<uint64_t>(j.run_bytes), XPU_DEVICE_TO_DEVICE, s),
             "xpu_memcpy_async");
       ++copied;
