@@ -1,9 +1,7 @@
 """``nixl``: P writes each request's KV into D's registered memory (host or CUDA) with
 one-sided NIXL WRITEs (:mod:`.nixl_writer`) in :class:`~kvflow.connector.ipc_push.PushSender`'s
-flow; D's half is :mod:`.nixl_receiver`, its agent info travels in ``Register`` / ``Pair``
-(:class:`~kvflow.protocol.NixlAgentInfo`). Modes and staging slots: docs/nixl.md, "How it
-works"; progress: docs/nixl.md, "Progress without a busy thread"; lent blocks:
-docs/reliability.md, item 5. On one host UCX takes shared memory unless ``UCX_TLS=tcp``.
+flow; D's half: :mod:`.nixl_receiver`. See docs/nixl.md ("How it works", "Progress without a
+busy thread") and docs/reliability.md, item 5 (lent blocks).
 """
 
 from __future__ import annotations
@@ -30,14 +28,9 @@ WRITE_TIMEOUT_S = 30.0  # default bound (seconds) on P's wait for a request's WR
 
 class NixlSender(PushSender):
     """P's half. Parameters as :class:`~kvflow.connector.ipc_push.PushSender`, plus ``mode``
-    (``direct`` | ``staged``) and ``write_timeout_s`` (bound on waiting for a request's WRITEs,
-    seconds; ``kv_connector_config`` key, default :data:`WRITE_TIMEOUT_S`).
-
-    Raises
-    ------
-    ValueError
-        Unknown ``mode``, a device other than CPU, ``layers_per_copy`` < 1,
-        ``write_timeout_s`` <= 0.
+    (``direct`` | ``staged``) and ``write_timeout_s`` (seconds P waits for a request's WRITEs).
+    ValueError: unknown ``mode``, a device other than CPU or CUDA, ``layers_per_copy`` < 1,
+    ``write_timeout_s`` <= 0.
     """
 
     name = "nixl"

@@ -110,19 +110,12 @@ class NixlReceiver(KVReceiver):
             mem_type=mem, device_id=dev))}
 
     def attach(self, peer: Peer) -> None:
-        """Staged: load P's agent and give it a free slot (notification ``slot K``).
-
-        Raises
-        ------
-        SlotsTaken
-            Every slot is taken (the pairing may succeed once one frees).
-        TransferError
-            Bad agent info, or P runs another mode.
-        """
+        """Staged: load P's agent and give it a free slot (notice ``slot K``). Raises
+        SlotsTaken when every slot is taken (the pairing may succeed once one frees), and
+        TransferError for bad agent info or another mode."""
         if self.mode != "staged":
             return
-        self.detach(peer.id)
-        # P refuses too; a P that never writes holds no slot
+        self.detach(peer.id)  # a mode mismatch: P refuses too, but then it holds no slot
         info = peer_info(peer, "prefill", self.mode, "this decode instance")
         free = sorted(set(range(self.staging_slots)) - set(self.slots.values()))
         if not free:

@@ -48,23 +48,10 @@ class NixlPeer:
 
 
 class NixlWriter:
-    """Posts and waits for WRITEs from P's registered ``cache`` (and staging buffer).
-
-    Parameters
-    ----------
-    agent : kvflow.connector.transport.nixl_agent.Agent
-    cache : PagedKVCache
-        P's cache, registered with ``agent``; ``local`` its prepared descriptor list.
-    mode : str
-        ``direct`` or ``staged``.
-    staging : torch.Tensor or None
-        Staged: P's registered flat uint8 staging buffer; ``local_staging`` its list of
-        ``block_bytes`` descriptors.
-    backend : str
-        Kernel backend of the gather.
-    timeout_s : float
-        Bound on waiting for a request's WRITEs, seconds.
-    """
+    """Posts and waits for WRITEs from P's ``cache``, registered with ``agent`` (``local``: its
+    prepared descriptor list), and, staged, from P's flat uint8 ``staging`` buffer
+    (``local_staging``: its ``block_bytes`` descriptors). ``backend``: the gather's kernels;
+    ``timeout_s``: seconds to wait for a request's WRITEs."""
 
     def __init__(self, agent: Any, cache: Any, local: Any, mode: str, layers_per_copy: int, *,
                  staging: Any = None, local_staging: Any = None, backend: str = "auto",
@@ -82,13 +69,8 @@ class NixlWriter:
         """Nothing to order (LayerCopier interface)."""
 
     def begin(self, job: Any, peer: NixlPeer | None) -> None:
-        """A new request ``job`` to ``peer``: staged, wait until its slot is free.
-
-        Raises
-        ------
-        TransferError
-            D sent no slot, or did not free it, within :data:`SLOT_TIMEOUT_S`.
-        """
+        """A new request ``job`` to ``peer``: staged, wait until its slot is free
+        (TransferError when D sent no slot, or did not free it, within :data:`SLOT_TIMEOUT_S`)."""
         self.job = job
         if self.mode != "staged" or peer is None:
             return
@@ -110,13 +92,7 @@ class NixlWriter:
 
     def check(self, job: Any, peer: NixlPeer) -> None:
         """Before :meth:`begin`: arm the test faults of ``job`` (:mod:`kvflow.serve.faults`);
-        staged, check that its blocks fit one slot of D's staging buffer.
-
-        Raises
-        ------
-        TransferError
-            Staged: the request moves more blocks than a slot holds.
-        """
+        staged, TransferError when it moves more blocks than a slot of D's staging holds."""
         from kvflow.serve.instance import faults
         self.fault_delay_s = faults.delay_s("write", job.token_ids)
         self.fault_fail, self.dropped = faults.fails("write", job.token_ids), ""
@@ -150,13 +126,7 @@ class NixlWriter:
 
     def pairs(self, blocks, dst_ids, first: int, stop: int, skip: int, peer: NixlPeer | None):
         """P's and D's ids of logical blocks ``[max(first, skip), stop)`` (lists), or None
-        when empty; checked against both caches.
-
-        Raises
-        ------
-        TransferError
-            An id outside its cache, or ``dst_ids`` repeating a block.
-        """
+        when empty. TransferError for an id outside its cache or ``dst_ids`` repeating one."""
         lo = max(first, skip)
         if lo >= stop:
             return None
@@ -186,13 +156,8 @@ class NixlWriter:
 
     def finish(self, stats: Any = None) -> None:
         """Post the WRITE after the prefill (``stats.pending``, all layers), then wait for every
-        WRITE posted (bounded); ``stats.exposed_ms`` is the time spent here.
-
-        Raises
-        ------
-        TransferError
-            A WRITE failed or did not finish within ``timeout_s``.
-        """
+        WRITE posted (``stats.exposed_ms``: the time spent here). TransferError when a WRITE
+        failed or did not finish within ``timeout_s``."""
         t0 = time.perf_counter()
         handles, self.handles = self.handles, []
         try:

@@ -1,12 +1,7 @@
 """One NIXL agent per instance: register memory once, meet peers from their
 :class:`~kvflow.protocol.NixlAgentInfo` metadata (no etcd, no metadata server), prepare
-descriptor lists once per peer, post WRITEs (or READs: the vLLM connector's pull) and wait for
-them with a bound. NIXL (``nixl-cu12`` / ``nixl-cu13``) runs without a GPU too; progress:
-:mod:`.nixl_progress`.
-
-Descriptors (:func:`block_descs`): one per (cache tensor, block), tensor-major, so descriptor
-``t * num_blocks + b`` is block ``b`` of tensor ``t``; NIXL merges descriptors adjacent in both
-lists (:func:`~kvflow.connector.transport.nixl_plan.coalesce`).
+descriptor lists (:func:`block_descs`) once per peer, post WRITEs (or READs: the vLLM
+connector's pull) and wait for them with a bound. Progress: :mod:`.nixl_progress`.
 """
 
 from __future__ import annotations
@@ -22,8 +17,7 @@ import numpy as np
 from . import TransferError
 from .nixl_progress import ProgressDriver
 
-#: Modules that provide NIXL's Python API, tried in order.
-NIXL_MODULES = ("nixl._api", "nixl_cu12", "nixl_cu13")
+NIXL_MODULES = ("nixl._api", "nixl_cu12", "nixl_cu13")  # NIXL's Python API, tried in order
 
 
 def import_nixl() -> Any:
@@ -84,25 +78,13 @@ def mem_type(tensor: Any) -> tuple[str, int]:
 class Agent:
     """This instance's NIXL agent and what it knows of its peers.
 
-    Parameters
-    ----------
-    role : str
-        Part of the agent's name (``prefill``, ``decode``...), beside a random part.
-    telemetry : bool
-        Capture per-transfer telemetry (descriptor counts; tests).
-    progress_thread : bool
-        NIXL's busy progress thread (default). Without it only this agent's own calls
-        progress UCX: a READ or WRITE target must call :meth:`progress` (docs/nixl.md,
-        "Progress without a busy thread").
-    driven : bool
-        kvflow's :class:`~kvflow.connector.transport.nixl_progress.ProgressDriver` instead
-        (needs ``progress_thread=False``): fast while a posted transfer is not waited for or a
-        key is held (:meth:`hold`).
-
-    Raises
-    ------
-    ValueError
-        ``driven`` with ``progress_thread``.
+    ``role`` is part of the agent's name, beside a random part; ``telemetry`` captures
+    per-transfer telemetry (tests). ``progress_thread``: NIXL's busy progress thread (default;
+    without it a READ or WRITE target must call :meth:`progress`: docs/nixl.md, "Progress
+    without a busy thread"). ``driven``: kvflow's
+    :class:`~kvflow.connector.transport.nixl_progress.ProgressDriver` instead, fast while a
+    posted transfer is not waited for or a key is held (:meth:`hold`); ValueError with
+    ``progress_thread``.
     """
 
     def __init__(self, role: str, *, telemetry: bool = False,

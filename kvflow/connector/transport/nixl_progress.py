@@ -19,18 +19,9 @@ IDLE_S = 0.01  # ... while none is
 
 
 class ProgressDriver:
-    """Calls ``step`` (one progress of the agent) from a daemon thread: every ``busy_s``
-    seconds while any key is held, every ``idle_s`` seconds otherwise.
-
-    Parameters
-    ----------
-    step : callable
-        One progress call; an exception is logged once and the thread goes on.
-    name : str
-        The thread's name.
-    busy_s, idle_s : float
-        Periods in seconds; ValueError unless > 0.
-    """
+    """Calls ``step`` (one progress of the agent; an exception is logged once) from a daemon
+    thread named ``name``: every ``busy_s`` seconds while any key is held, every ``idle_s``
+    seconds otherwise (ValueError unless both > 0)."""
 
     def __init__(self, step: Callable[[], Any], name: str, *, busy_s: float = BUSY_S,
                  idle_s: float = IDLE_S) -> None:
