@@ -2,29 +2,13 @@
 :class:`~kvflow.connector.layer_copy.LayerCopier` (``start``, ``pairs``, ``layer_hook``,
 ``finish``), so :class:`~kvflow.connector.ipc_push.PushSender`'s prefill drives it.
 
-Two data modes (``kv_connector_config`` ``mode``):
-
-- ``direct``: after each group of ``layers_per_copy`` layers of a chunk, one WRITE from P's
-  registered cache into D's, naming the group's tensors x the chunk's complete blocks
-  (:func:`~kvflow.connector.transport.nixl_plan.desc_indices` into descriptor lists prepared
-  once per peer; NIXL merges consecutive ids). A block is written once, by the chunk that
-  completes it.
-- ``staged``: in the last chunk, after each layer group, P gathers the group's layers of every
-  prompt block with :func:`~kvflow.kernels.gather_blocks` into its registered staging buffer
-  (``[layers, tensors_per_layer, blocks, *block_shape]``) and WRITEs that one contiguous range
-  into its slot of D's staging buffer; D scatters on ``KVPushed``. Before a request, P waits
-  for D's ``free`` notification of the previous one (the slot is then unread).
-
-Every WRITE is posted at once and waited for (``check_xfer_state``, bounded by
-``timeout_s``) in :meth:`NixlWriter.finish`, before P sends ``KVPushed``. A prompt that moves
-after its prefill (``send_prefilled``) is written per layer group too in staged mode on the
-host: the gather of one group runs while the WRITE of the one before is on the wire (NIXL's
-progress driver moves it). On a GPU it is one gather of every layer and one WRITE: a gather
-and a WRITE over ``cuda_ipc`` share the GPU's memory bandwidth, and each group costs a launch
-and a wait for the stream (one H200: 8.6 ms per 16K-token request in 8 groups).
-
-On a GPU, NIXL reads P's memory outside the CUDA stream, so P waits for its stream before it
-posts a WRITE (the prefill's layers or the gather).
+``direct``: after each group of ``layers_per_copy`` layers of a chunk, one WRITE of the group's
+tensors x the chunk's complete blocks (:func:`~kvflow.connector.transport.nixl_plan.desc_indices`).
+``staged``: in the last chunk, after each layer group, P gathers the group's layers of every
+prompt block into its staging buffer and WRITEs that range into its slot of D's staging buffer,
+after D's ``free`` of the previous request. A prompt moved after its prefill is written per
+layer group on the host, in one gather and one WRITE on a GPU. Every WRITE is waited for in
+:meth:`NixlWriter.finish`, before ``KVPushed``. See docs/nixl.md, "How it works".
 """
 
 from __future__ import annotations
@@ -50,58 +34,24 @@ EARLY_FREES = 256
 
 @dataclasses.dataclass
 class NixlPeer:
-    """A paired D as P's writer sees it.
-
-    Attributes
-    ----------
-    id, agent : str
-        D's instance id and agent name.
-    num_blocks : int
-        Blocks of D's cache.
-    remote : object
-        D's prepared descriptor list (direct: its cache; staged: its staging buffer).
-    slot : int or None
-        Staged: D's slot for this P (None until D's ``slot`` notification).
-    slot_descs : int
-        Staged: descriptors per slot.
-    last_req : str
-        Staged: the request last written into the slot ('' : none).
-    early : dict
-        Staged: requests D sent ``free`` for before P wrote them (D ended them first: it will
-        not read the slot for them), oldest first, at most :data:`EARLY_FREES`.
-    spec : KVCacheSpec or None
-        D's spec (equal to P's: nixl pairs only equal specs).
-    """
+    """A paired D as P's writer sees it (its instance id, agent name and cache blocks)."""
     id: str
     agent: str
     num_blocks: int
-    remote: Any = None
-    slot: int | None = None
-    slot_descs: int = 0
-    last_req: str = ""
-    spec: Any = None
+    remote: Any = None  # D's prepared descriptor list (direct: its cache; staged: its staging)
+    slot: int | None = None  # staged: D's slot for this P (None until D's ``slot`` notice)
+    slot_descs: int = 0  # staged: descriptors per slot
+    last_req: str = ""  # staged: the request last written into the slot ('' : none)
+    spec: Any = None  # D's spec (equal to P's)
+    #: staged: requests D freed before P wrote them (oldest first, at most EARLY_FREES)
     early: dict = dataclasses.field(default_factory=dict)
 
 
 class NixlWriter:
-    """Posts and waits for WRITEs from P's registered ``cache`` (and staging buffer).
-
-    Parameters
-    ----------
-    agent : kvflow.connector.transport.nixl_agent.Agent
-    cache : PagedKVCache
-        P's cache, registered with ``agent``; ``local`` its prepared descriptor list.
-    mode : str
-        ``direct`` or ``staged``.
-    layers_per_copy : int
-    staging : torch.Tensor or None
-        Staged: P's registered flat uint8 staging buffer; ``local_staging`` its list of
-        ``block_bytes`` descriptors.
-    backend : str
-        Kernel backend of the gather.
-    timeout_s : float
-        Bound on waiting for a request's WRITEs.
-    """
+    """Posts and waits for WRITEs from P's ``cache``, registered with ``agent`` (``local``: its
+    prepared descriptor list), and, staged, from P's flat uint8 ``staging`` buffer
+    (``local_staging``: its ``block_bytes`` descriptors). ``backend``: the gather's kernels;
+    ``timeout_s``: seconds to wait for a request's WRITEs."""
 
     def __init__(self, agent: Any, cache: Any, local: Any, mode: str, layers_per_copy: int, *,
                  staging: Any = None, local_staging: Any = None, backend: str = "auto",
@@ -115,49 +65,34 @@ class NixlWriter:
         self.fault_delay_s, self.fault_fail, self.dropped = 0.0, False, ""  # test faults
         self.posted = 0  # WRITEs posted for the request
 
-    # ---- the LayerCopier interface ---------------------------------------------------
     def start(self) -> None:
-        """Nothing to order on CPU (the kernels and NIXL run on the host)."""
+        """Nothing to order (LayerCopier interface)."""
 
     def begin(self, job: Any, peer: NixlPeer | None) -> None:
-        """A new request ``job`` to ``peer``: staged, wait until its slot is free.
-
-        Raises
-        ------
-        TransferError
-            D sent no slot, or did not free it, within :data:`SLOT_TIMEOUT_S`.
-        """
+        """A new request ``job`` to ``peer``: staged, wait until its slot is free
+        (TransferError when D sent no slot, or did not free it, within :data:`SLOT_TIMEOUT_S`)."""
         self.job = job
         if self.mode != "staged" or peer is None:
             return
         deadline = time.monotonic() + SLOT_TIMEOUT_S
+
+        def wait(what: str, pause: float) -> None:
+            if time.monotonic() > deadline:
+                raise TransferError(f"decode instance {peer.id} {what} within "
+                                    f"{SLOT_TIMEOUT_S:g} s")
+            time.sleep(pause)
         while True:  # the newest notice is D's current slot (D sends it again after a failure)
             while (got := self.agent.take(peer.id, b"slot ")) is not None:
                 peer.slot = int(got.split()[1])
             if peer.slot is not None:
                 break
-            if time.monotonic() > deadline:
-                raise TransferError(f"decode instance {peer.id} assigned this prefill instance "
-                                    f"no staging slot within {SLOT_TIMEOUT_S:g} s")
-            else:
-                time.sleep(1e-3)
+            wait("assigned this prefill instance no staging slot", 1e-3)
         while self._drain_free(peer):
-            if time.monotonic() > deadline:
-                raise TransferError(f"decode instance {peer.id} did not free its staging slot "
-                                    f"of request {peer.last_req} within {SLOT_TIMEOUT_S:g} s")
-            else:
-                time.sleep(1e-4)
+            wait(f"did not free its staging slot of request {peer.last_req}", 1e-4)
 
     def check(self, job: Any, peer: NixlPeer) -> None:
         """Before :meth:`begin`: arm the test faults of ``job`` (:mod:`kvflow.serve.faults`);
-        staged, check that its blocks fit one slot of D's staging buffer (else its WRITE would
-        land in the next P's slot, or past the buffer).
-
-        Raises
-        ------
-        TransferError
-            Staged: the request moves more blocks than a slot holds.
-        """
+        staged, TransferError when it moves more blocks than a slot of D's staging holds."""
         from kvflow.serve.instance import faults
         self.fault_delay_s = faults.delay_s("write", job.token_ids)
         self.fault_fail, self.dropped = faults.fails("write", job.token_ids), ""
@@ -174,14 +109,13 @@ class NixlWriter:
                                 f"of decode instance {peer.id} holds {fits}")
 
     def _drain_free(self, peer: NixlPeer) -> bool:
-        """Take every ``free`` notice D sent: the one of ``peer.last_req`` frees the slot; the
-        rest are dropped (D tells every paired P of a request that ended before its KV came,
-        as it does not know which P prefilled it). True while the slot is still taken."""
+        """Take D's ``free`` notices (others' are kept in ``peer.early``); True while the slot
+        is still taken."""
         while (got := self.agent.take(peer.id, b"free ")) is not None:
             req = got[len(b"free "):].decode()
             if req == peer.last_req:
                 peer.last_req = ""
-            else:  # maybe one P writes later: D ended it first and will never read its slot
+            else:  # maybe P writes it later: D ended it first and will never read its slot
                 peer.early[req] = None
                 while len(peer.early) > EARLY_FREES:
                     del peer.early[next(iter(peer.early))]
@@ -192,13 +126,7 @@ class NixlWriter:
 
     def pairs(self, blocks, dst_ids, first: int, stop: int, skip: int, peer: NixlPeer | None):
         """P's and D's ids of logical blocks ``[max(first, skip), stop)`` (lists), or None
-        when empty; checked against both caches.
-
-        Raises
-        ------
-        TransferError
-            An id outside its cache, or ``dst_ids`` repeating a block.
-        """
+        when empty. TransferError for an id outside its cache or ``dst_ids`` repeating one."""
         lo = max(first, skip)
         if lo >= stop:
             return None
@@ -215,8 +143,7 @@ class NixlWriter:
 
     def layer_hook(self, pairs, stats: Any, last_chunk: bool):
         """The engine's per-layer hook of one chunk: after each group of layers, post that
-        group's WRITE (direct: this chunk's ``pairs``; staged: in the ``last_chunk`` only, every
-        prompt block of the group, gathered first)."""
+        group's WRITE (staged: in the ``last_chunk`` only, of every prompt block)."""
         L, G = self.cache.spec.num_layers, self.layers_per_copy
         if self.mode == "staged" and not last_chunk:
             return None
@@ -229,13 +156,8 @@ class NixlWriter:
 
     def finish(self, stats: Any = None) -> None:
         """Post the WRITE after the prefill (``stats.pending``, all layers), then wait for every
-        WRITE posted (bounded); ``stats.exposed_ms`` is the time spent here.
-
-        Raises
-        ------
-        TransferError
-            A WRITE failed or did not finish within ``timeout_s``.
-        """
+        WRITE posted (``stats.exposed_ms``: the time spent here). TransferError when a WRITE
+        failed or did not finish within ``timeout_s``."""
         t0 = time.perf_counter()
         handles, self.handles = self.handles, []
         try:
@@ -253,8 +175,7 @@ class NixlWriter:
                 raise TransferError(f"NIXL WRITE of {self.dropped} failed: injected by "
                                     f"KVFLOW_FAULT_WRITE_FAIL")
         finally:
-            self.agent.drop(self.handles)
-            self.handles = []
+            self.close()
             self.dropped = ""
         if stats is not None:
             stats.exposed_ms = (time.perf_counter() - t0) * 1e3
@@ -264,7 +185,6 @@ class NixlWriter:
         self.agent.drop(self.handles)
         self.handles = []
 
-    # ---- one WRITE ---------------------------------------------------------------------
     def _write(self, pairs, layers: range, stats: Any) -> None:
         t0 = time.perf_counter()
         if not stats.t_start:
@@ -279,23 +199,21 @@ class NixlWriter:
         if self.mode == "direct":
             src, dst = pairs
             self._settle()
-            self.handles.append(self.agent.write(
+            handle = self.agent.write(
                 self.local, desc_indices(src, tensors, self.cache.num_blocks), peer.remote,
-                desc_indices(dst, tensors, peer.num_blocks), what))
-            self.posted += 1
-        else:
+                desc_indices(dst, tensors, peer.num_blocks), what)
+        else:  # None: no block to move (D's prefix cache holds them all)
             handle = self._write_staged(peer, layers, tensors, what)
-            if handle is not None:  # None: no block to move (D's prefix cache holds them all)
-                self.handles.append(handle)
-                self.posted += 1
             peer.last_req = self.job.req_id
+        if handle is not None:
+            self.handles.append(handle)
+            self.posted += 1
         stats.copy_ms += (time.perf_counter() - t0) * 1e3
         if self.fault_delay_s:  # KVFLOW_FAULT_WRITE_DELAY_S: kill or abort D meanwhile
             time.sleep(self.fault_delay_s)
 
     def _ids_of(self, job: Any) -> Any:
-        """P's ids of the blocks ``job`` moves, once per request: on a GPU a device tensor (one
-        host-to-device copy for every layer group, checked by the kernel), else a list."""
+        """P's ids of the blocks ``job`` moves, once per request (on a GPU a device tensor)."""
         if self._ids is not None and self._ids[0] is job:
             return self._ids[1]
         nb = self.cache.spec.num_blocks_for(len(job.token_ids))
@@ -306,15 +224,13 @@ class NixlWriter:
         return ids
 
     def _settle(self) -> None:
-        """On a GPU, wait for P's stream: what it computed or gathered is in memory before NIXL
-        reads it."""
+        """On a GPU, wait for P's stream (NIXL reads memory outside it)."""
         if self.cache.buffer.is_cuda:
             torch.cuda.current_stream(self.cache.buffer.device).synchronize()
 
     def _write_staged(self, peer: NixlPeer, layers: range, tensors: range, what: str):
-        """Gather ``layers`` of the request's blocks into the staging buffer at their place in
-        ``staging_shape(spec, n)`` and WRITE that range into D's slot; None when the request
-        moves no block."""
+        """Gather ``layers`` of the request's blocks into staging and WRITE them into D's slot;
+        None when the request moves no block."""
         spec, job = self.cache.spec, self.job
         ids = self._ids_of(job)
         n = len(ids)

@@ -1,30 +1,12 @@
 """CUDA IPC export and import of a paged cache: P's cache for ipc-pull on GPU (D copies from
 it), D's for ipc-push (P writes into it).
 
-The exporter allocates its whole cache as one CUDA allocation (``PagedKVCache.buffer``) and
-exports it once (:func:`export_cache`): the IPC handle bytes of the allocation, the cache's byte
-offset and size inside it (the blocks, then an fp8 cache's float32 scales at
-:func:`kvflow.scales.scales_offset`: importer and exporter share one scales tensor), torch's
-IPC reference-counter file and event, and the **UUID** of the GPU that holds it, in a
-:class:`CudaIpcExport` (a msgspec struct, MessagePack on the wire: nothing is pickled).
-:func:`publish_export` writes it to a 0600 shared-memory file whose name travels in the
-exporter's ``Register``/``Pair`` messages (field ``shm_name``), so the router's segment
-clean-up also removes it when the exporter exits or dies.
-
-The importer opens the handle once, at pairing (:func:`import_cache`): it maps the UUID to *its
-own* ordinal (``CUDA_VISIBLE_DEVICES`` may number the GPUs differently in every process: P may
-see its GPU as 0 and D see another GPU as 0), refuses a UUID it cannot see, and wraps the mapped memory as a
-:class:`~kvflow.cache.PagedKVCache` on that ordinal. Each request is then one
-:func:`~kvflow.kernels.copy_blocks` launch over all layers (``direction="pull"``: the kernel runs
-on the importer's GPU and reads the exporter's memory over NVLink; ``"push"``: on the exporter's
-GPU, writing the importer's memory), no host synchronisation per block. Which direction works on
-which hardware is recorded in docs/design.md. The mapping is closed
-(``cudaIpcCloseMemHandle`` via torch's storage deleter) when the importer drops it or exits; the
-exporter's memory is freed by torch once every importer has dropped it (torch's IPC reference
-counter), or when the exporter exits.
-
-The exporter must order its writes before the import side reads (P samples the first token, a
-host sync, before it sends ``KVReady``).
+The exporter's cache is one CUDA allocation, exported once (:func:`export_cache`) as a
+:class:`CudaIpcExport` (MessagePack, nothing pickled) with its GPU's **UUID**, and published in
+a 0600 shared-memory file (:func:`publish_export`) named in ``Register`` / ``Pair``
+(``shm_name``). The importer maps the UUID to its own ordinal and opens the handle once, at
+pairing (:func:`import_cache`). The exporter orders its writes before the importer reads.
+See docs/gpu_serving.md, "How the GPUs are paired".
 """
 
 from __future__ import annotations
@@ -46,33 +28,12 @@ EXPORT_VERSION = 2  # 2: nbytes counts the fp8 scales after the blocks
 
 
 class CudaIpcExport(msgspec.Struct, forbid_unknown_fields=True):
-    """Everything D needs to map P's cache (MessagePack-encoded by :func:`encode_export`).
+    """Everything a peer needs to map the exporter's cache (MessagePack: :func:`encode_export`);
+    the fields after ``pci_bus_id`` up to ``event_sync_required`` are torch's
+    ``UntypedStorage._share_cuda_()``."""
 
-    Attributes
-    ----------
-    uuid : str
-        UUID of the GPU that holds the allocation (:func:`device_uuid` form, no ``GPU-`` prefix).
-    pci_bus_id : str
-        PCI bus id of that GPU (informational, for error messages).
-    handle : bytes
-        torch's IPC handle of the CUDA allocation (``UntypedStorage._share_cuda_()``).
-    storage_size, storage_offset : int
-        Bytes of the storage and its offset in the allocation.
-    ref_counter_handle : bytes, ref_counter_offset : int
-        torch's cross-process reference counter (keeps P's block alive while D maps it).
-    event_handle : bytes, event_sync_required : bool
-        torch's IPC event (D waits on it when opening).
-    buffer_offset, nbytes : int
-        Byte offset and size of the cache inside the storage: the blocks, then (fp8) the
-        scales, :func:`kvflow.scales.shared_nbytes` bytes.
-    num_blocks : int, spec : dict
-        The cache's geometry (``KVCacheSpec.to_dict()``), checked against D's at import.
-    pid : int
-        P's process id.
-    """
-
-    uuid: str
-    pci_bus_id: str
+    uuid: str  # of the GPU holding the allocation (:func:`device_uuid` form)
+    pci_bus_id: str  # of that GPU (for messages)
     handle: bytes
     storage_size: int
     storage_offset: int
@@ -80,11 +41,11 @@ class CudaIpcExport(msgspec.Struct, forbid_unknown_fields=True):
     ref_counter_offset: int
     event_handle: bytes
     event_sync_required: bool
-    buffer_offset: int
-    nbytes: int
+    buffer_offset: int  # of the cache in the storage, bytes
+    nbytes: int  # the blocks, then (fp8) the scales: kvflow.scales.shared_nbytes
     num_blocks: int
-    spec: dict[str, Any]
-    pid: int
+    spec: dict[str, Any]  # KVCacheSpec.to_dict(), checked at import
+    pid: int  # the exporter's
     version: int = EXPORT_VERSION
 
 
@@ -104,14 +65,8 @@ def _pci_bus_id(index: int) -> str:
 
 
 def ordinal_of_uuid(uuid: str) -> int:
-    """This process's CUDA ordinal of the GPU with ``uuid``.
-
-    Raises
-    ------
-    TransferError
-        If no visible GPU has that UUID (naming it, the visible UUIDs and
-        ``CUDA_VISIBLE_DEVICES``): never falls back to an ordinal.
-    """
+    """This process's CUDA ordinal of the GPU with ``uuid``. TransferError (naming it, the
+    visible UUIDs and ``CUDA_VISIBLE_DEVICES``) when no visible GPU has it."""
     want = _norm_uuid(uuid)
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     seen = [device_uuid(i) for i in range(n)]
@@ -124,14 +79,8 @@ def ordinal_of_uuid(uuid: str) -> int:
 
 
 def enable_peer_access(a: torch.device, b: torch.device) -> None:
-    """Enable peer access both ways between CUDA devices ``a`` and ``b`` of this process
-    (torch enables it, once, on its first cross-device copy in each direction).
-
-    Raises
-    ------
-    TransferError
-        If the two GPUs cannot access each other (``torch.cuda.can_device_access_peer``).
-    """
+    """Enable peer access both ways between CUDA devices ``a`` and ``b`` (torch does, on its
+    first cross-device copy each way). TransferError when they cannot access each other."""
     if a == b:
         return
     if not (torch.cuda.can_device_access_peer(a.index, b.index)
@@ -145,15 +94,8 @@ def enable_peer_access(a: torch.device, b: torch.device) -> None:
 
 
 def export_cache(cache: PagedKVCache) -> CudaIpcExport:
-    """Export ``cache`` (built over one flat CUDA ``buffer``; fp8: with ``scales_in_buffer``)
-    for another process.
-
-    Raises
-    ------
-    TypeError
-        If ``cache`` has no ``buffer`` (built by ``from_tensors``), is not on a CUDA device, or
-        is fp8 with its scales outside the buffer (the importer would not see them).
-    """
+    """Export ``cache`` (over one flat CUDA ``buffer``) for another process. TypeError when it
+    has no ``buffer``, is not on CUDA, or is fp8 with its scales outside the buffer."""
     buf = cache.buffer
     if buf is None or buf.device.type != "cuda":
         raise TypeError(f"cache must be a PagedKVCache over one CUDA buffer, got one on "
@@ -181,13 +123,8 @@ def encode_export(exp: CudaIpcExport) -> bytes:
 
 
 def decode_export(data: bytes) -> CudaIpcExport:
-    """Inverse of :func:`encode_export`.
-
-    Raises
-    ------
-    TransferError
-        For bytes that are not a version-``EXPORT_VERSION`` export.
-    """
+    """Inverse of :func:`encode_export`; TransferError unless a version-``EXPORT_VERSION``
+    export."""
     try:
         exp = msgspec.msgpack.decode(data, type=CudaIpcExport)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -199,8 +136,7 @@ def decode_export(data: bytes) -> CudaIpcExport:
 
 def publish_export(exp: CudaIpcExport, role: str = "cudaipc") -> str:
     """Write ``exp`` to a new 0600 shared-memory file; returns its segment name
-    (``kvflow-<role>-<owner>-<hex>``, :func:`kvflow.segments.create`; removed by
-    :func:`kvflow.segments.unlink`)."""
+    (:func:`kvflow.segments.create`)."""
     from kvflow import segments
     data = encode_export(exp)
     name, fd = segments.create(role, len(data))
@@ -210,13 +146,8 @@ def publish_export(exp: CudaIpcExport, role: str = "cudaipc") -> str:
 
 
 def read_export(name: str) -> CudaIpcExport:
-    """Read a published export by segment name.
-
-    Raises
-    ------
-    TransferError
-        If the file is missing (P gone) or does not hold an export.
-    """
+    """Read a published export by segment name; TransferError when the file is missing or
+    holds no export."""
     try:
         with open(segment_path(name), "rb") as f:
             return decode_export(f.read())
@@ -226,40 +157,21 @@ def read_export(name: str) -> CudaIpcExport:
 
 def import_cache(exp: CudaIpcExport, spec: KVCacheSpec, num_blocks: int | None = None, *,
                  map_on: torch.device | None = None) -> PagedKVCache:
-    """Open a peer's exported cache in this process (once, at pairing).
+    """Open a peer's exported cache in this process (once, at pairing) as a
+    :class:`PagedKVCache` over the mapped memory (fp8 scales: the exporter's).
 
-    Parameters
-    ----------
-    exp : CudaIpcExport
-    spec : KVCacheSpec
-        This side's spec; must equal the exported one.
-    num_blocks : int, optional
-        Blocks this side expects the peer's cache to have (from the ``Pair`` message).
-    map_on : torch.device, optional
-        The GPU whose kernels will access the memory. CUDA maps an IPC handle into the
-        context of the *current* device only (with peer access enabled lazily when that is
-        not the owner: ``cudaIpcMemLazyEnablePeerAccess``); a kernel on another GPU faults.
-        Given a different GPU than the owner, the returned cache is labelled with ``map_on``
-        (its kernels run there, reading or writing the owner's memory over NVLink). Default:
-        the owner's GPU.
-
-    Returns
-    -------
-    PagedKVCache
-        Over the mapped memory, on ``map_on`` or the ordinal that holds it in this process;
-        an fp8 cache's ``scales`` are the exporter's (in the mapped memory, after the blocks).
-
-    Raises
-    ------
-    TransferError
-        For a UUID this process cannot see, a spec or size mismatch, an export made in this very
-        process (CUDA cannot open its own handles), or a failed open.
+    ``spec`` (this side's) must equal the exported one; ``num_blocks``: the blocks the ``Pair``
+    message said. ``map_on``: the GPU whose kernels will access the memory (CUDA maps a handle
+    into the current device's context only; docs/gpu_serving.md, "How the GPUs are paired");
+    default the owner's. TransferError for a UUID this process cannot see, a spec or size
+    mismatch, an export made in this very process, or a failed open.
     """
     theirs = KVCacheSpec.from_dict(exp.spec)
     if theirs != spec:
         raise TransferError("CUDA IPC export spec mismatch: " + "; ".join(spec.diff(theirs)))
     if num_blocks is not None and num_blocks != exp.num_blocks:
-        raise TransferError(f"CUDA IPC export has {exp.num_blocks} blocks; pairing said {num_blocks}")
+        raise TransferError(f"CUDA IPC export has {exp.num_blocks} blocks; pairing said "
+                            f"{num_blocks}")
     need = shared_nbytes(spec, exp.num_blocks)
     if exp.nbytes != need or exp.buffer_offset + exp.nbytes > exp.storage_size:
         raise TransferError(f"CUDA IPC export is inconsistent: {exp.nbytes} bytes at offset "

@@ -1,13 +1,7 @@
-"""Layer frames: a staging buffer sent as one zero-copy frame per layer, and the one
-"check every frame, then scatter" on the receiving side.
-
-A frame of layer ``l`` holds ``staging[l]`` of :func:`kvflow.cache.staging_shape` =
-``[tensors_per_layer, num_blocks, *block_shape]`` of ``spec.dtype``, i.e.
-``tensors_per_layer * num_blocks * spec.block_bytes`` bytes (:func:`layer_bytes`). The sender
-makes the frames with :func:`layer_frames`; the receiver checks the count and every frame's
-size before writing anything, then :func:`kvflow.kernels.scatter_blocks` each layer into the
-blocks it allocated (:func:`scatter_frames`). Used by the ``tcp`` kind (whole request,
-re-blocked, layerwise part) and by the vLLM connector's ``tcp`` transport.
+"""Layer frames: a staging buffer sent as one zero-copy frame per layer (:func:`layer_frames`;
+frame ``l`` is ``staging[l]`` of :func:`kvflow.cache.staging_shape`, :func:`layer_bytes`
+bytes), and the receiver's one "check every frame, then scatter" (:func:`scatter_frames`).
+Used by the ``tcp`` kind and by the vLLM connector's ``tcp`` transport.
 """
 
 from __future__ import annotations
@@ -30,9 +24,8 @@ def layer_frames(staging: torch.Tensor) -> list[memoryview]:
 
 def frame_tensor(buf: memoryview, spec, num_blocks: int, layer: int,
                  device: torch.device) -> torch.Tensor:
-    """One received layer frame as the staging tensor ``scatter_blocks`` reads:
-    ``staging_shape(spec, num_blocks, layer)`` of ``spec.dtype``, on ``device`` (the frame is
-    host memory: copied to a GPU cache's device, viewed without a copy on the CPU)."""
+    """One received layer frame as ``staging_shape(spec, num_blocks, layer)`` of ``spec.dtype``
+    on ``device`` (copied to a GPU, viewed without a copy on the CPU)."""
     with warnings.catch_warnings():  # zmq frames are read-only; scatter only reads them
         warnings.simplefilter("ignore", UserWarning)
         src = torch.frombuffer(buf, dtype=torch.uint8)
@@ -41,8 +34,7 @@ def frame_tensor(buf: memoryview, spec, num_blocks: int, layer: int,
 
 
 def layer_bytes(spec, num_blocks: int) -> int:
-    """Bytes of one layer frame of ``num_blocks`` blocks of ``spec``:
-    ``tensors_per_layer * num_blocks * block_bytes``."""
+    """Bytes of one layer frame: ``tensors_per_layer * num_blocks * block_bytes``."""
     return spec.tensors_per_layer * num_blocks * spec.block_bytes
 
 
@@ -54,15 +46,11 @@ def check_frames(frames: Sequence[Any], layers: range, nbytes: int, *, req_id: s
     Parameters
     ----------
     frames : sequence of zmq.Frame, memoryview or bytes
-        The received layer frames, in layer order.
-    layers : range
-        The layers the frames hold (``range(num_layers)`` for a whole request).
+        The received layer frames, in layer order, of ``layers``.
     nbytes : int
         The size every frame must have (:func:`layer_bytes`), bytes.
-    req_id : str
-        The request, for the messages.
-    error : exception class
-        Raised on a mismatch, with the message below.
+    req_id, error : str, exception class
+        The request (for the messages), and the error raised on a mismatch.
     count_msg : str
         Template (``str.format``) of a wrong count's message; fields ``req_id``, ``start`` and
         ``stop`` (of ``layers``), ``expected`` (``len(layers)``), ``header`` (``num_frames``)
@@ -73,10 +61,7 @@ def check_frames(frames: Sequence[Any], layers: range, nbytes: int, *, req_id: s
     num_frames : int, optional
         The count a header announced; it must equal ``len(layers)`` too.
 
-    Returns
-    -------
-    list of memoryview
-        The frames' bytes, one per layer.
+    Returns the frames' bytes, one memoryview per layer.
     """
     if len(frames) != len(layers) or (num_frames is not None and num_frames != len(layers)):
         raise error(count_msg.format(req_id=req_id, start=layers.start, stop=layers.stop,
@@ -104,32 +89,21 @@ def scatter_frames(frames: Sequence[Any], cache, dst_ids: Any, layers: range, *,
     cache : PagedKVCache
         D's cache, written at ``dst_ids``.
     dst_ids : torch.Tensor, int64, shape [n]
-        Destination block ids (``block_ids`` of :func:`kvflow.kernels.scatter_blocks`, -1
-        skips a slot). With none >= 0 (D's prefix cache held every block), nothing is written
-        after the checks.
+        Destination block ids (-1 skips a slot; with none >= 0 nothing is written).
     spec : KVCacheSpec, optional
         The frames' spec (P's, for a re-blocked move); ``cache.spec`` when None.
     num_blocks : int, optional
         Blocks per frame; ``len(dst_ids)`` when None.
     backend : str
         kvflow backend of ``scatter_blocks``.
-    on_layer : callable, optional
-        Called after each layer's scatter (e.g. to sum the ``digest`` of ``scatter_kw``).
-    src_fn : callable, optional
-        Maps each layer's staging tensor before the scatter (a test fault).
+    on_layer, src_fn : callable, optional
+        Called after each layer's scatter; maps each layer's tensor before it (a test fault).
     **scatter_kw
         Passed on to ``scatter_blocks`` (``digest``, ``src_spec``, ``num_tokens``,
         ``head_start``).
 
-    Returns
-    -------
-    int
-        Bytes of the frames scattered (0 when nothing is written).
-
-    Raises
-    ------
-    error
-        A wrong frame count or frame size, before anything is written.
+    Returns the bytes of the frames scattered (0 when nothing is written); raises ``error``
+    for a wrong frame count or size, before anything is written.
     """
     spec = cache.spec if spec is None else spec
     n = len(dst_ids) if num_blocks is None else num_blocks

@@ -1,15 +1,6 @@
-"""Keep NIXL's UCX listeners on ``--host``'s interface.
-
-UCX's TCP transport listens on every network interface it uses (``UCX_NET_DEVICES``, default
-``all``): a served P and D with the default ``--host 127.0.0.1`` also listened on the host's
-network address. :func:`bind_ucx_to_host` sets ``UCX_NET_DEVICES`` to the interface that owns
-``--host``'s address before the agent (and so UCX's context) is created; RDMA ports
-(``/sys/class/infiniband/<dev>/ports/<n>``, which open no TCP listener) stay usable beside a
-non-loopback interface. A wildcard host leaves UCX alone, and so does a ``UCX_NET_DEVICES``
-the user set.
-
-Interfaces are found with the standard library: :func:`socket.if_nameindex`, the
-``SIOCGIFADDR`` ioctl (each interface's primary IPv4 address) and ``/proc/net/if_inet6``.
+"""Keep NIXL's UCX listeners on ``--host``'s interface: :func:`bind_ucx_to_host` sets
+``UCX_NET_DEVICES`` (unless the user did) to the interface owning ``--host``'s address, found
+with the standard library. See docs/nixl.md, "Listeners on `--host` only".
 """
 
 from __future__ import annotations
@@ -27,8 +18,7 @@ WILDCARD = ("", "*", "0.0.0.0", "::")
 
 
 def interface_addresses() -> dict[str, list[str]]:
-    """Each interface's addresses on this host: its primary IPv4 address (``SIOCGIFADDR``)
-    and its IPv6 addresses (``/proc/net/if_inet6``), by interface name."""
+    """Each interface's primary IPv4 address and IPv6 addresses, by interface name."""
     out: dict[str, list[str]] = {}
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in socket.if_nameindex():
@@ -48,14 +38,8 @@ def interface_addresses() -> dict[str, list[str]]:
 
 
 def address_of(host: str):
-    """``host``'s IP address (:mod:`ipaddress`; a name is resolved here), None for a wildcard
-    (``0.0.0.0``, ``::``, ``*``).
-
-    Raises
-    ------
-    ValueError
-        ``host`` resolves to no address (the message names ``--host`` and the value).
-    """
+    """``host``'s IP address (a name is resolved), None for a wildcard. ValueError (naming
+    ``--host`` and the value) when it resolves to no address."""
     if host in WILDCARD:
         return None
     try:
@@ -70,16 +54,9 @@ def address_of(host: str):
 
 
 def interface_of(host: str) -> str | None:
-    """The network interface owning ``host``'s address (:func:`address_of`); a loopback
-    address is the loopback interface's (``lo``: it owns all of 127.0.0.0/8); None for a
-    wildcard host.
-
-    Raises
-    ------
-    ValueError
-        ``host`` resolves to no address, or no interface of this host has it; the message
-        names ``--host`` and the value.
-    """
+    """The network interface owning ``host``'s address (any loopback address is ``lo``'s);
+    None for a wildcard host. ValueError (naming ``--host`` and the value) when it resolves
+    to no address or no interface of this host has it."""
     ip = address_of(host)
     if ip is None:
         return None
@@ -104,15 +81,9 @@ def rdma_ports(root: str = "/sys/class/infiniband") -> list[str]:
 
 def bind_ucx_to_host(host: str, env: MutableMapping[str, str] = os.environ) -> str | None:
     """Set ``env["UCX_NET_DEVICES"]`` so that UCX listens only on ``host``'s interface (plus
-    this host's RDMA ports when that is not the loopback interface); call it before the NIXL
-    agent is created. Returns the value set, or None where ``env`` already has one (the
-    user's wins) or ``host`` is a wildcard.
-
-    Raises
-    ------
-    ValueError
-        As :func:`interface_of`.
-    """
+    the RDMA ports unless it is loopback), before the NIXL agent is created. Returns the value
+    set, or None where ``env`` has one already or ``host`` is a wildcard. ValueError as
+    :func:`interface_of`."""
     if env.get("UCX_NET_DEVICES"):
         return None
     name = interface_of(host)

@@ -1,10 +1,7 @@
 """Which descriptors a ``nixl`` WRITE names: pure functions over block ids (no NIXL needed).
-
-Descriptor ``t * num_blocks + b`` of a cache is block ``b`` of tensor ``t``
-(:func:`~kvflow.connector.transport.nixl_agent.block_descs`). A layer group's WRITE of pairs
-``(src_ids[i], dst_ids[i])`` names, for every tensor of the group, P's descriptors of
-``src_ids`` and D's of ``dst_ids`` in the same order; NIXL merges neighbours that are adjacent
-on both sides, so what travels is one descriptor per :func:`coalesce` run per tensor.
+Descriptor ``t * num_blocks + b`` is block ``b`` of tensor ``t``
+(:func:`~kvflow.connector.transport.nixl_agent.block_descs`); NIXL merges neighbours adjacent
+on both sides, so a WRITE moves one descriptor per :func:`coalesce` run per tensor.
 """
 
 from __future__ import annotations
@@ -15,23 +12,9 @@ import numpy as np
 
 
 def coalesce(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Runs of consecutive pairs: ``(src_start, dst_start, length)`` such that pairs
-    ``(src_start + k, dst_start + k)`` for ``k < length`` are consecutive entries of the input.
-
-    Parameters
-    ----------
-    src_ids, dst_ids : sequence of int
-        Paired block ids (equal lengths).
-
-    Returns
-    -------
-    list of (int, int, int)
-        In input order; empty for no pairs.
-
-    Raises
-    ------
-    ValueError
-        The lengths differ.
+    """Runs of consecutive pairs of ``src_ids`` and ``dst_ids`` (paired block ids), in input
+    order: ``(src_start, dst_start, length)`` such that pairs ``(src_start + k, dst_start + k)``
+    for ``k < length`` are consecutive entries. ValueError when the lengths differ.
 
     Examples
     --------

@@ -1,19 +1,8 @@
-"""A progress driver for a NIXL agent created without NIXL's progress thread.
-
-NIXL's own progress thread (``nixl_agent_config(enable_prog_thread=True)``, NIXL's default)
-polls UCX with no delay (``pthrDelay = 0`` in nixl 1.5.1's Python API), also while nothing
-moves: an idle served P and D each burned about a quarter of a core (docs/nixl.md). Without
-it, UCX moves data only inside the agent's own calls (``check_xfer_state``,
-``get_new_notifs``). A WRITE's initiator that waits for it progresses it that way; its target
-does not wait for anything, yet over UCX's TCP transport the data reaches its memory only
-while the target progresses too (a 16 MiB WRITE into an agent that never progressed was still
-not done after 6 s; one progressing every 10 ms finished in 65 ms).
-
-:class:`ProgressDriver` is kvflow's replacement: one daemon thread that progresses the agent
-every :data:`BUSY_S` while a transfer is *held* (:meth:`ProgressDriver.hold`: P from posting a
-WRITE until it waited for it; D from allocating a request's blocks until its KV arrived or the
-request ended) and once every :data:`IDLE_S` otherwise, which keeps UCX's connection set-up,
-notifications and any late WRITE moving at about no cost.
+"""A progress driver for a NIXL agent created without NIXL's busy progress thread: without
+it UCX moves data only inside the agent's own calls, and a WRITE's target must progress too.
+:class:`ProgressDriver` progresses the agent every :data:`BUSY_S` while a transfer is held (P:
+posted until waited for; D: a request's blocks allocated until its KV came or it ended), every
+:data:`IDLE_S` otherwise. Measurements: docs/nixl.md, "Progress without a busy thread".
 """
 
 from __future__ import annotations
@@ -25,31 +14,14 @@ from typing import Any, Callable, Hashable
 
 log = logging.getLogger("kvflow.connector.nixl")
 
-#: Seconds between progress calls while a transfer is held.
-BUSY_S = 100e-6
-#: Seconds between progress calls while none is.
-IDLE_S = 0.01
+BUSY_S = 100e-6  # seconds between progress calls while a transfer is held
+IDLE_S = 0.01  # ... while none is
 
 
 class ProgressDriver:
-    """Calls ``step`` (one progress of the agent) from a daemon thread: every ``busy_s``
-    seconds while any key is held, every ``idle_s`` seconds otherwise.
-
-    Parameters
-    ----------
-    step : callable
-        One progress call (it takes the agent's lock itself); an exception is logged once and
-        the thread goes on.
-    name : str
-        The thread's name.
-    busy_s, idle_s : float
-        Periods in seconds (> 0).
-
-    Raises
-    ------
-    ValueError
-        ``busy_s`` or ``idle_s`` not > 0.
-    """
+    """Calls ``step`` (one progress of the agent; an exception is logged once) from a daemon
+    thread named ``name``: every ``busy_s`` seconds while any key is held, every ``idle_s``
+    seconds otherwise (ValueError unless both > 0)."""
 
     def __init__(self, step: Callable[[], Any], name: str, *, busy_s: float = BUSY_S,
                  idle_s: float = IDLE_S) -> None:

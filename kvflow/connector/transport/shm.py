@@ -1,16 +1,8 @@
 """Shared-memory caches (CPU): P's cache for ipc-pull, D's for ipc-push; and on either device a
 cache another process of this host maps (:func:`export_new_cache`, :func:`map_decode_cache`).
-
-Segments are files under ``/dev/shm`` named, created and cleaned by :mod:`kvflow.segments`
-(``kvflow-<role>-<owner>-<random hex>``: unique per instance, ``O_EXCL``, mode 0600, every
-page reserved at creation, so a cache larger than the free shared memory is refused at start-up
-instead of dying with SIGBUS later); unlinked by the owner on exit (and by the parent server if
-the owner is killed); :func:`kvflow.segments.clean_stale` removes those whose owner is judged dead.
-
-A segment holds the cache's blocks, then (fp8) its float32 scales at
-:func:`kvflow.scales.scales_offset`, :func:`kvflow.scales.shared_nbytes` bytes in all: the owner
-and every mapping share one scales tensor (D sees the per-block scales P's push computed; a
-pulling D reads P's).
+Segments are named, created (0600, every page reserved) and cleaned by :mod:`kvflow.segments`;
+one holds the blocks, then an fp8 cache's scales (:func:`kvflow.scales.shared_nbytes` bytes),
+shared by the owner and every mapping.
 """
 
 from __future__ import annotations
@@ -35,28 +27,10 @@ __all__ = ["SharedCache", "export_new_cache", "map_peer_cache"]
 class SharedCache:
     """A :class:`PagedKVCache` laid over a shared-memory segment.
 
-    Parameters
-    ----------
-    spec : KVCacheSpec
-    num_blocks : int
-    role : str
-        Part of the segment name (``prefill``, ``decode``...).
-
-    Attributes
-    ----------
-    name : str
-        Segment name, to hand to the peer.
-    cache : PagedKVCache
-        The cache (``cache.buffer`` is the mapping; fp8 scales, 1.0 at first, lie in it).
-
-    Raises
-    ------
-    ValueError
-        ``role`` not lowercase letters.
-    kvflow.segments.SegmentSpaceError
-        The cache (:func:`kvflow.scales.shared_nbytes` bytes: ``num_blocks *
-        spec.bytes_per_block``, plus fp8 scales) does not fit in the free shared memory; the
-        message gives both sizes and the flags that lower the first.
+    ``role`` (lowercase letters, else ValueError) is part of the segment name ``name``;
+    ``cache.buffer`` is the mapping (fp8 scales, 1.0 at first, lie in it). Raises
+    :class:`kvflow.segments.SegmentSpaceError` when the cache does not fit in the free shared
+    memory (the message gives both sizes and the flags that lower the first).
     """
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, role: str = "prefill") -> None:
@@ -89,15 +63,9 @@ class SharedCache:
 
 def map_peer_cache(name: str, spec: KVCacheSpec, num_blocks: int, *,
                    writable: bool = False) -> PagedKVCache:
-    """Map a peer's segment as a :class:`PagedKVCache`: read-only (D pulls from P's cache), or
-    ``writable`` (P pushes into D's cache, ipc-push). An fp8 cache's scales are the segment's
-    (:class:`SharedCache`): what one side writes there the other reads.
-
-    Raises
-    ------
-    TransferError
-        If the segment is missing or smaller than :func:`kvflow.scales.shared_nbytes`
-        (``num_blocks * spec.bytes_per_block``, plus fp8 scales); the message names both sizes.
+    """Map a peer's segment as a :class:`PagedKVCache`, read-only or ``writable``; fp8 scales
+    are the segment's. TransferError when the segment is missing or smaller than
+    :func:`kvflow.scales.shared_nbytes` (naming both sizes).
     """
     path = segment_path(name)
     need = shared_nbytes(spec, num_blocks)
@@ -125,17 +93,10 @@ def map_peer_cache(name: str, spec: KVCacheSpec, num_blocks: int, *,
 
 def export_new_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device,
                      role: str) -> tuple[PagedKVCache, str]:
-    """A new cache of ``num_blocks`` blocks that another process on this host can map, and the
-    name it finds it by: on CUDA one allocation whose IPC export is published as
-    ``kvflow-<role>cuda-...`` (:mod:`.cuda_ipc`), on CPU a :class:`SharedCache` segment
-    ``kvflow-<role>-...``. Stale segments of dead owners are removed first. The owner calls
-    :func:`kvflow.segments.unlink` on the name when it closes. Either way an fp8 cache's
-    scales lie in the exported memory, after the blocks (``scales_in_buffer``).
-
-    Raises
-    ------
-    kvflow.segments.SegmentSpaceError
-        The cache does not fit in the free shared memory (CPU).
+    """A new cache that another process on this host can map, and the name it finds it by
+    (CUDA: a published IPC export ``kvflow-<role>cuda-...``; CPU: a :class:`SharedCache`,
+    after removing stale segments); the owner unlinks it (:func:`kvflow.segments.unlink`).
+    Raises :class:`kvflow.segments.SegmentSpaceError` when it does not fit (CPU).
     """
     if device.type == "cuda":
         from .cuda_ipc import export_cache, publish_export
@@ -148,16 +109,9 @@ def export_new_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device,
 
 
 def map_decode_cache(shm_name: str, spec, num_blocks: int, device: torch.device) -> PagedKVCache:
-    """Map D's exported cache writable in P's process, usable by kernels on ``device``.
-
-    CPU: the shared-memory segment ``shm_name``; CUDA: the IPC export published under that name,
-    mapped into ``device``'s context (``import_cache(map_on=device)``), so P's kernels write D's
-    GPU memory over NVLink.
-
-    Raises
-    ------
-    TransferError
-        Missing segment or export, size or spec mismatch, a GPU this process cannot see.
+    """Map D's exported cache ``shm_name`` (segment, or CUDA IPC export mapped into
+    ``device``'s context) writable in P's process. TransferError: missing segment or export,
+    size or spec mismatch, a GPU this process cannot see.
     """
     if device.type == "cuda":
         from .cuda_ipc import import_cache, read_export
