@@ -13,6 +13,22 @@ from tests.load import cpu_hogs
 
 
 
+
+@pytest.fixture(autouse=True)
+def _default_threshold(monkeypatch):
+    """The rule as users get it (tests/conftest.py raises it for every other test)."""
+    monkeypatch.delenv("KVFLOW_BUSY_LOAD_PER_CPU")
+
+
+def test_threshold_from_the_environment(monkeypatch):
+    assert load.threshold() == 1.0
+    monkeypatch.setenv("KVFLOW_BUSY_LOAD_PER_CPU", "2.5")
+    assert load.busy_reason(4.0, 4.0, 2) is None
+    assert load.busy_reason(6.0, 4.0, 2) == "load average 6.00 per 2 CPUs at start (> 2.5 per CPU)"
+    monkeypatch.setenv("KVFLOW_BUSY_LOAD_PER_CPU", "-1")
+    with pytest.raises(ValueError, match=r"^KVFLOW_BUSY_LOAD_PER_CPU must be a positive number, got '-1'$"):
+        load.threshold()
+
 def test_busy_reason_rule():
     assert load.busy_reason(3.1, 2.0, 2) == "load average 3.10 per 2 CPUs at start (> 1 per CPU)"
     assert load.busy_reason(0.5, 2.5, 2) == "load average 2.50 per 2 CPUs at end (> 1 per CPU)"
@@ -25,13 +41,18 @@ def test_old_file_says_load_not_recorded():
     assert load.describe({"device": "cpu"}) == "load not recorded"
 
 
+def _cpu_s():
+    t = os.times()
+    return t.user + t.system
+
+
 def _write(tmp_path, monkeypatch, loads, name):
     it = iter(loads)
     monkeypatch.setattr(os, "getloadavg", lambda: (next(it), 0.0, 0.0))
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     load.start()
-    t = time.perf_counter()
-    while time.perf_counter() - t < 0.05:  # busy: CPU time ~ wall time
+    t = _cpu_s()
+    while _cpu_s() - t < 0.05:  # 50 ms of this process's CPU time, however loaded the host
         pass
     return write_results(tmp_path / name, {"device": "cpu", "command": "x"}, [{"op": "gather"}])
 
@@ -41,7 +62,8 @@ def test_idle_file_not_flagged(tmp_path, monkeypatch):
     rec = data["env"]["load"]
     assert (rec["loadavg_1m_start"], rec["loadavg_1m_end"], rec["cpus"]) == (0.2, 0.4, 2)
     assert rec["busy"] is False and rec["busy_reason"] is None
-    assert rec["wall_s"] >= 0.05 and 0.3 < rec["cpu_per_wall"] <= 1.5
+    assert rec["cpu_s"] >= 0.05 and rec["wall_s"] >= 0.9 * rec["cpu_s"]
+    assert rec["cpu_per_wall"] == pytest.approx(rec["cpu_s"] / rec["wall_s"], abs=0.002)
 
 
 def test_busy_file_flagged_and_left_out(tmp_path, monkeypatch):
