@@ -234,7 +234,7 @@ def run(args) -> int:
             print("cross-process CUDA IPC variant skipped" + (" (needs 2 GPUs)" if a.smoke else ""))
         else:
             try:
-                run_xproc(a, kb, env, rows)
+                run_xproc(a, kb, env, rows, run_kernels)
             except Exception as exc:  # noqa: BLE001 - report it and go on to the serve runs
                 print(f"cross-process variant FAILED: {type(exc).__name__}: {exc}")
         del kb

@@ -2,7 +2,7 @@
 (``python -m kvflow.bench ipc --p-child``, ``CUDA_VISIBLE_DEVICES`` = P's GPU only) allocates
 its cache, fills the pattern and exports it over CUDA IPC; this process (D) opens the export by
 UUID, maps it on P's GPU (``xproc_push``) and again on D's GPU (``xproc_pull``, when torch gives
-a fresh mapping) and times the kvflow kernels against it with :func:`.ipc.run_kernels`.
+a fresh mapping) and times the kvflow kernels against it (:func:`.ipc.run_kernels`).
 """
 
 from __future__ import annotations
@@ -33,13 +33,12 @@ def p_child(args) -> int:
     return 0
 
 
-def run_xproc(a, kb, env, rows) -> None:
-    """The cross-process rows beside :class:`.ipc.KernelBench` ``kb``'s (which gives up P)."""
+def run_xproc(a, kb, env, rows, run_kernels) -> None:
+    """The cross-process rows beside :class:`.ipc.KernelBench` ``kb``'s (which gives up P),
+    timed by ``run_kernels`` (:func:`.ipc.run_kernels`)."""
     import torch
     from kvflow.connector.transport.cuda_ipc import import_cache, read_export
     from kvflow.devices import worker_env
-
-    from .ipc import run_kernels
     p_index = int(os.environ.get("KVFLOW_BENCH_P_GPU", "0"))
     kb.P = None  # free GPU0 for the child's cache
     torch.cuda.empty_cache()
