@@ -123,9 +123,9 @@ class LayerwiseScheduler:
 
     def add_chunk(self, request_id: str, step: int, end_token: int) -> None:
         """Step ``step`` computes the request's prompt up to ``end_token`` (exclusive); register
-        it before, or at the latest right after, the step runs. Raises KeyError: unknown (or
-        finished) request; ValueError: ``step`` or ``end_token`` not after the previous chunk's,
-        or ``end_token > num_tokens``."""
+        it before, or at the latest right after, the step runs (a step already signalled counts
+        as complete at once). Raises KeyError: unknown (or finished) request; ValueError:
+        ``step`` or ``end_token`` not after the previous chunk's, or ``end_token > num_tokens``."""
         with self._lock:
             r = self._get(request_id)
             prev_step, prev_end = r.chunks[-1] if r.chunks else (-1, 0)
