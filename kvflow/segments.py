@@ -1,39 +1,22 @@
 """kvflow's shared-memory segments and process liveness, in one place: how segments are named,
-created (mode 0600, pages reserved), judged (is the owner alive?) and cleaned up, and how one
-process tells whether another one still runs. No torch import: the router uses it.
+created, judged and cleaned up, and how one process tells whether another still runs. No torch
+import: the router uses it.
 
-Names
------
 Every segment is a file under :data:`SHM_DIR` named ::
 
     kvflow-<kind>-[<label>-]<pid>.<start>.<pidns>.<boot>-<random hex>
 
-``kind`` says what it holds (``prefill``/``decode``: a paged KV cache, ``prefillcuda``/``decodecuda``:
-a CUDA IPC export record, ``sig``: a signal segment, :mod:`kvflow.signal.segment`); ``label``
-is optional (signal segments: the instance id); the owner part names the creating process on
-its host: pid, start time (``/proc/<pid>/stat`` field 22, clock ticks after boot), pid
-namespace (inode of ``/proc/self/ns/pid``) and the first 12 hex digits of the kernel's boot id;
-the random part (12 or 16 hex digits) keeps names unguessable and unique.
+``kind``: ``prefill``/``decode`` (a paged KV cache), ``prefillcuda``/``decodecuda`` (a CUDA IPC
+export record), ``sig`` (a signal segment); ``label``: optional (signal segments: the instance
+id); the owner part: pid, start time (``/proc/<pid>/stat`` field 22), pid namespace inode and
+the first 12 hex digits of the boot id; 12-16 random hex digits keep names unguessable.
 
-Owners and clean-up
--------------------
-A segment is stale when its owner is judged *dead*: same boot and same pid namespace as the
-judge, and no process with that pid, a zombie, or one with another start time (the pid was
-reused). A segment whose owner lives in another pid namespace (a container sharing
-``/dev/shm``) or another boot, or whose name has no owner part (older kvflow), *cannot be
-judged* and is left alone. :func:`clean_stale` removes the stale segments of every kind.
-
-Liveness of peers
------------------
-:func:`host_id` names this host and pid namespace (``"<boot id>/<pid ns inode>"``); instances
-send it when they register. :func:`process_state` judges a peer process by pid only when the
-peer's host id equals ours -- the same rule as for segment owners.
-
-Capacity
---------
-:func:`create` checks that the segment fits in the free space of its file system before it is
-created and reserves its pages (``posix_fallocate``), so a full ``/dev/shm`` is one clear error
-at start-up (:class:`SegmentSpaceError`), never a SIGBUS in the middle of a request.
+A segment is stale when its owner is *dead*: same boot and pid namespace as the judge, and no
+process with that pid, a zombie, or another start time (pid reused). Owners in another pid
+namespace or boot, and names without an owner part, cannot be judged and are left alone
+(:func:`clean_stale`). :func:`process_state` judges peers by the same rule, by
+:func:`host_id`. :func:`create` makes segments mode 0600 with every page reserved, so a full
+``/dev/shm`` is one :class:`SegmentSpaceError` at start-up, never a SIGBUS mid-request.
 """
 
 from __future__ import annotations
@@ -63,7 +46,6 @@ class SegmentSpaceError(OSError):
     """A segment does not fit in the free space of its file system (``/dev/shm``)."""
 
 
-# ---- processes ---------------------------------------------------------------------------
 @functools.lru_cache(maxsize=1)
 def _boot_id() -> str:
     try:
@@ -87,16 +69,20 @@ def host_id() -> str:
     return f"{boot}/{ns}" if boot and ns else ""
 
 
+def _stat(pid: int | str) -> list[bytes] | None:
+    """Fields 3.. of ``/proc/<pid>/stat`` (after comm, which may hold spaces and ')'), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def process_start_time(pid: int) -> int | None:
     """Start time of ``pid`` in clock ticks after boot (``/proc/<pid>/stat`` field 22), or None
     if no such process exists (or /proc cannot tell)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    rest = stat[stat.rfind(b")") + 2:].split()  # comm (field 2) may hold spaces and ')'
-    return int(rest[19])  # fields 3.. start at index 0, so field 22 is index 19
+    rest = _stat(pid)
+    return int(rest[19]) if rest else None  # field 22 is index 19
 
 
 def process_exited(pid: int) -> bool:
@@ -109,11 +95,8 @@ def process_exited(pid: int) -> bool:
         return True
     except PermissionError:
         pass  # another user's process: it exists
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
+    rest = _stat(pid)
+    return bool(rest) and rest[0] == b"Z"
 
 
 def process_tree(pid: int) -> set[int]:
@@ -126,11 +109,7 @@ def process_tree(pid: int) -> set[int]:
     except OSError:
         names = []
     for name in names:
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                rest = f.read().rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
+        rest = _stat(name)
         if rest and rest[0] not in (b"Z", b"X"):
             parent[int(name)] = int(rest[1])
     tree, frontier = {pid}, {pid}
@@ -148,7 +127,6 @@ def process_state(pid: int, peer_host_id: str) -> str:
     return DEAD if process_exited(pid) else ALIVE
 
 
-# ---- owners ------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Owner:
     """The process that created a segment, as its name records it."""
@@ -182,7 +160,6 @@ def owner_state(owner: Owner) -> str:
     return ALIVE
 
 
-# ---- names -------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class SegmentName:
     """A parsed segment name."""
@@ -194,13 +171,8 @@ class SegmentName:
 
 def new_name(kind: str, label: str = "", *, nhex: int = 12) -> str:
     """A fresh segment name of ``kind`` owned by this process (see the module docstring).
-
-    Raises
-    ------
-    ValueError
-        ``kind`` not lowercase letters, ``label`` not 1-64 of ``[A-Za-z0-9_]``, ``nhex`` not
-        in 12..16 (each named with its value).
-    """
+    Raises ValueError: ``kind`` not lowercase letters, ``label`` not 1-64 of ``[A-Za-z0-9_]``,
+    ``nhex`` not in 12..16 (each named with its value)."""
     if not isinstance(kind, str) or not _KIND.match(kind):
         raise ValueError(f"kind must be lowercase letters, got {kind!r}")
     if label and not (isinstance(label, str) and _LABEL.match(label)):
@@ -221,19 +193,13 @@ def parse_name(name: str) -> SegmentName | None:
 
 
 def segment_path(name: str, shm_dir: str | None = None) -> str:
-    """Path of segment ``name``.
-
-    Raises
-    ------
-    ValueError
-        ``name`` is not a kvflow segment name (it never reaches the file system).
-    """
+    """Path of segment ``name``. Raises ValueError when ``name`` is not a kvflow segment name
+    (it never reaches the file system)."""
     if parse_name(name) is None:
         raise ValueError(f"shm_name must look like {NAME_FORMAT!r}, got {name!r}")
     return os.path.join(shm_dir or SHM_DIR, name)
 
 
-# ---- creation ----------------------------------------------------------------------------
 def free_bytes(directory: str) -> int:
     """Bytes an unprivileged process may still allocate in ``directory``'s file system."""
     st = os.statvfs(directory)
@@ -261,15 +227,14 @@ def create(kind: str, nbytes: int, *, label: str = "", nhex: int = 12, what: str
     nbytes : int
         Size in bytes (> 0).
     what, hint : str
-        For the out-of-space error: what the segment holds, and how the user makes it
-        smaller (the flags).
+        For the out-of-space error: what the segment holds, how to make it smaller (flags).
 
     Raises
     ------
     SegmentSpaceError
         ``nbytes`` exceeds the free space of ``shm_dir`` (checked first), or the reservation
-        failed for want of space (another process took it meanwhile); the message gives the
-        segment's size, the free bytes and ``hint``. Nothing is left behind.
+        failed for want of space; the message gives the size, the free bytes and ``hint``.
+        Nothing is left behind.
     """
     directory = shm_dir or SHM_DIR
     name = new_name(kind, label, nhex=nhex)
@@ -306,10 +271,9 @@ def unlink(name: str, shm_dir: str | None = None) -> bool:
 
 
 def unlink_own(shm_dir: str | None = None) -> list[str]:
-    """Unlink every kvflow segment (all kinds) this process created (its name's owner part is
-    this process: :meth:`Owner.me`); returns the names removed. An instance calls it last on
-    its way out, after closing its cache and connector, so that leaving by ``os._exit`` (no
-    interpreter finalization, no ``weakref.finalize`` at exit) leaves nothing in /dev/shm."""
+    """Unlink every kvflow segment (all kinds) this process created (:meth:`Owner.me`);
+    returns the names removed. An instance calls it last on its way out, so that ``os._exit``
+    (no finalizers) leaves nothing in /dev/shm."""
     me = Owner.me()
     return _unlink_where(lambda owner: owner == me, shm_dir)
 
@@ -324,16 +288,11 @@ def clean_stale(shm_dir: str | None = None) -> list[str]:
 
 
 def _unlink_where(owned, shm_dir: str | None) -> list[str]:
-    """Unlink every kvflow segment of ``shm_dir`` (default :data:`SHM_DIR`) whose parsed owner
-    satisfies ``owned(owner)``; the names removed (one gone meanwhile is skipped)."""
+    """Unlink the kvflow segments whose owner satisfies ``owned(owner)``; the names removed."""
     directory = shm_dir or SHM_DIR
-    removed = []
     try:
         entries = sorted(os.listdir(directory))
     except OSError:
-        return removed
-    for entry in entries:
-        parsed = parse_name(entry)
-        if parsed is not None and owned(parsed.owner) and unlink(entry, directory):
-            removed.append(entry)
-    return removed
+        return []
+    return [e for e in entries  # one gone meanwhile is skipped
+            if (p := parse_name(e)) is not None and owned(p.owner) and unlink(e, directory)]

@@ -1,33 +1,19 @@
 """P->D KV copies between two GPUs over CUDA IPC / NVLink, and the served modes on two GPUs.
 
-Geometry: Llama-3-8B KV (32 layers, 8 KV heads, head_dim 128, block 64, bf16, NHD: 8 MiB per
-block over all layers); P's cache on GPU 0, D's on GPU 1, ``--num-blocks`` (4096) each, random
-distinct block ids, requests of 1K / 4K / 16K tokens. Methods, each timed across both GPUs'
-streams (:func:`kvflow.bench.timing.time_calls` with two devices; cold L2: 4 rotating id sets,
-ceiling buffers rotated past 2 x L2):
+Llama-3-8B KV (NHD, block 64, bf16), P's cache on GPU 0 and D's on GPU 1 (``--num-blocks``
+each), random distinct block ids (4 rotating sets: cold L2), requests of 1K / 4K / 16K tokens,
+timed across both GPUs' streams (:func:`kvflow.bench.timing.time_calls`). Methods (rows'
+``backend``): the same-run ``ceiling`` (contiguous peer ``copy_``), ``kvflow_pull`` /
+``kvflow_push`` (``copy_blocks``), ``per_layer_torch``, ``per_block_memcpy`` (one
+``cudaMemcpyPeerAsync`` per block, via ctypes on torch's libcudart), ``per_block_torch``, and
+``xproc_*`` (P's cache exported from a second process over CUDA IPC); each is checked byte for
+byte against P once per size. Then the served modes (:data:`SERVE_MODES`,
+:mod:`.ipc_served`). What each row does: docs/gpu_serving.md, section "Measuring: `python -m
+kvflow.bench ipc`".
 
-- ``ceiling``: one contiguous ``dst.copy_(src)`` GPU0 -> GPU1 of the same payload (same run);
-- ``kvflow_pull`` / ``kvflow_push``: ``copy_blocks(..., backend="triton", direction=...)``, one
-  launch for all layers (pull: kernel on D's GPU reading P; push: kernel on P's GPU writing D);
-- ``per_layer_torch``: per layer and K/V: ``index_select`` on P, one peer ``copy_``,
-  ``index_copy_`` on D (192 ops);
-- ``per_block_memcpy``: one ``cudaMemcpyPeerAsync`` per block per layer tensor from a host loop
-  (ctypes on torch's libcudart; the per-block IPC copy of FastDeploy), and ``per_block_torch``:
-  the same loop with torch ``copy_`` of each block slice;
-- ``xproc_pull`` / ``xproc_push``: P in a second process (``CUDA_VISIBLE_DEVICES`` = P's GPU
-  only) exports its cache over CUDA IPC; this process (D) opens it by UUID.
-
-Every method's result is checked byte for byte against P once per size. Then end to end
-(:data:`SERVE_MODES`): ``python -m kvflow.serve --device cuda --model kvflow-llama-32l``
-disaggregated on two GPUs (``--kv-connector ipc-push`` / ``ipc-pull``, layerwise or not) and
-colocated on one; prompts of ``--serve-tokens`` with ``--max-tokens`` outputs, each mode
-started ``--serve-starts`` times: TTFT(disagg) / TTFT(colocated) and TTST with the per-hop
-breakdown (:mod:`kvflow.bench.hops`), TPOT, transfer ms and its share of TTFT; token identity
-with colocated.
-
-``--quick``: CPU, tiny shapes, seconds (the GPU-only parts are skipped). ``--full``: 2 GPUs,
-kernels + cross-process + served (about 4 minutes). ``--serve-only``: only the served runs,
-on 2 GPUs, one (P and D share it), or ``--device cpu``.
+``--quick``: CPU, tiny shapes, seconds (GPU-only parts skipped). ``--full``: 2 GPUs, kernels +
+cross-process + served. ``--serve-only``: only the served runs, on 2 GPUs, one (P and D share
+it), or ``--device cpu``.
 """
 
 from __future__ import annotations
@@ -35,14 +21,12 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import subprocess
-import sys
 import time
 
 from . import cli
 from .cases import fill_pattern, make_spec, pattern, tiny_spec
-
-from .ipc_served import SERVE_MODES, run_serve
+from .ipc_served import add_serve_arguments, check_serve_arguments, run_serve
+from .ipc_xproc import p_child, run_xproc
 
 ROT = 4  # id sets rotated per method (cold L2)
 PRESETS = {"quick": dict(smoke=True, tokens=[64, 256], num_blocks=64, reps=2),
@@ -71,24 +55,6 @@ def libcudart():
         except (OSError, AttributeError):
             continue
     return None
-
-
-def p_child(args) -> int:
-    """The cross-process P: allocate, fill the pattern, export; exit on a stdin line."""
-    import torch
-    from kvflow.cache import PagedKVCache
-    from kvflow.connector.transport.cuda_ipc import export_cache, publish_export
-    from kvflow.segments import unlink
-    cache = PagedKVCache(spec_of(False), args.num_blocks, device="cuda:0")
-    fill_pattern(cache)
-    torch.cuda.synchronize()
-    name = publish_export(export_cache(cache), role="benchp")
-    print(name, flush=True)
-    try:
-        sys.stdin.readline()
-    finally:
-        unlink(name)
-    return 0
 
 
 class KernelBench:
@@ -228,47 +194,6 @@ def run_kernels(a, kb: KernelBench, env, rows, xproc_peer=None, variant=None) ->
     return ceilings
 
 
-def run_xproc(a, kb: KernelBench, env, rows) -> None:
-    import torch
-    from kvflow.devices import worker_env
-    from kvflow.connector.transport.cuda_ipc import import_cache, read_export
-    p_index = int(os.environ.get("KVFLOW_BENCH_P_GPU", "0"))
-    kb.P = None  # free GPU0 for the child's cache
-    torch.cuda.empty_cache()
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    phys = visible.split(",")[p_index] if visible else str(p_index)
-    child = subprocess.Popen([sys.executable, "-m", "kvflow.bench", "ipc", "--p-child",
-                              "--num-blocks", str(a.num_blocks)],
-                             env=worker_env("cuda", int(phys)) if phys.isdigit() else
-                             dict(os.environ, CUDA_VISIBLE_DEVICES=phys),
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        name = child.stdout.readline().strip()
-        if not name:
-            raise RuntimeError(f"P child exited ({child.wait()}) without exporting its cache")
-        exp = read_export(name)
-        peer = import_cache(exp, kb.spec, a.num_blocks)
-        print(f"\ncross-process: P pid {child.pid} exported {name}; mapped here on {peer.device}")
-        run_kernels(a, kb, env, rows, xproc_peer=peer)
-        old = peer.buffer.data_ptr()
-        del peer
-        import gc
-        gc.collect()
-        torch.cuda.synchronize(kb.dd)
-        torch.cuda.ipc_collect()
-        # the same handle mapped into D's GPU context: the kernel runs on D's GPU (pull)
-        peer = import_cache(exp, kb.spec, a.num_blocks, map_on=kb.dd)
-        if peer.buffer.data_ptr() == old:
-            print("cross-process pull skipped: torch returned the earlier mapping of the handle")
-        else:
-            print(f"\ncross-process: the same export mapped on {peer.device} (D's GPU)")
-            run_kernels(a, kb, env, rows, xproc_peer=peer, variant="cross_process_mapped_on_d")
-        del peer
-    finally:
-        child.stdin.close()
-        child.wait(30)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     cli.add_common(p, device=False)
     p.add_argument("--tokens", type=cli.tokens, help="request lengths (quick 64,256; full 1K,4K,16K)")
@@ -277,24 +202,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-xproc", action="store_true", help="skip the cross-process variant")
     p.add_argument("--no-serve", action="store_true", help="skip the end-to-end serve runs")
     p.add_argument("--serve-only", action="store_true", help="only the end-to-end serve runs")
-    p.add_argument("--serve-tokens", type=cli.tokens, default=[1024, 4096, 8192],
-                   help="prompt lengths served (default 1K,4K,8K)")
-    p.add_argument("--device", "--serve-device", dest="serve_device", default="cuda",
-                   choices=("cuda", "cpu"), help="device of the served runs: cuda (P on GPU 0, "
-                   "D on GPU 1; both on GPU 0 with one GPU) or cpu")
-    p.add_argument("--serve-dtype", default="bfloat16", help="--dtype of the served model "
-                   "(float32 for token identity with colocated)")
-    p.add_argument("--serve-modes", default="push-layerwise,push-request,pull-request,colocated",
-                   help=f"comma list of {', '.join(SERVE_MODES)}")
-    p.add_argument("--serve-reps", type=int,
-                   default=8, help="prompts per length, mode and server start")
-    p.add_argument("--serve-starts", type=int, default=2,
-                   help="server starts per mode (medians pool every start)")
-    p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per prompt")
-    p.add_argument("--chunk", type=int, default=8192, help="--max-num-batched-tokens of the server")
-    p.add_argument("--model", default="kvflow-llama-32l", help="served model")
-    p.add_argument("--server-args", default="", help="extra flags for every server, e.g. "
-                   "'--kv-connector-config {\"max_ctas\": 8}'")
+    add_serve_arguments(p)
     p.add_argument("--p-child", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -305,19 +213,17 @@ def run(args) -> int:
                               **{k: v for k, v in vars(args).items() if v is not None}})
     if a.p_child:
         return p_child(a)
-    for flag, v in (("--serve-reps", a.serve_reps), ("--serve-starts", a.serve_starts)):
-        if v < 1:
-            raise SystemExit(f"ipc: {flag} must be >= 1, got {v}")
+    check_serve_arguments(a)
     gpus = torch.cuda.device_count()
     a._gpus, a._gpu_args = (0, 1), []
-    if a.serve_device == "cuda" and (not a.smoke or a.serve_only):  # GPUs this run needs
+    on_gpu = a.serve_device == "cuda" and (not a.smoke or a.serve_only)
+    if on_gpu:  # GPUs this run needs
         if gpus < 1 or (gpus < 2 and not a.serve_only):
             raise SystemExit(f"ipc --full: needs 2 CUDA GPUs (--serve-only: 1), found {gpus}; "
                              f"on a CPU use --quick, or --serve-only --device cpu")
         if gpus < 2:  # P and D share GPU 0 (each gets half of --gpu-memory-utilization)
             a._gpus, a._gpu_args = (0, 0), ["--decode-device", "0"]
     a._loop, a._ceilings = {}, {}
-    on_gpu = a.serve_device == "cuda" and (not a.smoke or a.serve_only)
     env = env_info("cuda:0" if on_gpu else "cpu")
     rows = cli.rows(env, {k: v for k, v in vars(a).items() if not k.startswith("_")})
     t0 = time.perf_counter()
@@ -328,7 +234,7 @@ def run(args) -> int:
             print("cross-process CUDA IPC variant skipped" + (" (needs 2 GPUs)" if a.smoke else ""))
         else:
             try:
-                run_xproc(a, kb, env, rows)
+                run_xproc(a, kb, env, rows, run_kernels)
             except Exception as exc:  # noqa: BLE001 - report it and go on to the serve runs
                 print(f"cross-process variant FAILED: {type(exc).__name__}: {exc}")
         del kb

@@ -15,6 +15,8 @@ import os
 import shlex
 import time
 
+from . import cli
+
 #: ``--layerwise-min-tokens`` above every prompt: the whole request moves after the prefill.
 NO_LAYERWISE = ["--layerwise-min-tokens", str(1 << 30)]
 
@@ -204,3 +206,31 @@ def run_serve(a, env, rows) -> None:
         if r.get("op") == "serve_ipc_gpu":
             print(f"  {r['tokens']:>6} {r['backend']:22} {r['client_ttft_ms']:8.2f} "
                   f"{r['tpot_ms']:8.3f} {r['transfer_ms']:8.3f} {r['exposed_ms']:8.3f}")
+
+
+def add_serve_arguments(p) -> None:
+    """The served runs' flags of the ``ipc`` study."""
+    p.add_argument("--serve-tokens", type=cli.tokens, default=[1024, 4096, 8192],
+                   help="prompt lengths served (default 1K,4K,8K)")
+    p.add_argument("--device", "--serve-device", dest="serve_device", default="cuda",
+                   choices=("cuda", "cpu"), help="device of the served runs: cuda (P on GPU 0, "
+                   "D on GPU 1; both on GPU 0 with one GPU) or cpu")
+    p.add_argument("--serve-dtype", default="bfloat16", help="--dtype of the served model "
+                   "(float32 for token identity with colocated)")
+    p.add_argument("--serve-modes", default="push-layerwise,push-request,pull-request,colocated",
+                   help=f"comma list of {', '.join(SERVE_MODES)}")
+    p.add_argument("--serve-reps", type=int,
+                   default=8, help="prompts per length, mode and server start")
+    p.add_argument("--serve-starts", type=int, default=2,
+                   help="server starts per mode (medians pool every start)")
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per prompt")
+    p.add_argument("--chunk", type=int, default=8192, help="--max-num-batched-tokens of the server")
+    p.add_argument("--model", default="kvflow-llama-32l", help="served model")
+    p.add_argument("--server-args", default="", help="extra flags for every server, e.g. "
+                   "'--kv-connector-config {\"max_ctas\": 8}'")
+
+
+def check_serve_arguments(a) -> None:
+    for flag, v in (("--serve-reps", a.serve_reps), ("--serve-starts", a.serve_starts)):
+        if v < 1:
+            raise SystemExit(f"ipc: {flag} must be >= 1, got {v}")

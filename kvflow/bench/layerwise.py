@@ -1,26 +1,18 @@
 """Layerwise copies beside a prefill: how much of the transfer hides.
 
-A Llama-3-8B-shaped model (32 layers, hidden 4096, 32 heads, 8 KV heads, head_dim 128,
-intermediate 14336, random bf16 weights; RMSNorm, QKV/O projections, causal SDPA, SwiGLU; no
-RoPE, which costs no memory traffic that matters here) prefills T tokens into a paged cache P
-(NHD, block 64); each layer's blocks go to a second cache D on the same GPU on a side stream.
+A Llama-3-8B-shaped model (:mod:`.prefill_model`, random bf16 weights) prefills T tokens into
+a paged cache P (NHD, block 64); each layer's blocks go to a second cache D on the same GPU on a
+side stream. Modes per T: ``alone`` (prefill only); ``event`` (after layer l an event on the
+compute stream gates the side stream's copy of layer l); ``signal`` (after layer l
+``signal_layer`` stores into the shared-memory segment and a layerwise worker thread enqueues
+the copy: the cross-process path); ``request`` (prefill, then one copy of all layers);
+``event``/``signal`` also with ``--max-ctas``. Hidden fraction: ``1 - exposed / the same copies
+run alone``, clipped to [0, 1] (``hidden_frac_raw`` unclipped); also signal latency p50/p99
+(host flag -> GPU gate kernel -> store -> host sees it; launch -> seen).
 
-Modes per T: ``alone`` (prefill only); ``event`` (after layer l: event on the compute stream,
-the side stream waits on it and copies layer l: no host in the loop); ``signal`` (after layer
-l: the ``signal_layer`` kernel stores into the shared-memory segment; a layerwise worker thread
-sees it and enqueues the copy: the path a reader in another process uses); ``request`` (prefill,
-then one copy of all layers). ``event``/``signal`` run with the full grid and with
-``--max-ctas``. Reported: prefill ms, total ms, exposed transfer after the last layer, the
-fraction hidden (``1 - exposed / the same copies run alone``, clipped to [0, 1];
-``hidden_frac_raw`` keeps the unclipped value), prefill slowdown, one layer's copy ms, and the
-signal latency p50/p99 (host flag -> GPU gate kernel -> release store -> host spin sees it; and
-launch -> seen).
-
-``--quick`` runs tiny shapes on the CPU in seconds: there the copies run on the same cores as
-the prefill and take microseconds next to the worker thread's wake-up, so the raw hidden
-fraction swings between negative values and about 1 from run to run; it checks the machinery,
-not the overlap.
-``--full`` is the H200 run (about 2 minutes).
+``--quick``: tiny shapes on the CPU in seconds; the copies there share the prefill's cores, so
+the hidden fraction is noise: it checks the machinery, not the overlap. ``--full``: the H200
+run (about 2 minutes).
 """
 
 from __future__ import annotations
@@ -30,13 +22,12 @@ import os
 import sys
 import threading
 import time
+from contextlib import nullcontext
 
 from . import cli
 from .cases import make_spec
+from .prefill_model import MODELS, Layer
 
-#: Model shapes: Llama-3-8B (``config.json``) and a tiny one for ``--quick``.
-MODELS = {"llama3-8b": dict(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, inter=14336),
-          "tiny": dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, inter=128)}
 PRESETS = {"quick": dict(device="cpu", model="tiny", block_size=16, tokens=[32, 80], reps=2,
                          warmup=1, latency_reps=50),
            "full": dict(device="cuda", model="llama3-8b", block_size=64,
@@ -62,32 +53,6 @@ def gate_kernel():
     return _GATE[0]
 
 
-class Layer:
-    """One decoder layer with random weights: RMSNorm, QKV/O projections, causal SDPA, SwiGLU."""
-
-    def __init__(self, g: dict, dtype: torch.dtype, device: str) -> None:
-        import torch
-        h, d = g["hidden"], g["head_dim"]
-        self.g = g
-        mk = lambda o, i: torch.randn(o, i, dtype=dtype, device=device) / i ** 0.5  # noqa: E731
-        self.wqkv = mk((g["heads"] + 2 * g["kv_heads"]) * d, h)
-        self.wo, self.w13, self.w2 = mk(h, g["heads"] * d), mk(2 * g["inter"], h), mk(h, g["inter"])
-        self.n1 = self.n2 = torch.ones(h, dtype=dtype, device=device)
-
-    def __call__(self, x: torch.Tensor, write_kv) -> torch.Tensor:
-        import torch.nn.functional as F
-        g, T = self.g, x.shape[0]
-        q, k, v = F.linear(F.rms_norm(x, x.shape[-1:], self.n1), self.wqkv).split(
-            [g["heads"] * g["head_dim"], g["kv_heads"] * g["head_dim"], g["kv_heads"] * g["head_dim"]], -1)
-        q, k, v = (t.view(T, -1, g["head_dim"]) for t in (q, k, v))
-        write_kv(k, v)
-        o = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)),
-                                           is_causal=True, enable_gqa=True)  # [1, heads, T, d]
-        x = x + F.linear(o[0].transpose(0, 1).reshape(T, -1), self.wo)
-        a, b = F.linear(F.rms_norm(x, x.shape[-1:], self.n2), self.w13).chunk(2, -1)
-        return x + F.linear(F.silu(a) * b, self.w2)
-
-
 class Bench:
     def __init__(self, args) -> None:
         import torch
@@ -109,15 +74,13 @@ class Bench:
     def setup(self, tokens: int) -> None:
         import torch
         from kvflow.cache import PagedKVCache
-        nb = self.spec.num_blocks_for(tokens)
-        self.nb = nb
+        nb = self.nb = self.spec.num_blocks_for(tokens)
         self.p, self.d = PagedKVCache(self.spec, nb + 8, self.dev), PagedKVCache(self.spec, nb + 8, self.dev)
         gen = torch.Generator().manual_seed(tokens)
         self.src = torch.randperm(nb + 8, generator=gen)[:nb].to(self.dev)
         self.dst = torch.randperm(nb + 8, generator=gen)[:nb].to(self.dev)
-        self.src_l, self.dst_l = self.src.tolist(), self.dst.tolist()
+        self.src_l, self.dst_l, self.tokens = self.src.tolist(), self.dst.tolist(), tokens
         self.x = torch.randn(tokens, self.g["hidden"], dtype=self.spec.dtype, device=self.dev)
-        self.tokens = tokens
 
     def copy(self, layers, max_ctas=None) -> None:
         from kvflow.kernels import copy_blocks
@@ -141,7 +104,6 @@ class Bench:
                 on_layer(i)
         return x
 
-    # ---- one timed run of a mode: (prefill_s, total_s) ------------------------------------
     def _stamp(self, stream=None):
         import torch
         if not self.cuda:
@@ -154,6 +116,7 @@ class Bench:
         return (a.elapsed_time(b) / 1e3) if self.cuda else (b - a)
 
     def run(self, mode: str, max_ctas=None) -> tuple[float, float]:
+        """One timed, checked run of ``mode``: (prefill seconds, total seconds)."""
         import torch
         L = self.g["layers"]
         if self.cuda:
@@ -180,14 +143,10 @@ class Bench:
             t2 = self._stamp(self.side)
         else:  # signal: the shared-memory channel and a worker thread drive the copies
             self.step += 1
-            step, done = self.step, threading.Event()
-            ends = {}
+            step, done, ends = self.step, threading.Event(), {}
 
             def send(rid, layers, src, dst):
-                if self.side is not None:
-                    with torch.cuda.stream(self.side):
-                        self.copy(layers, max_ctas)
-                else:
+                with torch.cuda.stream(self.side) if self.side is not None else nullcontext():
                     self.copy(layers, max_ctas)
                 if layers.stop == L:
                     ends["t2"] = self._stamp(self.side)
@@ -292,8 +251,7 @@ def run(args) -> int:
             one = median(time_calls([lambda: b.copy(b.g["layers"] // 2, ctas)], device=a.device, reps=20))
             alone = median(time_calls([lambda: [b.copy(i, ctas) for i in range(b.g["layers"])]],
                                       device=a.device, reps=5))
-            if mode == "alone":
-                base = pre
+            base = pre if mode == "alone" else base
             totals[(mode, ctas)] = tot
             exposed = tot - pre if mode != "request" else tot - base
             raw = 1 - exposed / alone if mode in ("event", "signal") else 0.0

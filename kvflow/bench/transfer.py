@@ -1,39 +1,24 @@
 """P->D transfer through a connector (``ipc-pull``, ``ipc-push``, ``tcp``, ``nixl`` and
-``nixl-staged``, :mod:`.nixl`): one request's
-blocks from a prefill (P) cache into a decode (D) cache, per request size.
+``nixl-staged``, :mod:`.nixl`): one request's blocks from a prefill (P) cache into a decode (D)
+cache, per request size.
 
 Both halves come from the connector factory (:func:`kvflow.connector.make_sender` /
-:func:`~kvflow.connector.make_receiver`), are paired as the server pairs them (``make_cache``,
-``export``, ``attach(Peer)``) and talk over a ZMQ DEALER->ROUTER link on 127.0.0.1, in one
-process. P's cache holds random bytes, i.e. KV already computed, so no model runs: one timed
-request is :meth:`KVSender.send_prefilled <kvflow.connector.base.KVSender.send_prefilled>`
-(what ``prefill`` does after the prefill of a prompt that does not go layerwise), D's
-``recv_multipart``, header decode and :meth:`KVReceiver.receive` into D's own block ids
-(random, seeded; distinct from P's). Per kind that is: ipc-pull, a ``KVReady`` and D's copy out
-of P's exported cache; ipc-push, P's copy into D's exported cache and a ``KVPushed``; tcp, P's
-gather, zero-copy frames and D's scatter; nixl, P's WRITEs and a ``KVPushed``.
+:func:`~kvflow.connector.make_receiver`), are paired as the server pairs them and talk over a
+ZMQ DEALER->ROUTER link on 127.0.0.1. P's cache holds random bytes (KV already computed, no
+model runs); one timed request is :meth:`KVSender.send_prefilled
+<kvflow.connector.base.KVSender.send_prefilled>`, D's ``recv_multipart``, header decode and
+:meth:`KVReceiver.receive` into D's own block ids (random, seeded; distinct from P's).
+``--peer-process`` (the default on CUDA) runs D in its own process (:mod:`.remote_pair`) on
+``--d-device`` (default: the second GPU when there are two, else P's), as CUDA IPC and NIXL's
+``cuda_ipc`` need; a request then also counts D's reply to P.
 
-``--peer-process`` (the default on CUDA) runs D in its own process
-(:mod:`.remote_pair`) on ``--d-device`` (default: the second GPU when there are two, else P's):
-CUDA IPC and NIXL's ``cuda_ipc`` map only another process's memory. A request then also
-counts D's reply to P (a ZMQ round trip on 127.0.0.1).
-
-Ceilings measured in the same run on the same payload bytes (:data:`CEILINGS`):
-
-- ``tcp``: a plain ZMQ send of one contiguous frame of the payload over the same kind of link
-  (zero-copy on both ends), the loopback ceiling;
-- ``ipc-pull`` / ``ipc-push``: ``dst.copy_(src)`` of the payload bytes (what a copy between
-  the two caches' memory can reach; P's device to D's, a peer copy between two GPUs);
-- ``nixl`` / ``nixl-staged``: the fastest bulk NIXL WRITE of the payload bytes between two
-  agents, over several descriptor sizes (:func:`.nixl.write_ceiling`; the row's
-  ``chunk_bytes``).
-
+Ceilings (:data:`CEILINGS`), measured in the same run on the same payload bytes: ``tcp``, a
+plain zero-copy ZMQ send of one frame over the same kind of link; ``ipc-pull`` / ``ipc-push``,
+``dst.copy_(src)`` from P's device to D's; ``nixl`` / ``nixl-staged``, the fastest bulk NIXL
+WRITE over several descriptor sizes (:func:`.nixl.write_ceiling`; the row's ``chunk_bytes``).
 Every size is checked once per connector: D's blocks (zeroed first) equal P's byte for byte.
-
-Memory: one connector's pair of caches lives at a time (each cache ``--num-blocks`` blocks; a
-Llama-3-8B block of 64 tokens is 8 MiB, so 512 blocks are 4 GiB), nixl-staged's staging
-buffers hold the largest request measured, and a ceiling (two payload buffers at most) is
-measured when a connector first needs it at that size.
+One connector's pair of caches (``--num-blocks`` blocks each; 8 MiB per Llama-3-8B block) lives
+at a time.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
 """D's side of a layerwise transfer: put each :class:`~kvflow.protocol.KVLayer` part into D's
 own blocks as it arrives, and check at the last part that every layer of every prompt block
-came exactly once.
-
-A part names logical positions (``block_offset .. block_offset + num_blocks`` of the prompt) and
-a layer range; D maps the positions through the block table *it* allocated (P's ids only say
-where to read on ipc), so D's table replaces P's and is never extended. State is one boolean
-``[num_layers, prompt_blocks]`` map per request in flight; :meth:`LayerParts.forget` drops it
-when D ends the request (abort, failure, timeout).
+came exactly once. Parts name logical prompt positions, mapped through D's own block table.
 """
 
 from __future__ import annotations
@@ -44,19 +38,10 @@ class LayerParts:
 
     def receive(self, header: Any, frames: list, cache: PagedKVCache, dst_ids: list[int],
                 move: MoveFn) -> TransferStats | None:
-        """Apply one part; None while parts are missing, the request's totals at its last part.
-
-        Parameters
-        ----------
-        header : kvflow.protocol.KVLayer
-        frames : list
-            Raw payload frames after the header (tcp: one per layer; ipc: none).
-        cache : PagedKVCache
-            D's cache.
-        dst_ids : list[int]
-            D's block ids of the prompt's blocks (``ceil(num_prompt_tokens / block_size)``).
-        move : callable
-            See :data:`MoveFn`.
+        """Apply one ``header`` (a :class:`~kvflow.protocol.KVLayer`) with its raw ``frames``
+        (tcp: one per layer; ipc: none) into D's ``cache`` at ``dst_ids`` (D's block ids of the
+        prompt's ``ceil(num_prompt_tokens / block_size)`` blocks) through ``move``
+        (:data:`MoveFn`); None while parts are missing, the request's totals at its last part.
 
         Raises
         ------

@@ -1,33 +1,16 @@
 """P's side of the layerwise transfer: each layer's blocks leave as soon as the prefill has
 written them, so the transfer of layer ``l`` overlaps the compute of layers ``l+1..``.
 
-Pieces (docs/design.md, "Signals"):
-
-- :meth:`LayerwiseSender.begin` registers the request and returns the per-chunk hook P's serve
-  hands :meth:`Engine.prefill <kvflow.engine.Engine.prefill>`: it registers the chunk with the
-  scheduler and returns the per-layer hook, which stores ``(layer, step)`` into the instance's
-  signal segment (:class:`~kvflow.signal.LayerSignaller`; a CPU store after the layer, or the
-  stream-ordered ``signal_layer`` kernel on GPU), one step per prefill chunk;
-- a :class:`.LayerwiseWorker` thread reads the segment and drives a
-  :class:`.LayerwiseScheduler`, which decides what is due: after each chunk the
-  chunk's newly *full* blocks of that layer, after the last chunk the partial last block;
-- each due part goes out as a :class:`~kvflow.protocol.KVLayer` through the connector's
-  :meth:`~kvflow.connector.framed.FramedSender.send_part` (ipc: D is told the layers and P's block ids
-  and pulls them with ``copy_blocks(layers=...)``; tcp: one frame per layer gathered with
-  ``gather_blocks(layers=...)``), on the send-only ZMQ socket of the request's D (one per
-  paired D, keyed by D's instance id) that only the worker thread and
-  :meth:`LayerwiseSender.finish` use, under one lock;
-- after the last part *and* the first token (sampled by the main thread), one last
-  ``KVLayer(last=True)`` carries the first token; D acks to P's control link (``reply_to``).
-
-The scheduler pairs P's blocks with *logical* prompt positions (``block_offset``), not D's ids:
-D maps them through the block table it allocated (D's table replaces P's).
-
-Gating: the channel and socket are created by :meth:`LayerwiseSender.open`, which refuses inside
-a profile/dummy run; :meth:`LayerwiseSender.begin` inside a dummy run registers nothing and
-its hooks signal nothing, so nothing is sent. Failures (a send error, or a layer never signalled
-within ``signal_timeout_s``: :class:`TimeoutError`) drop the request and are queued for the
-instance's loop (:meth:`LayerwiseSender.pop_errors`), which fails it and frees its blocks.
+:meth:`LayerwiseSender.begin` returns the request's ``on_chunk`` hook: each chunk is registered
+with a :class:`.LayerwiseScheduler` and each layer stores ``(layer, step)`` into the instance's
+:class:`~kvflow.signal.LayerSignaller` segment; a :class:`.LayerwiseWorker` thread reads it and
+sends each due part as a :class:`~kvflow.protocol.KVLayer` through the connector's
+``send_part`` on the part socket of the request's D; a last ``KVLayer(last=True)`` carries the
+first token once every part went. Parts name *logical* prompt positions (``block_offset``),
+which D maps through its own block table. Failures (a send error; no signal within
+``signal_timeout_s``: :class:`TimeoutError`) drop the request and queue it for
+:meth:`LayerwiseSender.pop_errors`. See docs/design.md, sections "One request, from the router
+to D's cache" and "Nothing is signalled or sent during a profile run".
 """
 
 from __future__ import annotations
@@ -58,15 +41,14 @@ class _Live:
     t_start: float = 0.0
     gather_ms: float = 0.0
     keep: list = dataclasses.field(default_factory=list)
-    parts: int = 0
     all_sent: bool = False
     first_token: int | None = None
     finished: bool = False
 
 
 class LayerwiseSender:
-    """Signal channel + scheduler + worker thread of one prefill instance, and one send-only
-    socket per paired D.
+    """Signal segment, scheduler and worker thread of one prefill instance, and one send-only
+    part socket per paired D (used by the worker and :meth:`finish`, under one lock).
 
     Parameters
     ----------
@@ -102,7 +84,6 @@ class LayerwiseSender:
         self._live: dict[str, _Live] = {}
         self._errors: queue.SimpleQueue[tuple[str, BaseException]] = queue.SimpleQueue()
 
-    # ---- set-up (after the profile run, at pairing) ------------------------------------
     def open(self, ctx: zmq.Context, data_addr: str, peer_id: str) -> bool:
         """Create the signal channel and start the worker (first call), and the part socket
         of D ``peer_id`` (connected to its ``data_addr``; replaces an earlier socket of that D
@@ -117,9 +98,7 @@ class LayerwiseSender:
         sock.setsockopt(zmq.LINGER, 500)
         sock.connect(data_addr)
         with self._lock:
-            old = self.socks.pop(peer_id, None)
-            if old is not None:
-                old.close(0)
+            self._close_sock(peer_id)
             self.socks[peer_id] = sock
         if self.worker is None:
             self.worker = LayerwiseWorker(self.scheduler, channel, poll_s=self.poll_s,
@@ -131,30 +110,19 @@ class LayerwiseSender:
         """Close D ``peer_id``'s socket (it was unpaired); its requests still sending fail
         (:meth:`pop_errors`), those of other D's go on."""
         with self._lock:
-            sock = self.socks.pop(peer_id, None)
-            if sock is not None:
-                sock.close(0)
+            self._close_sock(peer_id)
             gone = [r for r, live in self._live.items() if live.peer_id == peer_id]
         for req_id in gone:
             self.scheduler.abort(req_id)
             self._failed(req_id, ConnectionError(f"decode instance {peer_id} was unpaired"))
 
-    # ---- the prefill (main thread) -----------------------------------------------------
     def begin(self, job: PrefillJob) -> Callable[[int, int], Callable[[int], None]]:
         """Register ``job`` and return the ``on_chunk`` hook of its prefill
-        (:meth:`Engine.prefill <kvflow.engine.Engine.prefill>`): each chunk is registered and
-        every layer of it signalled. Inside a dummy run nothing is registered, signalled or
-        sent. The parts go to D ``job.decode_id`` (opened with :meth:`open`); D already holds
-        logical blocks ``0..job.num_cached_blocks-1`` (prefix hit): only the rest is sent, with
-        ``block_offset`` counted from there. A prefill that fails calls :meth:`abort`.
-
-        Raises
-        ------
-        RuntimeError
-            Outside a dummy run before :meth:`open`, or for a D not opened.
-        ValueError
-            As :meth:`LayerwiseScheduler.add_request`.
-        """
+        (:meth:`Engine.prefill <kvflow.engine.Engine.prefill>`); inside a dummy run nothing is
+        registered, signalled or sent. The parts go to D ``job.decode_id``, except the
+        ``job.num_cached_blocks`` logical blocks D already holds. A failed prefill calls
+        :meth:`abort`. Raises RuntimeError outside a dummy run before :meth:`open` or for a D
+        not opened; ValueError as :meth:`LayerwiseScheduler.add_request`."""
         req_id, n = job.req_id, len(job.token_ids)
         real = sends_allowed()
         if real:
@@ -186,8 +154,7 @@ class LayerwiseSender:
             if live is None:
                 return False
             live.first_token = first_token
-            if live.all_sent:
-                self._send_last(req_id, live)
+            self._send_last(req_id, live)
         return True
 
     def abort(self, req_id: str) -> list:
@@ -201,13 +168,11 @@ class LayerwiseSender:
     def pop_errors(self) -> list[tuple[str, BaseException]]:
         """Failed requests since the last call (already dropped here): ``(req_id, error)``."""
         out = []
-        while True:
-            try:
-                out.append(self._errors.get_nowait())
-            except queue.Empty:
-                return out
+        while not self._errors.empty():
+            out.append(self._errors.get_nowait())
+        return out
 
-    # ---- the worker thread -------------------------------------------------------------
+    # ---- the worker thread (and finish) ------------------------------------------------
     def _send_part(self, req_id: str, layers: range, src: list[int], dst: list[int]) -> None:
         with self._lock:
             live = self._live.get(req_id)
@@ -224,7 +189,6 @@ class LayerwiseSender:
                 self._sock(live), self.cache, src, layers, req_id=req_id, reply_to=self.instance_id,
                 block_offset=dst[0] - live.num_cached_blocks, num_prompt_tokens=live.num_prompt_tokens, t_start=live.t_start)
             live.gather_ms += gather_ms
-            live.parts += 1
             self.messages_sent += 1
             if keep is not None:
                 live.keep.append(keep)
@@ -235,11 +199,10 @@ class LayerwiseSender:
             if live is None:
                 return
             live.all_sent = True
-            if live.first_token is not None:
-                self._send_last(req_id, live)
+            self._send_last(req_id, live)
 
-    def _send_last(self, req_id: str, live: _Live) -> None:  # lock held
-        if live.finished:
+    def _send_last(self, req_id: str, live: _Live) -> None:  # lock held; once both are in
+        if live.finished or not live.all_sent or live.first_token is None:
             return
         live.finished = True
         check_send_allowed("LayerwiseSender last part")
@@ -255,6 +218,11 @@ class LayerwiseSender:
             raise ConnectionError(f"decode instance {live.peer_id} was unpaired")
         return sock
 
+    def _close_sock(self, peer_id: str) -> None:  # lock held
+        sock = self.socks.pop(peer_id, None)
+        if sock is not None:
+            sock.close(0)
+
     def _failed(self, req_id: str, exc: BaseException) -> None:
         if req_id == "?":
             return
@@ -268,7 +236,6 @@ class LayerwiseSender:
             self.worker.stop(max(1.0, 4 * self.poll_s))
             self.worker = None
         with self._lock:
-            for sock in self.socks.values():
-                sock.close(0)
-            self.socks.clear()
+            for peer_id in list(self.socks):
+                self._close_sock(peer_id)
         self.signaller.close()

@@ -1,12 +1,8 @@
-"""A thread that reads the signal segment and drives a :class:`LayerwiseScheduler`.
-
-The thread polls the segment (:meth:`SignalReader.wait_change`, bounded by ``poll_s``), hands
-every layer whose step moved to :meth:`LayerwiseScheduler.on_layer_signal` (which makes the
-sends, in this thread), and aborts requests whose layers stay unsignalled for
-``signal_timeout_s`` with a :class:`TimeoutError` naming the request, layer, step and segment.
-:meth:`stop` ends it within ``poll_s``; nothing in it waits without a bound. While the scheduler
-has no request in flight the thread does not poll the segment: it sleeps until :meth:`wake`
-(call it after registering a request) or ``poll_s``, so an idle server costs no CPU.
+"""A thread that reads the signal segment and drives a :class:`LayerwiseScheduler`: every layer
+whose step moved goes to :meth:`~LayerwiseScheduler.on_layer_signal` (the sends run in this
+thread); a request whose layers stay unsignalled for ``signal_timeout_s`` is aborted with a
+:class:`TimeoutError`. With no request in flight it sleeps until :meth:`~LayerwiseWorker.wake`
+or ``poll_s``; every wait is bounded by ``poll_s``.
 """
 
 from __future__ import annotations
@@ -30,17 +26,16 @@ class LayerwiseWorker:
     scheduler : LayerwiseScheduler
         Receives the layer signals; its ``send`` runs in this thread.
     reader : SignalReader or SignalChannel
-        Anything with ``steps()``, ``wait_change(last, timeout_s)`` and ``name``.
+        Anything with ``num_layers``, ``wait_change(last, timeout_s)`` and ``name``.
     poll_s : float
         Longest single wait (seconds); bounds how long :meth:`stop` takes.
     signal_timeout_s : float
         A request whose awaited layer is not signalled for this long is aborted.
     on_error : callable, optional
-        ``on_error(request_id, exc)`` for timeouts (and send errors if the scheduler has no
-        handler of its own); by default they are logged and kept in :attr:`errors`.
+        ``on_error(request_id, exc)`` for timeouts (and send errors the scheduler raises); they
+        are always kept in :attr:`errors`, and logged without ``on_error``.
     spin_s, max_sleep_s : float
-        Polling of :meth:`SignalReader.wait_change`: spin this long, then sleep up to
-        ``max_sleep_s`` between reads (lower latency costs CPU and, in-process, GIL time).
+        Passed to :meth:`SignalReader.wait_change` (spin, then sleep up to ``max_sleep_s``).
     """
 
     def __init__(self, scheduler: LayerwiseScheduler, reader, *, poll_s: float = 0.05,
@@ -81,12 +76,6 @@ class LayerwiseWorker:
             return True
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
-
-    def __enter__(self) -> "LayerwiseWorker":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     def _report(self, request_id: str, exc: BaseException) -> None:
         self.errors.append((request_id, exc))
