@@ -36,8 +36,8 @@ import torch
 from kvflow.cache import PagedKVCache
 from kvflow.context import sends_allowed
 from kvflow.kernels import gather_blocks, scatter_blocks
-from kvflow.protocol import (KVPushed, NixlAgentInfo, ProtocolError, decode_agent_info,
-                             encode_agent_info)
+from kvflow.connector.messages import (KVPushed, NixlAgentInfo, ProtocolError, decode_agent_info,
+                                       encode_agent_info)
 
 from .base import (KVReceiver, KVSender, Peer, PrefillJob, SlotsTaken, TransferError,
                    TransferStats)
