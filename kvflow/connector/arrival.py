@@ -19,7 +19,8 @@ import logging
 import time
 from typing import Any, Callable
 
-from kvflow.connector.messages import DATA_MESSAGES, KVData, KVLayer, KVPushed, KVReady
+from kvflow.connector.messages import (DATA_MESSAGES, KVAck, KVData, KVLayer, KVPushed, KVReady,
+                                       LeaseRenew)
 
 log = logging.getLogger("kvflow.connector.arrival")
 
