@@ -88,7 +88,7 @@ class Pair(WireMsg):
     peer_spec: dict[str, Any]
     peer_num_blocks: int
     data_addr: str = ""             # to P: D's data address
-    shm_name: str = ""              # the peer's exported cache (ipc): P's to D (pull), D's to P (push)
+    shm_name: str = ""              # the peer's ipc export: P's to D (pull), D's to P (push)
     peer_pid: int = 0               # the peer's process id (one host: a liveness check)
     peer_host_id: str = ""          # the peer's Register.host_id: its pid is comparable when equal
     peer_fingerprint: dict[str, Any] = {}  # the peer's Register.fingerprint, checked too
