@@ -111,40 +111,20 @@ encode, decode, decode_or_log = CODEC.encode, CODEC.decode, CODEC.decode_or_log
 
 class NixlAgentInfo(msgspec.Struct, forbid_unknown_fields=True):
     """What a ``nixl`` instance tells its peers at pairing (msgpack in
-    ``Register.connector_md`` / ``Pair.peer_connector_md``; not a message).
-
-    Attributes
-    ----------
-    agent : str
-        The NIXL agent's name (unique per instance).
-    metadata : bytes
-        ``nixl_agent.get_agent_metadata()`` (backends, UCX worker address, registered memory);
-        a peer loads it with ``add_remote_agent``.
-    cache_addr, cache_bytes : int
-        D: address and size (bytes) of its whole registered KV cache (one allocation, laid out
-        as :class:`~kvflow.cache.PagedKVCache`); 0 for P.
-    num_blocks : int
-        Blocks of that cache.
-    staging_addr, staging_slots, slot_bytes : int
-        D in staged mode: its registered staging buffer of ``staging_slots`` slots of
-        ``slot_bytes`` bytes each (one per paired P); 0 otherwise.
-    mode : str
-        ``direct`` or ``staged``: P and D must agree.
-    mem_type, device_id : str, int
-        Where that memory lives, as NIXL names it: ``DRAM`` (host, device 0) or ``VRAM`` (GPU
-        ``device_id``, the CUDA ordinal on the sender's host).
-    """
-    agent: str
-    metadata: bytes
-    cache_addr: NonNeg = 0
-    cache_bytes: NonNeg = 0
-    num_blocks: NonNeg = 0
-    staging_addr: NonNeg = 0
-    staging_slots: NonNeg = 0
-    slot_bytes: NonNeg = 0
-    mode: str = "direct"
-    mem_type: Literal["DRAM", "VRAM"] = "DRAM"
-    device_id: NonNeg = 0
+    ``Register.connector_md`` / ``Pair.peer_connector_md``; not a message). D's cache is one
+    registered allocation laid out as :class:`~kvflow.cache.PagedKVCache`; in staged mode D
+    also registers a staging buffer of one slot per paired P."""
+    agent: str                      # the NIXL agent's name (unique per instance)
+    metadata: bytes                 # get_agent_metadata(): what a peer's add_remote_agent loads
+    cache_addr: NonNeg = 0          # D: address of its registered KV cache; 0 for P
+    cache_bytes: NonNeg = 0         # D: its size in bytes; 0 for P
+    num_blocks: NonNeg = 0          # blocks of that cache
+    staging_addr: NonNeg = 0        # D, staged mode: its staging buffer; 0 otherwise
+    staging_slots: NonNeg = 0       # D, staged mode: slots of that buffer (one per paired P)
+    slot_bytes: NonNeg = 0          # D, staged mode: bytes of one slot
+    mode: str = "direct"            # "direct" or "staged": P and D must agree
+    mem_type: Literal["DRAM", "VRAM"] = "DRAM"  # where the memory lives: host or GPU
+    device_id: NonNeg = 0           # VRAM: the CUDA ordinal on the sender's host (DRAM: 0)
 
 
 _INFO_DECODER = msgspec.msgpack.Decoder(NixlAgentInfo)

@@ -19,12 +19,7 @@ from typing import Annotated, Any
 import msgspec
 
 from kvflow.connector import DATA_MESSAGES
-from kvflow.wire import Codec, ProtocolError, WireMsg
-
-__all__ = ["Abort", "Allocate", "Allocated", "CODEC", "CONTROL_MESSAGES", "Heartbeat", "Leaving",
-           "MESSAGE_TYPES", "PROTOCOL_VERSION", "Pair", "PairResult", "Prefill", "ProtocolError",
-           "Register", "Registered", "Rejected", "Reregister", "Tokens", "Unpair", "decode",
-           "decode_or_log", "encode"]
+from kvflow.wire import Codec, ProtocolError, WireMsg  # noqa: F401 (ProtocolError: the codec's)
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
@@ -197,9 +192,4 @@ MESSAGE_TYPES = CONTROL_MESSAGES + tuple(DATA_MESSAGES)
 
 CODEC = Codec(MESSAGE_TYPES, what="kvflow.serve.protocol", reject="rejected control frame",
               logger="kvflow.serve.protocol")
-#: One frame from a message (TypeError for any other object).
-encode = CODEC.encode
-#: The message in one frame (:class:`ProtocolError` naming the fault).
-decode = CODEC.decode
-#: :func:`decode`, logging a rejected frame (naming its source) and returning None.
-decode_or_log = CODEC.decode_or_log
+encode, decode, decode_or_log = CODEC.encode, CODEC.decode, CODEC.decode_or_log  # kvflow.wire.Codec
