@@ -1,7 +1,7 @@
 """The one wire codec of kvflow: typed messages as MessagePack, never pickle.
 
-Every message family (serve's control plane and the connectors' data plane in
-:mod:`kvflow.protocol`, the vLLM connector's pull protocol in
+Every message family (serve's control plane, :mod:`kvflow.serve.protocol`; the connectors'
+data plane, :mod:`kvflow.connector.messages`; the vLLM connector's pull protocol,
 :mod:`kvflow.integrations.vllm.messages`) subclasses :class:`WireMsg` and builds one
 :class:`Codec` over the union of its classes. A frame is decoded against that union only: an
 unknown tag, a missing or extra field, a wrong type or bytes that are not msgpack raise
@@ -45,7 +45,7 @@ class Codec:
     types : tuple of WireMsg subclasses
         The family's messages (their tags must differ).
     what : str
-        The family's name in errors, e.g. ``"kvflow.protocol"`` or ``"control frame"``.
+        The family's name in errors, e.g. ``"kvflow.serve.protocol"`` or ``"control frame"``.
     reject : str
         The start of a rejection message: ``"{reject} ({n} bytes): {fault}"``.
     logger : str

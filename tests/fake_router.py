@@ -8,7 +8,7 @@ import time
 
 import zmq
 
-from kvflow.protocol import Heartbeat, Pair, decode, encode
+from kvflow.serve.protocol import Heartbeat, Pair, decode, encode
 
 
 class FakeRouter:

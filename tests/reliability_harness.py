@@ -4,7 +4,8 @@ instead of sent, and delivered by the test one by one — every interleaving is 
 
 from __future__ import annotations
 
-from kvflow.protocol import (Abort, Allocate, KVAck, LeaseRenew, Pair, Prefill, decode, encode)
+from kvflow.connector.messages import KVAck, LeaseRenew
+from kvflow.serve.protocol import Abort, Allocate, Pair, Prefill, decode, encode
 from kvflow.connector import Peer
 from kvflow.serve.instance.decode import DecodeInstance
 from kvflow.serve.launch.config import ServeConfig
@@ -156,7 +157,7 @@ class PD:
         p_table, header, frames = self.prefill(req_id, token_ids, alloc)
         self.deliver(header, frames)
         self.decode_all()
-        from kvflow.protocol import Tokens
+        from kvflow.serve.protocol import Tokens
         toks = [m for m in self.take(self.d, Tokens) if m.req_id == req_id]
         return alloc, p_table, header, toks
 
@@ -166,7 +167,7 @@ def time_out_on_d(pd: PD, token_ids, timeout_s: float = 0.1):
     end the request before any KV came; returns ``(req_id, D's final Tokens)``."""
     import time
 
-    from kvflow.protocol import Tokens
+    from kvflow.serve.protocol import Tokens
     pd.d.receive_timeout_s = timeout_s
     req, _ = pd.allocate(token_ids)
     time.sleep(1.5 * timeout_s)

@@ -3,7 +3,7 @@ below the kinds and their contract; the vLLM connector stands on the connector's
 (``kvflow.connector``), the transport layer (``kvflow.connector.transport.*``) and the wire
 codec (``kvflow.wire``), plus the modules below the connector (cache, layout, kernels,
 segments, vllm_layout); never on a kind's module (``kvflow.connector.tcp``, ``ipc_push``, ...,
-``base``) nor on serving's protocol (``kvflow.protocol``).
+``base``) nor on serving's protocol (``kvflow.serve.protocol``).
 
 Imports are read with ``ast`` as in :mod:`tests.test_import_graph` (every import in the file,
 function-level ones included).
@@ -60,7 +60,8 @@ def test_the_transport_layer_imports_no_kind_nor_the_contract():
 def test_an_import_of_a_kind_module_or_the_protocol_is_named(tmp_path):
     files = {
         "kvflow/__init__.py": "",
-        "kvflow/protocol.py": "",
+        "kvflow/serve/__init__.py": "",
+        "kvflow/serve/protocol.py": "",
         "kvflow/wire.py": "",
         "kvflow/connector/__init__.py": "",
         "kvflow/connector/base.py": "",
@@ -77,7 +78,7 @@ def test_an_import_of_a_kind_module_or_the_protocol_is_named(tmp_path):
             "from kvflow.connector.base import TransferError\n"  # a kind's contract: refused
             "def f():\n"
             "    from kvflow.connector import ipc_push\n"        # lazy, a kind: refused
-            "    import kvflow.protocol\n"),                     # serving's wire: refused
+            "    import kvflow.serve.protocol\n"),               # serving's wire: refused
         "kvflow/integrations/vllm/b.py": "from kvflow.connector.tcp import frame_tensor\n",
         "kernels/__init__.py": "",
     }
@@ -87,6 +88,6 @@ def test_an_import_of_a_kind_module_or_the_protocol_is_named(tmp_path):
     assert refused_imports(tmp_path) == [
         "kvflow.integrations.vllm.a -> kvflow.connector.base",
         "kvflow.integrations.vllm.a -> kvflow.connector.ipc_push",
-        "kvflow.integrations.vllm.a -> kvflow.protocol",
+        "kvflow.integrations.vllm.a -> kvflow.serve.protocol",
         "kvflow.integrations.vllm.b -> kvflow.connector.tcp",
     ]

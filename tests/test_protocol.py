@@ -9,9 +9,11 @@ import pickle
 import msgspec
 import pytest
 
-from kvflow import protocol
-from kvflow.protocol import (Allocate, KVData, ProtocolError, Register, Tokens, decode,
-                             decode_or_log, encode)
+from kvflow.connector import messages
+from kvflow.connector.messages import KVData
+from kvflow.serve import protocol
+from kvflow.serve.protocol import (Allocate, ProtocolError, Register, Tokens, decode, decode_or_log,
+                                   encode)
 
 
 def test_every_message_round_trips():
@@ -43,16 +45,17 @@ def test_bad_frames_are_rejected(frame, why, caplog):
         decode(frame)
     if why not in ("not msgpack", "pickle"):
         assert why in str(info.value)
-    with caplog.at_level(logging.ERROR, logger="kvflow.protocol"):
+    with caplog.at_level(logging.ERROR, logger="kvflow.serve.protocol"):
         assert decode_or_log(frame, "instance 'x'") is None
     assert "from instance 'x': rejected control frame" in caplog.text
 
 
 def test_encode_refuses_non_messages():
-    with pytest.raises(TypeError, match="msg must be a kvflow.protocol message, got dict"):
+    with pytest.raises(TypeError, match="msg must be a kvflow.serve.protocol message, got dict"):
         encode({"type": "abort", "req_id": "a"})
 
 
 def test_module_never_uses_pickle():
-    src = open(protocol.__file__).read()
-    assert "import pickle" not in src and "pickle.loads" not in src
+    for module in (protocol, messages):
+        src = open(module.__file__).read()
+        assert "import pickle" not in src and "pickle.loads" not in src

@@ -125,7 +125,7 @@ def test_unlink_own_removes_this_process_s_segments_of_every_kind_and_no_other(t
 def test_router_keeps_the_segment_of_an_instance_it_cannot_judge():
     """An instance in another pid namespace declared dead (missed heartbeats) keeps its
     segment: the router judged it by a pid that means nothing here and unlinked it."""
-    from kvflow.protocol import Register
+    from kvflow.serve.protocol import Register
     from kvflow.serve.router.control import Controller, InstanceInfo
     me = Owner.me()
     nobody = int(open("/proc/sys/kernel/pid_max").read()) + 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import zmq
 
-from kvflow.protocol import decode
+from kvflow.serve.protocol import decode
 
 
 @pytest.fixture

@@ -63,7 +63,7 @@ class _Peer:
         return {}
 
     def recv(self, ids: list[int]) -> dict:
-        from kvflow.protocol import decode
+        from kvflow.connector.messages import decode
         from .remote_pair import BENCH_REQ
         self.receiver.expect(BENCH_REQ)  # as D does at allocation (nixl: progress fast)
         _, head, *frames = self.data.recv_multipart(copy=False)

@@ -104,7 +104,7 @@ class _Pair:
 
     def request(self, src_ids: list[int], dst_ids: list[int]):
         """One request end to end; returns D's TransferStats."""
-        from kvflow.protocol import decode
+        from kvflow.connector.messages import decode
         job = bench_job(self.p_cache.spec, src_ids, dst_ids)
         self.receiver.expect(job.req_id)  # as D does at allocation (nixl: progress fast)
         handoff = self.sender.send_prefilled(job, 0)

@@ -29,7 +29,7 @@ from .kinds import KINDS, Kind, Option, check_options, register_kind
 
 __all__ = ["Arrival", "CONNECTORS", "Freed", "Handoff", "Held", "KINDS", "KVReceiver", "KVSender",
            "KVVerifyError", "Kind", "LeaseLinks", "LentBlocks", "Option", "Peer", "PrefillJob",
-           "Renewals",
+           "DATA_MESSAGES", "Renewals",
            "SlotsTaken", "TransferError", "TransferStats", "bind_to_host", "check_connector_config",
            "get_kind", "is_data_message", "lease_socket", "make_receiver", "make_sender",
            "register_kind", "resolve_connector", "scales_refusal"]
@@ -38,7 +38,7 @@ _BASE = ("Handoff", "KVReceiver", "KVSender", "Peer", "PrefillJob", "SlotsTaken"
          "TransferStats")
 _SIDES = {"Arrival": "arrival", "is_data_message": "arrival", "LentBlocks": "lent",
            "Renewals": "lease", "LeaseLinks": "lease", "lease_socket": "lease", "Freed": "held",
-           "Held": "held"}
+           "Held": "held", "DATA_MESSAGES": "messages"}
 
 
 def __getattr__(name: str) -> Any:  # the contract loads torch: import it on first use

@@ -19,12 +19,11 @@ import logging
 import time
 from typing import Any, Callable
 
-from kvflow.protocol import KVAck, KVData, KVLayer, KVPushed, KVReady, LeaseRenew
+from kvflow.connector.messages import (DATA_MESSAGES, KVAck, KVData, KVLayer, KVPushed, KVReady,
+                                       LeaseRenew)
 
 log = logging.getLogger("kvflow.connector.arrival")
 
-#: the data plane between P and D (the rest of :mod:`kvflow.protocol` is serve's control plane)
-DATA_MESSAGES = (KVReady, KVData, KVLayer, KVPushed, KVAck, LeaseRenew)
 _TO_D = (KVReady, KVData, KVLayer, KVPushed)
 
 DONE, PART, FAILED, IGNORED = "done", "part", "failed", "ignored"

@@ -21,7 +21,7 @@ import dataclasses
 import time
 from typing import Any
 
-from kvflow.protocol import KVAck, LeaseRenew
+from kvflow.connector.messages import KVAck, LeaseRenew
 
 
 @dataclasses.dataclass

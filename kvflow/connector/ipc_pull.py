@@ -28,7 +28,7 @@ import torch
 from kvflow.cache import PagedKVCache
 from kvflow.kernels import copy_blocks, copy_sequence, payload_bytes
 from kvflow.kernels.digest import digest_blocks
-from kvflow.protocol import KVLayer, KVReady, encode
+from kvflow.connector.messages import KVLayer, KVReady, encode
 
 from .base import KVReceiver, Peer, TransferError, TransferStats, as_ids, check_send_allowed
 from .framed import FramedSender

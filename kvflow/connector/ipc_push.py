@@ -44,7 +44,7 @@ import torch
 from kvflow.cache import PagedKVCache
 from kvflow.context import sends_allowed
 from kvflow.kernels import copy_blocks, payload_bytes
-from kvflow.protocol import KVPushed, encode
+from kvflow.connector.messages import KVPushed, encode
 
 from .base import (KVReceiver, KVSender, Peer, PrefillJob, Prefilling, TransferError,
                    TransferStats, check_send_allowed)

@@ -19,7 +19,7 @@ import time
 
 import zmq
 
-from kvflow.protocol import LeaseRenew, encode
+from kvflow.connector.messages import LeaseRenew, encode
 
 
 class Renewals:

@@ -13,7 +13,7 @@ import torch
 from kvflow.cache import PagedKVCache
 from kvflow.context import sends_allowed
 from kvflow.kernels import gather_blocks
-from kvflow.protocol import NixlAgentInfo, encode_agent_info
+from kvflow.connector.messages import NixlAgentInfo, encode_agent_info
 
 from .base import KVSender, Peer, PrefillJob, TransferError
 from .ipc_push import PushSender

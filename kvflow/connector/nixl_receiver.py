@@ -14,7 +14,7 @@ import torch
 
 from kvflow.cache import PagedKVCache, staging_shape
 from kvflow.kernels import scatter_blocks
-from kvflow.protocol import (KVPushed, NixlAgentInfo, ProtocolError, decode_agent_info,
+from kvflow.connector.messages import (KVPushed, NixlAgentInfo, ProtocolError, decode_agent_info,
                              encode_agent_info)
 
 from .base import KVReceiver, Peer, SlotsTaken, TransferError, TransferStats

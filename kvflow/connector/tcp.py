@@ -28,7 +28,7 @@ import torch
 from kvflow.cache import PagedKVCache, staging_buffer
 from kvflow.kernels import gather_blocks, payload_bytes, scatter_blocks
 from kvflow.kernels.digest import fold
-from kvflow.protocol import KVData, KVLayer, encode
+from kvflow.connector.messages import KVData, KVLayer, encode
 
 from .base import KVReceiver, TransferError, TransferStats, as_ids, check_send_allowed
 from .framed import FramedSender

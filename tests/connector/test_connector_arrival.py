@@ -13,7 +13,7 @@ import torch
 from kvflow import KVCacheSpec
 from kvflow.blocks import BlockAllocator
 from kvflow.connector import KVReceiver, Renewals, TransferError, TransferStats
-from kvflow.protocol import KVAck, KVLayer, KVPushed, KVReady, LeaseRenew
+from kvflow.connector.messages import KVAck, KVLayer, KVPushed, KVReady, LeaseRenew
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=8, block_size=4, dtype=torch.float32)
 STATS = TransferStats(blocks=2, payload_bytes=2 * SPEC.bytes_per_block, copy_ms=0.25)

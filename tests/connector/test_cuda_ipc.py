@@ -330,7 +330,7 @@ def test_receiver_keeps_one_mapping_per_prefill_and_reads_the_senders(monkeypatc
     is refused by name."""
     import kvflow.connector.transport.cuda_ipc as ci
     from kvflow.connector.ipc_pull import CudaIpcPullReceiver
-    from kvflow.protocol import KVLayer, KVReady
+    from kvflow.connector.messages import KVLayer, KVReady
 
     def filled(v):
         c = PagedKVCache(SPEC, 8)

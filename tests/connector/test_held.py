@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from kvflow.connector import Freed, Handoff, Held
 from kvflow.connector.held import HeldSide
-from kvflow.protocol import Abort, KVAck, LeaseRenew
+from kvflow.connector.messages import KVAck, LeaseRenew
+from kvflow.serve.protocol import Abort
 
 
 class Sender(HeldSide):

@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from kvflow.connector import LeaseLinks, Renewals, lease_socket
-from kvflow.protocol import LeaseRenew, decode
+from kvflow.connector.messages import LeaseRenew, decode
 
 
 @pytest.fixture

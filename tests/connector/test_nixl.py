@@ -17,8 +17,8 @@ from kvflow import KVCacheSpec
 from kvflow.connector import Peer, PrefillJob, TransferError, make_receiver, make_sender
 from kvflow.connector.transport.nixl_agent import nixl_available, tcp_tls
 from kvflow.connector.transport.nixl_plan import coalesce, desc_indices, num_descriptors
-from kvflow.protocol import (NixlAgentInfo, ProtocolError, decode, decode_agent_info,
-                             encode_agent_info)
+from kvflow.connector.messages import (NixlAgentInfo, ProtocolError, decode, decode_agent_info,
+                                       encode_agent_info)
 from kvflow.serve.advertise import advertised_host
 
 os.environ.setdefault("UCX_TLS", tcp_tls())  # the network path, also between local processes

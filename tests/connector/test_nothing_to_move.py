@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvflow import KVCacheSpec, PagedKVCache
-from kvflow.protocol import KVData, KVLayer, KVPushed, KVReady, decode
+from kvflow.connector.messages import KVData, KVLayer, KVPushed, KVReady, decode
 from kvflow.connector import Peer, PrefillJob, make_receiver
 from kvflow.connector.ipc_pull import IpcPullSender
 from kvflow.connector.ipc_push import PushReceiver, PushSender
@@ -103,7 +103,7 @@ def _request(h, rid: str, tokens: list[int], min_tokens: int):
     """As the router does: Allocate on D, Prefill on P with D's prefix hit as
     ``num_cached_blocks``;
     returns (generated ids or the error message, D's first Tokens' kvflow dict)."""
-    from kvflow.protocol import Allocate, Allocated, Prefill, Rejected, Tokens
+    from kvflow.serve.protocol import Allocate, Allocated, Prefill, Rejected, Tokens
     h.p.connector.layerwise_min_tokens = min_tokens
     h.to(h.d, Allocate(req_id=rid, token_ids=tokens, max_tokens=5, ignore_eos=True))
     (alloc,) = h.wait_for((Allocated, Rejected), req_id=rid)

@@ -10,7 +10,7 @@ import torch
 
 from kvflow.cache import PagedKVCache
 from kvflow.kernels import copy_sequence, payload_bytes
-from kvflow.protocol import Tokens
+from kvflow.serve.protocol import Tokens
 
 from tests.reliability_harness import PD
 

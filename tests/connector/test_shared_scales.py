@@ -19,7 +19,7 @@ from kvflow.connector.ipc_pull import IpcPullSender
 from kvflow.connector.ipc_push import PushReceiver, PushSender
 from kvflow.connector.transport.shm import map_peer_cache
 from kvflow.kernels import copy_sequence
-from kvflow.protocol import decode
+from kvflow.connector.messages import decode
 from kvflow.segments import create, unlink
 
 from tests.reblock_cases import finite_, row

@@ -14,7 +14,7 @@ import torch
 
 from kvflow import KVCacheSpec, PagedKVCache
 from kvflow.context import forward_context
-from kvflow.protocol import KVData, KVReady
+from kvflow.connector.messages import KVData, KVReady
 from kvflow.segments import Owner
 from kvflow.connector import Peer, TransferError, make_receiver
 from kvflow.connector.ipc_pull import IpcPullSender
@@ -159,7 +159,7 @@ def test_tcp_frames_land_in_a_cuda_cache_byte_exact():
     (once refused: "src is on cpu; the cache is on cuda:0")."""
     from kvflow.connector import make_receiver
     from kvflow.connector.tcp import TcpSender
-    from kvflow.protocol import decode
+    from kvflow.connector.messages import decode
     spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float16)
     src = PagedKVCache(spec, 8, device="cuda")
     for t in src.tensors():

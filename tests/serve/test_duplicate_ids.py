@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvflow.protocol import Abort, Allocate, Prefill, Rejected, Tokens
+from kvflow.serve.protocol import Abort, Allocate, Prefill, Rejected, Tokens
 
 from tests.reliability_harness import PD
 from tests.serve.test_reliability_pd import TEXT, colocated, tokens_of
@@ -49,7 +49,7 @@ def test_second_prefill_with_a_live_id_is_refused_and_nothing_leaks(pd):
         assert rej.error == p_refusal(pd, req) and not pd.p.queue
     (frames,) = pd.link.frames
     pd.link.frames.clear()
-    from kvflow.protocol import decode
+    from kvflow.serve.protocol import decode
     pd.deliver(decode(frames[0]), frames[1:])
     pd.decode_all()
     assert tokens_of(pd.take(pd.d, Tokens)) == colocated(pd, prompt)
@@ -79,5 +79,5 @@ def test_second_allocate_with_a_live_id_is_refused_and_nothing_leaks(pd):
     pd.p.on_abort(Abort(req_id=req), [], None)            # P: nothing more will be written
     (frames,) = pd.link.frames
     pd.link.frames.clear()
-    from kvflow.protocol import decode
+    from kvflow.serve.protocol import decode
     pd.deliver(decode(frames[0]))                         # D frees the lent blocks

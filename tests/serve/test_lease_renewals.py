@@ -10,7 +10,8 @@ import time
 import pytest
 import zmq
 
-from kvflow.protocol import LeaseRenew, decode
+from kvflow.connector.messages import LeaseRenew
+from kvflow.serve.protocol import decode
 from kvflow.connector import Renewals, lease_socket
 
 from tests.reliability_harness import PD

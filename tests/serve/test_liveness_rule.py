@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from kvflow.protocol import Heartbeat, Register
+from kvflow.serve.protocol import Heartbeat, Register
 from kvflow.segments import ALIVE, DEAD, UNKNOWN, host_id
 from kvflow.serve.router.control import Controller
 from kvflow.serve.router.liveness import StallClock, judge

@@ -9,7 +9,7 @@ import types
 
 import zmq
 
-from kvflow.protocol import Heartbeat, Unpair, encode
+from kvflow.serve.protocol import Heartbeat, Unpair, encode
 import kvflow.serve.instance.loop as loop_mod
 from kvflow.serve.instance.loop import EventLoop
 

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from kvflow.model import PRESETS, LlamaForCausalLM, ModelConfig, load_model
 from kvflow.model.llama import init_random_
 from kvflow.model.loader import SEED
-from kvflow.protocol import Pair, PairResult
+from kvflow.serve.protocol import Pair, PairResult
 from kvflow.serve.instance.decode import DecodeInstance
 from kvflow.serve.instance.fingerprint import check_fingerprint, model_fingerprint
 from kvflow.serve.instance.prefill import PrefillInstance

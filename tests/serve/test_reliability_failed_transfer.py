@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvflow.protocol import KVPushed, Tokens
+from kvflow.connector.messages import KVPushed
+from kvflow.serve.protocol import Tokens
 
 from tests.reliability_harness import PD, every_block_back
 from tests.serve.test_reliability_pd import TEXT, colocated, tokens_of

@@ -8,7 +8,7 @@ import torch
 
 from kvflow.connector.transport.nixl_agent import nixl_available
 from kvflow.layout import KVCacheSpec
-from kvflow.protocol import Pair, PairResult, Unpair
+from kvflow.serve.protocol import Pair, PairResult, Unpair
 from kvflow.serve.instance.decode import DecodeInstance
 from kvflow.serve.instance.pairing import check_pairing
 from kvflow.serve.instance.prefill import PrefillInstance
@@ -61,7 +61,7 @@ def test_a_p_refused_for_want_of_a_staging_slot_pairs_once_the_slot_frees():
 def _ctl_with(*regs):
     """A router Controller holding ``regs`` ((id, role, connector) each), every send captured
     in ``ctl.sent`` as (instance id, message)."""
-    from kvflow.protocol import Register
+    from kvflow.serve.protocol import Register
     from kvflow.serve.router.control import Controller, InstanceInfo
     ctl = Controller()
     ctl.sent = []

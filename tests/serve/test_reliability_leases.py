@@ -18,8 +18,8 @@ import time
 import pytest
 
 from kvflow.connector import Peer
-from kvflow.protocol import (Abort, KVPushed, Pair, Prefill, Rejected, Tokens, Unpair,
-                             decode)
+from kvflow.connector.messages import KVPushed
+from kvflow.serve.protocol import Abort, Pair, Prefill, Rejected, Tokens, Unpair, decode
 from kvflow.segments import host_id
 from kvflow.serve.instance.prefill import PrefillInstance
 

@@ -16,7 +16,7 @@ import pytest
 
 from kvflow.connector import Peer
 from kvflow.connector.transport.nixl_agent import nixl_available, tcp_tls
-from kvflow.protocol import Abort, Pair, PairResult, Prefill, Rejected, Tokens
+from kvflow.serve.protocol import Abort, Pair, PairResult, Prefill, Rejected, Tokens
 
 from tests.reliability_harness import PD, every_block_back
 from tests.serve.test_reliability_pd import TEXT, colocated, tokens_of
@@ -148,7 +148,7 @@ def test_a_d_whose_agent_p_cannot_load_is_never_paired_and_a_prefill_naming_it_i
     is refused with P's exact message; the paired D serves on."""
     import msgspec
 
-    from kvflow.protocol import decode_agent_info, encode_agent_info
+    from kvflow.connector.messages import decode_agent_info, encode_agent_info
     info = decode_agent_info(pd.d.receiver.export()["connector_md"])
     bad = encode_agent_info(msgspec.structs.replace(info, metadata=b"not an agent's metadata"))
     gone = "d-unmappable"

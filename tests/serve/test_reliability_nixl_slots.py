@@ -12,7 +12,7 @@ import time
 import pytest
 
 from kvflow.connector.transport.nixl_agent import nixl_available, tcp_tls
-from kvflow.protocol import Abort, Pair, PairResult, Prefill, Rejected, Tokens, decode
+from kvflow.serve.protocol import Abort, Pair, PairResult, Prefill, Rejected, Tokens, decode
 from kvflow.serve.instance.decode import DecodeInstance
 from kvflow.serve.instance.prefill import PrefillInstance
 

@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from kvflow.protocol import KVAck, KVReady, LeaseRenew, Rejected, Tokens
+from kvflow.connector.messages import KVAck, KVReady, LeaseRenew
+from kvflow.serve.protocol import Rejected, Tokens
 
 from tests.reliability_harness import PD, every_block_back, greedy_tokens, time_out_on_d
 
@@ -99,7 +100,7 @@ def test_prompt_shorter_than_a_block_moves_its_one_partial_block(pd):
 
 def test_abort_while_queued_on_p(pd):
     req, alloc = pd.allocate(TEXT[:40])
-    from kvflow.protocol import Prefill
+    from kvflow.serve.protocol import Prefill
     pd.p.on_prefill(Prefill(req_id=req, token_ids=TEXT[:40], decode_id=pd.d.instance_id), [], None)
     pd.abort(req)
     assert not pd.p.has_work()
@@ -129,11 +130,11 @@ def test_abort_mid_transfer_and_while_decoding(pd, monkeypatch):
     req, alloc = pd.allocate(TEXT[:40])
     pd.deliver(*pd.prefill(req, TEXT[:40], alloc)[1:])
     assert req in pd.d.receiver.inflight and pd.d.seqs[req].req.state.name == "RECEIVING"
-    pd.d.on_abort(__import__("kvflow.protocol").protocol.Abort(req_id=req), [], None)
+    pd.d.on_abort(__import__("kvflow.serve.protocol").serve.protocol.Abort(req_id=req), [], None)
     acks = pd.take(pd.d, KVAck)
     assert [(a.req_id, a.ok) for a in acks] == [(req, False)]
     pd.p.on_data(acks[0], [], None)
-    pd.p.on_abort(__import__("kvflow.protocol").protocol.Abort(req_id=req), [], None)
+    pd.p.on_abort(__import__("kvflow.serve.protocol").serve.protocol.Abort(req_id=req), [], None)
     monkeypatch.delenv("KVFLOW_FAULT_RECEIVE_DELAY_S")
     req, alloc = pd.allocate(TEXT[:40], max_tokens=50)
     pd.deliver(*pd.prefill(req, TEXT[:40], alloc)[1:])
@@ -191,7 +192,7 @@ def test_over_capacity_refused_before_any_transfer_and_busy_when_full(pd):
 
 
 def test_prefix_hit_over_tcp_moves_only_the_missing_blocks():
-    from kvflow.protocol import KVData
+    from kvflow.connector.messages import KVData
     pd = PD(kv_connector="tcp")
     try:
         first = TEXT[:32]
@@ -219,7 +220,7 @@ def test_one_d_paired_with_two_p_reads_each_request_from_its_own_p():
     import os
 
     from kvflow.connector import Peer
-    from kvflow.protocol import Pair, Prefill, decode
+    from kvflow.serve.protocol import Pair, Prefill, decode
     from kvflow.serve.instance.prefill import PrefillInstance
 
     from tests.reliability_harness import FakeLink, make_instance

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from kvflow.context import forward_context
-from kvflow.protocol import Abort, KVPushed, Prefill, Rejected, Tokens, decode
+from kvflow.connector.messages import KVPushed
+from kvflow.serve.protocol import Abort, Prefill, Rejected, Tokens, decode
 from kvflow.segments import host_id
 from kvflow.connector import Peer, PrefillJob, TransferError
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import zmq
 
-from kvflow.protocol import Tokens, encode
+from kvflow.serve.protocol import Tokens, encode
 from kvflow.segments import SHM_DIR
 
 from tests.serve_server import Server

@@ -84,7 +84,8 @@ def test_mla_maps_only_to_mla():
 
 def test_mismatched_d_attaches_nothing_and_writes_nothing():
     from tests.reliability_harness import make_instance
-    from kvflow.protocol import KVReady, Pair
+    from kvflow.connector.messages import KVReady
+    from kvflow.serve.protocol import Pair
     from kvflow.serve.instance.decode import DecodeInstance
     d = make_instance(DecodeInstance, "decode", block_size=32)
     try:
@@ -96,7 +97,7 @@ def test_mismatched_d_attaches_nothing_and_writes_nothing():
         assert not res.ok and d.receiver.peer is None
         assert f"head_dim: {d.spec.head_dim} ({d.instance_id}) vs {theirs.head_dim}" in res.error
         d.send = lambda *a, **k: None
-        d.on_allocate(__import__("kvflow.protocol").protocol.Allocate(
+        d.on_allocate(__import__("kvflow.serve.protocol").serve.protocol.Allocate(
             req_id="r", token_ids=[1, 2], max_tokens=2), [], None)
         d.on_data(KVReady(req_id="r", src_block_ids=[0], first_token=1, num_prompt_tokens=2,
                           t_start=0.0), [], b"p-1")

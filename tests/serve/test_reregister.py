@@ -6,7 +6,7 @@ from __future__ import annotations
 import types
 
 from kvflow.serve.instance.base import Instance
-from kvflow.protocol import Registered, Reregister
+from kvflow.serve.protocol import Registered, Reregister
 
 
 def _instance():

@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvflow.model import ByteTokenizer
-from kvflow.protocol import Allocate, Rejected
+from kvflow.serve.protocol import Allocate, Rejected
 from kvflow.blocks.request import AdmissionError, admission_check
 from kvflow.serve.router.metrics import Metrics
 from kvflow.serve.router.app import create_app

@@ -15,8 +15,8 @@ import pytest
 
 from kvflow import PagedKVCache
 from kvflow.engine import Engine
-from kvflow.protocol import (Allocate, Allocated, PairResult, Prefill, Register, Rejected, Tokens,
-                             Unpair)
+from kvflow.serve.protocol import (Allocate, Allocated, PairResult, Prefill, Register, Rejected,
+                                   Tokens, Unpair)
 from kvflow.serve.instance.decode import DecodeInstance
 from kvflow.serve.launch.config import ServeConfig
 from kvflow.serve.instance.sampling import sample_token
@@ -153,7 +153,7 @@ def test_unpaired_d_is_refused_and_only_its_link_goes(connector, mode):
             assert list(p.connector.peers) == [d0.instance_id]
         if p.connector.layerwise_enabled and connector != "ipc-push":
             assert list(p.connector.layerwise.socks) == [d0.instance_id]
-        from kvflow.protocol import Abort
+        from kvflow.serve.protocol import Abort
         mesh.to(d1, Abort(req_id="b", prefill_sent=False))   # the router's clean-up
         mesh.pair(p, d1)                                      # d1 registered again: paired anew
         assert all(r.ok for r in mesh.wait_for(PairResult, 2))

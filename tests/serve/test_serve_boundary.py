@@ -90,7 +90,7 @@ def test_serve_imports_only_the_connector_face():
 
 def test_the_checks_name_each_offence_by_file_and_line():
     source = ('"""KVAck in a docstring is no offence."""\n'
-              "from kvflow.protocol import Abort, KVAck\n"
+              "from kvflow.serve.protocol import Abort, KVAck\n"
               "import kvflow.connector.lent\n"
               "from kvflow.connector import Peer, kinds, lent\n"
               "from kvflow.connector.arrival import Arrival\n"
@@ -109,7 +109,8 @@ def test_the_loop_hands_every_data_plane_message_to_on_data():
     import zmq
 
     from kvflow.connector import is_data_message
-    from kvflow.protocol import Abort, KVAck, KVPushed, LeaseRenew, encode
+    from kvflow.connector.messages import KVAck, KVPushed, LeaseRenew
+    from kvflow.serve.protocol import Abort, encode
     from kvflow.serve.instance.loop import EventLoop
 
     class Sock:
@@ -140,7 +141,7 @@ def test_the_loop_hands_every_data_plane_message_to_on_data():
 
 def test_a_loop_without_its_own_on_data_uses_the_message_handler():
     """The base ``on_data`` calls ``on_<type>`` (P and D both give their own now)."""
-    from kvflow.protocol import KVAck
+    from kvflow.connector.messages import KVAck
     from kvflow.serve.instance.loop import EventLoop
 
     got = []

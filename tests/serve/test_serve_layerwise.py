@@ -21,8 +21,8 @@ import kvflow.engine
 from kvflow.context import forward_context
 from kvflow.engine import Engine
 from kvflow.model import load_model
-from kvflow.protocol import (Abort, Allocate, Allocated, PairResult, Prefill, Register, Rejected,
-                             Tokens)
+from kvflow.serve.protocol import (Abort, Allocate, Allocated, PairResult, Prefill, Register,
+                                   Rejected, Tokens)
 from kvflow.serve.instance.decode import DecodeInstance
 from kvflow.serve.launch.config import ServeConfig
 from kvflow.serve.instance.sampling import sample_token

@@ -1,6 +1,6 @@
 """Issue 26: a clean stop of an instance is logged by the router as a stop (INFO), a crash as a
 death (ERROR). An instance stopped by SIGINT/SIGTERM tells the router it is leaving
-(:class:`~kvflow.protocol.Leaving`) before it closes its sockets; before, a Ctrl-C of a P
+(:class:`~kvflow.serve.protocol.Leaving`) before it closes its sockets; before, a Ctrl-C of a P
 started alone (``--role prefill``) was logged as ERROR "prefill instance ... exited"."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from kvflow.protocol import Heartbeat, Leaving, Unpair
+from kvflow.serve.protocol import Heartbeat, Leaving, Unpair
 
 from tests.serve.test_lease_thread import LoggedCluster
 from tests.serve.test_reliability_kinds import _ctl_with

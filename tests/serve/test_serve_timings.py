@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kvflow.protocol import Abort, Allocate, Allocated, Prefill, Register, Tokens
+from kvflow.serve.protocol import Abort, Allocate, Allocated, Prefill, Register, Tokens
 from kvflow.serve.router.api import CompletionRequest
 from kvflow.serve.router.metrics import Metrics
 from kvflow.serve.router.placement import InstanceInfo

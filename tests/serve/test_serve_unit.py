@@ -12,7 +12,7 @@ import zmq
 
 import kvflow.engine
 from kvflow import KVCacheSpec
-from kvflow.protocol import Register, decode
+from kvflow.serve.protocol import Register, decode
 from kvflow.serve.__main__ import build_parser, parse_args
 from kvflow.serve.launch.config import ServeConfig
 from kvflow.serve.instance.pairing import check_pairing

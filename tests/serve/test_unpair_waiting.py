@@ -1,5 +1,5 @@
 """Issue 26: a D waiting to pair with a P (refused for want of a nixl staging slot) is told
-when that P is declared dead (:class:`~kvflow.protocol.Unpair`), drops the waiting pairing,
+when that P is declared dead (:class:`~kvflow.serve.protocol.Unpair`), drops the waiting pairing,
 and never pairs with the dead P once a slot frees (before, the router sent Unpair only to
 accepted pairs: the D kept the pairing and later gave the dead P its free slot)."""
 
@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from kvflow.protocol import PairResult, Unpair
+from kvflow.serve.protocol import PairResult, Unpair
 from kvflow.serve.instance.decode import DecodeInstance
 from kvflow.serve.instance.prefill import PrefillInstance
 

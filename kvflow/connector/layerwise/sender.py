@@ -25,7 +25,7 @@ import zmq
 
 from kvflow.cache import PagedKVCache
 from kvflow.context import sends_allowed
-from kvflow.protocol import KVLayer, encode
+from kvflow.connector.messages import KVLayer, encode
 from kvflow.signal import LayerSignaller
 
 from ..base import PrefillJob, check_send_allowed

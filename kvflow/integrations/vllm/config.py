@@ -15,8 +15,8 @@ RENAMED = {"ipc": "ipc-push"}
 
 
 def check_transport(transport: Any) -> str:
-    """``transport`` if it is one of :data:`TRANSPORTS`, else ValueError (an old name of
-    :data:`RENAMED` is refused with its new name)."""
+    """``transport`` if one of :data:`TRANSPORTS`, else ValueError (naming a renamed one's new
+    name)."""
     if transport in RENAMED:
         raise ValueError(f"kv_connector_extra_config transport {transport!r} is now called "
                          f"{RENAMED[transport]!r} (P writes into D's staging cache, as serving's "
@@ -29,9 +29,8 @@ def check_transport(transport: Any) -> str:
 
 def check_config(extra: dict[str, Any]) -> dict[str, Any]:
     """``kv_connector_extra_config`` with the defaults filled in. ValueError names the key and
-    value of: an unknown key, a bad ``transport`` (:func:`check_transport`), a number setting
-    that is not a number, ``timeout_s`` or ``staging_mb`` not > 0, ``lease_s`` not larger than
-    ``timeout_s`` (P would free blocks D may still be reading), an unknown ``backend``."""
+    value of: an unknown key, a bad ``transport``, a number setting that is not a number,
+    ``timeout_s`` or ``staging_mb`` not > 0, ``lease_s`` not > ``timeout_s``, a bad ``backend``."""
     unknown = sorted(set(extra) - set(DEFAULTS))
     if unknown:
         raise ValueError(f"kv_connector_extra_config has unknown keys {unknown}; "

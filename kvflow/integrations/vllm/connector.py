@@ -1,14 +1,6 @@
 """``KvflowConnector``: kvflow as an out-of-tree vLLM (>= 0.32) KV connector; D pulls the
-prompt's blocks after P's prefill over transport ``tcp``, ``nixl`` or ``ipc-push``::
-
-    KVTransferConfig(kv_connector="KvflowConnector",
-                     kv_connector_module_path="kvflow.integrations.vllm",
-                     kv_role="kv_producer" | "kv_consumer" | "kv_both",
-                     kv_connector_extra_config={"kvflow_port": 5601, "transport": "tcp"})
-
-One request's hooks, the failure rules, why ``save_kv_layer`` does nothing:
-docs/tutorials/vllm.md.
-"""
+prompt's blocks after P's prefill over transport ``tcp``, ``nixl`` or ``ipc-push``. Settings,
+one request's hooks, the failure rules: docs/tutorials/vllm.md."""
 
 from __future__ import annotations
 
@@ -74,8 +66,7 @@ class KvflowConnector(KVConnectorBase_V1):
         self.server: KVServer | None = None
         self.puller: Any = None
         self._jobs: queue.Queue = queue.Queue()
-        self._done_recv, self._failed_blocks = set(), set()
-        self._lock = threading.Lock()
+        self._done_recv, self._failed_blocks, self._lock = set(), set(), threading.Lock()
 
     def _release(self, request: "Request", params: dict[str, Any]) -> None:
         params["do_remote_prefill"] = False
@@ -84,9 +75,8 @@ class KvflowConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[int, bool]:
-        """D: the prompt tokens P holds beyond D's local prefix hit, loaded asynchronously.
-        Params that do not describe this very prompt (:func:`.params.check_params`) load
-        nothing: D computes the prompt itself and releases P's blocks."""
+        """D: the prompt tokens P holds beyond D's prefix hit, loaded asynchronously; params
+        of another prompt (:func:`.params.check_params`) load nothing."""
         params = request.kv_transfer_params or {}
         if not params.get("do_remote_prefill"):
             return 0, False
@@ -128,8 +118,7 @@ class KvflowConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request",
                          block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
-        """P: keep the prompt's blocks for D and return where they are. D: a request aborted
-        before its blocks were allocated releases P's blocks."""
+        """P: keep the prompt's blocks for D and return where they are."""
         from vllm.v1.request import RequestStatus
         params = request.kv_transfer_params or {}
         if params.get("do_remote_prefill"):  # D, never allocated (aborted while waiting)
@@ -154,8 +143,7 @@ class KvflowConnector(KVConnectorBase_V1):
                       "remote_prompt_hash": prompt_hash(prompt)}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Wrap vLLM's per-layer tensors (no copy); P starts serving pulls, D its loader thread
-        (with nixl, each registers the tensors' memory with a NIXL agent)."""
+        """Wrap vLLM's per-layer tensors (no copy); P starts serving pulls, D its loader."""
         self.cache = from_vllm(kv_caches)
         transport, backend = self.conf["transport"], self.conf["backend"]
         log.info("kvflow: %s over %d blocks (%s, transport %s)", self.cache.spec,
@@ -176,7 +164,7 @@ class KvflowConnector(KVConnectorBase_V1):
             threading.Thread(target=self._load_loop, name="kvflow-kv-loader", daemon=True).start()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Hand this step's pulls to the loader thread; P starts holding finished requests."""
+        """Hand this step's pulls to the loader thread; P holds finished requests."""
         meta = self._connector_metadata
         if not isinstance(meta, KvflowMeta):
             return
@@ -186,11 +174,11 @@ class KvflowConnector(KVConnectorBase_V1):
             self._jobs.put(job)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing: D computes a pulled request only after :meth:`get_finished` reported it."""
+        """Nothing: D computes a pulled request once :meth:`get_finished` reported it."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        """Nothing: during P's forward pass D has no blocks yet; D pulls after the prefill."""
+        """Nothing: D pulls after the prefill."""
 
     def wait_for_save(self) -> None:
         return
@@ -203,7 +191,7 @@ class KvflowConnector(KVConnectorBase_V1):
         return (sent or None), (recv or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """D's blocks of pulls that failed (reported with or before their request)."""
+        """D's blocks of pulls that failed."""
         with self._lock:
             failed, self._failed_blocks = self._failed_blocks, set()
         return failed
@@ -214,14 +202,12 @@ class KvflowConnector(KVConnectorBase_V1):
         self._jobs.put(None)
 
     def _load_loop(self) -> None:
-        """D's loader thread: one pull (or release) at a time, failures reported by block."""
         puller = self.puller
         while (job := self._jobs.get()) is not None:
             if not job.local_ids:
                 puller.release(job.addr, job.remote_req_id)
                 continue
-            t0 = time.perf_counter()
-            failed: list[int] = []
+            t0, failed = time.perf_counter(), []
             try:
                 nbytes = puller.pull(job.addr, job.remote_req_id, job.remote_ids, job.local_ids)
                 log.info("kvflow: pulled %d blocks (%d bytes) of %s in %.2f ms over %s",

@@ -1,7 +1,6 @@
-"""Transport ``ipc-push`` (one host): D exports a staging cache of its own spec
-(:func:`kvflow.connector.transport.shm.export_new_cache`), P maps it once and writes the
-request's blocks into it, as serving's ``ipc-push`` kind writes into D's exported cache; D copies
-them on into its blocks, ``staging_blocks`` at a time. docs/tutorials/vllm.md."""
+"""Transport ``ipc-push`` (one host): D exports a staging cache of its own spec, P maps it once
+and writes the request's blocks into it; D copies them on into its blocks, ``staging_blocks`` at
+a time. docs/tutorials/vllm.md."""
 
 from __future__ import annotations
 
@@ -22,8 +21,8 @@ STAGING_BYTES = 256 << 20
 
 
 def staging_blocks_for(spec: KVCacheSpec, max_blocks: int, budget: int = STAGING_BYTES) -> int:
-    """Blocks of D's staging cache: enough for one request of ``max_blocks`` blocks (D's longest
-    prompt), at most ``budget`` bytes, at least one block."""
+    """Blocks of D's staging cache: ``max_blocks`` (D's longest prompt), at most ``budget``
+    bytes, at least one."""
     return max(1, min(int(max_blocks), budget // spec.bytes_per_block))
 
 
@@ -33,8 +32,7 @@ def _sync(cache: PagedKVCache) -> None:
 
 
 class StagingMaps(dict):
-    """P's writable mappings of D's staging exports, by export name (one per D, mapped at its
-    first pull and kept; a D that restarts exports a new name)."""
+    """P's writable mappings of D's staging exports, by export name (mapped at first pull)."""
 
     def __init__(self, spec: KVCacheSpec, device: torch.device) -> None:
         super().__init__()
@@ -54,18 +52,17 @@ class StagingMaps(dict):
         return ""
 
     def copy_in(self, cache: PagedKVCache, msg: Pull, backend: str) -> None:
-        """Copy P's blocks ``msg.block_ids`` of ``cache`` into staging blocks ``0..k-1`` of D's
-        export (mapped by :meth:`refusal`); returns once the bytes are there."""
+        """Copy ``msg.block_ids`` of ``cache`` into blocks ``0..k-1`` of D's export; returns
+        once the bytes are there."""
         copy_blocks(cache, self[msg.staging], msg.block_ids, list(range(len(msg.block_ids))),
                     backend=backend)
         _sync(cache)
 
 
 class IpcPuller(Puller):
-    """D's end of transport ``ipc-push``: D exports a staging cache of ``staging_blocks`` blocks
-    (:func:`staging_blocks_for`; ValueError unless an int >= 1; CPU: SegmentSpaceError when it
-    does not fit the free shared memory) and copies each chunk P wrote there into its own blocks
-    with kvflow backend ``backend`` (the rest as :class:`.link.Puller`)."""
+    """D's end of transport ``ipc-push``: a staging cache of ``staging_blocks`` blocks
+    (ValueError unless an int >= 1; CPU: SegmentSpaceError when it does not fit the free shared
+    memory); each chunk P wrote there is copied on into D's blocks (the rest: as Puller)."""
 
     def __init__(self, cache: PagedKVCache, *, staging_blocks: int, timeout_s: float = 30.0,
                  backend: str = "auto", corrupt: bool = False) -> None:

@@ -1,5 +1,5 @@
-"""D's side channel to the P workers it pulls from (one ZMQ DEALER socket per P address, used
-from D's loader thread only) and :class:`Puller`, D's end of every transport."""
+""":class:`Puller`, the base of D's end of every transport, with D's side channel to the P's it
+pulls from: one ZMQ DEALER per P address, used from D's loader thread only."""
 
 from __future__ import annotations
 
@@ -12,22 +12,23 @@ from .messages import PullReply, Release, decode, encode
 
 
 class PullError(RuntimeError):
-    """A pull that did not put the KV into D's blocks (P refused or timed out, bad frames...)."""
+    """A pull that did not put the KV into D's blocks."""
 
 
 class PeerTimeout(PullError):
-    """P did not answer within the timeout (it died, hangs, or is not there)."""
+    """P did not answer within the timeout."""
 
 
-class PeerLink:
-    """D's DEALER sockets, one per P address (``tcp://host:port``). ``timeout_s``: longest wait
-    for one answer of P (seconds, > 0, else ValueError); then :class:`PeerTimeout` and the
-    socket is dropped (a late answer never reaches a later question)."""
+class Puller:
+    """D's end of a transport over D's ``cache``, called from D's loader thread.
+    ``timeout_s``: longest wait for one answer of P, and for a NIXL READ (seconds, > 0, else
+    ValueError); a P that does not answer in time gets :class:`PeerTimeout` and its socket is
+    dropped. ``corrupt``: test hook, noise instead of the moved KV."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, cache: Any, *, timeout_s: float = 30.0, corrupt: bool = False) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
-        self.timeout_s = timeout_s
+        self.cache, self.timeout_s, self.corrupt = cache, timeout_s, corrupt
         self._ctx = zmq.Context.instance()
         self._socks: dict[str, zmq.Socket] = {}
 
@@ -38,15 +39,10 @@ class PeerLink:
             s.connect(addr)
         return s
 
-    def send(self, addr: str, msg: Any) -> None:
-        """Send one message to P at ``addr``, expecting no answer."""
-        self._sock(addr).send(encode(msg))
-
     def ask(self, addr: str, msg: Any, answer: type, what: str,
             req_id: str | None = None) -> tuple[Any, list[Any]]:
-        """Send ``msg``; return P's answer of type ``answer`` (with ``req_id``, when given:
-        late answers of an earlier question are skipped) and the raw zmq frames after it, or
-        raise :class:`PeerTimeout` naming ``what`` and ``addr``."""
+        """Send ``msg``; P's answer of type ``answer`` (of ``req_id`` when given: late answers
+        are skipped) and the raw frames after it. :class:`PeerTimeout` names ``what``."""
         sock = self._sock(addr)
         sock.send(encode(msg))
         while True:
@@ -60,34 +56,18 @@ class PeerLink:
                 return reply, frames
 
     def drop(self, addr: str) -> None:
-        """Close the socket to ``addr`` (P died or answered late); the next use reconnects."""
+        """Close the socket to ``addr``; the next use reconnects."""
         if (s := self._socks.pop(addr, None)) is not None:
             s.close(linger=0)
 
-    def close(self) -> None:
-        for addr in list(self._socks):
-            self.drop(addr)
-
-
-class Puller:
-    """D's end of a transport (:class:`.transfer.KVPuller`, :class:`.ipc_push.IpcPuller`,
-    :class:`.nixl_pull.NixlPuller`) over D's ``cache``, called from D's loader thread.
-    ``timeout_s``: longest wait for one answer of P, and for a NIXL READ (seconds);
-    ``corrupt``: test hook (the negative control), noise instead of the moved KV."""
-
-    def __init__(self, cache: Any, *, timeout_s: float = 30.0, corrupt: bool = False) -> None:
-        self.cache, self.timeout_s, self.corrupt = cache, timeout_s, corrupt
-        self.link = PeerLink(timeout_s)
-
     def release(self, addr: str, req_id: str) -> None:
-        """Tell P at ``addr`` to free ``req_id``'s blocks (pulled, or never to be pulled)."""
-        self.link.send(addr, Release(req_id))
+        """Tell P at ``addr`` to free ``req_id``'s blocks."""
+        self._sock(addr).send(encode(Release(req_id)))
 
     def pull(self, addr: str, req_id: str, remote_ids: list[int], local_ids: list[int]) -> int:
         """Copy P's blocks ``remote_ids`` into D's ``local_ids`` (same length, logical order);
-        returns the payload bytes written (``len(local_ids) * spec.bytes_per_block``). Raises
-        :class:`PullError`: different lengths, P refused (its message), no answer within
-        ``timeout_s``, or the transport's own failure (bad frames; a failed or late READ)."""
+        returns the bytes written. :class:`PullError`: different lengths, P refused, no answer
+        within ``timeout_s``, or the transport failed."""
         if len(remote_ids) != len(local_ids):
             raise PullError(f"request {req_id}: {len(remote_ids)} remote blocks for "
                             f"{len(local_ids)} local blocks")
@@ -102,10 +82,11 @@ class Puller:
         raise NotImplementedError
 
     def _ask_pull(self, addr: str, msg: Any) -> tuple[Any, list[Any]]:
-        reply, frames = self.link.ask(addr, msg, PullReply, f"request {msg.req_id}", msg.req_id)
+        reply, frames = self.ask(addr, msg, PullReply, f"request {msg.req_id}", msg.req_id)
         if not reply.ok:
             raise PullError(f"request {msg.req_id}: P refused the pull: {reply.error}")
         return reply, frames
 
     def close(self) -> None:
-        self.link.close()
+        for addr in list(self._socks):
+            self.drop(addr)

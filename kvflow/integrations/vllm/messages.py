@@ -1,6 +1,6 @@
-"""The messages between D, which pulls KV, and P, which holds it: structs of the one codec of
-:mod:`kvflow.wire` (never unpickled); tcp's KV travels as raw frames after a :class:`PullReply`.
-Each transport's exchange: docs/tutorials/vllm.md, "What happens to one request"."""
+"""The messages between D, which pulls KV, and P, which holds it (:mod:`kvflow.wire`); tcp's KV
+travels as raw frames after a :class:`PullReply`. docs/tutorials/vllm.md, "What happens to one
+request"."""
 
 from __future__ import annotations
 

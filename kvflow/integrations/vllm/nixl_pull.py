@@ -1,6 +1,5 @@
-"""Transport ``nixl``: D READs P's blocks with one-sided NIXL
-(:class:`kvflow.connector.transport.nixl_agent.Agent`) once it has allocated its own; each side
-registers vLLM's KV storage once, D prepares P's descriptor list once per P (from P's
+"""Transport ``nixl``: D READs P's blocks with one-sided NIXL once it has allocated its own;
+each side registers vLLM's KV storage once, D prepares P's descriptor list once per P (from P's
 :class:`~.messages.NixlInfo`). Why D reads: docs/tutorials/vllm.md, "Why D pulls"."""
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ from .messages import NixlHello, NixlInfo, Pull
 
 
 def register(agent: Agent, cache: PagedKVCache) -> None:
-    """Register the memory under ``cache``'s tensors with ``agent``: each distinct storage
-    (vLLM may put every layer in one allocation or one per layer) once, whole."""
+    """Register each distinct storage under ``cache``'s tensors with ``agent``, once, whole."""
     seen: set[int] = set()
     for t in cache.tensors():
         storage = t.untyped_storage()
@@ -32,17 +30,16 @@ def register(agent: Agent, cache: PagedKVCache) -> None:
 
 
 def cache_descs(info: NixlInfo) -> np.ndarray:
-    """Descriptors ``(address, bytes, device_id)`` (uint64, ``len(addrs) * num_blocks`` rows) of
-    every block of the cache ``info`` describes: row ``t * num_blocks + b`` is block ``b`` of
-    tensor ``t``, ``block_bytes`` bytes at ``addrs[t] + b * block_bytes``."""
+    """Descriptors ``(address, bytes, device_id)`` (uint64) of every block ``info`` describes:
+    row ``t * num_blocks + b`` is block ``b`` of tensor ``t``."""
     return np.concatenate([block_descs(a, 1, info.num_blocks, info.block_bytes, info.device_id)
                            for a in info.addrs])
 
 
 def export(cache: PagedKVCache, role: str = "vllm-prefill") -> tuple[Agent, NixlInfo]:
-    """A new NIXL agent without a progress thread, ``cache`` registered with it, and what P
-    tells D of it in :class:`NixlInfo`. ImportError without NIXL (``pip install nixl-cu12``);
-    TransferError without its UCX backend, or for a cache neither host nor CUDA memory."""
+    """A new NIXL agent (no progress thread) with ``cache`` registered, and its
+    :class:`NixlInfo`. ImportError without NIXL; TransferError without its UCX backend, or for
+    a cache neither host nor CUDA memory."""
     agent = Agent(role, progress_thread=False)
     register(agent, cache)
     mem, dev = mem_type(cache.tensors()[0])
@@ -59,10 +56,9 @@ class _Peer(NamedTuple):
 
 
 class NixlPuller(Puller):
-    """D's end of transport ``nixl``: a check with P over the side channel, one READ, a bounded
-    wait, then ``Release``; a P that does not answer or whose READ fails is forgotten (its agent
-    removed). ``timeout_s`` bounds P's answer and, separately, the READ (the rest as
-    :class:`.link.Puller`); raises as :func:`export`."""
+    """D's end of transport ``nixl``: a check with P, one READ, a bounded wait, ``Release``; a
+    P that does not answer or whose READ fails is forgotten (arguments: as
+    :class:`.link.Puller`; raises as :func:`export`)."""
 
     def __init__(self, cache: PagedKVCache, *, timeout_s: float = 30.0,
                  corrupt: bool = False) -> None:
@@ -73,10 +69,8 @@ class NixlPuller(Puller):
         self.last_runs = 0  # coalesced runs of the last READ (descriptors per tensor)
 
     def _meet(self, addr: str) -> _Peer:
-        """Load P's agent and prepare its descriptor list (again when P's agent changed)."""
         spec = self.cache.spec
-        info, _ = self.link.ask(addr, NixlHello(spec.to_dict()), NixlInfo,
-                                f"NIXL hello to {addr}")
+        info, _ = self.ask(addr, NixlHello(spec.to_dict()), NixlInfo, f"NIXL hello to {addr}")
         if not info.ok:
             raise PullError(f"P at {addr} refused the NIXL hello: {info.error}")
         if len(info.addrs) != spec.num_tensors or info.block_bytes != spec.block_bytes:
@@ -93,7 +87,7 @@ class NixlPuller(Puller):
         return self.peers[addr]
 
     def forget(self, addr: str) -> None:
-        """Drop P at ``addr``: its prepared list and its agent (NIXL disconnects)."""
+        """Drop P at ``addr``: its prepared list and its agent."""
         if (peer := self.peers.pop(addr, None)) is not None:
             with contextlib.suppress(Exception):  # else NIXL frees it with the agent
                 peer.remote.release()

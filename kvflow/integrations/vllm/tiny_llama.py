@@ -1,9 +1,7 @@
 """A random 2-layer Llama for the vLLM tests, tutorial and benchmark:
 ``python -m kvflow.integrations.vllm.tiny_llama DIR`` (needs transformers and tokenizers).
-
-Hidden 128, 4 query and 2 KV heads of head_dim 32 (vLLM's CPU attention takes head sizes from
-32), vocab 512 (words ``w0 .. w503`` plus 8 special tokens), float32; seeded weights with
-unit-scale embeddings, so greedy picks are far from ties."""
+Hidden 128, 4 query and 2 KV heads of head_dim 32, vocab 512 (``w0 .. w503`` plus 8 special
+tokens), float32; seeded weights, unit-scale embeddings (greedy picks far from ties)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""P's :class:`KVServer` (every transport), D's :class:`KVPuller` (``tcp``: layer frames of
-:mod:`kvflow.connector.transport.frames`, every frame checked before the scatter) and
+"""P's :class:`KVServer` (every transport), D's :class:`KVPuller` (``tcp``) and
 :func:`open_puller` (D's end of any transport). P serves only a request it holds, only its
 blocks, only to a D of its spec. docs/tutorials/vllm.md, "What happens to one request"."""
 
@@ -31,17 +30,12 @@ FRAME_SIZE = "request {req_id}: layer {layer} frame holds {nbytes} bytes, expect
 
 
 class KVServer:
-    """P's end: a ROUTER socket bound at ``addr`` (e.g. ``"tcp://127.0.0.1:5601"``) over P's
-    ``cache`` (:func:`kvflow.vllm_layout.from_vllm`), served by one thread. ``transport``:
-    ``tcp`` (always served too), ``nixl`` (P's cache registered with a NIXL agent,
-    :attr:`agent`, progressed about every millisecond while a D may be READing) or ``ipc-push``
-    (copies into D's mapped staging cache). ``backend``: of ``gather_blocks`` / ``copy_blocks``;
-    ``hold_wait_s``: a pull's wait for its request to be held (seconds); ``delay_s``: test hook,
-    sleep before answering a pull.
-
-    Raises ValueError for an unknown ``transport`` (:func:`.config.check_transport`), and
-    ImportError / TransferError for ``nixl`` without NIXL or its UCX backend.
-    """
+    """P's end: a ROUTER socket bound at ``addr`` (``tcp://host:port``) over P's ``cache``,
+    served by one thread. ``transport``: ``tcp`` (always served too), ``nixl`` (the cache
+    registered with NIXL agent :attr:`agent`) or ``ipc-push`` (copies into D's mapped staging
+    cache); ``backend``: the kernels'; ``hold_wait_s``: a pull's wait for its request to be held
+    (seconds); ``delay_s``: test hook, sleep before answering a pull. ValueError for an unknown
+    ``transport``; ImportError / TransferError for ``nixl`` without NIXL or its UCX backend."""
 
     def __init__(self, cache: PagedKVCache, addr: str, *, transport: str = "tcp",
                  backend: str = "auto", hold_wait_s: float = 5.0, delay_s: float = 0.0) -> None:
@@ -68,15 +62,14 @@ class KVServer:
         self._thread.start()
 
     def hold(self, req_id: str, lease_s: float, block_ids: list[int] | None = None) -> None:
-        """Serve pulls of ``req_id``'s blocks ``block_ids`` (any block of P's cache when None)
-        until ``lease_s`` seconds from now."""
+        """Serve pulls of ``req_id``'s ``block_ids`` (None: any) for ``lease_s`` seconds."""
         with self._cond:
             self._held[req_id] = (time.monotonic() + lease_s,
                                   None if block_ids is None else frozenset(block_ids))
             self._cond.notify_all()
 
     def take_done(self) -> set[str]:
-        """Requests whose blocks P may free now (pulled, released, or lease expired)."""
+        """Requests whose blocks P may free (pulled, released, or lease expired)."""
         now = time.monotonic()
         with self._cond:
             for req_id, (deadline, _) in list(self._held.items()):
@@ -128,14 +121,12 @@ class KVServer:
         if self.delay_s:
             time.sleep(self.delay_s)
         error, frames = self._check(msg), []
-        if error:
-            pass
-        elif msg.nixl:  # D READs the blocks; held until its Release (or the lease)
+        if not error and msg.nixl:  # D READs the blocks; held until its Release (or the lease)
             with self._cond:
                 self._reading.add(msg.req_id)
-        elif msg.staging:  # into D's staging; held until its Release (or the lease)
+        elif not error and msg.staging:  # into D's staging; held until its Release (or lease)
             self.staging.copy_in(self.cache, msg, self.backend)
-        else:
+        elif not error:
             buf = staging_buffer(self.cache.spec, len(msg.block_ids), device=self.cache.device)
             gather_blocks(self.cache, torch.tensor(msg.block_ids, dtype=torch.int64), buf,
                           backend=self.backend)
@@ -160,8 +151,7 @@ class KVServer:
         except (TypeError, ValueError) as exc:
             return f"D's spec {spec} is not a KVCacheSpec: {exc}"
         diff = self.cache.spec.diff(theirs)
-        return "P and D caches differ: " + "; ".join(f"{d} (P vs D)" for d in diff) if diff \
-            else ""
+        return "P and D caches differ: " + "; ".join(f"{d} (P vs D)" for d in diff) if diff else ""
 
     def _check(self, msg: Pull) -> str:
         error = self._spec_error(msg.spec)
@@ -192,9 +182,8 @@ class KVServer:
 
 
 class KVPuller(Puller):
-    """D's end of transport ``tcp``: P's answer carries one frame per layer, checked, viewed
-    without a copy and scattered into D's blocks with kvflow backend ``backend``
-    (``cache``, ``timeout_s``, ``corrupt``: as :class:`.link.Puller`)."""
+    """D's end of transport ``tcp``: P's answer carries one frame per layer, each checked and
+    scattered into D's blocks (the arguments: as :class:`.link.Puller`)."""
 
     def __init__(self, cache: PagedKVCache, *, timeout_s: float = 30.0, backend: str = "auto",
                  corrupt: bool = False) -> None:
@@ -217,8 +206,8 @@ def open_puller(transport: str, cache: PagedKVCache, *, timeout_s: float = 30.0,
                 backend: str = "auto", corrupt: bool = False,
                 staging_blocks: int | None = None) -> Puller:
     """D's end of ``transport`` over D's ``cache`` (``staging_blocks``: ipc-push's staging
-    cache, :func:`.ipc_push.staging_blocks_for`; the rest as :class:`.link.Puller`). ValueError
-    for an unknown ``transport``, or ipc-push without ``staging_blocks`` >= 1."""
+    cache; the rest as :class:`.link.Puller`). ValueError for an unknown ``transport``, or
+    ipc-push without ``staging_blocks`` >= 1."""
     if check_transport(transport) == "nixl":
         from .nixl_pull import NixlPuller
         return NixlPuller(cache, timeout_s=timeout_s, corrupt=corrupt)

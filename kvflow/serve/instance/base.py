@@ -25,7 +25,7 @@ import os
 import secrets
 import time
 
-from kvflow.protocol import Register, Registered
+from kvflow.serve.protocol import Register, Registered
 from kvflow.segments import host_id
 
 from ..launch.config import ServeConfig

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
-from kvflow.protocol import Abort, Allocate, Prefill, Rejected
+from kvflow.serve.protocol import Abort, Allocate, Prefill, Rejected
 from kvflow.blocks import ColocatedState
 
 from . import faults

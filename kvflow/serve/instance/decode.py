@@ -28,7 +28,7 @@ import time
 import zmq
 
 from kvflow.connector import Renewals, SlotsTaken, kinds, lease_socket
-from kvflow.protocol import Abort, Allocate, Pair, PairResult, Unpair
+from kvflow.serve.protocol import Abort, Allocate, Pair, PairResult, Unpair
 from kvflow.blocks import DecodeState, PrefixCache
 from kvflow.segments import DEAD, process_state
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from kvflow.protocol import Prefill, Tokens
+from kvflow.serve.protocol import Prefill, Tokens
 
 from .sampling import sample_token, stop_reason
 

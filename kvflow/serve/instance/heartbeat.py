@@ -35,7 +35,7 @@ from typing import Callable
 import zmq
 
 from kvflow.connector import Renewals
-from kvflow.protocol import Heartbeat, encode
+from kvflow.serve.protocol import Heartbeat, encode
 
 log = logging.getLogger("kvflow.serve")
 

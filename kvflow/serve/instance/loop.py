@@ -23,7 +23,7 @@ import zmq
 
 from kvflow.connector import is_data_message
 from kvflow.context import sends_allowed
-from kvflow.protocol import Heartbeat, Leaving, decode_or_log, encode
+from kvflow.serve.protocol import Heartbeat, Leaving, decode_or_log, encode
 
 from .heartbeat import HeartbeatThread, next_seq
 

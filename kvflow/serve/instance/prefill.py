@@ -27,7 +27,7 @@ import collections
 import logging
 import time
 
-from kvflow.protocol import Abort, Pair, PairResult, Prefill, Rejected, Unpair
+from kvflow.serve.protocol import Abort, Pair, PairResult, Prefill, Rejected, Unpair
 from kvflow.blocks import NoFreeBlocksError
 from kvflow.connector import LeaseLinks
 

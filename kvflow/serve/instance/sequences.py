@@ -19,7 +19,7 @@ import logging
 import time
 from typing import Any
 
-from kvflow.protocol import Allocate, Allocated, Rejected, Tokens
+from kvflow.serve.protocol import Allocate, Allocated, Rejected, Tokens
 from kvflow.blocks import AdmissionError, NoFreeBlocksError, PrefixCache, Request, admission_check
 
 from . import faults

@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvflow.protocol import Tokens
+from kvflow.serve.protocol import Tokens
 
 from .api import (CompletionRequest, clipped, completion_chunk, completion_response, error_body,
                   usage, usage_chunk)

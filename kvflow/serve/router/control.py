@@ -16,8 +16,8 @@ from typing import Any, Callable
 import zmq
 import zmq.asyncio
 
-from kvflow.protocol import (Heartbeat, Leaving, Pair, PairResult, Register, Registered,
-                             Reregister, Tokens, Unpair, decode_or_log, encode)
+from kvflow.serve.protocol import (Heartbeat, Leaving, Pair, PairResult, Register, Registered,
+                                   Reregister, Tokens, Unpair, decode_or_log, encode)
 
 from kvflow.segments import ALIVE, DEAD, UNKNOWN, process_state
 

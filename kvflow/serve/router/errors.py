@@ -6,7 +6,7 @@ cannot register: the reason it prints before it exits 1).
 
 from __future__ import annotations
 
-from kvflow.protocol import PROTOCOL_VERSION, Register
+from kvflow.serve.protocol import PROTOCOL_VERSION, Register
 
 from .api import clipped, shown
 

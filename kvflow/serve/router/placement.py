@@ -13,7 +13,7 @@ import collections
 import dataclasses
 from typing import Any, Callable, Iterable
 
-from kvflow.protocol import Register
+from kvflow.serve.protocol import Register
 
 
 @dataclasses.dataclass

@@ -31,7 +31,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
-from kvflow.protocol import Abort, Allocate, Allocated, Prefill, Rejected, Tokens
+from kvflow.serve.protocol import Abort, Allocate, Allocated, Prefill, Rejected, Tokens
 
 from .api import CompletionRequest, shown
 from ..launch.config import ServeConfig
