@@ -39,8 +39,8 @@ log = logging.getLogger("kvflow.serve")
 
 
 def parse_args(argv: list[str] | None = None) -> ServeConfig:
-    """The checked config of the flags (also ``--model``, without loading it); a bad flag prints
-    one line naming the flag, its value and a fix to stderr and exits 1 (``SystemExit(1)``)."""
+    """The checked config of the flags; a bad flag prints one line (the flag, its value, a fix)
+    to stderr and exits 1."""
     try:
         return check_args(argv)
     except StartupError as exc:
@@ -59,14 +59,8 @@ def build_parser():
 
 
 def run_instance(cfg: ServeConfig) -> int:
-    """Run one instance (``--role prefill|decode|colocated``) until SIGINT/SIGTERM.
-
-    Raises
-    ------
-    StartupError
-        A start-up failure (device, ``--host``, model, memory budget, no answer from the router
-        within ``--register-timeout-s``, refused registration), or a later refusal by the router.
-    """
+    """Run one instance (``--role prefill|decode|colocated``) until SIGINT/SIGTERM. Raises
+    :class:`StartupError` on a start-up failure or a refusal by the router."""
     check_device(cfg.device)
     check_backend(cfg.backend, cfg.device)
     if cfg.role == "decode":
@@ -99,10 +93,9 @@ def run_instance(cfg: ServeConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The CLI; returns the exit status: 1 and one line on stderr for a start-up failure, 130
+    """The CLI; returns the exit status: 1 (one line on stderr) for a start-up failure, 130
     (SIGINT) or 143 (SIGTERM) when interrupted before serving began."""
-    # a child instance (--config-json) is stopped by its parent's SIGTERM: it ends at once,
-    # silently; the parent reports what its children did
+    # a child instance is stopped by its parent's SIGTERM: at once, silently (the parent reports)
     child = "--config-json" in (sys.argv[1:] if argv is None else argv)
     signal.signal(signal.SIGINT, record_interrupt)  # raised once the imports are done
     if not child:
@@ -120,8 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         if interrupted_by() is None:
             raise
-        # an interrupt inside an import can break the next import of that module (numpy:
-        # "cannot load module more than once"): the interrupt is the cause, not the error
+        # an interrupt inside an import can break the next import of that module: the cause
         return _stopped_while_starting(interrupted_by(), child)
 
 
@@ -135,8 +127,7 @@ def _stopped_while_starting(signum: int, child: bool) -> int:
 
 
 def _preload(cfg: ServeConfig) -> None:
-    """Import what this process will run while an interrupt is only recorded: a
-    KeyboardInterrupt raised inside a C++ extension's import aborts the process."""
+    """Import what this process will run while an interrupt is only recorded."""
     import importlib
     names = (("instance.colocated", "instance.decode", "instance.prefill")
              if cfg.role in ("prefill", "decode", "colocated")
@@ -184,14 +175,12 @@ def _main(argv: list[str] | None, child: bool = False) -> int:
 
 if __name__ == "__main__":
     status = main()
-    # Everything is closed by now (children reaped, sockets closed, segments unlinked): leave
-    # without interpreter finalization. Under load, tearing down torch, numba and triton took
-    # seconds (a child past its router's stop deadline was SIGKILLed), and once, after an
-    # interrupt while starting, ended the process by SIGINT (status -2) after its line.
+    # everything is closed: leave without interpreter finalization (seconds under load;
+    # docs/reliability.md, "Stop")
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):  # a reader gone (closed pipe): nothing more to say
+        except (OSError, ValueError):  # a reader gone (closed pipe)
             pass
     os._exit(status)

@@ -1,5 +1,4 @@
-"""The router's ``/health`` body: mode, readiness, each instance's registration and liveness,
-the last 20 errors."""
+"""The router's ``/health`` body: mode, readiness, each instance and its liveness, errors."""
 
 from __future__ import annotations
 
@@ -10,8 +9,7 @@ from .placement import InstanceInfo
 
 
 def _spec_differs(ctl: Any, info: InstanceInfo) -> dict:
-    """``{peer id: {field: [ours, theirs]}}`` for each paired peer whose KV cache spec
-    differs (the connector re-blocks between them); peers with equal specs left out."""
+    """``{peer id: {field: [ours, theirs]}}`` for each paired peer whose KV cache spec differs."""
     out = {}
     for peer_id in sorted(info.pair_ok):
         peer = ctl.instances.get(peer_id)
