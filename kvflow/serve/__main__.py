@@ -66,11 +66,9 @@ def run_instance(cfg: ServeConfig) -> int:
     if cfg.role == "decode":
         check_host(cfg.host)  # D's data socket binds a free port there
     from kvflow.segments import SegmentSpaceError, unlink_own
-
     from .instance.colocated import ColocatedInstance
     from .instance.decode import DecodeInstance
     from .instance.prefill import PrefillInstance
-
     cls = {"prefill": PrefillInstance, "decode": DecodeInstance, "colocated": ColocatedInstance}[cfg.role]
     inst = cls(cfg)
     try:  # an interrupt while starting reaches main(): exit 130/143, not 0
@@ -144,12 +142,9 @@ def _main(argv: list[str] | None, child: bool = False) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if cfg.role in ("prefill", "decode", "colocated"):
         return run_instance(cfg)
-
     from kvflow.segments import clean_stale
-
     from .launch.procs import Children, bind_http_socket
     from .launch.server import serve_router
-
     if cfg.role == "all":
         gpus = {"--prefill-device": cfg.prefill_device}
         if cfg.mode == "disagg":

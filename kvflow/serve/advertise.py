@@ -1,7 +1,5 @@
-"""The address a process tells its peers to dial (``--advertise-host``): a socket bound to
-``--host 0.0.0.0`` listens everywhere, but peers need a real address, so every message naming
-one (the router's control address, D's data address, ``/health``) carries the advertised
-host."""
+"""The address a process tells its peers to dial (``--advertise-host``): never a wildcard such
+as ``0.0.0.0``."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Per-hop timing of one served request on one clock: every process stamps its steps with
-:func:`time.monotonic` (one system-wide clock per host), instances send theirs in the ``clock``
-of a ``Tokens.kvflow``, and the router (:class:`RequestClock`) reports ``timings_ms`` and
-``hops_ms`` (docs/tutorials/quickstart.md, "4. Read the `kvflow` fields"). Hops between
-processes assume router, P and D on one host."""
+"""Per-hop timing of one served request on one clock (:func:`time.monotonic`, system-wide per
+host): ``timings_ms`` and ``hops_ms`` (docs/tutorials/quickstart.md, "4. Read the `kvflow` fields")."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""D's reaction to a transfer's arrival: every data-plane message goes to the connector's
-receiver (``KVReceiver.on_message``: the KV into D's blocks, P's lease checked, P acked); D
-reacts to the :class:`~kvflow.connector.Arrival` it answers (RECEIVING, the request's end on a
-failure, or once complete the ``kvflow`` block, the prefix cache, P's first token, decoding)."""
+"""D's reaction to a transfer's arrival (the connector receiver's :class:`~kvflow.connector.Arrival`):
+RECEIVING, the end of a failed request, or once complete the ``kvflow`` block and decoding."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""What every serving instance (P, D, colocated) shares: start-up in the profile-run order
-(:meth:`Instance.startup`: budget, model, profile run with no socket yet, cache and connector,
-then sockets and ``Register``; docs/design.md, "Nothing is signalled or sent during a profile
-run") and registration with the router. The event loop is :mod:`.loop`."""
+"""What every serving instance shares: start-up in the profile-run order (docs/design.md,
+"Nothing is signalled or sent during a profile run") and registration with the router."""
 
 from __future__ import annotations
 
@@ -35,15 +33,12 @@ class Instance(EventLoop):
         self._reregistered_at = 0.0  # monotonic time of the last Register asked for again
         self.fatal = ""  # set when the router refused this instance: print it and exit 1
 
-    # ---- start-up -------------------------------------------------------------------
     def startup(self) -> None:
         """Load, size (profile run), allocate, warm up; then open sockets and register. Raises
         :class:`StartupError` on model, memory budget or segment failures."""
         from kvflow.layout import as_torch_dtype
         from kvflow.model import load_model
-
         from ..launch.budget import memory_budget
-        from .kv_specs import role_spec
         cfg = self.cfg
         # the GPU's free memory is measured before this instance's weights take any of it
         budget = None if cfg.num_blocks else memory_budget(cfg.device, cfg.memory_budget_mb,
@@ -127,7 +122,6 @@ class Instance(EventLoop):
         """``num_blocks`` from a profile run (nothing sent) in ``budget`` (default from the
         config). Raises :class:`StartupError` when it leaves no room for one block."""
         from kvflow.engine import MemoryBudgetError, determine_num_blocks
-
         from ..launch.budget import memory_budget, too_small_message
         assert self.ctrl is None, "profile run must happen before any channel exists"
         if budget is None:
@@ -181,3 +175,16 @@ class Instance(EventLoop):
 
     def free_blocks(self) -> int:
         return self.allocator.num_free
+
+
+def role_spec(model: Any, cfg: Any, role: str) -> Any:
+    """The :class:`~kvflow.layout.KVCacheSpec` of ``role`` for ``model`` and ``cfg``: P's and
+    colocated's from ``--block-size``, ``--kv-layout``, ``--kv-dtype``; D's from the
+    ``--decode-*`` flags where given, else P's."""
+    from kvflow.layout import as_torch_dtype
+    bs, layout, dtype = cfg.block_size, cfg.kv_layout, cfg.kv_dtype
+    if role == "decode":
+        bs = cfg.decode_block_size or bs
+        layout = cfg.decode_kv_layout or layout
+        dtype = cfg.decode_kv_dtype or dtype
+    return model.kv_spec(bs, dtype=None if dtype is None else as_torch_dtype(dtype), layout=layout)

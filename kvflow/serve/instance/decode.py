@@ -1,9 +1,6 @@
-"""The decode instance (D): allocates each request's blocks in its own table
-(:class:`~.sequences.DecodeLoop`), receives its KV from P through its connector
-(:func:`kvflow.connector.make_receiver`; arrivals: :mod:`.arrivals`) and decodes from the second
-token on (P sent the first). Every end frees the request's blocks except those P may still write
-(:mod:`kvflow.connector.lent`). D's heartbeat thread renews P's leases on the requests D still
-means to read (:meth:`DecodeInstance._want_renewals`). docs/reliability.md, "Liveness"."""
+"""The decode instance (D): allocates each request's blocks in its own table, receives the KV
+through its connector (:mod:`.arrivals`), decodes from the second token on, and renews P's leases
+on what it still means to read (docs/reliability.md, "Liveness")."""
 
 from __future__ import annotations
 
@@ -43,7 +40,6 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
         self.waiting_pairs: dict[str, Pair] = {}  # P refused for want of a slot -> its Pair
         self.unpaired: dict[str, float] = {}  # P declared dead, not seen exit -> when (monotonic)
 
-    # ---- start-up -------------------------------------------------------------------
     def setup(self) -> None:
         from kvflow.connector import make_receiver
         cfg = self.cfg
@@ -90,7 +86,6 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
         return {"data_addr": self.data_addr, "lease_addr": self.lease_addr,
                 **self.receiver.export()}
 
-    # ---- control handlers -----------------------------------------------------------
     def on_pair(self, msg: Pair, frames, ident) -> None:
         """Pair with P ``msg.peer_id`` and answer :class:`PairResult`; one refused for want of a
         receiver slot waits in ``waiting_pairs`` until one frees (:meth:`_pair_waiting`)."""
@@ -184,7 +179,6 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
             seq.req.state in (DecodeState.ALLOCATED, DecodeState.RECEIVING)))
         self.loop.end(req_id, state, error, notify=notify, free=not lend)
 
-    # ---- loop -----------------------------------------------------------------------
     def heartbeat(self, force: bool = False) -> None:
         now = time.monotonic()
         if now - self._last_peer_check >= (0.1 if self.lent else 1.0):

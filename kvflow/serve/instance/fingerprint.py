@@ -1,7 +1,5 @@
 """Model fingerprint: what P and D must agree on beyond the KV cache spec before they pair
-(every :class:`~kvflow.model.ModelConfig` field but ``name``, the weights' dtype,
-``max_model_len`` and a digest of the weights). Sent in ``Register``, checked by the peer
-(:func:`check_fingerprint`). docs/reliability.md, "Failure kinds and policies" (item 3)."""
+(docs/reliability.md, "Failure kinds and policies", item 3)."""
 
 from __future__ import annotations
 

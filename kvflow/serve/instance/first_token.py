@@ -1,7 +1,5 @@
-"""P's first token, sent to the router the moment it is sampled, before the connector finishes
-the KV transfer (as FastDeploy, vLLM and SGLang return the prefill's token); D appends it when
-the KV is in. ``finished`` follows D's stop rule, so with ``max_tokens`` 1 the request ends on
-P's token."""
+"""P's first token, sent to the router the moment it is sampled (before the KV transfer
+finishes); ``finished`` follows D's stop rule."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""An instance's heartbeat, sent every ``heartbeat_s`` from a thread and a DEALER socket of its
-own (identity ``<instance id>#hb``), so that no compute blocks it; on D the thread also sends
-P's lease renewals. Beats are numbered (:func:`next_seq`, shared with the loop's
-``report_blocks``): the router keeps the newest counts. The thread starts only after the
-profile run. docs/reliability.md, "Liveness"."""
+"""An instance's heartbeat (and D's lease renewals), sent every ``heartbeat_s`` from a thread and
+socket of its own so that no compute blocks it (docs/reliability.md, "Liveness")."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The ZMQ event loop every serving instance runs: :meth:`EventLoop.serve_forever` polls the
-sockets, hands each decoded message to its ``on_<type>`` handler (data-plane messages to
-:meth:`EventLoop.on_data`), does one unit of work and the housekeeping. The periodic heartbeat
-and D's lease renewals go from a thread of their own (:mod:`.heartbeat`). A malformed frame or a
-handler that raises is logged and the loop goes on."""
+"""The ZMQ event loop every serving instance runs: poll, dispatch each message to its
+``on_<type>`` handler, one unit of work, housekeeping; a bad frame or handler is logged."""
 
 from __future__ import annotations
 
@@ -63,7 +60,6 @@ class EventLoop:
         """The :class:`~kvflow.connector.Renewals` the heartbeat thread sends (D's), or None."""
         return None
 
-    # ---- sending --------------------------------------------------------------------
     def send_ctrl(self, msg: Any) -> None:
         self.send(self.ctrl, msg)
 
@@ -75,7 +71,6 @@ class EventLoop:
         sock.send_multipart([ident, frame] if ident is not None else [frame])
         self.messages_sent += 1
 
-    # ---- loop -----------------------------------------------------------------------
     def has_work(self) -> bool:
         return False
 

@@ -1,7 +1,5 @@
-"""Whether two instances may pair: KV cache specs the connector can map, then equal model
-fingerprint. P and D may differ in ``block_size``, ``layout``, ``dtype`` (and ``scales``) with a
-connector that ``reblocks`` (:mod:`kvflow.connector.kinds`); anything else is refused with both
-values named."""
+"""Whether two instances may pair: KV cache specs the connector can map (``block_size``,
+``layout``, ``dtype`` with a re-blocking kind), then equal model fingerprints."""
 
 from __future__ import annotations
 

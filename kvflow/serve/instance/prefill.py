@@ -1,9 +1,6 @@
-"""The prefill instance (P): prefills each request in its own blocks, samples and sends the
-first token (:mod:`.first_token`), and hands the KV to the D the router chose through its
-connector (:func:`kvflow.connector.make_sender`), which holds the sent blocks until D's ack or
-the end of the lease (``kv_lease_s``; docs/reliability.md, "Liveness"). P keeps the allocator:
-the connector answers which blocks to free. A Prefill for an unpaired D or a live id is
-refused."""
+"""The prefill instance (P): prefills each request, sends the first token at once
+(:mod:`.first_token`) and hands the KV to the chosen D through its connector, which holds the sent
+blocks until D's ack or the lease's end (docs/reliability.md, "Liveness")."""
 
 from __future__ import annotations
 
@@ -39,7 +36,6 @@ class PrefillInstance(Instance):
         """req_id -> :class:`kvflow.connector.Held` of the requests sent, not yet acked."""
         return self.connector.held if self.connector is not None else {}
 
-    # ---- start-up -------------------------------------------------------------------
     def setup(self) -> None:
         from kvflow.connector import make_sender
         cfg = self.cfg
@@ -73,7 +69,6 @@ class PrefillInstance(Instance):
     def register_extra(self) -> dict[str, str]:
         return self.connector.export()
 
-    # ---- pairing --------------------------------------------------------------------
     def on_pair(self, msg: Pair, frames, ident) -> None:
         error = check_peer(self, msg)
         if not error:
@@ -110,7 +105,6 @@ class PrefillInstance(Instance):
         return (f"prefill instance {self.instance_id} is not paired with decode instance "
                 f"{decode_id!r} (paired: {sorted(self.connector.links)})")
 
-    # ---- requests -------------------------------------------------------------------
     def on_prefill(self, msg: Prefill, frames, ident) -> None:
         error = ""
         if msg.req_id in self.pending or any(m.req_id == msg.req_id for m in self.queue):
@@ -166,7 +160,6 @@ class PrefillInstance(Instance):
         if blocks:
             self.allocator.free(blocks)
 
-    # ---- work -----------------------------------------------------------------------
     def has_work(self) -> bool:
         return bool(self.queue)
 

@@ -1,8 +1,5 @@
-"""The requests live on a decoding instance (D or colocated) and their decode loop: admission
-and the instance's *own* blocks (after a prefix-cache hit on logical blocks ``0..k-1``:
-``Allocated(num_cached_blocks=k)``; evictable cached blocks count as free), then continuous
-batching, one token per step, until a stop reason. On D the first token is P's (appended, not
-sent: :meth:`DecodeLoop.take_first`)."""
+"""The requests live on a decoding instance (D or colocated): admission into the instance's own
+blocks (after a prefix-cache hit), then continuous batching until a stop reason."""
 
 from __future__ import annotations
 
@@ -106,7 +103,6 @@ class DecodeLoop:
             alloc.free(cached)
             raise
 
-    # ---- decoding -------------------------------------------------------------------
     def emit(self, seq: Seq, token: int) -> None:
         """Append ``token`` to ``seq`` and send it (the ``kvflow`` block on the first message),
         ending the request on a stop reason."""

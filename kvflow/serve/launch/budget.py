@@ -1,8 +1,5 @@
-"""An instance's memory budget (weights + activations + KV cache) and what to say when it is
-too small: on CPU ``--memory-budget-mb``; on CUDA ``--gpu-memory-utilization`` x the GPU's free
-memory when the instance starts, as vLLM's flag (an explicit ``--memory-budget-mb`` replaces it).
-The profile run sizes the KV cache from it. Every function takes the device's free and total
-bytes as arguments, so it runs without a GPU."""
+"""An instance's memory budget (``--memory-budget-mb``, or on CUDA ``--gpu-memory-utilization``
+of the free memory) and what to say when it is too small; testable without a GPU."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The flags of ``python -m kvflow.serve`` read into a :class:`~.config.ServeConfig` and checked
-together before anything starts: every refusal is one line (:class:`~.startup.StartupError`)
-naming the flag, its value and a fix, also for a flag the others would silently ignore. Nothing
-here imports torch or numba: a bad flag is refused in about a second."""
+"""The flags read into a :class:`~.config.ServeConfig` and checked together before anything
+starts (and before torch is imported): every refusal is one line naming the flag and a fix."""
 
 from __future__ import annotations
 
@@ -67,7 +65,6 @@ def check_config(cfg: ServeConfig, given: set[str]) -> None:
     one of them is refused only when given). Raises :class:`StartupError` as :func:`parse_config`."""
     from .budget import check_budget_flags
     from .startup import check_model
-
     _check_ranges(cfg)
     _check_connector(cfg, given)
     check_budget_flags(cfg.device, cfg.memory_budget_mb, cfg.gpu_memory_utilization)
@@ -136,8 +133,7 @@ def _check_connector(cfg: ServeConfig, given: set[str]) -> None:
                 raise StartupError(f"{named} has no effect with {where} (one "
                                    f"instance prefills and decodes: no KV moves); leave it out")
     try:
-        kinds.check_options(_kind(cfg).name, cfg.kv_connector_config,
-                            where="--kv-connector-config")
+        kinds.check_options(_kind(cfg).name, cfg.kv_connector_config, where="--kv-connector-config")
     except ValueError as exc:
         raise StartupError(str(exc)) from None
 
@@ -197,7 +193,6 @@ def _check_roles(cfg: ServeConfig) -> None:
 def _check_cache_fits(cfg: ServeConfig) -> None:
     """``--num-blocks`` on CPU: one instance's KV cache must fit in this machine's memory."""
     from kvflow.model.config import PRESETS, ModelConfig
-
     if cfg.model in PRESETS:
         mc = PRESETS[cfg.model]
     else:

@@ -1,7 +1,5 @@
-"""Every setting of ``python -m kvflow.serve`` in one place: :class:`ServeConfig`. Each CLI flag
-is a field whose metadata holds its help text; :func:`build_parser` makes the parser from the
-fields. A parent hands its child instances the config as JSON; the checks of the values together
-are in :mod:`kvflow.serve.launch.checks`."""
+"""Every setting of ``python -m kvflow.serve``: :class:`ServeConfig`, one field per flag with its
+help text; :func:`build_parser` makes the parser from the fields."""
 
 from __future__ import annotations
 

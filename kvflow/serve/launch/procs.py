@@ -1,7 +1,5 @@
-"""Child processes of ``python -m kvflow.serve --role all``: spawning the instances (``python
--m kvflow.serve --config-json JSON``, the parent's config with their role and ``parent_pid``),
-watching them, and stopping every one on exit (docs/reliability.md, "Stop"). A child's stderr is
-copied to ours, except its one-line start-up error, which :func:`watch_children` prints once."""
+"""The child instances of ``--role all`` (``--config-json``): spawning, watching, stopping them
+(docs/reliability.md, "Stop"); a child's one-line start-up error is printed once."""
 
 from __future__ import annotations
 

@@ -21,7 +21,6 @@ def instance_config(cfg: ServeConfig, role: str, router_url: str) -> ServeConfig
     """The config of child instance ``role``: the parent's, with the role, the router's address,
     this process as parent, no API key, and half the GPU each when P and D share one."""
     from .budget import shared_gpu_utilization
-
     child = dataclasses.replace(cfg, role=role, router_url=router_url, api_key=None,
                                 parent_pid=os.getpid())
     if (cfg.device == "cuda" and cfg.mode == "disagg" and cfg.memory_budget_mb is None
@@ -33,7 +32,6 @@ def instance_config(cfg: ServeConfig, role: str, router_url: str) -> ServeConfig
 def _controller(cfg: ServeConfig, metrics, children, tokenizer):
     """The control plane, bound to ``--host``:``--control-port``."""
     import zmq
-
     from ..router.control import Controller
     from .startup import bind_error
     try:
@@ -87,15 +85,12 @@ async def serve_router(cfg: ServeConfig, http_sock, children, serving: list[bool
     once the router listens (``children``: :class:`~.procs.Children` or None). Raises
     :class:`StartupError` when the tokenizer, the control socket or a child cannot start."""
     import uvicorn
-
     from kvflow.segments import clean_stale
-
     from ..router.app import create_app
     from ..router.metrics import Metrics
     from .procs import instance_env, watch_children
     from ..router.router import Router, load_tokenizer
     from .output import watch_output
-
     metrics = Metrics()
     ctl = None
     try:

@@ -1,8 +1,5 @@
-"""Start-up checks of ``python -m kvflow.serve``: every failure before the server serves is one
-line on stderr (:class:`StartupError`, ``kvflow.serve: error: <what>; <fix>``, exit 1) naming
-the flag or value at fault: the model, the device, the backend, a socket that cannot bind, or
-any other exception (:func:`one_line_errors`). Also the handling of SIGINT / SIGTERM while
-starting. The flags themselves are checked first (:mod:`.checks`)."""
+"""Start-up checks of ``python -m kvflow.serve``: each failure is one line on stderr
+(:class:`StartupError`, exit 1) naming the flag or value at fault; SIGINT/SIGTERM while starting."""
 
 from __future__ import annotations
 
@@ -76,7 +73,6 @@ def check_model(model: str) -> int:
     Raises :class:`StartupError` when it is neither a built-in name nor a checkpoint directory
     (naming what it lacks), or its config.json is unreadable or unsupported."""
     from kvflow.model.config import PRESETS, ModelConfig
-
     if model in PRESETS:
         return PRESETS[model].max_position_embeddings
     names = ", ".join(PRESETS)
@@ -116,7 +112,6 @@ def check_device(device: str, gpus: dict[str, int] | None = None) -> None:
     if device == "cpu":
         return
     import torch
-
     if not torch.cuda.is_available():
         if torch.version.cuda is None:
             why = f"this torch ({torch.__version__}) is built without CUDA"
@@ -140,7 +135,6 @@ def check_backend(backend: str, device: str) -> None:
     if backend == "auto":
         return
     import torch
-
     from kvflow.kernels.registry import available_backends, get_backend
     try:
         get_backend(backend, torch.device(device))
@@ -171,7 +165,6 @@ def bind_error(flag: str, value: object, host: str, port: int, code: int | None,
 def check_host(host: str) -> None:
     """Raise :func:`bind_error`'s error when this machine cannot listen on ``host``."""
     import socket
-
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         try:

@@ -1,7 +1,5 @@
-"""Request and response shapes of the OpenAI-compatible ``POST /v1/completions``:
-:class:`CompletionRequest` in; :func:`completion_response`, or server-sent events of
-:func:`completion_chunk` then ``data: [DONE]``, out. Every response carries a ``kvflow`` object
-(docs/tutorials/quickstart.md, "4. Read the `kvflow` fields")."""
+"""Request and response shapes of the OpenAI-compatible ``POST /v1/completions``, with the
+``kvflow`` object (docs/tutorials/quickstart.md, "4. Read the `kvflow` fields")."""
 
 from __future__ import annotations
 

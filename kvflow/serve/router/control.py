@@ -20,7 +20,6 @@ from ..advertise import advertised_host
 from ..instance.heartbeat import BEAT_SUFFIX
 from ..launch.config import ServeConfig
 from .errors import registration_refusal
-from .health import health_report
 from .liveness import GONE, StallClock, judge
 from .placement import InstanceInfo, ReqState, pick_pair
 
@@ -168,8 +167,7 @@ class Controller:
                 self.errors.append(msg.error)
         elif isinstance(msg, Leaving):  # a clean stop: forgotten now, logged as a stop
             self.left.add(info.id)
-            self.instance_died(info, f"stopped by {msg.reason or 'its own request'}",
-                               stopped=True)
+            self.instance_died(info, f"stopped by {msg.reason or 'its own request'}", stopped=True)
         elif hasattr(msg, "req_id"):
             st = self.requests.get(msg.req_id)
             if st is not None:
@@ -256,7 +254,21 @@ class Controller:
                                                  (why if stopped else f"died ({why})")))
 
     def health(self) -> dict:
-        return health_report(self)
+        """The ``/health`` JSON."""
+        now = time.monotonic()
+        return {"status": "ok" if self.ready() else "starting", "mode": self.mode,
+                "control_addr": self.addr,
+                "instances": [{"id": i.id, "role": i.role, "pid": i.reg.pid,
+                               "kv_connector": i.reg.kv_connector, "num_blocks": i.reg.num_blocks,
+                               "free_blocks": i.free_blocks, "num_running": i.num_running,
+                               "heartbeat_age_s": now - i.heartbeat_at, "liveness": i.liveness,
+                               "max_model_len": i.reg.max_model_len, "spec": i.reg.spec,
+                               "shm_name": i.reg.shm_name, "data_addr": i.reg.data_addr,
+                               "lease_addr": i.reg.lease_addr, "paired_with": sorted(i.pair_ok),
+                               "spec_differs": _spec_differs(self, i)}
+                              for i in self.instances.values()],
+                "router_stalled_s": self.stalls.stalled_s,
+                "errors": self.errors[-20:]}
 
 
 def _pair_msg(peer: InstanceInfo, **extra: str) -> Pair:
@@ -266,3 +278,14 @@ def _pair_msg(peer: InstanceInfo, **extra: str) -> Pair:
                 peer_num_blocks=r.num_blocks, shm_name=r.shm_name, peer_pid=r.pid,
                 peer_host_id=r.host_id, peer_fingerprint=r.fingerprint,
                 peer_connector_md=r.connector_md, **extra)
+
+
+def _spec_differs(ctl: Controller, info: InstanceInfo) -> dict:
+    """``{peer id: {field: [ours, theirs]}}`` for each paired peer whose KV cache spec differs."""
+    out = {}
+    for peer in filter(None, map(ctl.instances.get, sorted(info.pair_ok))):
+        diff = {k: [v, peer.reg.spec.get(k)] for k, v in info.reg.spec.items()
+                if peer.reg.spec.get(k) != v}
+        if diff:
+            out[peer.id] = diff
+    return out

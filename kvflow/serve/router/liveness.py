@@ -1,7 +1,5 @@
-"""The router's liveness rule (docs/reliability.md, "Liveness"): :func:`judge` says when an
-instance that went silent is late and when it is dead, from how long it was silent and what
-this host sees of its process; :class:`StallClock` keeps a stall of the router's own loop from
-counting against the instances."""
+"""The router's liveness rule (docs/reliability.md, "Liveness"): when a silent instance is late or
+dead; a stall of the router's own loop does not count against the instances."""
 
 from __future__ import annotations
 

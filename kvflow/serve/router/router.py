@@ -1,8 +1,6 @@
-"""The router: runs each request over the ZMQ control plane (``Allocate`` to D, ``Prefill`` to
-P, then P's first token and D's tokens in order) behind the HTTP app (:mod:`.app`). Each step is
-stamped (:mod:`kvflow.serve.timings`); whatever ends a request early sends ``Abort`` to P and D.
-docs/design.md, "One request, from the router to D's cache"; docs/reliability.md for the
-bounded waits (``--admit-timeout-s``) and the API key."""
+"""The router: runs each request over the control plane (``Allocate`` to D, ``Prefill`` to P,
+the tokens in order; ``Abort`` on an early end). docs/design.md, "One request, from the router
+to D's cache"."""
 
 from __future__ import annotations
 
