@@ -1,14 +1,12 @@
 """``python -m kvflow.serve``: a prefill/decode-disaggregated LLM server.
 
-With no arguments: the router on http://127.0.0.1:8000, one prefill (P) and one decode (D)
+With no arguments: the router on http://127.0.0.1:8000 and one prefill (P) and one decode (D)
 instance of the built-in ``kvflow-tiny`` model as child processes, KV moved by the ``auto``
 connector (``ipc-pull`` over shared memory on CPU); serves until Ctrl-C (SIGINT) or SIGTERM,
-then stops every child and removes every shared-memory segment. ``--role`` starts a single
-component (for several hosts): the router prints its control address, which ``--router-url``
-of each instance names. A start-up failure is one line on stderr naming the flag or value and
-a fix, exit status 1 (:mod:`kvflow.serve.launch.startup`); interrupted while starting, the exit status
-is 130 (SIGINT) or 143 (SIGTERM). Every flag is a field of
-:class:`~kvflow.serve.launch.config.ServeConfig`.
+then stops every child and removes every shared-memory segment. ``--role`` starts one component
+(for several hosts): the router prints its control address, which ``--router-url`` of each
+instance names. A start-up failure is one line on stderr naming the flag or value and a fix,
+exit status 1; interrupted while starting, 130 (SIGINT) or 143 (SIGTERM).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Per-hop timing of one served request on one clock (:func:`time.monotonic`, system-wide per
-host): ``timings_ms`` and ``hops_ms`` (docs/tutorials/quickstart.md, "4. Read the `kvflow` fields")."""
+host): ``timings_ms``, ``hops_ms`` (docs/tutorials/quickstart.md, "4. Read the `kvflow` fields")."""
 
 from __future__ import annotations
 

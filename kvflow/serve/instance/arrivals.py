@@ -1,4 +1,4 @@
-"""D's reaction to a transfer's arrival (the connector receiver's :class:`~kvflow.connector.Arrival`):
+"""D's reaction to a transfer's arrival (its receiver's :class:`~kvflow.connector.Arrival`):
 RECEIVING, the end of a failed request, or once complete the ``kvflow`` block and decoding."""
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ log = logging.getLogger("kvflow.serve")
 
 
 class Instance(EventLoop):
-    """Base of P, D and colocated instances (subclasses add :meth:`setup`, handlers, :meth:`work`)."""
+    """Base of P, D and colocated instances (subclasses add :meth:`setup`, handlers, work)."""
 
     role = ""
 

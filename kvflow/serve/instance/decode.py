@@ -21,6 +21,7 @@ from .pairing import check_peer, peer_of
 from .sequences import DecodeLoop, DecodesWithLoop
 
 log = logging.getLogger("kvflow.serve.decode")
+_WAITING = (DecodeState.ALLOCATED, DecodeState.RECEIVING)  # D still means to read their KV
 
 
 class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
@@ -176,7 +177,7 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
         if seq is None:
             return
         lend = self.receiver.end(req_id, seq.req.block_table, error, may_write=lend and (
-            seq.req.state in (DecodeState.ALLOCATED, DecodeState.RECEIVING)))
+            seq.req.state in _WAITING))
         self.loop.end(req_id, state, error, notify=notify, free=not lend)
 
     def heartbeat(self, force: bool = False) -> None:
@@ -192,11 +193,10 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
             self._react(arrival)
         waiting = []
         for req_id, s in list(self.seqs.items()):
-            if s.req.state in (DecodeState.ALLOCATED, DecodeState.RECEIVING) \
-                    and now - s.t_alloc > self.receive_timeout_s:
+            if s.req.state in _WAITING and now - s.t_alloc > self.receive_timeout_s:
                 self._end(req_id, DecodeState.TIMED_OUT,
                           f"no KV from prefill within {self.receive_timeout_s:g} s")
-            elif s.req.state in (DecodeState.ALLOCATED, DecodeState.RECEIVING):
+            elif s.req.state in _WAITING:
                 waiting.append(s.req.request_id)
         self._want_renewals(waiting)
         if self.beats is None and waiting and self.peer_id \
@@ -215,8 +215,7 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
         if self.renewals is None:
             return
         if waiting is None:
-            waiting = [r for r, s in self.seqs.items()
-                       if s.req.state in (DecodeState.ALLOCATED, DecodeState.RECEIVING)]
+            waiting = [r for r, s in self.seqs.items() if s.req.state in _WAITING]
         self.renewals.want(self._renew_peers(), waiting)
 
     def _renew(self, req_ids: list[str]) -> None:

@@ -62,7 +62,7 @@ def _json_object(text: str) -> dict:
 
 def check_config(cfg: ServeConfig, given: set[str]) -> None:
     """Check ``cfg``; ``given`` names the fields set by flags (a combination that would ignore
-    one of them is refused only when given). Raises :class:`StartupError` as :func:`parse_config`."""
+    one of them is refused only when given). Raises :class:`StartupError` as parse_config."""
     from .budget import check_budget_flags
     from .startup import check_model
     _check_ranges(cfg)

@@ -120,7 +120,8 @@ class Controller:
             if refused:
                 self.errors.append(f"registration of {msg.instance_id} refused: {refused}")
                 log.error("%s", self.errors[-1])
-                await self._send(ident, Registered(ok=False, error=refused), f"cannot answer {ident!r}")
+                await self._send(ident, Registered(ok=False, error=refused),
+                                 f"cannot answer {ident!r}")
                 return
             await self._send(ident, Registered(ok=True), f"cannot answer {ident!r}")
             self.left.discard(msg.instance_id)
