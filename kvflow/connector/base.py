@@ -143,7 +143,7 @@ class KVSender(HeldSide, abc.ABC):
             self.finish(job, 0)
 
     def export(self) -> dict[str, Any]:
-        """Fields for P's :class:`~kvflow.protocol.Register` (e.g. ``shm_name``,
+        """Fields for P's :class:`~kvflow.serve.protocol.Register` (e.g. ``shm_name``,
         ``connector_md``)."""
         return {}
 

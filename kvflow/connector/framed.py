@@ -1,6 +1,6 @@
 """P's half of the connectors whose KV (or a pointer to it) goes to D as messages on the link:
-``ipc-pull`` (a :class:`~kvflow.protocol.KVReady` naming P's blocks, D copies them) and ``tcp``
-(a :class:`~kvflow.protocol.KVData` carrying them).
+``ipc-pull`` (a :class:`~kvflow.connector.messages.KVReady` naming P's blocks, D copies them) and ``tcp``
+(a :class:`~kvflow.connector.messages.KVData` carrying them).
 
 A prompt that does not go layerwise (:meth:`KVSender.begin
 <kvflow.connector.base.KVSender.begin>` decides) moves after its prefill in one message
@@ -60,7 +60,7 @@ class FramedSender(KVSender):
     def send_part(self, link: Any, cache: Any, src_ids: list[int], layers: range,
                   **fields: Any) -> tuple[Any, float]:
         """Send one layerwise part: layers ``layers`` of P's blocks ``src_ids`` as a
-        :class:`~kvflow.protocol.KVLayer` (``fields`` fill the header: ``req_id``,
+        :class:`~kvflow.connector.messages.KVLayer` (``fields`` fill the header: ``req_id``,
         ``reply_to``, ``block_offset``...). Returns ``(keep, gather_ms)``.
 
         Raises

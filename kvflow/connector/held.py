@@ -6,9 +6,9 @@ request's blocks and the :class:`~.records.Handoff` to :meth:`HeldSide.hold`; fr
 sender keeps a :class:`Held` record and answers which of P's block ids serve must free (serve
 keeps the block allocator):
 
-- D's :class:`~kvflow.protocol.KVAck` (through :meth:`HeldSide.on_message`, the one entry point
+- D's :class:`~kvflow.connector.messages.KVAck` (through :meth:`HeldSide.on_message`, the one entry point
   of P's data plane): the request's blocks, with a warning line when D dropped it;
-- D's :class:`~kvflow.protocol.LeaseRenew` (also :meth:`HeldSide.on_message`): nothing freed, the
+- D's :class:`~kvflow.connector.messages.LeaseRenew` (also :meth:`HeldSide.on_message`): nothing freed, the
   lease of every named request starts again;
 - :meth:`HeldSide.expire`: a request with no renewal for ``lease_s`` seconds
   (``--kv-lease-s``, docs/reliability.md), with an error line;
@@ -35,7 +35,7 @@ class Held:
     keep : object
         Memory ZMQ still reads (a staging buffer), or None.
     t_renewed : float
-        ``time.monotonic()`` of the send or of D's last :class:`~kvflow.protocol.LeaseRenew`.
+        ``time.monotonic()`` of the send or of D's last :class:`~kvflow.connector.messages.LeaseRenew`.
     """
     blocks: list[int]
     keep: Any = None

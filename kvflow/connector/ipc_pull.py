@@ -1,13 +1,13 @@
 """``ipc-pull`` (one host): P's paged cache is exported (CPU: POSIX shared memory, :mod:`.shm`;
 CUDA: one allocation's IPC handle, :mod:`.cuda_ipc`); D maps it once, at pairing, and pulls each
 request's blocks with :func:`kvflow.kernels.copy_blocks` straight into the block ids D
-allocated. P sends a :class:`~kvflow.protocol.KVReady` naming its blocks (a few bytes) and keeps
+allocated. P sends a :class:`~kvflow.connector.messages.KVReady` naming its blocks (a few bytes) and keeps
 them until D's ack or the lease ends.
 
 A P whose cache spec differs from D's (block_size, NHD/HND, dtype) names its whole table and D
 pulls with one re-blocked copy (:mod:`.reblocked`); an fp8 P's scales are read from its
 exported memory, where P's own cache keeps them (:mod:`kvflow.scales`).
-Layerwise (:class:`~kvflow.protocol.KVLayer`, :mod:`.framed`): D is told per part (layers + P's
+Layerwise (:class:`~kvflow.connector.messages.KVLayer`, :mod:`.framed`): D is told per part (layers + P's
 block ids) and pulls just that with ``copy_blocks(..., layers=range)``; P never writes into D's
 cache.
 

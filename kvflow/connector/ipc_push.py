@@ -18,7 +18,7 @@ layer. The copies run beside the next layers' compute on a capped grid (``max_ct
 so the prefill keeps its SMs), except the last group of the last chunk, which nothing overlaps
 any more: it takes the whole GPU. On CPU the hook copies at once. Shorter prompts are copied
 after the prefill. Either way P waits for its copies, then sends one
-:class:`~kvflow.protocol.KVPushed` (``ok``, first token, timings); D starts decoding on it (the
+:class:`~kvflow.connector.messages.KVPushed` (``ok``, first token, timings); D starts decoding on it (the
 served P sent the first token to the router already, before waiting for its copies).
 
 A D whose cache spec differs from P's (block_size, NHD/HND, dtype) gets the whole prompt after

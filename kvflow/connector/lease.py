@@ -87,7 +87,7 @@ class Renewals:
         return best
 
     def send(self) -> int:
-        """One :class:`~kvflow.protocol.LeaseRenew` to every wanted P (on the thread only);
+        """One :class:`~kvflow.connector.messages.LeaseRenew` to every wanted P (on the thread only);
         returns to how many it left. A P not connected (yet, or any more:
         ``EHOSTUNREACH``) or whose queue is full (its loop stalls: ``EAGAIN``) does not count."""
         peers, req_ids = self.wanted()

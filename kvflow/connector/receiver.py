@@ -49,7 +49,7 @@ class KVReceiver(ArrivalSide, abc.ABC):
         """Compile the copy kernels on scratch caches (no socket exists yet)."""
 
     def export(self) -> dict[str, Any]:
-        """Fields for D's :class:`~kvflow.protocol.Register` (``shm_name``: '' if none;
+        """Fields for D's :class:`~kvflow.serve.protocol.Register` (``shm_name``: '' if none;
         ``connector_md``)."""
         return {"shm_name": ""}
 

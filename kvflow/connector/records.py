@@ -42,7 +42,7 @@ class TransferStats:
 
 @dataclasses.dataclass
 class Peer:
-    """The other instance of a pairing (from :class:`~kvflow.protocol.Pair`).
+    """The other instance of a pairing (from :class:`~kvflow.serve.protocol.Pair`).
 
     Attributes
     ----------
@@ -58,7 +58,7 @@ class Peer:
         D's data socket (P connects its link there; '' for a P).
     connector_md : bytes
         What its connector published for peers (nixl: an encoded
-        :class:`~kvflow.protocol.NixlAgentInfo`; b'' for other kinds).
+        :class:`~kvflow.connector.messages.NixlAgentInfo`; b'' for other kinds).
     """
     id: str
     spec: KVCacheSpec
@@ -122,7 +122,7 @@ class Prefilling:
 @dataclasses.dataclass
 class Handoff:
     """What P keeps for a request after :meth:`~kvflow.connector.base.KVSender.finish` until
-    D's :class:`~kvflow.protocol.KVAck` or the lease ends.
+    D's :class:`~kvflow.connector.messages.KVAck` or the lease ends.
 
     Attributes
     ----------

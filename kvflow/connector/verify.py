@@ -1,8 +1,8 @@
 """``--kv-verify``: P's digests of the blocks it sends, D's check after its copy (fail closed).
 
 P puts one digest per sent block (:func:`kvflow.kernels.block_digest`'s definition) in the
-data-plane message (``block_digests`` of :class:`~kvflow.protocol.KVData` /
-:class:`~kvflow.protocol.KVReady`): ``tcp`` from its gather's own launch; ``ipc-pull``, where
+data-plane message (``block_digests`` of :class:`~kvflow.connector.messages.KVData` /
+:class:`~kvflow.connector.messages.KVReady`): ``tcp`` from its gather's own launch; ``ipc-pull``, where
 P copies nothing (D copies out of P's exported cache), from one read-only digest launch over
 its blocks after the prefill (:func:`kvflow.kernels.digest.digest_blocks`). D's scatter (tcp)
 or copy (ipc-pull) computes the digest of what it wrote in the same launch, and :func:`check`

@@ -1,14 +1,12 @@
 """``python -m kvflow.serve``: a prefill/decode-disaggregated LLM server.
 
-With no arguments: the router on http://127.0.0.1:8000, one prefill (P) and one decode (D)
+With no arguments: the router on http://127.0.0.1:8000 and one prefill (P) and one decode (D)
 instance of the built-in ``kvflow-tiny`` model as child processes, KV moved by the ``auto``
 connector (``ipc-pull`` over shared memory on CPU); serves until Ctrl-C (SIGINT) or SIGTERM,
-then stops every child and removes every shared-memory segment. ``--role`` starts a single
-component (for several hosts): the router prints its control address, which ``--router-url``
-of each instance names. A start-up failure is one line on stderr naming the flag or value and
-a fix, exit status 1 (:mod:`kvflow.serve.launch.startup`); interrupted while starting, the exit status
-is 130 (SIGINT) or 143 (SIGTERM). Every flag is a field of
-:class:`~kvflow.serve.launch.config.ServeConfig`.
+then stops every child and removes every shared-memory segment. ``--role`` starts one component
+(for several hosts): the router prints its control address, which ``--router-url`` of each
+instance names. A start-up failure is one line on stderr naming the flag or value and a fix,
+exit status 1; interrupted while starting, 130 (SIGINT) or 143 (SIGTERM).
 """
 
 from __future__ import annotations
@@ -39,8 +37,8 @@ log = logging.getLogger("kvflow.serve")
 
 
 def parse_args(argv: list[str] | None = None) -> ServeConfig:
-    """The checked config of the flags (also ``--model``, without loading it); a bad flag prints
-    one line naming the flag, its value and a fix to stderr and exits 1 (``SystemExit(1)``)."""
+    """The checked config of the flags; a bad flag prints one line (the flag, its value, a fix)
+    to stderr and exits 1."""
     try:
         return check_args(argv)
     except StartupError as exc:
@@ -59,24 +57,16 @@ def build_parser():
 
 
 def run_instance(cfg: ServeConfig) -> int:
-    """Run one instance (``--role prefill|decode|colocated``) until SIGINT/SIGTERM.
-
-    Raises
-    ------
-    StartupError
-        A start-up failure (device, ``--host``, model, memory budget, no answer from the router
-        within ``--register-timeout-s``, refused registration), or a later refusal by the router.
-    """
+    """Run one instance (``--role prefill|decode|colocated``) until SIGINT/SIGTERM. Raises
+    :class:`StartupError` on a start-up failure or a refusal by the router."""
     check_device(cfg.device)
     check_backend(cfg.backend, cfg.device)
     if cfg.role == "decode":
         check_host(cfg.host)  # D's data socket binds a free port there
     from kvflow.segments import SegmentSpaceError, unlink_own
-
     from .instance.colocated import ColocatedInstance
     from .instance.decode import DecodeInstance
     from .instance.prefill import PrefillInstance
-
     cls = {"prefill": PrefillInstance, "decode": DecodeInstance, "colocated": ColocatedInstance}[cfg.role]
     inst = cls(cfg)
     try:  # an interrupt while starting reaches main(): exit 130/143, not 0
@@ -99,10 +89,9 @@ def run_instance(cfg: ServeConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The CLI; returns the exit status: 1 and one line on stderr for a start-up failure, 130
+    """The CLI; returns the exit status: 1 (one line on stderr) for a start-up failure, 130
     (SIGINT) or 143 (SIGTERM) when interrupted before serving began."""
-    # a child instance (--config-json) is stopped by its parent's SIGTERM: it ends at once,
-    # silently; the parent reports what its children did
+    # a child instance is stopped by its parent's SIGTERM: at once, silently (the parent reports)
     child = "--config-json" in (sys.argv[1:] if argv is None else argv)
     signal.signal(signal.SIGINT, record_interrupt)  # raised once the imports are done
     if not child:
@@ -120,8 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         if interrupted_by() is None:
             raise
-        # an interrupt inside an import can break the next import of that module (numpy:
-        # "cannot load module more than once"): the interrupt is the cause, not the error
+        # an interrupt inside an import can break the next import of that module: the cause
         return _stopped_while_starting(interrupted_by(), child)
 
 
@@ -135,8 +123,7 @@ def _stopped_while_starting(signum: int, child: bool) -> int:
 
 
 def _preload(cfg: ServeConfig) -> None:
-    """Import what this process will run while an interrupt is only recorded: a
-    KeyboardInterrupt raised inside a C++ extension's import aborts the process."""
+    """Import what this process will run while an interrupt is only recorded."""
     import importlib
     names = (("instance.colocated", "instance.decode", "instance.prefill")
              if cfg.role in ("prefill", "decode", "colocated")
@@ -153,12 +140,9 @@ def _main(argv: list[str] | None, child: bool = False) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if cfg.role in ("prefill", "decode", "colocated"):
         return run_instance(cfg)
-
     from kvflow.segments import clean_stale
-
     from .launch.procs import Children, bind_http_socket
     from .launch.server import serve_router
-
     if cfg.role == "all":
         gpus = {"--prefill-device": cfg.prefill_device}
         if cfg.mode == "disagg":
@@ -184,14 +168,12 @@ def _main(argv: list[str] | None, child: bool = False) -> int:
 
 if __name__ == "__main__":
     status = main()
-    # Everything is closed by now (children reaped, sockets closed, segments unlinked): leave
-    # without interpreter finalization. Under load, tearing down torch, numba and triton took
-    # seconds (a child past its router's stop deadline was SIGKILLed), and once, after an
-    # interrupt while starting, ended the process by SIGINT (status -2) after its line.
+    # everything is closed: leave without interpreter finalization (seconds under load;
+    # docs/reliability.md, "Stop")
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):  # a reader gone (closed pipe): nothing more to say
+        except (OSError, ValueError):  # a reader gone (closed pipe)
             pass
     os._exit(status)

@@ -1,29 +1,12 @@
-"""Per-hop timing of one served request: when each step happened, on one clock.
-
-Every process stamps its steps with :func:`time.monotonic` (``CLOCK_MONOTONIC`` on Linux),
-which is one system-wide clock for every process of a host (in one time namespace), so stamps
-of the router, P and D can be compared directly. Instances send their stamps in the ``clock``
-dict of :class:`~kvflow.protocol.Tokens` ``kvflow``; the router (:class:`RequestClock`) keeps
-its own and reports, in the response's ``kvflow`` object:
-
-- ``timings_ms``: each milestone of :data:`MILESTONES` that happened, in ms since the router
-  received the request (the HTTP handler's entry);
-- ``hops_ms``: the durations of :data:`HOPS`; the TTFT hops add up to ``ttft``
-  (``first_token_out``), the second-token hops to ``ttst`` (time to second token).
-
-Assumption: router, P and D share one host. Hops inside one process (``d_allocate``,
-``p_prefill``, ``d_second_token``) are exact on any deployment; the hops between processes
-(``to_p``, ``first_token_to_router``, ``kv_after_first_token``, ``second_token_to_router``)
-are meaningless across hosts, whose monotonic clocks have other origins.
-"""
+"""Per-hop timing of one served request on one clock (:func:`time.monotonic`, system-wide per
+host): ``timings_ms``, ``hops_ms`` (docs/tutorials/quickstart.md, "4. Read the `kvflow` fields")."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-#: Milestones in the order they happen on the first-token path, then the second-token path.
-#: (who stamps it: R router, P prefill, D decode, C colocated)
+#: Milestones in order, first-token path then second-token path (stamped by R router, P, D, C)
 MILESTONES = (
     "allocate_sent",          # R: Allocate sent to D (after tokenizing and picking P, D)
     "allocated",              # R: D's Allocated taken from the router's queue
@@ -60,20 +43,18 @@ HOPS = {
 def stamp(kvflow: dict[str, Any], name: str, t: float | None = None) -> None:
     """Record milestone ``name`` (now, or ``t``: ``time.monotonic()`` seconds) in the
     ``clock`` of an instance's ``kvflow`` dict (the first stamp of a name wins)."""
-    if name not in MILESTONES:
-        raise ValueError(f"name must be one of {', '.join(MILESTONES)}; got {name!r}")
+    _check(name)
     kvflow.setdefault("clock", {}).setdefault(name, time.monotonic() if t is None else t)
 
 
-class RequestClock:
-    """The router's record of one request: its own stamps, the instances' stamps and the
-    other ``kvflow`` fields of their messages.
+def _check(name: str) -> None:
+    if name not in MILESTONES:
+        raise ValueError(f"name must be one of {', '.join(MILESTONES)}; got {name!r}")
 
-    Parameters
-    ----------
-    t_received : float
-        ``time.monotonic()`` (s) when the router received the request.
-    """
+
+class RequestClock:
+    """The router's record of one request received at ``t_received`` (``time.monotonic()`` s):
+    its own stamps, the instances' stamps and the other ``kvflow`` fields of their messages."""
 
     def __init__(self, t_received: float) -> None:
         self.t0 = t_received
@@ -82,13 +63,12 @@ class RequestClock:
 
     def mark(self, name: str) -> None:
         """Stamp router milestone ``name`` now (the first stamp wins)."""
-        if name not in MILESTONES:
-            raise ValueError(f"name must be one of {', '.join(MILESTONES)}; got {name!r}")
+        _check(name)
         self.stamps.setdefault(name, time.monotonic())
 
     def merge(self, kvflow: dict[str, Any]) -> None:
         """Take an instance's ``kvflow`` fields (later ones win) and its ``clock`` stamps
-        (unknown names are ignored: another version's instance)."""
+        (unknown names ignored)."""
         for name, t in (kvflow.get("clock") or {}).items():
             if name in MILESTONES and isinstance(t, (int, float)):
                 self.stamps.setdefault(name, float(t))
@@ -106,6 +86,5 @@ class RequestClock:
                 if a in at and b in at}
 
     def report(self) -> dict[str, Any]:
-        """The response's ``kvflow`` object: the instances' fields, ``timings_ms`` and
-        ``hops_ms``."""
+        """The response's ``kvflow`` object: the instances' fields, ``timings_ms``, ``hops_ms``."""
         return {**self.kvflow, "timings_ms": self.timings_ms(), "hops_ms": self.hops_ms()}

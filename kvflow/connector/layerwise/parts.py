@@ -1,4 +1,4 @@
-"""D's side of a layerwise transfer: put each :class:`~kvflow.protocol.KVLayer` part into D's
+"""D's side of a layerwise transfer: put each :class:`~kvflow.connector.messages.KVLayer` part into D's
 own blocks as it arrives, and check at the last part that every layer of every prompt block
 came exactly once. Parts name logical prompt positions, mapped through D's own block table.
 """
@@ -38,7 +38,7 @@ class LayerParts:
 
     def receive(self, header: Any, frames: list, cache: PagedKVCache, dst_ids: list[int],
                 move: MoveFn) -> TransferStats | None:
-        """Apply one ``header`` (a :class:`~kvflow.protocol.KVLayer`) with its raw ``frames``
+        """Apply one ``header`` (a :class:`~kvflow.connector.messages.KVLayer`) with its raw ``frames``
         (tcp: one per layer; ipc: none) into D's ``cache`` at ``dst_ids`` (D's block ids of the
         prompt's ``ceil(num_prompt_tokens / block_size)`` blocks) through ``move``
         (:data:`MoveFn`); None while parts are missing, the request's totals at its last part.

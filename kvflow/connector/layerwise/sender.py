@@ -4,7 +4,7 @@ written them, so the transfer of layer ``l`` overlaps the compute of layers ``l+
 :meth:`LayerwiseSender.begin` returns the request's ``on_chunk`` hook: each chunk is registered
 with a :class:`.LayerwiseScheduler` and each layer stores ``(layer, step)`` into the instance's
 :class:`~kvflow.signal.LayerSignaller` segment; a :class:`.LayerwiseWorker` thread reads it and
-sends each due part as a :class:`~kvflow.protocol.KVLayer` through the connector's
+sends each due part as a :class:`~kvflow.connector.messages.KVLayer` through the connector's
 ``send_part`` on the part socket of the request's D; a last ``KVLayer(last=True)`` carries the
 first token once every part went. Parts name *logical* prompt positions (``block_offset``),
 which D maps through its own block table. Failures (a send error; no signal within

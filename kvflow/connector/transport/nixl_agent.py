@@ -1,5 +1,5 @@
 """One NIXL agent per instance: register memory once, meet peers from their
-:class:`~kvflow.protocol.NixlAgentInfo` metadata (no etcd, no metadata server), prepare
+:class:`~kvflow.connector.messages.NixlAgentInfo` metadata (no etcd, no metadata server), prepare
 descriptor lists (:func:`block_descs`) once per peer, post WRITEs (or READs: the vLLM
 connector's pull) and wait for them with a bound. Progress: :mod:`.nixl_progress`.
 """

@@ -1,11 +1,5 @@
-"""D's reaction to a transfer's arrival: serve hands every data-plane message to the
-connector's receiver (:meth:`KVReceiver.on_message <kvflow.connector.KVReceiver.on_message>`,
-which puts the KV into D's blocks, checks P's lease and acks P) and reacts to the
-:class:`~kvflow.connector.Arrival` it answers: RECEIVING on the first part, the request's end on
-a failure, and once the KV is complete the ``kvflow`` block, the prefix cache, the first token
-(P's, already streamed by the router) and decoding (``kv_done`` stamped,
-:mod:`kvflow.serve.timings`).
-"""
+"""D's reaction to a transfer's arrival (its receiver's :class:`~kvflow.connector.Arrival`):
+RECEIVING, the end of a failed request, or once complete the ``kvflow`` block and decoding."""
 
 from __future__ import annotations
 
@@ -20,11 +14,10 @@ log = logging.getLogger("kvflow.serve.decode")
 
 
 class Arrivals:
-    """Handlers of :class:`~kvflow.serve.instance.decode.DecodeInstance` for arriving KV (a mixin: it
-    uses D's ``receiver``, ``seqs``, ``loop``, ``data`` socket and ``_end``)."""
+    """D's handlers for arriving KV (a mixin of :class:`~.decode.DecodeInstance`)."""
 
     def on_data(self, msg, frames, ident) -> None:
-        """Every data-plane message (:func:`kvflow.connector.is_data_message`) from P."""
+        """Every data-plane message from P."""
         seq = self.seqs.get(getattr(msg, "req_id", ""))
         dst_ids, delay, fault = None, 0.0, ""
         if seq is not None and seq.req.state in (DecodeState.ALLOCATED, DecodeState.RECEIVING):
@@ -51,8 +44,7 @@ class Arrivals:
         if arrival.status == "failed":
             log.error("%s: transfer of %s failed", self.instance_id, arrival.req_id,
                       exc_info=arrival.exc)
-            # blocks P may still write stay lent; reusable ones (P's last word came) are freed
-            # (never decoded from, never in the prefix cache)
+            # blocks P may still write stay lent; reusable ones are freed (never decoded from)
             self._end(arrival.req_id, DecodeState.FAILED, _failure(arrival.exc, seq),
                       lend=not arrival.reusable)
             return
@@ -70,9 +62,7 @@ class Arrivals:
                       "block_table": list(req.block_table),
                       "cached_blocks": seq.num_cached_blocks,
                       "layerwise": stats.layerwise}
-        digest = faults.kv_digest(self.cache, req.block_table, len(req.prompt_token_ids))
-        if digest is not None:
-            seq.kvflow["kv_digest"] = digest
+        faults.add_kv_digest(seq.kvflow, self.cache, req)
         seq.kvflow.update(arrival.pushed)
         if self.prefix is not None:  # the prompt's full blocks now hold their KV
             self.prefix.insert(req.prompt_token_ids, req.block_table[:n])

@@ -1,22 +1,5 @@
-"""What every serving instance (prefill P, decode D, colocated) shares: start-up
-and registration with the router (the event loop is :mod:`kvflow.serve.instance.loop`).
-
-Start-up order (:meth:`Instance.startup`) is the profile-run rule (docs/design.md) made
-concrete:
-
-1. take the memory budget (:mod:`kvflow.serve.launch.budget`: on CUDA a fraction of the GPU's free
-   memory, measured before the weights load); load the model; build its
-   :class:`~kvflow.layout.KVCacheSpec`;
-2. size ``num_blocks`` with :func:`kvflow.engine.determine_num_blocks` (a profile run with
-   ``is_dummy_or_profile_run`` set) unless ``--num-blocks`` was given; **no socket exists yet**,
-   so nothing can be signalled or sent;
-3. allocate the cache (the connector's :meth:`make_cache`: exported when the peer maps it) and
-   warm the connector's kernels (:meth:`Instance.setup`);
-4. only then open the ZMQ sockets and :class:`~kvflow.protocol.Register` with the router;
-   the CLI then waits for its :class:`~kvflow.protocol.Registered`
-   (:meth:`Instance.wait_registered`, bounded by ``--register-timeout-s``). A failure at any
-   step is one line (:class:`~kvflow.serve.launch.startup.StartupError`).
-"""
+"""What every serving instance shares: start-up in the profile-run order (docs/design.md,
+"Nothing is signalled or sent during a profile run") and registration with the router."""
 
 from __future__ import annotations
 
@@ -24,6 +7,7 @@ import logging
 import os
 import secrets
 import time
+from typing import Any
 
 from kvflow.serve.protocol import Register, Registered
 from kvflow.segments import host_id
@@ -37,8 +21,7 @@ log = logging.getLogger("kvflow.serve")
 
 
 class Instance(EventLoop):
-    """Base of P, D and colocated instances (subclasses add :meth:`setup`, handlers and
-    :meth:`work`)."""
+    """Base of P, D and colocated instances (subclasses add :meth:`setup`, handlers, work)."""
 
     role = ""
 
@@ -50,20 +33,12 @@ class Instance(EventLoop):
         self._reregistered_at = 0.0  # monotonic time of the last Register asked for again
         self.fatal = ""  # set when the router refused this instance: print it and exit 1
 
-    # ---- start-up -------------------------------------------------------------------
     def startup(self) -> None:
-        """Load, size (profile run), allocate, warm up; then open sockets and register.
-
-        Raises
-        ------
-        StartupError
-            Model, memory budget or segment failures (one line).
-        """
+        """Load, size (profile run), allocate, warm up; then open sockets and register. Raises
+        :class:`StartupError` on model, memory budget or segment failures."""
         from kvflow.layout import as_torch_dtype
         from kvflow.model import load_model
-
         from ..launch.budget import memory_budget
-        from .kv_specs import role_spec
         cfg = self.cfg
         # the GPU's free memory is measured before this instance's weights take any of it
         budget = None if cfg.num_blocks else memory_budget(cfg.device, cfg.memory_budget_mb,
@@ -102,16 +77,9 @@ class Instance(EventLoop):
                                 **self.register_extra()))
 
     def wait_registered(self, timeout_s: float, note_every_s: float = 3.0) -> None:
-        """Wait until the router answers :class:`Register` (after :meth:`startup`), handling
-        what arrives meanwhile; say so at warning level after 1 s, then every
-        ``note_every_s``.
-
-        Raises
-        ------
-        StartupError
-            The router refused this instance (its reason), or did not answer within
-            ``timeout_s`` (``--register-timeout-s``).
-        """
+        """Wait until the router answers :class:`Register`, handling what arrives meanwhile (a
+        warning after 1 s, then every ``note_every_s``). Raises :class:`StartupError` when the
+        router refused this instance, or did not answer within ``timeout_s``."""
         t0 = time.monotonic()
         next_note = t0 + min(1.0, note_every_s)
         while not self.registered and not self.fatal:
@@ -136,16 +104,12 @@ class Instance(EventLoop):
         if msg.ok:
             self.registered = True
             return
-        # printed (one line) by whoever started the instance; serve_forever stops
         self.fatal = (f"the router at {self.cfg.router_url} refused this {self.role} instance: "
                       f"{msg.error}")
         self.stopping = True
 
     def on_reregister(self, msg, frames, ident) -> None:
-        """Register again, once: the router asks about once a second while it hears beats
-        from an instance it lost, so a loop that was busy for seconds (a long prefill chunk
-        on loaded cores) finds several asks queued; those after the first wait for its
-        answer (:meth:`on_registered`) for up to 5 s."""
+        """Register again, once: asks queued behind the first wait up to 5 s for its answer."""
         now = time.monotonic()
         if not self.registered and now - self._reregistered_at < 5.0:
             return
@@ -155,16 +119,9 @@ class Instance(EventLoop):
         self.register()
 
     def profile(self, budget=None) -> int:
-        """``num_blocks`` from a profile run at ``max_num_batched_tokens`` (nothing sent) in
-        ``budget`` (:class:`~kvflow.serve.launch.budget.MemoryBudget`; default from the config).
-
-        Raises
-        ------
-        StartupError
-            The budget leaves no room for one block (naming the flag and the value that fits).
-        """
+        """``num_blocks`` from a profile run (nothing sent) in ``budget`` (default from the
+        config). Raises :class:`StartupError` when it leaves no room for one block."""
         from kvflow.engine import MemoryBudgetError, determine_num_blocks
-
         from ..launch.budget import memory_budget, too_small_message
         assert self.ctrl is None, "profile run must happen before any channel exists"
         if budget is None:
@@ -184,6 +141,31 @@ class Instance(EventLoop):
         """Allocate the cache, build the engine and allocator, warm up (no socket yet)."""
         raise NotImplementedError
 
+    def make_connector(self, make: Any, **kw: Any) -> Any:
+        """P's sender or D's receiver (``make``: :func:`kvflow.connector.make_sender` or
+        ``make_receiver``), bound to ``--host``, with ``--kv-verify``; then its cache, the engine
+        and the allocator. Raises :class:`StartupError` for an unknown connector or option, or
+        ``--kv-verify`` on one that cannot verify."""
+        from kvflow.blocks import BlockAllocator
+        from kvflow.connector import bind_to_host, kinds
+        from kvflow.engine import Engine
+        cfg = self.cfg
+        try:
+            conn = make(cfg.kv_connector, self.spec, cfg.device, backend=cfg.backend,
+                        config=cfg.kv_connector_config, max_model_len=self.max_model_len, **kw)
+            bind_to_host(conn.name, cfg.host)  # before its transport listens
+        except ValueError as exc:  # unknown connector or option: one line
+            raise StartupError(str(exc)) from None
+        if cfg.kv_verify:  # checked with the flags too (kvflow.serve.launch.checks)
+            if not hasattr(conn, "verify"):
+                verified = " and ".join(kinds.with_capability("kv_verify"))
+                raise StartupError(f"--kv-verify checks the {verified} connectors, not {conn.name}")
+            conn.verify = True
+        self.cache = conn.make_cache(self.num_blocks)
+        self.engine = Engine(self.model, self.cache)
+        self.allocator = BlockAllocator(self.num_blocks)
+        return conn
+
     def connector_name(self) -> str:
         """The connector kind named in :class:`Register` (the router pairs equal ones)."""
         return "none"
@@ -193,3 +175,16 @@ class Instance(EventLoop):
 
     def free_blocks(self) -> int:
         return self.allocator.num_free
+
+
+def role_spec(model: Any, cfg: Any, role: str) -> Any:
+    """The :class:`~kvflow.layout.KVCacheSpec` of ``role`` for ``model`` and ``cfg``: P's and
+    colocated's from ``--block-size``, ``--kv-layout``, ``--kv-dtype``; D's from the
+    ``--decode-*`` flags where given, else P's."""
+    from kvflow.layout import as_torch_dtype
+    bs, layout, dtype = cfg.block_size, cfg.kv_layout, cfg.kv_dtype
+    if role == "decode":
+        bs = cfg.decode_block_size or bs
+        layout = cfg.decode_kv_layout or layout
+        dtype = cfg.decode_kv_dtype or dtype
+    return model.kv_spec(bs, dtype=None if dtype is None else as_torch_dtype(dtype), layout=layout)

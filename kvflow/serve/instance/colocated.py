@@ -1,9 +1,5 @@
-"""The colocated instance: prefill and decode in one instance and one cache, no connector.
-
-It composes the engine, an allocator and the decode loop
-(:class:`~kvflow.serve.instance.sequences.DecodeLoop`) and does each request's prefill itself
-(``Prefill``): the reference that disaggregated output must match token for token.
-"""
+"""The colocated instance: prefill and decode in one instance and one cache, no connector: the
+reference that disaggregated output must match token for token."""
 
 from __future__ import annotations
 
@@ -42,7 +38,7 @@ class ColocatedInstance(DecodesWithLoop, Instance):
 
     def on_abort(self, msg: Abort, frames, ident) -> None:
         self.loop.end(msg.req_id, ColocatedState.ABORTED, msg.reason or "aborted", notify=False)
-        self.report_blocks()  # the router sees the freed blocks now, not a heartbeat later
+        self.report_blocks()  # the router sees the freed blocks now
 
     def on_prefill(self, msg: Prefill, frames, ident) -> None:
         seq = self.seqs.get(msg.req_id)
@@ -63,9 +59,7 @@ class ColocatedInstance(DecodesWithLoop, Instance):
                       "kv_connector": "none", "layerwise": False, "blocks": 0,
                       "payload_bytes": 0, "transfer_ms": 0.0, "block_table": list(req.block_table),
                       "clock": {"prefill_received": t_start, "prefill_started": t_start}}
-        digest = faults.kv_digest(self.cache, req.block_table, len(req.prompt_token_ids))
-        if digest is not None:
-            seq.kvflow["kv_digest"] = digest
+        faults.add_kv_digest(seq.kvflow, self.cache, req)
         req.transition(ColocatedState.DECODING)
         token = sample_token(logits, req.temperature, seq.seed, 0)
         stamp(seq.kvflow, "first_token_sampled")

@@ -1,24 +1,6 @@
-"""The decode instance (D): allocates each request's blocks, receives its KV from the prefill
-instance (P) through its connector (:func:`kvflow.connector.make_receiver`), and decodes.
-
-Per request: ``Allocate`` -> ALLOCATED (:class:`~kvflow.serve.instance.sequences.DecodeLoop`: admission,
-D's *own* block table, prefix-cache hit ``num_cached_blocks``) -> the KV arrives from P (every
-data-plane message goes to the receiver, :mod:`kvflow.serve.instance.arrivals`) into the prompt's
-blocks of D's table after the prefix hit -> RECEIVING -> DECODING: the first token (sampled by
-P, which already sent it to the router) is appended, then one token per decode step is sent,
-from the second on -> DONE. Abort, transfer error and timeout
-(``receive_timeout_s`` without KV) end the request too; every end frees its blocks, except
-blocks P may still write (:mod:`kvflow.connector.lent`, kept by the receiver).
-
-Lease: every ``heartbeat_s`` D's heartbeat thread (:class:`~kvflow.connector.lease.Renewals`,
-on D's lease socket, not from the loop: a long decode step does not delay it) renews, with its
-P's, the requests whose KV it still means to read (the loop keeps that set current,
-:meth:`DecodeInstance._want_renewals`); P frees sent blocks whose lease (``kv_lease_s``) ran
-out. Before reading P's memory (a connector with ``reads_peer_memory``), the receiver checks
-that P's lease still holds (with a 20% margin, counted from the last renewal that left for that
-P) and otherwise refuses the transfer rather than read blocks P may have reused.
-docs/reliability.md has the cases.
-"""
+"""The decode instance (D): allocates each request's blocks in its own table, receives the KV
+through its connector (:mod:`.arrivals`), decodes from the second token on, and renews P's leases
+on what it still means to read (docs/reliability.md, "Liveness")."""
 
 from __future__ import annotations
 
@@ -27,7 +9,7 @@ import time
 
 import zmq
 
-from kvflow.connector import Renewals, SlotsTaken, kinds, lease_socket
+from kvflow.connector import Renewals, SlotsTaken, lease_socket
 from kvflow.serve.protocol import Abort, Allocate, Pair, PairResult, Unpair
 from kvflow.blocks import DecodeState, PrefixCache
 from kvflow.segments import DEAD, process_state
@@ -37,9 +19,9 @@ from .arrivals import Arrivals
 from .base import Instance
 from .pairing import check_peer, peer_of
 from .sequences import DecodeLoop, DecodesWithLoop
-from ..launch.startup import StartupError
 
 log = logging.getLogger("kvflow.serve.decode")
+_WAITING = (DecodeState.ALLOCATED, DecodeState.RECEIVING)  # D still means to read their KV
 
 
 class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
@@ -59,28 +41,10 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
         self.waiting_pairs: dict[str, Pair] = {}  # P refused for want of a slot -> its Pair
         self.unpaired: dict[str, float] = {}  # P declared dead, not seen exit -> when (monotonic)
 
-    # ---- start-up -------------------------------------------------------------------
     def setup(self) -> None:
-        from kvflow.connector import bind_to_host, make_receiver
-        from kvflow.engine import Engine
-        from kvflow.blocks import BlockAllocator
+        from kvflow.connector import make_receiver
         cfg = self.cfg
-        try:
-            self.receiver = make_receiver(cfg.kv_connector, self.spec, cfg.device,
-                                          backend=cfg.backend, config=cfg.kv_connector_config,
-                                          max_model_len=self.max_model_len)
-            bind_to_host(self.receiver.name, cfg.host)  # before its transport listens
-        except ValueError as exc:  # unknown connector or option: one line
-            raise StartupError(str(exc)) from None
-        if cfg.kv_verify:  # checked with the flags too (kvflow.serve.launch.checks); never ignored
-            if not hasattr(self.receiver, "verify"):
-                verified = " and ".join(kinds.with_capability("kv_verify"))
-                raise StartupError(f"--kv-verify checks the {verified} connectors, not "
-                                   f"{self.receiver.name}")
-            self.receiver.verify = True
-        self.cache = self.receiver.make_cache(self.num_blocks)
-        self.engine = Engine(self.model, self.cache)
-        self.allocator = BlockAllocator(self.num_blocks)
+        self.receiver = self.make_connector(make_receiver)
         self.receiver.reply = self._send_data  # acks and the loop's renewals, to P
         self.lent = self.receiver.keep(self.allocator, cfg.kv_lease_s)  # the receiver's
         prefix = PrefixCache(self.allocator, self.spec.block_size) if cfg.enable_prefix_caching else None
@@ -102,16 +66,15 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
     def open_channels(self) -> None:
         super().open_channels()
         self.data = self.ctx.socket(zmq.ROUTER)
-        # a P paired anew (it registered again) reconnects under the same identity: let the
-        # new connection take over instead of being refused while the old one lingers
+        # a P paired anew reconnects under the same identity: the new connection takes over
         self.data.setsockopt(zmq.ROUTER_HANDOVER, 1)
         port = self.data.bind_to_random_port(f"tcp://{self.cfg.host}")
         self.data_addr = f"tcp://{advertised_host(self.cfg.host, self.cfg.advertise_host)}:{port}"
         self.sockets[self.data] = "prefill link"
 
     def lease_renewals(self) -> Renewals:
-        """D's lease socket (P's connect to :attr:`lease_addr` at pairing) and its renewals,
-        for the heartbeat thread (:meth:`~kvflow.serve.instance.loop.EventLoop.open_channels`)."""
+        """D's lease socket (P's connect to :attr:`lease_addr`) and its renewals, for the
+        heartbeat thread."""
         sock, port = lease_socket(self.ctx, self.cfg.host)
         self.lease_addr = f"tcp://{advertised_host(self.cfg.host, self.cfg.advertise_host)}:{port}"
         self.renewals = self.receiver.renewals = Renewals(sock, 0.8 * self.kv_lease_s)
@@ -124,11 +87,9 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
         return {"data_addr": self.data_addr, "lease_addr": self.lease_addr,
                 **self.receiver.export()}
 
-    # ---- control handlers -----------------------------------------------------------
     def on_pair(self, msg: Pair, frames, ident) -> None:
-        """Pair with P ``msg.peer_id`` and answer :class:`PairResult`. One refused only for
-        want of a receiver slot (:class:`~kvflow.connector.SlotsTaken`) waits in
-        ``waiting_pairs`` and pairs once a slot frees (:meth:`_pair_waiting`), no restart."""
+        """Pair with P ``msg.peer_id`` and answer :class:`PairResult`; one refused for want of a
+        receiver slot waits in ``waiting_pairs`` until one frees (:meth:`_pair_waiting`)."""
         self.waiting_pairs.pop(msg.peer_id, None)
         error = check_peer(self, msg)
         if not error:
@@ -149,8 +110,7 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
                                   ok=not error, error=error))
 
     def _pair_waiting(self) -> None:
-        """A receiver slot may have freed: pair the P's that waited for one, oldest first
-        (one whose process is seen gone is dropped)."""
+        """Pair the P's that waited for a receiver slot, oldest first (dropping dead ones)."""
         for peer_id, msg in list(self.waiting_pairs.items()):
             if process_state(msg.peer_pid, msg.peer_host_id) == DEAD:
                 self.waiting_pairs.pop(peer_id)
@@ -160,18 +120,13 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
                 return
 
     def on_unpair(self, msg: Unpair, frames, ident) -> None:
-        """Prefill instance ``msg.peer_id`` died. One that only waited for a slot
-        (``waiting_pairs``) is dropped, nothing else. The router saw it exit: forget it now (the
-        connector's state for it, e.g. a nixl staging slot and agent, and every block lent to
-        it). Only silent (it may still write): a connector whose P's may live on other hosts
-        forgets it ``kv_lease_s`` later unless it pairs again; lent blocks follow
-        :mod:`kvflow.connector.lent`."""
+        """P ``msg.peer_id`` died: forgotten now if it exited (or only waited for a slot), else
+        (it may still write) ``kv_lease_s`` later unless it pairs again."""
         log.log(logging.INFO if msg.stopped else logging.WARNING,  # a clean stop is no fault
                 "%s: prefill instance %s is gone (%s)", self.instance_id, msg.peer_id,
                 msg.reason or "no reason given")
         if self.waiting_pairs.pop(msg.peer_id, None) is not None \
-                and msg.peer_id not in self.lent.peer_pids:
-            # it only waited for a free slot: never attached, nothing of it to forget
+                and msg.peer_id not in self.lent.peer_pids:  # never attached: nothing to forget
             log.info("%s: dropped the waiting pairing with %s", self.instance_id, msg.peer_id)
             return
         if msg.exited:
@@ -196,16 +151,14 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
             self._want_renewals()  # renewed from now on, even if the next decode step is long
 
     def on_abort(self, msg: Abort, frames, ident) -> None:
-        # a P that got the Prefill may still write the blocks, even one the router declared
-        # dead (a slow prefill misses heartbeats): they stay lent
+        # a P that got the Prefill may still write the blocks (even one declared dead): lent
         self._end(msg.req_id, DecodeState.ABORTED, msg.reason or "aborted", notify=False,
                   lend=msg.prefill_sent)
         self.lent.aborted(msg.req_id, msg.prefill_id, msg.peer_dead, msg.peer_exited)
         self.report_blocks()  # the router sees the freed blocks now, not a heartbeat later
 
     def _check_peers(self) -> None:
-        """Forget P's whose process is gone (only for connectors whose P's share this host):
-        drop their mappings and give back the blocks lent to them."""
+        """Forget P's whose process is gone (connectors whose P's share this host only)."""
         if not self.receiver.host_local:  # their P's may live on other hosts
             return
         gone = False
@@ -218,17 +171,15 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
 
     def _end(self, req_id: str, state, error: str, *, notify: bool = True,
              lend: bool = True) -> None:
-        """End a live request and free its blocks -- or keep them lent while P may still write
-        them (``lend``: the Prefill went out and P has not said it is done)."""
+        """End a live request and free its blocks, or keep them lent while P may still write
+        them (``lend``: the Prefill went out)."""
         seq = self.seqs.get(req_id)
         if seq is None:
             return
-        # a transfer held in flight is dropped (acked), a partly received one forgotten
         lend = self.receiver.end(req_id, seq.req.block_table, error, may_write=lend and (
-            seq.req.state in (DecodeState.ALLOCATED, DecodeState.RECEIVING)))
+            seq.req.state in _WAITING))
         self.loop.end(req_id, state, error, notify=notify, free=not lend)
 
-    # ---- loop -----------------------------------------------------------------------
     def heartbeat(self, force: bool = False) -> None:
         now = time.monotonic()
         if now - self._last_peer_check >= (0.1 if self.lent else 1.0):
@@ -242,11 +193,10 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
             self._react(arrival)
         waiting = []
         for req_id, s in list(self.seqs.items()):
-            if s.req.state in (DecodeState.ALLOCATED, DecodeState.RECEIVING) \
-                    and now - s.t_alloc > self.receive_timeout_s:
+            if s.req.state in _WAITING and now - s.t_alloc > self.receive_timeout_s:
                 self._end(req_id, DecodeState.TIMED_OUT,
                           f"no KV from prefill within {self.receive_timeout_s:g} s")
-            elif s.req.state in (DecodeState.ALLOCATED, DecodeState.RECEIVING):
+            elif s.req.state in _WAITING:
                 waiting.append(s.req.request_id)
         self._want_renewals(waiting)
         if self.beats is None and waiting and self.peer_id \
@@ -256,22 +206,20 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
         super().heartbeat(force)
 
     def _renew_peers(self) -> list[str]:
-        """The P's a renewal goes to: every paired one (D does not know which one prefills a
-        request before its KV arrives; a P ignores ids it does not hold)."""
+        """Every paired P (D does not know which one prefills a request before its KV arrives)."""
         return list(self.lent.peer_pids) or ([self.peer_id] if self.peer_id else [])
 
     def _want_renewals(self, waiting: list[str] | None = None) -> None:
-        """Tell the heartbeat thread what to renew now: the requests D still means to read
-        (``waiting``; default: those ALLOCATED or RECEIVING) with every paired P."""
+        """Tell the heartbeat thread what to renew: ``waiting`` (default: the requests
+        ALLOCATED or RECEIVING), with every paired P."""
         if self.renewals is None:
             return
         if waiting is None:
-            waiting = [r for r, s in self.seqs.items()
-                       if s.req.state in (DecodeState.ALLOCATED, DecodeState.RECEIVING)]
+            waiting = [r for r, s in self.seqs.items() if s.req.state in _WAITING]
         self.renewals.want(self._renew_peers(), waiting)
 
     def _renew(self, req_ids: list[str]) -> None:
-        """Lease renewals from the loop, on the data socket, where no heartbeat thread runs."""
+        """Lease renewals from the loop (no heartbeat thread runs)."""
         self.receiver.renew(self._renew_peers(), req_ids)
 
     def close(self) -> None:

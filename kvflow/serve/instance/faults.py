@@ -1,39 +1,12 @@
-"""Fault injection for the reliability tests; every fault is off unless its environment
-variable is set, and costs one dictionary lookup when off.
-
-=================================  ===========================================================
-variable                           effect
-=================================  ===========================================================
-``KVFLOW_FAULT_PREFILL_DELAY_S``   P sleeps this long before a prefill (P is "prefilling")
-``KVFLOW_FAULT_CHUNK_DELAY_S``     P sleeps this long inside each prefill chunk (a slow
-                                   forward: no heartbeat can go out meanwhile)
-``KVFLOW_FAULT_STEP_DELAY_S``      D (or colocated) sleeps this long in each decode step whose
-                                   batch holds a matching request (a slow step: the loop
-                                   handles no message meanwhile)
-``KVFLOW_FAULT_RECEIVE_DELAY_S``   D keeps an arrived transfer in flight (RECEIVING) this long
-                                   before copying it (a slow transfer: abort or kill D now)
-``KVFLOW_FAULT_WRITE_DELAY_S``     nixl P sleeps this long after posting each WRITE (layer
-                                   group) of a request (kill or abort D mid-WRITE now)
-``KVFLOW_FAULT_MATCH``             comma-separated token ids: faults apply only to requests
-                                   whose prompt contains this run of ids (unset: to every one)
-``KVFLOW_FAULT_RECEIVE_FAIL``      comma-separated token ids: D fails the arrived transfer of
-                                   requests whose prompt contains this run (after P's first
-                                   token went out), as a broken copy would
-``KVFLOW_FAULT_WRITE_FAIL``        comma-separated token ids: nixl P posts the first WRITE (layer
-                                   group) of requests whose prompt contains this run, drops
-                                   the rest and reports the request's WRITEs failed after its
-                                   first token went out (D's blocks: partly written)
-``KVFLOW_FAULT_KV_CORRUPT``        comma-separated token ids: with ``--kv-verify``, P flips one
-                                   byte of the last block it sends of requests whose prompt
-                                   contains this run, after taking its digest (tcp: in the
-                                   staging buffer on the wire; ipc-pull: in P's exported cache
-                                   that D reads), as a corruption in flight would
-``KVFLOW_DEBUG_KV_DIGEST``         (a diagnostic, not a fault) D and colocated add
-                                   ``kv_digest`` to the ``kvflow`` object: a digest of the
-                                   prompt's full blocks, equal across modes iff their bytes are
-                                   (it syncs the device: timings are off while it is set)
-=================================  ===========================================================
-"""
+"""Fault injection for the reliability tests (docs/reliability.md, "Fault injection (tests
+only)"); each fault is off unless its environment variable is set. Delays (seconds):
+``KVFLOW_FAULT_PREFILL_DELAY_S`` (P, before a prefill), ``_CHUNK_DELAY_S`` (P, in each chunk: no
+heartbeat), ``_STEP_DELAY_S`` (D, in a decode step), ``_RECEIVE_DELAY_S`` (D holds an arrived
+transfer), ``_WRITE_DELAY_S`` (nixl P, after each WRITE); ``KVFLOW_FAULT_MATCH`` limits them to
+prompts holding that run of token ids. Failures (a run of token ids): ``_RECEIVE_FAIL`` (D fails
+the transfer), ``_WRITE_FAIL`` (nixl P posts only the first WRITE, then fails), ``_KV_CORRUPT``
+(P flips a byte of the last block it sends, after its digest). ``KVFLOW_DEBUG_KV_DIGEST``: D and
+colocated add ``kv_digest`` to the ``kvflow`` object (it syncs the device)."""
 
 from __future__ import annotations
 
@@ -51,9 +24,8 @@ def _contains(ids: Sequence[int], run: list[int]) -> bool:
 
 
 def delay_s(kind: str, token_ids: Sequence[int]) -> float:
-    """Seconds of injected delay for fault ``kind`` ("prefill", "chunk", "step", "receive" or
-    "write") of a request with prompt ``token_ids``; 0.0 when the fault is off or the prompt
-    does not match."""
+    """Seconds of injected delay for fault ``kind`` (a key of ``_VARS``) of a request with
+    prompt ``token_ids``; 0.0 when off or the prompt does not match."""
     value = os.environ.get(_VARS[kind], "")
     if not value:
         return 0.0
@@ -64,9 +36,8 @@ def delay_s(kind: str, token_ids: Sequence[int]) -> float:
 
 
 def fails(kind: str, token_ids: Sequence[int]) -> bool:
-    """Whether fault ``kind`` ("receive": ``KVFLOW_FAULT_RECEIVE_FAIL``, "corrupt":
-    ``KVFLOW_FAULT_KV_CORRUPT``, "write": ``KVFLOW_FAULT_WRITE_FAIL``) fails the request
-    with prompt ``token_ids``: its variable names a run of token ids the prompt contains."""
+    """Whether fault ``kind`` ("receive", "corrupt", "write") fails the request with prompt
+    ``token_ids`` (its variable names a run of ids the prompt contains)."""
     value = os.environ.get({"receive": "KVFLOW_FAULT_RECEIVE_FAIL",
                             "corrupt": "KVFLOW_FAULT_KV_CORRUPT",
                             "write": "KVFLOW_FAULT_WRITE_FAIL"}[kind], "")
@@ -74,9 +45,8 @@ def fails(kind: str, token_ids: Sequence[int]) -> bool:
 
 
 def kv_digest(cache, block_ids: Sequence[int], num_tokens: int) -> list[int] | None:
-    """``KVFLOW_DEBUG_KV_DIGEST=1``: ``[sum of words, position-weighted sum]`` (mod 2**61) of the int32 words
-    of the prompt's full blocks (``num_tokens // block_size`` of ``block_ids``) over every
-    tensor of ``cache``, in table order; None when the variable is unset."""
+    """``KVFLOW_DEBUG_KV_DIGEST=1``: ``[sum, position-weighted sum]`` (mod 2**61) of the int32
+    words of the prompt's full blocks over every tensor of ``cache``; else None."""
     if not os.environ.get("KVFLOW_DEBUG_KV_DIGEST"):
         return None
     import torch
@@ -93,9 +63,14 @@ def kv_digest(cache, block_ids: Sequence[int], num_tokens: int) -> list[int] | N
     return [total % 2**61, weighted % 2**61]  # fits msgpack's int64
 
 
+def add_kv_digest(kvflow: dict, cache, req) -> None:
+    """``kvflow["kv_digest"]``: :func:`kv_digest` of ``req``'s prompt blocks, when it is on."""
+    if (digest := kv_digest(cache, req.block_table, len(req.prompt_token_ids))) is not None:
+        kvflow["kv_digest"] = digest
+
+
 def flip_byte(block) -> None:
-    """``KVFLOW_FAULT_KV_CORRUPT``: flip every bit of the last byte of ``block`` (a contiguous
-    tensor holding one block's bytes) in place."""
+    """``KVFLOW_FAULT_KV_CORRUPT``: flip the last byte of ``block`` (a contiguous tensor)."""
     import torch
     raw = block.reshape(-1).view(torch.uint8)
     raw[-1] ^= 0xFF

@@ -1,28 +1,5 @@
-"""An instance's heartbeat, sent from its own thread and socket so that no compute blocks it.
-
-Before issue 26 the heartbeat went out from the instance's event loop, between prefill chunks
-and decode steps: on a busy host (load 18-27 on 2 cores) one chunk outlasted the router's
-``--dead-after-s`` and a live P or D was declared dead (HTTP 502, then 503). Now
-:class:`HeartbeatThread` sends a :class:`~kvflow.protocol.Heartbeat` every ``heartbeat_s``
-(0.2 s) on a DEALER socket of its own (identity ``<instance id>#hb``, :func:`beat_identity`;
-ZMQ sockets are single-threaded, so the loop's control socket is not shared). A torch
-forward, a Numba kernel (``nogil``) or a blocking copy leaves the GIL to it; the thread
-needs microseconds of CPU per beat, so the scheduler serves it even on a loaded host
-(measured in docs/reliability.md, "Liveness").
-
-Every heartbeat carries a sequence number (:func:`next_seq`, shared with the loop's own
-:meth:`~kvflow.serve.instance.loop.EventLoop.report_blocks`): the router keeps the block counts of the
-newest one only, since the two sockets' messages may arrive out of order.
-
-A decode instance's thread also renews P's leases (:class:`~kvflow.connector.lease.Renewals`):
-every beat it sends a :class:`~kvflow.protocol.LeaseRenew` naming the requests D still means to
-read to each paired P, on D's *lease socket* (a ROUTER that P's connect to at pairing, ``Register.lease_addr``).
-Before, D sent them from its loop between decode steps, so one step longer than
-``--kv-lease-s`` let P free blocks D was about to read (docs/reliability.md, "Liveness").
-
-The thread starts only after the profile run (:meth:`~kvflow.serve.instance.loop.EventLoop.open_channels`):
-nothing is sent while ``is_dummy_or_profile_run`` could be set (docs/design.md).
-"""
+"""An instance's heartbeat (and D's lease renewals), sent every ``heartbeat_s`` from a thread and
+socket of its own so that no compute blocks it (docs/reliability.md, "Liveness")."""
 
 from __future__ import annotations
 
@@ -49,29 +26,10 @@ def next_seq() -> int:
     return next(_SEQ)
 
 
-def beat_identity(instance_id: str) -> bytes:
-    """The ZMQ identity of ``instance_id``'s heartbeat socket."""
-    return (instance_id + BEAT_SUFFIX).encode()
-
-
 class HeartbeatThread(threading.Thread):
-    """Send ``beat()`` to the router at ``router_url`` every ``period_s`` seconds until
-    :meth:`stop`; ``parent_pid`` (nonzero): call ``on_orphan()`` once that process is no
-    longer this one's parent.
-
-    Parameters
-    ----------
-    ctx : zmq.Context
-        The instance's context (the thread opens and closes its own socket in it).
-    instance_id, router_url : str
-        Who beats, and the router's control address.
-    beat : callable
-        Returns the :class:`~kvflow.protocol.Heartbeat` to send (called on this thread).
-    period_s : float
-        Seconds between beats (``ServeConfig.heartbeat_s``).
-    renewals : Renewals or None
-        D's lease renewals, sent after each beat (its socket closes with the thread).
-    """
+    """Send ``beat()`` (a :class:`~kvflow.serve.protocol.Heartbeat`) to the router at ``router_url``
+    every ``period_s`` seconds, then ``renewals`` (D's, or None), until :meth:`stop`;
+    ``parent_pid`` (nonzero): call ``on_orphan()`` once that process is no longer the parent."""
 
     def __init__(self, ctx: zmq.Context, instance_id: str, router_url: str,
                  beat: Callable[[], Heartbeat], period_s: float, *, parent_pid: int = 0,
@@ -79,10 +37,9 @@ class HeartbeatThread(threading.Thread):
                  renewals: Renewals | None = None) -> None:
         super().__init__(name=f"heartbeat-{instance_id}", daemon=True)
         self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, beat_identity(instance_id))
+        self.sock.setsockopt(zmq.IDENTITY, (instance_id + BEAT_SUFFIX).encode())
         self.sock.setsockopt(zmq.LINGER, 0)
-        # a router that is gone must not queue beats without bound: old ones are worthless
-        self.sock.setsockopt(zmq.SNDHWM, 16)
+        self.sock.setsockopt(zmq.SNDHWM, 16)  # old beats are worthless: no unbounded queue
         self.sock.connect(router_url)
         self.instance_id, self.beat, self.period_s = instance_id, beat, period_s
         self.parent_pid, self.on_orphan = parent_pid, on_orphan
@@ -115,7 +72,7 @@ class HeartbeatThread(threading.Thread):
                 self.renewals.sock.close(0)
 
     def stop(self, timeout_s: float = 2.0) -> None:
-        """End the thread (its socket closes on it) and wait up to ``timeout_s``."""
+        """End the thread (its socket closes on it), waiting up to ``timeout_s``."""
         self._halt.set()
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout_s)

@@ -1,15 +1,5 @@
-"""The ZMQ event loop every serving instance runs: its sockets, sending, dispatch of decoded
-messages to ``on_<type>`` handlers (every data-plane message to :meth:`EventLoop.on_data`),
-heartbeats.
-
-:meth:`EventLoop.serve_forever` polls the sockets, hands each decoded message to its handler,
-does one unit of work (:meth:`EventLoop.work`: a prefill on P, a decode step on D) and its
-housekeeping (:meth:`EventLoop.heartbeat`: expiries; on D, what to renew). The heartbeat that
-tells the router this instance lives (free blocks, running requests) and D's lease renewals to
-its P's go out every ``heartbeat_s`` from a thread of its own (:mod:`kvflow.serve.instance.heartbeat`),
-which no compute blocks. Malformed frames are logged and dropped
-(:func:`kvflow.protocol.decode_or_log`); a handler that raises is logged and the loop goes on.
-"""
+"""The ZMQ event loop every serving instance runs: poll, dispatch each message to its
+``on_<type>`` handler, one unit of work, housekeeping; a bad frame or handler is logged."""
 
 from __future__ import annotations
 
@@ -31,12 +21,8 @@ log = logging.getLogger("kvflow.serve")
 
 
 class EventLoop:
-    """Sockets, sends and the poll loop of one instance (base of
-    :class:`~kvflow.serve.instance.base.Instance`).
-
-    Subclasses set ``instance_id`` and ``cfg`` (``router_url``, ``heartbeat_s``,
-    ``parent_pid``) and provide :meth:`free_blocks`.
-    """
+    """Sockets, sends and the poll loop of one instance; subclasses set ``instance_id`` and
+    ``cfg`` and provide :meth:`free_blocks`."""
 
     instance_id: str
     cfg: Any
@@ -54,12 +40,10 @@ class EventLoop:
         self._ctrl_linger_ms = 0
 
     def open_channels(self) -> None:
-        """Create the ZMQ context and the control socket to the router (after the profile
-        run)."""
+        """Create the ZMQ context, the control socket and the heartbeat thread (after the
+        profile run)."""
         self.ctx = zmq.Context()
-        # every socket of this context waits at most 1 s for unsent messages when it closes, so
-        # ending the context (close, or its garbage collection after a failed start) never hangs
-        self.ctx.setsockopt(zmq.LINGER, 1000)
+        self.ctx.setsockopt(zmq.LINGER, 1000)  # ending the context never hangs
         self.ctrl = self.ctx.socket(zmq.DEALER)
         self.ctrl.setsockopt(zmq.IDENTITY, self.instance_id.encode())
         self.ctrl.setsockopt(zmq.LINGER, 500)
@@ -73,13 +57,10 @@ class EventLoop:
         self.beats.start()
 
     def lease_renewals(self):
-        """The :class:`~kvflow.serve.instance.heartbeat.Renewals` the heartbeat thread sends (D: its
-        lease renewals to P's), or None; called once, in :meth:`open_channels`."""
+        """The :class:`~kvflow.connector.Renewals` the heartbeat thread sends (D's), or None."""
         return None
 
-    # ---- sending --------------------------------------------------------------------
     def send_ctrl(self, msg: Any) -> None:
-        """Send a control message to the router."""
         self.send(self.ctrl, msg)
 
     def send(self, sock: zmq.Socket, msg: Any, *, ident: bytes | None = None) -> None:
@@ -90,7 +71,6 @@ class EventLoop:
         sock.send_multipart([ident, frame] if ident is not None else [frame])
         self.messages_sent += 1
 
-    # ---- loop -----------------------------------------------------------------------
     def has_work(self) -> bool:
         return False
 
@@ -106,15 +86,12 @@ class EventLoop:
                          num_running=self.num_running(), seq=next_seq())
 
     def report_blocks(self) -> None:
-        """Send a :class:`Heartbeat` on the control socket now (after blocks were freed: the
-        router sees them at once, not a beat later)."""
+        """Send a :class:`Heartbeat` on the control socket now (after blocks were freed)."""
         self.send_ctrl(self.heartbeat_message())
 
     def heartbeat(self, force: bool = False) -> None:
-        """The loop's housekeeping, every iteration (subclasses: expiries, lease renewals);
-        ``force``: also report the block counts now. The periodic heartbeat itself comes from
-        :attr:`beats`; where no thread runs (an instance driven by hand, without
-        :meth:`open_channels`), from here every ``heartbeat_s``."""
+        """The loop's housekeeping, every iteration; ``force``: report the block counts now.
+        Without a heartbeat thread (an instance driven by hand) it also beats here."""
         now = time.monotonic()
         if force:
             self.report_blocks()
@@ -160,9 +137,8 @@ class EventLoop:
             log.exception("%s: handling %s failed", self.instance_id, type(msg).__name__)
 
     def on_data(self, msg: Any, frames: list[Any], ident: bytes | None) -> None:
-        """A data-plane message (:func:`kvflow.connector.is_data_message`): P and D override
-        this and hand it to their connector (sender / receiver ``on_message``). Here, for a loop
-        that does not: the ``on_<type>`` handler of the message, else it is logged and dropped."""
+        """A data-plane message (P and D hand it to their connector); here: its ``on_<type>``
+        handler, else it is logged and dropped."""
         handler = getattr(self, f"on_{type(msg).__name__.lower()}", None)
         if handler is None:
             log.error("%s: unexpected %s on a data link; dropped", self.instance_id,
@@ -196,13 +172,12 @@ class EventLoop:
                          signal.Signals(signum).name, time.monotonic() - t0)
 
     def _leave(self) -> None:
-        """A stop by SIGINT/SIGTERM tells the router (:class:`~kvflow.protocol.Leaving`), so
-        that it logs a stop, not a death; :meth:`close` then gives the message up to
-        ``LEAVE_LINGER_MS`` to leave."""
+        """After SIGINT/SIGTERM tell the router (:class:`~kvflow.serve.protocol.Leaving`): a stop, not a
+        death."""
         if self.stop_signal is None or self.ctrl is None or self.ctrl.closed:
             return
-        if self.beats is not None:  # no beat may follow the Leaving (the router would ask
-            self.beats.stop()       # this instance to register again)
+        if self.beats is not None:  # no beat may follow the Leaving
+            self.beats.stop()
             self.beats = None
         name = signal.Signals(self.stop_signal[0]).name
         try:
@@ -212,8 +187,7 @@ class EventLoop:
             pass
 
     def _on_stop_signal(self, signum: int, frame) -> None:
-        """SIGINT / SIGTERM while serving: only set ``stopping``; the loop ends after the
-        current unit of work (one prefill chunk, one decode step) and closes everything."""
+        """SIGINT / SIGTERM while serving: stop after the current unit of work."""
         if self.stop_signal is None:
             self.stop_signal = (signum, time.monotonic())
         self.stopping = True

@@ -1,13 +1,5 @@
-"""Whether two instances may pair: KV cache specs the connector can map, then equal model
-fingerprint.
-
-P's and D's specs may differ in ``block_size``, ``layout`` (NHD / HND; MLA only with MLA) and
-``dtype`` (and an fp8 cache's ``scales``): the connectors that move KV with the re-blocking kernels
-(the kinds with the ``reblocks`` capability of :mod:`kvflow.connector.kinds`,
-:mod:`kvflow.kernels.reblock`) map one onto the other. Layers, KV heads and
-head_dim must be equal (each instance runs the whole model). Anything else is refused with both
-values named, before any request is accepted.
-"""
+"""Whether two instances may pair: KV cache specs the connector can map (``block_size``,
+``layout``, ``dtype`` with a re-blocking kind), then equal model fingerprints."""
 
 from __future__ import annotations
 
@@ -19,8 +11,7 @@ from kvflow.layout import KVCacheSpec
 
 from .fingerprint import check_fingerprint
 
-#: Spec fields that may differ between P and D (with a connector that ``reblocks``).
-MAPPABLE = ("block_size", "layout", "dtype", "scales")
+MAPPABLE = ("block_size", "layout", "dtype", "scales")  # may differ, with a re-blocking kind
 
 
 def spec_diff(mine: KVCacheSpec, theirs: KVCacheSpec) -> dict[str, tuple[Any, Any]]:
@@ -31,16 +22,11 @@ def spec_diff(mine: KVCacheSpec, theirs: KVCacheSpec) -> dict[str, tuple[Any, An
 
 def check_pairing(mine: KVCacheSpec, my_id: str, peer: dict[str, Any], peer_id: str,
                   connector: str | None = None, my_role: str | None = None) -> str:
-    """'' when the peer's KV cache spec equals ours, or differs only in what ``connector``
-    (a kind of :data:`~kvflow.connector.KINDS`; None: none maps) can map; else the
-    refusal, naming every differing field with both values, e.g. ``KV cache spec mismatch,
-    pairing refused: head_dim: 32 (p-1-ab) vs 64 (d-2-cd); P and D may differ only in
-    block_size, layout, dtype``. A connector that moves block bytes only (no ``block_scales``:
-    tcp, nixl) refuses an fp8 spec with ``scales="block_head"`` on either side, equal or not
-    (:func:`kvflow.connector.scales_refusal`). With ``my_role`` (``"prefill"`` or
-    ``"decode"``) known, a re-blocking kind without ``reblocks_fp8`` (tcp) also refuses an fp8
-    P paired with a D of another spec: D's re-blocked scatter would need P's scales, which it
-    does not carry."""
+    """'' when the peer's KV cache spec equals ours or differs only in what ``connector`` (a
+    kind; None: none maps) can map; else the refusal naming every differing field with both
+    values. Also refused: scales the connector cannot move
+    (:func:`kvflow.connector.scales_refusal`), and with ``my_role`` known, an fp8 P re-blocked
+    by a kind without ``reblocks_fp8``."""
     try:
         theirs = KVCacheSpec.from_dict(peer)
     except (TypeError, ValueError) as exc:
@@ -76,10 +62,8 @@ def check_pairing(mine: KVCacheSpec, my_id: str, peer: dict[str, Any], peer_id: 
 
 
 def check_peer(inst: Any, msg: Any) -> str:
-    """'' when the peer of ``msg`` (:class:`~kvflow.protocol.Pair`) may pair with ``inst`` (an
-    :class:`~kvflow.serve.instance.base.Instance`): specs its connector maps
-    (:func:`check_pairing`), then equal model fingerprint
-    (:func:`~kvflow.serve.instance.fingerprint.check_fingerprint`); else the refusal."""
+    """'' when the peer of :class:`~kvflow.serve.protocol.Pair` ``msg`` may pair with ``inst``
+    (:func:`check_pairing`, then the fingerprints); else the refusal."""
     return (check_pairing(inst.spec, inst.instance_id, msg.peer_spec, msg.peer_id,
                           inst.connector_name(), inst.role)
             or check_fingerprint(inst.fingerprint, inst.instance_id, msg.peer_fingerprint,
@@ -87,8 +71,7 @@ def check_peer(inst: Any, msg: Any) -> str:
 
 
 def peer_of(msg: Any) -> Any:
-    """The :class:`~kvflow.connector.Peer` a :class:`~kvflow.protocol.Pair` names, with its own
-    spec (checked by :func:`check_peer`)."""
+    """The :class:`~kvflow.connector.Peer` a :class:`~kvflow.serve.protocol.Pair` names."""
     from kvflow.connector import Peer
     return Peer(id=msg.peer_id, spec=KVCacheSpec.from_dict(msg.peer_spec),
                 num_blocks=msg.peer_num_blocks, shm_name=msg.shm_name, data_addr=msg.data_addr,

@@ -1,25 +1,6 @@
-"""The prefill instance (P): runs each request's prefill in its own blocks, samples the first
-token, and hands the KV to the decode instance (D) the router chose (``Prefill.decode_id``)
-through its connector (:func:`kvflow.connector.make_sender`), the one object that owns the
-links to paired D's and whatever the transfer needs (exports, mappings, layerwise machinery).
-
-A Prefill naming a D that is not paired, or a request id already queued or held here, is
-refused (:class:`~kvflow.protocol.Rejected`; nothing is allocated or sent). ``Unpair`` and a
-new pairing with the same D detach only that D.
-
-Per request: queued -> prefill (``hook = connector.begin(job)``; :meth:`Engine.prefill`
-chunked by ``max_num_batched_tokens`` with ``on_chunk`` = the connector's hook plus the
-heartbeat between chunks; the first token is sampled here and goes to the router at once,
-:mod:`kvflow.serve.instance.first_token`; ``connector.finish(job, first_token)``) -> held by the
-connector (``connector.hold``, :mod:`kvflow.connector.held`) until D's ack. Every data-plane
-message from D goes to ``connector.on_message`` (:meth:`PrefillInstance.on_data`); the
-connector answers which blocks to free, P frees them (it keeps the block allocator). An Abort, a
-failed prefill or transfer (also a layerwise one reported after the prefill), or a lease that
-ends without D's renewal (``kv_lease_s``, docs/reliability.md) frees the blocks. D's renewals
-come on a socket of their own (a DEALER to D's ``Pair.lease_addr``, from D's heartbeat thread);
-P reads them before it judges a lease, so a long prefill of its own does not expire a lease
-whose renewals wait unread.
-"""
+"""The prefill instance (P): prefills each request, sends the first token at once
+(:mod:`.first_token`) and hands the KV to the chosen D through its connector, which holds the sent
+blocks until D's ack or the lease's end (docs/reliability.md, "Liveness")."""
 
 from __future__ import annotations
 
@@ -35,7 +16,6 @@ from . import faults
 from .base import Instance
 from .pairing import check_peer, peer_of
 from .first_token import first_token_sampler
-from ..launch.startup import StartupError
 
 log = logging.getLogger("kvflow.serve.prefill")
 
@@ -53,34 +33,15 @@ class PrefillInstance(Instance):
 
     @property
     def pending(self) -> dict:
-        """req_id -> :class:`kvflow.connector.Held` of the requests sent and not yet acked
-        or expired (the connector's; empty before :meth:`setup`)."""
+        """req_id -> :class:`kvflow.connector.Held` of the requests sent, not yet acked."""
         return self.connector.held if self.connector is not None else {}
 
-    # ---- start-up -------------------------------------------------------------------
     def setup(self) -> None:
-        from kvflow.connector import bind_to_host, kinds, make_sender
-        from kvflow.engine import Engine
-        from kvflow.blocks import BlockAllocator
+        from kvflow.connector import make_sender
         cfg = self.cfg
-        try:
-            self.connector = make_sender(cfg.kv_connector, self.spec, cfg.device,
-                                         config=cfg.kv_connector_config,
-                                         instance_id=self.instance_id, backend=cfg.backend,
-                                         layerwise_min_tokens=cfg.layerwise_min_tokens,
-                                         max_model_len=self.max_model_len)
-            bind_to_host(self.connector.name, cfg.host)  # before its transport listens
-        except ValueError as exc:  # unknown connector or option: one line
-            raise StartupError(str(exc)) from None
-        if cfg.kv_verify:  # checked with the flags too (kvflow.serve.launch.checks); never ignored
-            if not hasattr(self.connector, "verify"):
-                verified = " and ".join(kinds.with_capability("kv_verify"))
-                raise StartupError(f"--kv-verify checks the {verified} connectors, not "
-                                   f"{self.connector.name}")
-            self.connector.verify = True
-        self.cache = self.connector.make_cache(self.num_blocks)
-        self.engine = Engine(self.model, self.cache)
-        self.allocator = BlockAllocator(self.num_blocks)
+        self.connector = self.make_connector(
+            make_sender, instance_id=self.instance_id,
+            layerwise_min_tokens=cfg.layerwise_min_tokens)
         self.connector.warmup(self.engine, cfg.max_num_batched_tokens)
 
     def on_chunk(self, token_ids: list[int], hook):
@@ -93,9 +54,7 @@ class PrefillInstance(Instance):
         return on_chunk
 
     def between_chunks(self, token_ids: list[int], start: int, end: int) -> None:
-        """Before each prefill chunk: the loop's housekeeping between prefill chunks (the
-        router's heartbeat comes from its own thread, :mod:`kvflow.serve.instance.heartbeat`, also
-        inside a chunk). Not in a dummy run."""
+        """The loop's housekeeping before each prefill chunk (not in a dummy run)."""
         from kvflow.context import sends_allowed
         if self.ctrl is None or not sends_allowed():
             return
@@ -110,7 +69,6 @@ class PrefillInstance(Instance):
     def register_extra(self) -> dict[str, str]:
         return self.connector.export()
 
-    # ---- pairing --------------------------------------------------------------------
     def on_pair(self, msg: Pair, frames, ident) -> None:
         error = check_peer(self, msg)
         if not error:
@@ -147,7 +105,6 @@ class PrefillInstance(Instance):
         return (f"prefill instance {self.instance_id} is not paired with decode instance "
                 f"{decode_id!r} (paired: {sorted(self.connector.links)})")
 
-    # ---- requests -------------------------------------------------------------------
     def on_prefill(self, msg: Prefill, frames, ident) -> None:
         error = ""
         if msg.req_id in self.pending or any(m.req_id == msg.req_id for m in self.queue):
@@ -178,16 +135,13 @@ class PrefillInstance(Instance):
             self.connector.fail(m.req_id, m.decode_id, msg.reason or "aborted")
         self.connector.release(msg.req_id)  # no further part goes
         held = self.pending.get(msg.req_id)
-        # Blocks D may still be reading stay held until D's ack (D acks an aborted request
-        # "not ok") or the lease ends -- also when D was declared dead only for missed
-        # heartbeats; if D's process exited nobody reads them: free now.
+        # blocks D may still read stay held until D's ack or the lease ends; D exited: free now
         if (msg.peer_dead and msg.peer_exited) or held is None or not held.blocks:
             self._release(msg.req_id)
         self.report_blocks()  # the router sees the freed blocks now, not a heartbeat later
 
     def on_data(self, msg, frames, ident) -> None:
-        """Every data-plane message from a D (its acks and lease renewals): the connector's
-        (``connector.on_message``); P frees the blocks it answers."""
+        """A data-plane message from a D, for the connector; P frees the blocks it answers."""
         freed = self.connector.on_message(msg, frames, ident.decode() if ident else None)
         if freed is None:  # not P's message: logged and dropped
             return super().on_data(msg, frames, ident)
@@ -206,7 +160,6 @@ class PrefillInstance(Instance):
         if blocks:
             self.allocator.free(blocks)
 
-    # ---- work -----------------------------------------------------------------------
     def has_work(self) -> bool:
         return bool(self.queue)
 
@@ -232,8 +185,8 @@ class PrefillInstance(Instance):
         try:
             delay = faults.delay_s("prefill", msg.token_ids)
             end = time.monotonic() + delay
-            while time.monotonic() < end:  # test fault: a slow prefill (heartbeats go on, as
-                time.sleep(0.05)           # between the chunks of a long one)
+            while time.monotonic() < end:  # test fault: a slow prefill, heartbeats go on
+                time.sleep(0.05)
                 self.heartbeat()
             job = PrefillJob(msg.req_id, msg.token_ids, blocks, msg.decode_id,
                              msg.decode_block_ids, msg.num_cached_blocks)

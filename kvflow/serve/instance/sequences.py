@@ -1,16 +1,5 @@
-"""The requests live on a decoding instance (D or colocated) and their decode loop.
-
-Allocate: admission (:func:`kvflow.blocks.admission_check`) and the instance's *own* blocks for
-prompt + max_tokens; with a prefix cache (``--enable-prefix-caching``) the prompt's full blocks
-are looked up first: a hit on logical blocks ``0..k-1`` puts those (shared, ref-counted) blocks
-first in the new table and answers ``Allocated(num_cached_blocks=k)``. Evictable cached blocks
-count as free (:meth:`DecodeLoop.free_blocks`) and are evicted, least recently used first, when
-needed. Then every running request steps together (continuous batching): one token per step,
-until a stop reason (:func:`~kvflow.serve.instance.sampling.stop_reason`); every end frees its blocks
-unless the caller keeps them (D's lent blocks). On D the first token is P's: D appends it
-without sending it (:meth:`DecodeLoop.take_first`; P sent it to the router) and streams from
-the second on.
-"""
+"""The requests live on a decoding instance (D or colocated): admission into the instance's own
+blocks (after a prefix-cache hit), then continuous batching until a stop reason."""
 
 from __future__ import annotations
 
@@ -42,8 +31,7 @@ class Seq:
 
 
 class DecodesWithLoop:
-    """The event-loop methods of an instance that decodes through ``self.loop`` (a
-    :class:`DecodeLoop`): D and colocated."""
+    """The event-loop methods of an instance that decodes through ``self.loop`` (D, colocated)."""
 
     def free_blocks(self) -> int:
         return self.loop.free_blocks()
@@ -59,18 +47,8 @@ class DecodesWithLoop:
 
 
 class DecodeLoop:
-    """Live requests, their blocks and the batched decode step of one instance.
-
-    Parameters
-    ----------
-    inst : Instance
-        Gives ``engine``, ``allocator``, ``spec``, ``num_blocks``, ``max_model_len``,
-        ``tokenizer``, ``instance_id``, ``role`` and ``send_ctrl``.
-    states : enum
-        The request states of the role (:class:`~kvflow.blocks.DecodeState` or
-        :class:`~kvflow.blocks.ColocatedState`).
-    prefix : PrefixCache or None
-    """
+    """Live requests, their blocks and the batched decode step of instance ``inst``; ``states``:
+    the role's request states (:class:`~kvflow.blocks.DecodeState` or ``ColocatedState``)."""
 
     def __init__(self, inst: Any, states: Any, prefix: PrefixCache | None = None) -> None:
         self.inst, self.states, self.prefix = inst, states, prefix
@@ -112,9 +90,8 @@ class DecodeLoop:
         inst.send_ctrl(Allocated(req_id=msg.req_id, block_ids=blocks, num_cached_blocks=cached))
 
     def _take_blocks(self, token_ids: list[int], need: int) -> tuple[int, list[int]]:
-        """(k, table): the prefix-cache hit (logical blocks 0..k-1) then ``need - k`` new
-        blocks, evicting unused cached blocks if short. Raises NoFreeBlocksError (nothing
-        kept) when even eviction cannot make room."""
+        """(k, table): the prefix-cache hit (k blocks) then ``need - k`` new ones, evicting if
+        short; NoFreeBlocksError (nothing kept) when even eviction cannot make room."""
         alloc = self.inst.allocator
         cached = self.prefix.match(token_ids, max_blocks=need) if self.prefix else []
         short = need - len(cached) - alloc.num_free
@@ -126,11 +103,9 @@ class DecodeLoop:
             alloc.free(cached)
             raise
 
-    # ---- decoding -------------------------------------------------------------------
     def emit(self, seq: Seq, token: int) -> None:
-        """Append ``token`` to ``seq``, send it (with the ``kvflow`` block on this instance's
-        first message, and the ``second_token_emitted`` stamp on the second token), end the
-        request on a stop reason."""
+        """Append ``token`` to ``seq`` and send it (the ``kvflow`` block on the first message),
+        ending the request on a stop reason."""
         inst, req = self.inst, seq.req
         req.append_token(token)
         reason = self._stop(seq, token)
@@ -145,10 +120,8 @@ class DecodeLoop:
             self.end(req.request_id, self.states.DONE, "", notify=False)
 
     def take_first(self, seq: Seq, token: int) -> None:
-        """D: the KV is in; append the first token, which P sampled and already sent the
-        router, without sending it, and start decoding -- or, when it ends the request (P
-        said so too), end it with an empty finished :class:`Tokens` (``index`` 1) that tells
-        the router D is done with it."""
+        """D: the KV is in; append P's first token without sending it and decode, or, when it
+        ends the request, tell the router D is done (an empty finished ``Tokens``, index 1)."""
         req = seq.req
         req.append_token(token)
         req.transition(self.states.DECODING)
@@ -166,8 +139,8 @@ class DecodeLoop:
 
     def end(self, req_id: str, state: Any, error: str, *, notify: bool = True,
             free: bool = True) -> Seq | None:
-        """End a live request: free its blocks (unless ``free`` is False: the caller keeps
-        them), move it to ``state``, and with ``notify`` send the router its error."""
+        """End a live request: free its blocks (unless ``free`` is False), move it to ``state``,
+        and with ``notify`` send the router its error."""
         seq = self.seqs.pop(req_id, None)
         if seq is None:
             return None

@@ -1,18 +1,5 @@
-"""An instance's memory budget (weights + activations + KV cache) and what to say when it is
-too small.
-
-- CPU: ``--memory-budget-mb`` (default :data:`CPU_DEFAULT_MB`).
-- CUDA: ``--gpu-memory-utilization`` (default :data:`GPU_DEFAULT_UTILIZATION`) x the GPU's free
-  memory when the instance starts (before its weights load), as vLLM's flag of that name;
-  an explicit ``--memory-budget-mb`` replaces it and must fit in the free memory. P and D on
-  one GPU each get half of the fraction (:func:`shared_gpu_utilization`).
-
-The profile run (:func:`kvflow.engine.determine_num_blocks`) then sizes the KV cache from
-what the budget leaves after the weights and the peak activations; :func:`too_small_message`
-turns its :class:`~kvflow.engine.MemoryBudgetError` into one line naming the flag to raise
-and the value that fits. Every function here takes the device's free and total bytes as
-arguments, so the logic runs (and is tested) without a GPU.
-"""
+"""An instance's memory budget (``--memory-budget-mb``, or on CUDA ``--gpu-memory-utilization``
+of the free memory) and what to say when it is too small; testable without a GPU."""
 
 from __future__ import annotations
 
@@ -28,10 +15,8 @@ MIB = 1 << 20
 
 @dataclasses.dataclass(frozen=True)
 class MemoryBudget:
-    """Bytes an instance may use, and the flag (with its value) that set them.
-
-    ``free_bytes`` / ``total_bytes``: the CUDA device's memory when the budget was taken
-    (None on CPU)."""
+    """Bytes an instance may use, the flag and value that set them, and the CUDA device's free
+    and total bytes when taken (None on CPU)."""
 
     bytes: int
     flag: str
@@ -60,14 +45,9 @@ def _size(n: int | None) -> str:
 
 def check_budget_flags(device: str, memory_budget_mb: int | None,
                        gpu_memory_utilization: float | None) -> None:
-    """Check the budget flags together (``memory_budget_mb`` > 0 is checked with the others).
-
-    Raises
-    ------
-    StartupError
-        ``--gpu-memory-utilization`` outside (0, 1], without ``--device cuda``, or with
-        ``--memory-budget-mb``.
-    """
+    """Check the budget flags together. Raises :class:`StartupError` for
+    ``--gpu-memory-utilization`` outside (0, 1], without ``--device cuda``, or with
+    ``--memory-budget-mb``."""
     util = gpu_memory_utilization
     if util is None:
         return
@@ -84,24 +64,9 @@ def check_budget_flags(device: str, memory_budget_mb: int | None,
 def memory_budget(device: str, memory_budget_mb: int | None = None,
                   gpu_memory_utilization: float | None = None,
                   mem_info: tuple[int, int] | None = None) -> MemoryBudget:
-    """The budget of an instance on ``device``.
-
-    Parameters
-    ----------
-    device : str
-        ``"cpu"`` or a CUDA device (``"cuda"``, ``"cuda:0"``).
-    memory_budget_mb : int, optional
-        ``--memory-budget-mb`` (MiB) if given.
-    gpu_memory_utilization : float, optional
-        ``--gpu-memory-utilization`` in (0, 1] if given (CUDA only).
-    mem_info : (int, int), optional
-        ``(free, total)`` bytes of the CUDA device; default ``torch.cuda.mem_get_info(device)``.
-
-    Raises
-    ------
-    StartupError
-        ``--memory-budget-mb`` above the device's free memory (naming both).
-    """
+    """The budget of an instance on ``device`` ("cpu", "cuda", "cuda:0") from the flags given;
+    ``mem_info``: ``(free, total)`` bytes of the CUDA device (default: torch's). Raises
+    :class:`StartupError` for a ``--memory-budget-mb`` above the device's free memory."""
     if not str(device).startswith("cuda"):
         mb = memory_budget_mb or CPU_DEFAULT_MB
         return MemoryBudget(mb * MIB, "--memory-budget-mb", mb)
@@ -122,16 +87,14 @@ def memory_budget(device: str, memory_budget_mb: int | None = None,
 
 
 def shared_gpu_utilization(utilization: float | None, instances: int) -> float:
-    """Each instance's ``--gpu-memory-utilization`` when ``instances`` of them share one GPU:
-    the fraction divided among them (each takes its part of the free memory it sees, so the
-    sum stays below the whole fraction in any start order)."""
+    """Each instance's ``--gpu-memory-utilization`` when ``instances`` of them share one GPU."""
     util = GPU_DEFAULT_UTILIZATION if utilization is None else utilization
     return util / instances
 
 
 def too_small_message(budget: MemoryBudget, err, model: str) -> str:
     """One line for a :class:`~kvflow.engine.MemoryBudgetError`: what the smallest budget
-    needs (weights + peak activations + one block), and the flag value that gives it."""
+    needs, and the flag value that gives it."""
     parts = (f"weights {_size(err.weights)} + peak activations {_size(err.peak)} at "
              f"--max-num-batched-tokens {err.tokens} + one KV block {_size(err.block_bytes)} "
              f"= {_size(err.needed)}")

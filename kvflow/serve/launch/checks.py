@@ -1,14 +1,5 @@
-"""The flags of ``python -m kvflow.serve`` read into a :class:`~kvflow.serve.launch.config.ServeConfig`
-and checked together, before anything starts.
-
-Every refusal is one line (:class:`~kvflow.serve.launch.startup.StartupError`) naming the flag, its
-value and a fix: a value out of range, a flag that would be silently ignored with the others
-given (``--kv-connector`` with ``--mode colocated``, ``--router-url`` with ``--role all``,
-``--prefill-device`` on CPU, ``--num-blocks`` with a memory budget), an option
-``--kv-connector-config`` does not know, a KV cache larger than this machine's memory, a
-``--max-model-len`` past the model's ``max_position_embeddings``. None of it imports torch or
-numba (minutes on a busy host): a bad flag is refused in about a second.
-"""
+"""The flags read into a :class:`~.config.ServeConfig` and checked together before anything
+starts (and before torch is imported): every refusal is one line naming the flag and a fix."""
 
 from __future__ import annotations
 
@@ -23,13 +14,11 @@ from .startup import StartupError
 
 _INSTANCE_ROLES = ("prefill", "decode", "colocated")
 _CONNECTOR_FLAGS = ("kv_connector", "kv_connector_config", "layerwise_min_tokens", "kv_verify")
-#: A lease must outlast this many of D's renewal periods (``heartbeat_s``): one renewal may be
-#: late or lost and the lease still holds.
-LEASE_RENEWALS = 2
+LEASE_RENEWALS = 2  # a lease outlasts this many of D's renewals (one may be late or lost)
 _SECONDS = ("kv_lease_s", "receive_timeout_s", "admit_timeout_s", "dead_after_s", "hung_after_s",
             "register_timeout_s")
-#: ``--backend`` values besides ``auto``: kvflow.kernels.registry's built-in backends (that
-#: module imports torch; tests/serve/test_serve_early_refusals.py checks that both lists agree)
+#: ``--backend`` values besides ``auto``: kvflow.kernels.registry's (which imports torch; a
+#: test checks that both lists agree)
 BACKEND_NAMES = ("copy_engine", "native", "numba", "numba_cuda", "torch", "triton", "xpu")
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per element of --dtype
 _POSITIVE = ("block_size", "decode_block_size", "max_model_len", "num_blocks", "memory_budget_mb",
@@ -37,14 +26,8 @@ _POSITIVE = ("block_size", "decode_block_size", "max_model_len", "num_blocks", "
 
 
 def parse_config(argv: list[str] | None = None, description: str = "") -> ServeConfig:
-    """The checked config of the flags ``argv`` (default ``sys.argv[1:]``); ``--config-json``
-    (a parent's config for its child instance) stands alone.
-
-    Raises
-    ------
-    StartupError
-        One line naming the flag, its value and a fix.
-    """
+    """The checked config of the flags ``argv`` (default ``sys.argv[1:]``; ``--config-json``
+    stands alone). Raises :class:`StartupError`: one line naming the flag, its value, a fix."""
     given = vars(build_parser(description).parse_args(argv))
     if "config_json" in given:
         if len(given) > 1:
@@ -78,17 +61,10 @@ def _json_object(text: str) -> dict:
 
 
 def check_config(cfg: ServeConfig, given: set[str]) -> None:
-    """Check ``cfg``; ``given`` names the fields set by flags (combinations that would silently
-    ignore one of them are refused only when given).
-
-    Raises
-    ------
-    StartupError
-        One line naming the flag, its value and a fix.
-    """
+    """Check ``cfg``; ``given`` names the fields set by flags (a combination that would ignore
+    one of them is refused only when given). Raises :class:`StartupError` as parse_config."""
     from .budget import check_budget_flags
     from .startup import check_model
-
     _check_ranges(cfg)
     _check_connector(cfg, given)
     check_budget_flags(cfg.device, cfg.memory_budget_mb, cfg.gpu_memory_utilization)
@@ -157,8 +133,7 @@ def _check_connector(cfg: ServeConfig, given: set[str]) -> None:
                 raise StartupError(f"{named} has no effect with {where} (one "
                                    f"instance prefills and decodes: no KV moves); leave it out")
     try:
-        kinds.check_options(_kind(cfg).name, cfg.kv_connector_config,
-                            where="--kv-connector-config")
+        kinds.check_options(_kind(cfg).name, cfg.kv_connector_config, where="--kv-connector-config")
     except ValueError as exc:
         raise StartupError(str(exc)) from None
 
@@ -171,9 +146,8 @@ def _kind(cfg: ServeConfig) -> kinds.Kind:
 
 
 def _check_verify(cfg: ServeConfig, model_limit: int) -> None:
-    """``--kv-verify`` only where every transfer is checked: the kinds with the ``kv_verify``
-    capability (:mod:`kvflow.connector.kinds`), whole-prompt (not layerwise) moves, equal P and
-    D specs."""
+    """``--kv-verify`` only where every transfer is checked: a kind with ``kv_verify``,
+    whole-prompt moves, equal P and D specs."""
     if not cfg.kv_verify or "colocated" in (cfg.mode, cfg.role):
         return
     kind = _kind(cfg)
@@ -219,7 +193,6 @@ def _check_roles(cfg: ServeConfig) -> None:
 def _check_cache_fits(cfg: ServeConfig) -> None:
     """``--num-blocks`` on CPU: one instance's KV cache must fit in this machine's memory."""
     from kvflow.model.config import PRESETS, ModelConfig
-
     if cfg.model in PRESETS:
         mc = PRESETS[cfg.model]
     else:

@@ -1,11 +1,5 @@
-"""Every setting of ``python -m kvflow.serve`` in one place: :class:`ServeConfig`.
-
-Each CLI flag is a field of :class:`ServeConfig`; its metadata holds the help text (and the
-choices), and :func:`build_parser` generates the argparse parser from the fields, so a flag is
-written once: name, type, default, help. The parent process hands its child instances the
-config as JSON (:meth:`ServeConfig.to_json` / :meth:`ServeConfig.from_json`), never a rebuilt
-argv; the checks of the values together are in :mod:`kvflow.serve.launch.checks`.
-"""
+"""Every setting of ``python -m kvflow.serve``: :class:`ServeConfig`, one field per flag with its
+help text; :func:`build_parser` makes the parser from the fields."""
 
 from __future__ import annotations
 
@@ -18,27 +12,22 @@ from typing import Any
 
 from kvflow.connector import kinds
 
-#: the values of ``--kv-layout`` / ``--decode-kv-layout``
-KV_LAYOUTS = ("NHD", "HND")
-#: the values of ``--kv-dtype`` / ``--decode-kv-dtype``
-KV_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
-
+KV_LAYOUTS = ("NHD", "HND")  # --kv-layout, --decode-kv-layout
+KV_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")  # --kv-dtype
 
 Text = typing.Union[str, typing.Callable[[], str]]
 
 
 def _flag(help: Text, *, choices: Any = None, default_text: Text | None = None,
           metavar: str | None = None) -> dict[str, Any]:
-    """Field metadata of one CLI flag: its help text without the default (the parser appends
-    ``default_text``, else the field's default), and its choices. Each may be a function of no
-    arguments, called when the parser is built: the connector flags' text and choices come from
-    the kinds registered then (:mod:`kvflow.connector.kinds`)."""
+    """Field metadata of one CLI flag: help without the default (the parser appends
+    ``default_text``, else the default), choices; each may be a function, called when the
+    parser is built (the connector flags' come from the kinds registered then)."""
     return {"help": help, "choices": choices, "default_text": default_text, "metavar": metavar}
 
 
 def meta(f: dataclasses.Field, key: str) -> Any:
-    """The metadata ``key`` (``help``, ``choices``, ``default_text``) of flag field ``f``, a
-    function's value when it is one."""
+    """The metadata ``key`` of flag field ``f`` (a function's value when it is one)."""
     value = f.metadata.get(key)
     return value() if callable(value) else value
 
@@ -53,18 +42,15 @@ def _reblocking(what: str) -> typing.Callable[[], str]:
 
 
 def _internal(help: str) -> dict[str, Any]:
-    """Field metadata of a setting that is not a flag (set by the parent process or tests)."""
+    """Field metadata of a setting that is not a flag (set by the parent or tests)."""
     return {"help": help, "internal": True}
 
 
 @dataclass
 class ServeConfig:
-    """The settings of a router, a prefill (P), decode (D) or colocated instance.
-
-    Field names are the flags' (``--kv-lease-s`` is ``kv_lease_s``); times are seconds, memory
-    MiB, lengths tokens. Build it with :func:`kvflow.serve.launch.checks.parse_config` (flags, checked)
-    or :meth:`from_json` (a parent's config); tests may construct it directly.
-    """
+    """The settings of a router, P, D or colocated instance; field names are the flags'
+    (``kv_lease_s`` is ``--kv-lease-s``); times are seconds, memory MiB, lengths tokens. Built by
+    :func:`kvflow.serve.launch.checks.parse_config` or :meth:`from_json`."""
 
     host: str = field(default="127.0.0.1", metadata=_flag(
         "address the router (HTTP and control socket) and D's data socket bind to "
@@ -183,13 +169,8 @@ class ServeConfig:
 
     @classmethod
     def from_json(cls, text: str) -> "ServeConfig":
-        """The config :meth:`to_json` wrote.
-
-        Raises
-        ------
-        ValueError
-            ``text`` is not a JSON object, or names a setting :class:`ServeConfig` lacks.
-        """
+        """The config :meth:`to_json` wrote. Raises ValueError: ``text`` is not a JSON object, or
+        names a setting :class:`ServeConfig` lacks."""
         data = json.loads(text)
         if not isinstance(data, dict):
             raise ValueError(f"a ServeConfig is a JSON object, got {type(data).__name__}")
@@ -215,8 +196,7 @@ def default_of(f: dataclasses.Field) -> Any:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (:class:`~kvflow.serve.launch.startup.StartupError`, exit 1)
-    instead of usage + exit 2."""
+    """argparse with one-line errors (:class:`~.startup.StartupError`, exit 1), not usage + 2."""
 
     def error(self, message: str):
         from .startup import StartupError
@@ -224,12 +204,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser(description: str = "") -> argparse.ArgumentParser:
-    """The parser of ``python -m kvflow.serve``, one flag per field of :class:`ServeConfig`.
-
-    Every flag's default is ``argparse.SUPPRESS``: the namespace holds only the flags given
-    (the defaults stay in :class:`ServeConfig`); ``--help`` shows each field's default.
-    ``--config-json`` (hidden) is how a parent hands a child instance its whole config.
-    """
+    """The parser of ``python -m kvflow.serve``, one flag per field of :class:`ServeConfig`; its
+    namespace holds only the flags given (``argparse.SUPPRESS``). ``--config-json`` (hidden):
+    a parent's whole config for its child."""
     p = _Parser(prog="python -m kvflow.serve", description=description,
                 formatter_class=argparse.RawDescriptionHelpFormatter,
                 argument_default=argparse.SUPPRESS)

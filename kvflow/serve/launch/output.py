@@ -1,9 +1,5 @@
-"""What ``python -m kvflow.serve`` prints, and what it does when nobody reads it any more.
-
-:func:`say` prints one line and flushes; :func:`watch_output` (with :func:`output_closed`) stops
-the server when the reader of its stdout or stderr goes away (``python -m kvflow.serve | head
--3``) instead of running on unseen.
-"""
+"""What ``python -m kvflow.serve`` prints (:func:`say`), and stopping the server when the reader
+of its stdout or stderr goes away (``... | head -3``, :func:`watch_output`)."""
 
 from __future__ import annotations
 
@@ -27,8 +23,7 @@ def say(line: str, stream=None) -> bool:
 
 
 def silence(stream) -> None:
-    """Point ``stream``'s file descriptor at /dev/null, so that later writes (and the flush at
-    interpreter exit) neither fail nor print "Exception ignored ... BrokenPipeError"."""
+    """Point ``stream``'s file descriptor at /dev/null: later writes neither fail nor warn."""
     try:
         fd = stream.fileno()
         null = os.open(os.devnull, os.O_WRONLY)
@@ -39,8 +34,7 @@ def silence(stream) -> None:
 
 
 def output_closed(fds: tuple[int, ...] = (1, 2)) -> int | None:
-    """The first of ``fds`` that is a pipe or socket whose reader has gone (``poll`` reports
-    POLLERR or POLLHUP on it), else None. A terminal or file never counts as closed."""
+    """The first of ``fds`` that is a pipe or socket whose reader has gone, else None."""
     poller = select.poll()
     watched = []
     for fd in fds:
@@ -60,8 +54,7 @@ def output_closed(fds: tuple[int, ...] = (1, 2)) -> int | None:
 
 
 def _stream_fds() -> tuple[int, ...]:
-    """Of fds 1 and 2, those that are this process's sys.stdout / sys.stderr (a process
-    started with a closed fd 1 may later reuse the number for a socket: never watch that)."""
+    """Of fds 1 and 2, those that are sys.stdout / sys.stderr (not a reused number)."""
     out = []
     for fd, stream in ((1, sys.stdout), (2, sys.stderr)):
         try:
@@ -73,8 +66,8 @@ def _stream_fds() -> tuple[int, ...]:
 
 
 async def watch_output(server, closed: list[str]) -> None:
-    """Stop the server when the reader of its stdout or stderr has gone (``... | head -3``):
-    checked every 0.2 s; ``closed`` gets "stdout" or "stderr"."""
+    """Stop the server when the reader of its stdout or stderr has gone (checked every 0.2 s);
+    ``closed`` gets "stdout" or "stderr"."""
     fds = _stream_fds()
     while fds and not server.should_exit:
         await asyncio.sleep(0.2)

@@ -1,15 +1,5 @@
-"""Child processes of ``python -m kvflow.serve`` (role ``all``): spawning the P/D (or colocated)
-instances, watching them, and stopping every one of them on exit.
-
-Children are ``python -m kvflow.serve --config-json JSON``: the same program a user runs with
-``--role prefill|decode|colocated`` on another host, given the parent's whole
-:class:`~kvflow.serve.launch.config.ServeConfig` as JSON (its role, the router's address and
-``parent_pid``, so that they exit by themselves if the server dies without cleaning up). :meth:`Children.stop_all` sends SIGTERM, waits, then
-SIGKILLs stragglers; the caller then unlinks the shared-memory segments the children made.
-A child's stderr is copied to ours, except its one-line start-up error, which
-:func:`watch_children` prints once, naming the child, when it exits before registering (and
-then stops the server).
-"""
+"""The child instances of ``--role all`` (``--config-json``): spawning, watching, stopping them
+(docs/reliability.md, "Stop"); a child's one-line start-up error is printed once."""
 
 from __future__ import annotations
 
@@ -30,18 +20,12 @@ from .startup import PREFIX, bind_error
 
 log = logging.getLogger("kvflow.serve.procs")
 
-#: Seconds :meth:`Children.stop_all` waits for the children after SIGTERM before SIGKILL
-STOP_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 30.0  # seconds stop_all waits after SIGTERM before SIGKILL
 
 
 def bind_http_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket for the HTTP server, bound before anything is spawned.
-
-    Raises
-    ------
-    kvflow.serve.launch.startup.StartupError
-        If ``host:port`` cannot be bound, naming ``--port`` (in use, privileged) or ``--host``.
-    """
+    """A listening TCP socket for the HTTP server, bound before anything is spawned. Raises
+    :class:`StartupError` naming ``--port`` or ``--host`` when ``host:port`` cannot be bound."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -71,8 +55,7 @@ class Children:
         """Start instance ``role`` with config ``cfg`` (its ``role`` field); ``env`` (default
         ``os.environ``) is the child's environment."""
         cmd = [sys.executable, "-m", "kvflow.serve", "--config-json", cfg.to_json()]
-        # its own session: a terminal's Ctrl-C reaches only this server, which stops its
-        # children with SIGTERM (they also exit when their parent is gone, cfg.parent_pid)
+        # its own session: a terminal's Ctrl-C reaches only this server, which stops it
         proc = subprocess.Popen(cmd, env=os.environ if env is None else env,
                                 stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 start_new_session=True)
@@ -104,14 +87,8 @@ class Children:
         return list(self.stderr_tail.get(pid, ()))
 
     def stop_all(self, timeout_s: float = STOP_TIMEOUT_S, note_every_s: float = 5.0) -> None:
-        """SIGTERM every child, wait up to ``timeout_s`` seconds for all to exit (a warning
-        names those still running every ``note_every_s``), SIGKILL the rest, reap all.
-
-        A child ends its current unit of work (one prefill chunk, one decode step), closes its
-        sockets, cache and segments and exits 0 (:meth:`EventLoop.serve_forever
-        <kvflow.serve.instance.loop.EventLoop.serve_forever>`): well under a second idle, a few seconds
-        on a busy host; ``timeout_s`` bounds a child that hangs.
-        """
+        """SIGTERM every child, wait up to ``timeout_s`` for all to exit (naming those still
+        running every ``note_every_s``), SIGKILL the rest, reap all."""
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -144,9 +121,8 @@ class Children:
 
 
 def _tee(pipe, tail: deque, fatal: dict[int, str], pid: int) -> None:
-    """Copy a child's stderr to ours line by line, keeping the last lines in ``tail``; a
-    one-line error (:class:`~kvflow.serve.launch.startup.StartupError`) goes to ``fatal[pid]``
-    instead, for the server to print once, naming the child."""
+    """Copy a child's stderr to ours, keeping the last lines in ``tail``; its one-line error goes
+    to ``fatal[pid]`` instead."""
     try:
         for raw in iter(pipe.readline, b""):
             line = raw.decode("utf-8", "replace")
@@ -164,18 +140,11 @@ def _tee(pipe, tail: deque, fatal: dict[int, str], pid: int) -> None:
 
 
 def instance_env(role: str, device: str, prefill_device: int, decode_device: int) -> dict[str, str] | None:
-    """Environment of one instance child: for ``device`` "cuda", ``CUDA_VISIBLE_DEVICES`` so that
-    the child's ``cuda:0`` is its GPU (this process's ordinal ``prefill_device`` for prefill and
-    colocated, ``decode_device`` for decode); prefill and decode also see the other one's GPU
-    (second), since each may open the other's cache by CUDA IPC handle (push: P maps D's; pull:
-    D maps P's) and finds it by UUID. On other devices, the inherited environment with
-    ``OMP_WAIT_POLICY=PASSIVE`` unless one of :data:`OPENMP_WAIT_VARS` is set (:data:`CPU_ENV`).
-
-    Raises
-    ------
-    ValueError
-        An ordinal this process cannot see (see :func:`kvflow.devices.parent_cards`).
-    """
+    """Environment of one instance child. CUDA: ``CUDA_VISIBLE_DEVICES`` makes its ``cuda:0``
+    its GPU (``prefill_device`` or ``decode_device``), P and D also seeing the other's (CUDA
+    IPC); raises ValueError for an ordinal this process cannot see. Else the inherited one with
+    :data:`CPU_ENV` unless one of :data:`OPENMP_WAIT_VARS` is set (docs/gpu_serving.md,
+    "Measuring")."""
     if not str(device).startswith("cuda"):
         mine = any(name in os.environ for name in OPENMP_WAIT_VARS)  # the user chose a wait
         return dict(os.environ) if mine else {**CPU_ENV, **os.environ}
@@ -185,14 +154,8 @@ def instance_env(role: str, device: str, prefill_device: int, decode_device: int
     return worker_env_for_cards("cuda", cards)
 
 
-#: Environment defaults of CPU instances. ``OMP_WAIT_POLICY=PASSIVE``: torch's OpenMP workers
-#: sleep after a parallel region instead of spinning for milliseconds. On a few cores the
-#: spinning threads of one instance (P just after its prefill) held the cores that the router
-#: and D needed: a 512 KiB transfer inside the server took 1-10 ms instead of 1 ms, and under
-#: load from other processes TTFT swung 5x. Sleeping costs a quiet machine's prefill ~30%
-#: (kvflow-tiny, 2 cores; docs/gpu_serving.md, "Measuring"). Setting any of
-#: :data:`OPENMP_WAIT_VARS` yourself (e.g. ``GOMP_SPINCOUNT=10000`` on a dedicated machine)
-#: replaces this default.
+#: Environment defaults of CPU instances: OpenMP workers sleep, not spin, when idle (spinning
+#: ones held the cores the router and D needed). Any of :data:`OPENMP_WAIT_VARS` replaces it.
 CPU_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 #: OpenMP variables that choose how idle workers wait (libgomp's, Intel OpenMP's)
 OPENMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
@@ -208,9 +171,8 @@ def _exit_text(code: int) -> str:
 
 
 async def watch_children(children, ctl, server, failed: list[str]) -> None:
-    """With --role all: a child that exits before it registered (e.g. a too small
-    --memory-budget-mb) can never serve: print one line (its own one-line error, else its last
-    stderr line) and stop the server."""
+    """A child that exits before it registered can never serve: print one line (its error,
+    else its last stderr line) and stop the server."""
     seen: set[int] = set()
     while True:
         await asyncio.sleep(0.2)
@@ -221,10 +183,8 @@ async def watch_children(children, ctl, server, failed: list[str]) -> None:
             if pid in seen:
                 continue
             seen.add(pid)
-            # A child that registered and later died is the control plane's business (it frees
-            # and reports); only one that never registered means the server cannot start.
             if pid in ctl.registered_pids or ctl.ready():
-                if pid in children.fatal:  # held back by the stderr reader: say it once
+                if pid in children.fatal:  # later deaths are the control plane's: say it once
                     say(f"{PREFIX}the {role} instance (pid {pid}) stopped: {children.fatal[pid]}",
                         sys.stderr)
                 continue

@@ -1,8 +1,5 @@
 """The router process of ``python -m kvflow.serve`` (``--role all`` or ``router``): the control
-plane (:class:`~kvflow.serve.router.control.Controller`), the child instances (``--role all``: each
-gets the config as JSON, :func:`instance_config`), and the HTTP server
-(:func:`~kvflow.serve.router.app.create_app` under uvicorn) until it stops.
-"""
+plane, the child instances (``--role all``) and the HTTP server under uvicorn until it stops."""
 
 from __future__ import annotations
 
@@ -21,11 +18,9 @@ from .startup import StartupError, check_interrupted, one_line_errors
 
 
 def instance_config(cfg: ServeConfig, role: str, router_url: str) -> ServeConfig:
-    """The config of child instance ``role`` of a ``--role all`` server: the parent's, with the
-    role, the router's control address, this process as its parent, no API key (the router's
-    alone), and half of ``--gpu-memory-utilization`` each when P and D share one GPU."""
+    """The config of child instance ``role``: the parent's, with the role, the router's address,
+    this process as parent, no API key, and half the GPU each when P and D share one."""
     from .budget import shared_gpu_utilization
-
     child = dataclasses.replace(cfg, role=role, router_url=router_url, api_key=None,
                                 parent_pid=os.getpid())
     if (cfg.device == "cuda" and cfg.mode == "disagg" and cfg.memory_budget_mb is None
@@ -35,18 +30,16 @@ def instance_config(cfg: ServeConfig, role: str, router_url: str) -> ServeConfig
 
 
 def _controller(cfg: ServeConfig, metrics, children, tokenizer):
-    """The control plane, bound to ``--host``:``--control-port``; it refuses instances whose
-    tokenizer is not ``tokenizer`` (the router's)."""
+    """The control plane, bound to ``--host``:``--control-port``."""
     import zmq
-
     from ..router.control import Controller
     from .startup import bind_error
     try:
         return Controller(cfg.host, cfg.control_port, mode=cfg.mode, metrics=metrics,
                           proc_alive=children.alive if children else None,
                           dead_after_s=cfg.dead_after_s, hung_after_s=cfg.hung_after_s,
-                          model=cfg.model,
-                          tokenizer=tokenizer.digest, advertise_host=cfg.advertise_host)
+                          model=cfg.model, tokenizer=tokenizer.digest,
+                          advertise_host=cfg.advertise_host)
     except zmq.ZMQError as exc:
         raise bind_error("--control-port", cfg.control_port, cfg.host, cfg.control_port,
                          exc.errno, zmq.strerror(exc.errno)) from None
@@ -56,10 +49,7 @@ def _uvicorn_server_class():
     import uvicorn
 
     class Server(uvicorn.Server):
-        """uvicorn's server without its own signal handlers (:func:`stop_on_signals` owns
-        SIGINT and SIGTERM): uvicorn's replace kvflow's for the length of ``serve`` and raise
-        the signal again when it returns, so that whether a stop is honoured would depend on
-        the handler found on entry."""
+        """uvicorn's server without its own signal handlers (:func:`stop_on_signals` owns them)."""
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -69,11 +59,8 @@ def _uvicorn_server_class():
 
 
 def stop_on_signals(server, children=None) -> None:
-    """From now on the first SIGINT or SIGTERM stops ``server`` (uvicorn's ``should_exit``:
-    no new connection, running requests get up to 3 s, then the children stop); a second one
-    cuts that short (``force_exit``, and the children are killed without waiting:
-    :meth:`~kvflow.serve.launch.procs.Children.stop_all`). Installed whatever the handler was, also
-    ``SIG_IGN`` inherited from a shell that started the server as a background job."""
+    """From now on the first SIGINT or SIGTERM stops ``server`` gracefully, a second one at once
+    (and kills the children); installed whatever the handler was (docs/reliability.md, "Stop")."""
     received: list[int] = []
 
     def on_signal(signum: int, frame) -> None:
@@ -95,23 +82,15 @@ def stop_on_signals(server, children=None) -> None:
 
 async def serve_router(cfg: ServeConfig, http_sock, children, serving: list[bool]) -> int:
     """Serve HTTP on ``http_sock`` until stopped; return the exit status. ``serving`` gets True
-    once the router listens (``children``: :class:`~kvflow.serve.launch.procs.Children` or None).
-
-    Raises
-    ------
-    StartupError
-        The tokenizer, the control socket or a child could not start.
-    """
+    once the router listens (``children``: :class:`~.procs.Children` or None). Raises
+    :class:`StartupError` when the tokenizer, the control socket or a child cannot start."""
     import uvicorn
-
     from kvflow.segments import clean_stale
-
     from ..router.app import create_app
     from ..router.metrics import Metrics
     from .procs import instance_env, watch_children
     from ..router.router import Router, load_tokenizer
     from .output import watch_output
-
     metrics = Metrics()
     ctl = None
     try:
@@ -162,8 +141,6 @@ async def serve_router(cfg: ServeConfig, http_sock, children, serving: list[bool
     finally:
         if children is not None:
             children.stop_all()
-        # every kind of segment whose owner is gone (the children's, also those of one killed
-        # earlier); an instance started on its own keeps its segments while it runs
-        clean_stale()
+        clean_stale()  # every segment whose owner is gone
         if ctl is not None:
             await ctl.close()

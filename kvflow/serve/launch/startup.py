@@ -1,22 +1,5 @@
-"""Start-up checks of ``python -m kvflow.serve``: every failure is one line.
-
-A failure before the server serves raises :class:`StartupError`, whose text is one line on
-stderr (``kvflow.serve: error: <what>; <fix>``) naming the flag or value at fault; the process
-exits 1 without a traceback (``--log-level debug`` logs the traceback of an unexpected one).
-The checks here run in the process that is started (router or instance), before children are
-spawned and before any model loads:
-
-- :func:`check_model`: ``--model`` is a built-in name or a checkpoint directory;
-- :func:`check_device`: ``--device cuda`` has CUDA and the GPU ordinals exist;
-- :func:`check_backend`: an explicit ``--backend`` runs on the device (in the instance);
-- :func:`bind_error`, :func:`check_host`: a socket that cannot bind names its flag (``--port``
-  for HTTP, ``--control-port`` for the router's control socket, ``--host`` for both and for D's
-  data socket, which binds a free port the OS picks);
-- :func:`one_line_errors`: any other exception during start-up becomes one line too.
-
-The flags themselves are checked before any of these (:mod:`kvflow.serve.launch.checks`); printing
-and the reader of stdout going away are :mod:`kvflow.serve.launch.output`.
-"""
+"""Start-up checks of ``python -m kvflow.serve``: each failure is one line on stderr
+(:class:`StartupError`, exit 1) naming the flag or value at fault; SIGINT/SIGTERM while starting."""
 
 from __future__ import annotations
 
@@ -41,15 +24,14 @@ _INTERRUPTS: list[int] = []  # SIGINT / SIGTERM received while starting, in orde
 
 
 def record_interrupt(signum: int, frame) -> None:
-    """Handler of SIGINT and SIGTERM while the process imports its modules: only remember the
-    signal (an exception raised inside an import can abort the process from a C++ extension,
-    or leave a half-imported module); :func:`arm_interrupts` raises it afterwards."""
+    """SIGINT / SIGTERM while the process imports its modules: only remember it (raised inside
+    an import it could abort a C++ extension); :func:`arm_interrupts` raises it afterwards."""
     _INTERRUPTS.append(signum)
 
 
 def arm_interrupts(sigterm: bool = True) -> None:
-    """From now on SIGINT (and SIGTERM with ``sigterm``) raise at once (:func:`on_interrupt`);
-    one received before is raised now."""
+    """From now on SIGINT (and SIGTERM with ``sigterm``) raise at once; one received before is
+    raised now."""
     signal.signal(signal.SIGINT, on_interrupt)
     if sigterm:
         signal.signal(signal.SIGTERM, on_interrupt)
@@ -57,8 +39,7 @@ def arm_interrupts(sigterm: bool = True) -> None:
 
 
 def on_interrupt(signum: int, frame) -> None:
-    """Handler of SIGINT and SIGTERM while the server starts: remember the signal, then raise
-    :class:`KeyboardInterrupt` (SIGINT) or :class:`Terminated` (SIGTERM)."""
+    """SIGINT / SIGTERM while starting: remember it, raise KeyboardInterrupt or Terminated."""
     _INTERRUPTS.append(signum)
     raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
 
@@ -69,19 +50,15 @@ def interrupted_by() -> int | None:
 
 
 def check_interrupted() -> None:
-    """Raise the first interrupt received while starting again. Some imported libraries catch
-    every exception during their own import; an interrupt that lands there is swallowed, and
-    without this check the server would start and ignore it."""
+    """Raise the first interrupt received while starting again (an import that catches every
+    exception may have swallowed it)."""
     if _INTERRUPTS:
         raise Terminated if _INTERRUPTS[0] == signal.SIGTERM else KeyboardInterrupt
 
 
 class StartupError(SystemExit):
-    """A start-up failure: ``str(exc)`` is the one line to print; exit status 1.
-
-    A :class:`SystemExit`, so that it ends the process with that line and status 1 even where
-    nobody catches it, and is not swallowed by ``except Exception``.
-    """
+    """A start-up failure: ``str(exc)`` is the one line to print; exit status 1 (a SystemExit:
+    never swallowed by ``except Exception``)."""
 
     def __init__(self, message: str) -> None:
         self.message = " ".join(str(message).split())  # one line, whatever the cause printed
@@ -93,15 +70,9 @@ class StartupError(SystemExit):
 
 def check_model(model: str) -> int:
     """Check ``--model`` without loading weights; return its ``max_position_embeddings``.
-
-    Raises
-    ------
-    StartupError
-        ``model`` is neither a built-in name (listing them) nor a checkpoint directory
-        (naming what it lacks), or its config.json is unreadable or unsupported.
-    """
+    Raises :class:`StartupError` when it is neither a built-in name nor a checkpoint directory
+    (naming what it lacks), or its config.json is unreadable or unsupported."""
     from kvflow.model.config import PRESETS, ModelConfig
-
     if model in PRESETS:
         return PRESETS[model].max_position_embeddings
     names = ", ".join(PRESETS)
@@ -135,25 +106,12 @@ def check_model(model: str) -> int:
 
 
 def check_device(device: str, gpus: dict[str, int] | None = None) -> None:
-    """Check that ``--device`` can run here, before any child starts.
-
-    Parameters
-    ----------
-    device : str
-        ``"cpu"`` (nothing to check) or ``"cuda"``.
-    gpus : dict, optional
-        ``{flag: ordinal}`` of the GPUs this process will hand out, e.g.
-        ``{"--prefill-device": 0, "--decode-device": 1}``; each must be below the device count.
-
-    Raises
-    ------
-    StartupError
-        No CUDA (a CPU build of torch, or no visible GPU), or an ordinal past the visible GPUs.
-    """
+    """Check that ``--device`` ("cpu" or "cuda") can run here, before any child starts;
+    ``gpus``: ``{flag: ordinal}`` of the GPUs this process hands out. Raises
+    :class:`StartupError` without CUDA, or for an ordinal past the visible GPUs."""
     if device == "cpu":
         return
     import torch
-
     if not torch.cuda.is_available():
         if torch.version.cuda is None:
             why = f"this torch ({torch.__version__}) is built without CUDA"
@@ -172,18 +130,11 @@ def check_device(device: str, gpus: dict[str, int] | None = None) -> None:
 
 
 def check_backend(backend: str, device: str) -> None:
-    """Check that ``--backend`` can run on ``device`` in this process (an instance, before it
-    loads its model; ``auto`` always can).
-
-    Raises
-    ------
-    StartupError
-        Naming the backend, why it cannot run, and the backends that can.
-    """
+    """Check that ``--backend`` can run on ``device`` here (``auto`` always can). Raises
+    :class:`StartupError` naming why not and the backends that can."""
     if backend == "auto":
         return
     import torch
-
     from kvflow.kernels.registry import available_backends, get_backend
     try:
         get_backend(backend, torch.device(device))
@@ -195,11 +146,8 @@ def check_backend(backend: str, device: str) -> None:
 
 def bind_error(flag: str, value: object, host: str, port: int, code: int | None,
                reason: str) -> StartupError:
-    """The one-line error for a socket that cannot bind ``host:port``.
-
-    ``flag``/``value`` name what chose the port (``--port 8000``, ``--control-port 0``); ``code``
-    is the errno (also ZMQ's, which uses the same numbers), ``reason`` its text.
-    """
+    """The one-line error for a socket that cannot bind ``host:port``; ``flag``/``value`` chose
+    the port, ``code`` is the errno (ZMQ's are the same), ``reason`` its text."""
     where = f"{host}:{port}" if port else host
     if code == errno.EADDRINUSE:
         return StartupError(f"{flag} {value} is in use ({where}: {reason}); stop what holds it "
@@ -215,10 +163,8 @@ def bind_error(flag: str, value: object, host: str, port: int, code: int | None,
 
 
 def check_host(host: str) -> None:
-    """Bind a throw-away socket on ``host`` (any port): raise the one-line error of
-    :func:`bind_error` when this machine cannot listen there (D's data socket binds it)."""
+    """Raise :func:`bind_error`'s error when this machine cannot listen on ``host``."""
     import socket
-
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         try:
@@ -231,8 +177,8 @@ def check_host(host: str) -> None:
 
 @contextlib.contextmanager
 def one_line_errors(what: str) -> Iterator[None]:
-    """An unexpected exception in the ``with`` block becomes a one-line :class:`StartupError`
-    ``"<what>: <type>: <message>"``; its traceback is logged at debug level."""
+    """An unexpected exception in the block becomes ``StartupError("<what>: <type>: <msg>")``
+    (its traceback logged at debug level)."""
     try:
         yield
     except Exception as exc:  # StartupError is a SystemExit: it passes through unchanged

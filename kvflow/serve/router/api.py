@@ -1,17 +1,5 @@
-"""Request and response shapes of the OpenAI-compatible completions API.
-
-``POST /v1/completions`` takes :class:`CompletionRequest` (OpenAI's fields that kvflow honours,
-plus OpenAI's other fields when their value is what kvflow does anyway, e.g. ``top_p`` null or
-1; unknown fields and wrong types are refused, never coerced, so a typo is not silently
-ignored) and answers with
-:func:`completion_response` (non-streaming) or server-sent events of :func:`completion_chunk`
-followed by ``data: [DONE]``. Every response carries a ``kvflow`` object: ``prefill_instance``,
-``decode_instance``, ``kv_connector`` ("ipc-pull", "ipc-push", "tcp" or "none" when
-colocated), ``layerwise`` (the KV moved layer by layer during the prefill), ``blocks`` and
-``payload_bytes`` moved (blocks x ``KVCacheSpec.bytes_per_block``), ``transfer_ms`` (from P
-starting the transfer to the blocks being in D's cache, wall clock) and ``cached_blocks``
-(docs/tutorials/quickstart.md, section 4).
-"""
+"""Request and response shapes of the OpenAI-compatible ``POST /v1/completions``, with the
+``kvflow`` object (docs/tutorials/quickstart.md, "4. Read the `kvflow` fields")."""
 
 from __future__ import annotations
 
@@ -23,8 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 
 def clipped(text: str, limit: int = 80) -> str:
-    """``text`` for an error message: ASCII only (a lone surrogate is escaped, so the error
-    body can always be encoded), at most ``limit`` characters."""
+    """``text`` for an error message: ASCII only (escaped), at most ``limit`` characters."""
     text = text.encode("ascii", "backslashreplace").decode()
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
@@ -38,8 +25,7 @@ def shown(value: Any, limit: int = 80) -> str:
     return clipped(text, limit)
 
 
-#: OpenAI completion fields kvflow does not implement: field -> (values accepted besides null,
-#: why another value is refused).
+#: OpenAI fields kvflow does not implement: field -> (values accepted besides null, why not others)
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "top_p": ((1,), "kvflow samples from the full distribution; use top_p=1"),
     "stop": (("", [], [""]), "kvflow stops only at the end-of-sequence token or max_tokens; omit stop"),
@@ -51,50 +37,25 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "suffix": ((), "kvflow does not insert text; omit suffix"),
     "logit_bias": (({},), "kvflow applies no logit bias; omit logit_bias"),
 }
-UNSUPPORTED_FIELDS = tuple(UNSUPPORTED)
 
 
 class StreamOptions(BaseModel):
-    """``stream_options`` of a streaming request: ``include_usage`` adds a last chunk with
-    ``usage`` and no choices before ``data: [DONE]`` (as OpenAI and vLLM); with it,
-    ``continuous_usage_stats`` (vLLM's) puts the running ``usage`` in every chunk."""
+    """``stream_options``: ``include_usage`` adds a last chunk with ``usage`` and no choices;
+    with it, ``continuous_usage_stats`` (vLLM's) puts the running ``usage`` in every chunk."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: Optional[bool] = None
-    continuous_usage_stats: Optional[bool] = None  # vLLM's: usage in every chunk too
+    continuous_usage_stats: Optional[bool] = None
 
 
 class CompletionRequest(BaseModel):
-    """Body of ``POST /v1/completions``.
+    """Body of ``POST /v1/completions`` (docs/tutorials/quickstart.md, "Request fields").
 
-    Attributes
-    ----------
-    prompt : str or list[int]
-        Text (tokenized by the model's tokenizer) or token ids; not empty.
-    max_tokens : int
-        New tokens to generate, >= 1 (OpenAI's default 16).
-    temperature : float
-        0 = greedy (kvflow's default, so that outputs compare token for token across transfer
-        modes; OpenAI's and vLLM's default is 1); > 0 samples, finite, <= 100.
-    stream : bool
-        Server-sent events, one per token.
-    seed : int or None
-        Sampling seed (temperature > 0), any int64; None (default) draws a fresh seed per
-        request, as vLLM.
-    ignore_eos : bool
-        Keep generating past the end-of-sequence token (vLLM's extension).
-    stream_options : StreamOptions or None
-        Only with ``stream`` true (as OpenAI and vLLM): ``{"include_usage": true}`` adds a
-        usage chunk at the end of the stream.
-
-    null means the default for every field, as in OpenAI's API.
-
-    OpenAI's ``top_p``, ``stop``, ``logprobs``, ``echo``, ``presence_penalty``,
-    ``frequency_penalty``, ``best_of``, ``suffix``, ``logit_bias`` and ``user`` are accepted
-    when null or set to what kvflow does anyway (:data:`UNSUPPORTED`); another value is HTTP
-    400 naming the field. Types are strict: ``"3"``, ``true`` or ``2.0``
-    is not an integer, ``"yes"`` not a boolean (an integer is a valid float).
+    ``prompt``: text or token ids, not empty; ``temperature`` 0 (the default) is greedy;
+    ``seed`` None draws one per request; ``ignore_eos`` is vLLM's. null means the default. The
+    fields of :data:`UNSUPPORTED` are accepted only at their no-op values; types are strict
+    (``"3"``, ``true`` or ``2.0`` is no integer); another value is HTTP 400 naming the field.
     """
 
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -108,7 +69,6 @@ class CompletionRequest(BaseModel):
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=1)
     user: Optional[str] = None
-    # OpenAI fields kvflow does not implement: accepted only at their no-op values.
     top_p: Optional[float] = None
     stop: Optional[Union[str, list[str]]] = None
     logprobs: Optional[int] = None
@@ -134,7 +94,7 @@ class CompletionRequest(BaseModel):
         raise ValueError("prompt must be a string or a list of token ids (integers), got "
                          + shown(v))
 
-    @field_validator(*[name for name in UNSUPPORTED_FIELDS], mode="before")  # the value as sent
+    @field_validator(*UNSUPPORTED, mode="before")  # the value as sent
     @classmethod
     def _no_op_only(cls, v: Any, info: ValidationInfo) -> Any:
         allowed, why = UNSUPPORTED[info.field_name]

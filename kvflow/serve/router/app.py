@@ -1,8 +1,6 @@
-"""The router's HTTP app (FastAPI): ``GET /health``, ``GET /v1/models``, ``GET /metrics`` and
-``POST /v1/completions`` (one JSON response, or server-sent events with ``"stream": true``),
-OpenAI's error shape for every refusal, the API key check, and the abort of a request whose
-client disconnected (HTTP 499 in the metrics; P and D free its blocks).
-"""
+"""The router's HTTP app (FastAPI): ``/health``, ``/v1/models``, ``/metrics``, ``POST
+/v1/completions`` (JSON or server-sent events), OpenAI's error shape, the API key, and the abort
+of a request whose client disconnected (HTTP 499)."""
 
 from __future__ import annotations
 
@@ -29,10 +27,7 @@ def create_app(router: Router) -> FastAPI:
     """The FastAPI app of ``router`` (its controller must be started by the caller)."""
     app = FastAPI(title="kvflow router")
     ctl, metrics = router.ctl, router.metrics
-
-    # A pure ASGI middleware, not @app.middleware("http"): Starlette's BaseHTTPMiddleware
-    # hides the client's http.disconnect from request.is_disconnected(), so a non-streaming
-    # client that went away would keep its request running (and its blocks held).
+    # pure ASGI: Starlette's BaseHTTPMiddleware would hide a client's disconnect
     app.add_middleware(_APIKeyMiddleware, router=router)
 
     @app.exception_handler(StarletteHTTPException)
@@ -83,8 +78,7 @@ def create_app(router: Router) -> FastAPI:
         ttft = time.monotonic() - t0
         metrics.ttft.observe(ttft)
 
-        def report(last: Tokens) -> dict:
-            """The response's ``kvflow`` object: the router's report on the last message."""
+        def report(last: Tokens) -> dict:  # the response's kvflow object
             metrics.observe_transfer(last.kvflow)
             kv = dict(last.kvflow)
             kv.pop("block_table", None)
@@ -109,7 +103,6 @@ def create_app(router: Router) -> FastAPI:
             return completion_response(f"cmpl-{uuid.uuid4().hex[:24]}", router.model_name,
                                        router.tokenizer.decode(ids), ids, msg.finish_reason,
                                        len(token_ids), report(msg))
-
         opts = body.stream_options
         with_usage = opts is not None and bool(opts.include_usage)
         every_chunk = with_usage and bool(opts.continuous_usage_stats)  # vLLM's option
@@ -149,24 +142,22 @@ def create_app(router: Router) -> FastAPI:
 
 
 class _APIKeyMiddleware:
-    """HTTP 401 for ``/v1/*`` without the router's API key (``Router.authorized``); HTTP 400 for
-    a ``/v1/*`` body sent with a Content-Encoding (even one whose bytes parse as JSON)."""
+    """HTTP 401 for ``/v1/*`` without the router's API key; HTTP 400 for a Content-Encoding."""
 
     def __init__(self, app: Any, router: Router) -> None:
         self.app, self.router = app, router
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope.get("path", "").startswith("/v1/"):
-            header = next((v.decode("latin-1") for k, v in scope.get("headers", ())
-                           if k.lower() == b"authorization"), None)
-            if not self.router.authorized(header):
+            headers = {k.lower(): v.decode("latin-1")  # the first of a name wins
+                       for k, v in reversed(list(scope.get("headers", ())))}
+            if not self.router.authorized(headers.get(b"authorization")):
                 resp = JSONResponse(error_body("missing or wrong API key: send the header "
                                                "'Authorization: Bearer <key>'", "authorization",
                                                "authentication_error"), status_code=401)
                 await resp(scope, receive, send)
                 return
-            coding = next((v.decode("latin-1") for k, v in scope.get("headers", ())
-                           if k.lower() == b"content-encoding"), "identity")
+            coding = headers.get(b"content-encoding", "identity")
             if coding.strip().lower() not in ("identity", ""):
                 why = f"Content-Encoding: {clipped(coding)} is not supported; send the JSON as is"
                 await JSONResponse(error_body(f"body: {why}", "body"), status_code=400)(
@@ -181,8 +172,7 @@ async def _next_unless_gone(events: AsyncIterator[Tokens], request: Request) -> 
     task = asyncio.ensure_future(events.__anext__())
     while True:
         done, _ = await asyncio.wait({task}, timeout=0.1)
-        # Check the client at least every 0.1 s even while tokens keep coming (a fast decode
-        # would otherwise never leave time to notice a non-streaming client that went away).
+        # check the client at least every 0.1 s, even while tokens keep coming
         now = time.monotonic()
         if done and now - getattr(request.state, "kvflow_checked", 0.0) < 0.1:
             return task.result()

@@ -1,10 +1,6 @@
-"""The router's control plane: one ZMQ ROUTER socket that every P, D or colocated instance
-connects a DEALER to; registration (refused: ``Registered(ok=False)``, the instance exits 1),
-N x M pairing (``Pair`` / ``PairResult``; ``ready`` once a pair is accepted by both), liveness
-(:mod:`kvflow.serve.router.liveness`), ``Unpair`` to a dead instance's peers, ``Reregister`` to
-one declared dead that heartbeats again (at most once a second), and routing of replies to
-requests. Rules and their tests: docs/reliability.md.
-"""
+"""The router's control plane: one ZMQ ROUTER socket for every instance; registration, N x M
+pairing, liveness (:mod:`kvflow.serve.router.liveness`), ``Unpair`` / ``Reregister``, and
+routing of replies to requests. Rules: docs/reliability.md, "Liveness"."""
 
 from __future__ import annotations
 
@@ -18,14 +14,12 @@ import zmq.asyncio
 
 from kvflow.serve.protocol import (Heartbeat, Leaving, Pair, PairResult, Register, Registered,
                                    Reregister, Tokens, Unpair, decode_or_log, encode)
-
 from kvflow.segments import ALIVE, DEAD, UNKNOWN, process_state
 
 from ..advertise import advertised_host
 from ..instance.heartbeat import BEAT_SUFFIX
 from ..launch.config import ServeConfig
 from .errors import registration_refusal
-from .health import health_report
 from .liveness import GONE, StallClock, judge
 from .placement import InstanceInfo, ReqState, pick_pair
 
@@ -33,11 +27,10 @@ log = logging.getLogger("kvflow.serve.router")
 
 
 class Controller:
-    """Parameters: ``host`` and ``port`` (0: a free port) to bind (``advertise_host``: what
-    :attr:`addr` names instead of ``host``, :mod:`~kvflow.serve.advertise`); ``mode`` "disagg" or
-    "colocated"; ``metrics`` (:class:`~kvflow.serve.router.metrics.Metrics`); ``proc_alive(pid)``
-    for processes this server spawned (None: heartbeats only); ``dead_after_s`` and
-    ``hung_after_s`` as :func:`~kvflow.serve.router.liveness.judge`."""
+    """Bound to ``host``:``port`` (0: a free port; :attr:`addr` names ``advertise_host``
+    instead, :mod:`~kvflow.serve.advertise`); ``proc_alive(pid)`` for processes this server
+    spawned (None: heartbeats only); ``dead_after_s``, ``hung_after_s`` as
+    :func:`~kvflow.serve.router.liveness.judge`."""
 
     MONITOR_S = 0.1  # how often liveness is judged (seconds)
 
@@ -47,8 +40,7 @@ class Controller:
                  hung_after_s: float = ServeConfig.hung_after_s, model: str = "",
                  tokenizer: str = "", advertise_host: str | None = None) -> None:
         self.mode, self.metrics, self.proc_alive = mode, metrics, proc_alive
-        # the router encodes prompts and decodes tokens: an instance must share its vocabulary
-        self.model, self.tokenizer = model, tokenizer
+        self.model, self.tokenizer = model, tokenizer  # an instance must share the vocabulary
         self.dead_after_s, self.hung_after_s = dead_after_s, hung_after_s
         self.stalls = StallClock(time.monotonic(), self.MONITOR_S)
         self.registered_pids: set[int] = set()  # every pid that ever registered (kept after death)
@@ -64,7 +56,6 @@ class Controller:
         self.instances: dict[str, InstanceInfo] = {}
         self.requests: dict[str, ReqState] = {}
         self.errors: list[str] = []
-        self.shm_names: set[str] = set()
         self.exited: set[str] = set()  # instances declared dead whose process was seen to exit
         self._asked: dict[bytes, float] = {}  # unknown instance -> when it was asked to register
         self.pairs_sent: dict[str, set[str]] = {}  # instance -> peers it was sent a Pair for
@@ -79,9 +70,7 @@ class Controller:
         for t in self._tasks:
             t.cancel()
         self.sock.close(0)
-        # destroy, not term: term() waits for every socket of the context to close, so one
-        # left open anywhere would hold a stopping router forever (a Ctrl-C once seemed lost)
-        self.ctx.destroy(linger=0)
+        self.ctx.destroy(linger=0)  # not term(): one socket left open would hang the stop
 
     def by_role(self, role: str) -> list[InstanceInfo]:
         return [i for i in self.instances.values() if i.role == role]
@@ -101,10 +90,13 @@ class Controller:
         return got
 
     async def send(self, inst: InstanceInfo, msg: Any) -> None:
+        await self._send(inst.ident, msg, f"cannot send {type(msg).__name__} to {inst.id}")
+
+    async def _send(self, ident: bytes, msg: Any, failed: str) -> None:
         try:
-            await self.sock.send_multipart([inst.ident, encode(msg)])
+            await self.sock.send_multipart([ident, encode(msg)])
         except zmq.ZMQError as exc:  # instance gone (ROUTER_MANDATORY)
-            log.error("cannot send %s to %s: %s", type(msg).__name__, inst.id, exc)
+            log.error("%s: %s", failed, exc)
 
     async def _recv_loop(self) -> None:
         while True:
@@ -128,15 +120,14 @@ class Controller:
             if refused:
                 self.errors.append(f"registration of {msg.instance_id} refused: {refused}")
                 log.error("%s", self.errors[-1])
-                await self._answer(ident, Registered(ok=False, error=refused))
+                await self._send(ident, Registered(ok=False, error=refused),
+                                 f"cannot answer {ident!r}")
                 return
-            await self._answer(ident, Registered(ok=True))
+            await self._send(ident, Registered(ok=True), f"cannot answer {ident!r}")
             self.left.discard(msg.instance_id)
             info = InstanceInfo(msg, ident, now, msg.free_blocks, heartbeat_at=now)
             self.instances[msg.instance_id] = info
             self.registered_pids.add(msg.pid)
-            if msg.shm_name:
-                self.shm_names.add(msg.shm_name)
             self._set_blocks(info)
             log.info("registered %s (%s, pid %d, %d blocks)", msg.instance_id, msg.role, msg.pid,
                      msg.num_blocks)
@@ -156,11 +147,8 @@ class Controller:
             log.error("%s from unregistered instance %r; dropped", type(msg).__name__, ident)
             if isinstance(msg, Heartbeat) and now - self._asked.get(ident, 0.0) >= 1.0:
                 self._asked[ident] = now  # alive after all (e.g. declared dead under load)
-                try:
-                    await self.sock.send_multipart([ident, encode(Reregister(
-                        reason="declared dead after missed heartbeats"))])
-                except zmq.ZMQError as exc:
-                    log.error("cannot ask %r to register again: %s", ident, exc)
+                await self._send(ident, Reregister(reason="declared dead after missed heartbeats"),
+                                 f"cannot ask {ident!r} to register again")
             return
         info.last_seen = now
         if isinstance(msg, Heartbeat):
@@ -171,8 +159,7 @@ class Controller:
             info.heartbeat_at = now
             self._set_blocks(info)
         elif isinstance(msg, PairResult):
-            if msg.ok and msg.peer_id not in self.instances:  # a late pairing (a D's slot
-                # freed) with a peer that died meanwhile: the D gives back what it holds for it
+            if msg.ok and msg.peer_id not in self.instances:  # a late pairing, peer died since
                 await self.send(info, Unpair(peer_id=msg.peer_id, reason="not registered",
                                              exited=msg.peer_id in self.exited))
             elif msg.ok:
@@ -181,20 +168,13 @@ class Controller:
                 self.errors.append(msg.error)
         elif isinstance(msg, Leaving):  # a clean stop: forgotten now, logged as a stop
             self.left.add(info.id)
-            self.instance_died(info, f"stopped by {msg.reason or 'its own request'}",
-                               stopped=True)
+            self.instance_died(info, f"stopped by {msg.reason or 'its own request'}", stopped=True)
         elif hasattr(msg, "req_id"):
             st = self.requests.get(msg.req_id)
             if st is not None:
                 st.queue.put_nowait(msg)
         else:
             log.error("unexpected %s from %s; dropped", type(msg).__name__, info.id)
-
-    async def _answer(self, ident: bytes, msg: Any) -> None:
-        try:
-            await self.sock.send_multipart([ident, encode(msg)])
-        except zmq.ZMQError as exc:
-            log.error("cannot answer %r: %s", ident, exc)
 
     def _set_blocks(self, info: InstanceInfo) -> None:
         if self.metrics is not None:
@@ -212,17 +192,8 @@ class Controller:
                 continue
             self.pairs_sent.setdefault(p.id, set()).add(d.id)
             self.pairs_sent.setdefault(d.id, set()).add(p.id)
-            await self.send(p, Pair(peer_id=d.id, peer_role="decode", peer_spec=d.reg.spec,
-                                    peer_num_blocks=d.reg.num_blocks, data_addr=d.reg.data_addr,
-                                    shm_name=d.reg.shm_name, peer_pid=d.reg.pid,
-                                    peer_host_id=d.reg.host_id, peer_fingerprint=d.reg.fingerprint,
-                                    peer_connector_md=d.reg.connector_md,
-                                    lease_addr=d.reg.lease_addr))
-            await self.send(d, Pair(peer_id=p.id, peer_role="prefill", peer_spec=p.reg.spec,
-                                    peer_num_blocks=p.reg.num_blocks, shm_name=p.reg.shm_name,
-                                    peer_pid=p.reg.pid, peer_host_id=p.reg.host_id,
-                                    peer_fingerprint=p.reg.fingerprint,
-                                    peer_connector_md=p.reg.connector_md))
+            await self.send(p, _pair_msg(d, data_addr=d.reg.data_addr, lease_addr=d.reg.lease_addr))
+            await self.send(d, _pair_msg(p))
 
     async def _monitor(self) -> None:
         while True:
@@ -230,8 +201,8 @@ class Controller:
             self.check_liveness(time.monotonic())
 
     def check_liveness(self, now: float) -> None:
-        """Judge every instance (:func:`~kvflow.serve.router.liveness.judge`) at ``now``; declare
-        the dead ones dead. A stall of this loop is credited to every instance first."""
+        """Judge every instance at ``now`` (a stall of this loop is credited to each first);
+        declare the dead ones dead."""
         stalled = self.stalls.tick(now)
         for info in list(self.instances.values()):
             info.last_seen += stalled
@@ -250,10 +221,8 @@ class Controller:
     def instance_died(self, info: InstanceInfo, why: str, *, exited: bool = False,
                       stopped: bool = False) -> None:
         """Forget a dead instance, fail the requests that still need it, unlink its segment.
-        ``exited``: its process was seen to exit (else it only went silent and may still run:
-        the survivors keep what it may still read or write, :class:`~kvflow.protocol.Abort`).
-        ``stopped``: a clean stop (its :class:`~kvflow.protocol.Leaving`): logged at INFO, not
-        an error; its process may still be closing, so survivors judge it as a silent one."""
+        ``exited``: its process was seen to exit (else it may still run); ``stopped``: a clean
+        stop (:class:`~kvflow.serve.protocol.Leaving`), logged at INFO, judged as a silent one."""
         self.instances.pop(info.id, None)
         if exited:
             self.exited.add(info.id)
@@ -264,10 +233,7 @@ class Controller:
             self.errors.append(text)
             log.error("%s", text)
         self.pairs_sent.pop(info.id, None)
-        for other in self.instances.values():
-            # a P drops only this D's link; a D frees what it keeps for this P (lent blocks, a
-            # staging slot): at once if it exited, else kv_lease_s later; a D still waiting to
-            # pair with it (no free staging slot) drops that pairing
+        for other in self.instances.values():  # each peer (also one still waiting to pair) unpairs
             sent = self.pairs_sent.get(other.id, set())
             if info.id in other.pair_ok or info.id in sent:
                 asyncio.ensure_future(self.send(other, Unpair(peer_id=info.id, reason=why,
@@ -282,12 +248,45 @@ class Controller:
             if parsed is not None and segments.owner_state(parsed.owner) == segments.DEAD:
                 segments.unlink(info.reg.shm_name)
         for req_id, st in self.requests.items():
-            needs = st.decode_id == info.id or (st.prefill_id == info.id and st.stage != "decoding")
-            if needs:
+            if st.decode_id == info.id or (st.prefill_id == info.id and st.stage != "decoding"):
                 st.queue.put_nowait(Tokens(req_id=req_id, token_ids=[], finished=True,
                                            finish_reason="error",
                                            error=f"{info.role} instance {info.id} " +
                                                  (why if stopped else f"died ({why})")))
 
     def health(self) -> dict:
-        return health_report(self)
+        """The ``/health`` JSON."""
+        now = time.monotonic()
+        return {"status": "ok" if self.ready() else "starting", "mode": self.mode,
+                "control_addr": self.addr,
+                "instances": [{"id": i.id, "role": i.role, "pid": i.reg.pid,
+                               "kv_connector": i.reg.kv_connector, "num_blocks": i.reg.num_blocks,
+                               "free_blocks": i.free_blocks, "num_running": i.num_running,
+                               "heartbeat_age_s": now - i.heartbeat_at, "liveness": i.liveness,
+                               "max_model_len": i.reg.max_model_len, "spec": i.reg.spec,
+                               "shm_name": i.reg.shm_name, "data_addr": i.reg.data_addr,
+                               "lease_addr": i.reg.lease_addr, "paired_with": sorted(i.pair_ok),
+                               "spec_differs": _spec_differs(self, i)}
+                              for i in self.instances.values()],
+                "router_stalled_s": self.stalls.stalled_s,
+                "errors": self.errors[-20:]}
+
+
+def _pair_msg(peer: InstanceInfo, **extra: str) -> Pair:
+    """The :class:`Pair` that tells an instance of its peer ``peer``."""
+    r = peer.reg
+    return Pair(peer_id=peer.id, peer_role=peer.role, peer_spec=r.spec,
+                peer_num_blocks=r.num_blocks, shm_name=r.shm_name, peer_pid=r.pid,
+                peer_host_id=r.host_id, peer_fingerprint=r.fingerprint,
+                peer_connector_md=r.connector_md, **extra)
+
+
+def _spec_differs(ctl: Controller, info: InstanceInfo) -> dict:
+    """``{peer id: {field: [ours, theirs]}}`` for each paired peer whose KV cache spec differs."""
+    out = {}
+    for peer in filter(None, map(ctl.instances.get, sorted(info.pair_ok))):
+        diff = {k: [v, peer.reg.spec.get(k)] for k, v in info.reg.spec.items()
+                if peer.reg.spec.get(k) != v}
+        if diff:
+            out[peer.id] = diff
+    return out

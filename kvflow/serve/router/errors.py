@@ -1,8 +1,5 @@
-"""The router's refusals, worded: :class:`RequestError` (an HTTP status, an OpenAI-style message
-and the parameter at fault), :func:`validation_message` (a request body that pydantic refused:
-the field, what is wrong, the value sent), and :func:`registration_refusal` (an instance that
-cannot register: the reason it prints before it exits 1).
-"""
+"""The router's refusals, worded: :class:`RequestError` (HTTP status, message, parameter),
+:func:`validation_message` (a body pydantic refused) and :func:`registration_refusal`."""
 
 from __future__ import annotations
 
@@ -20,10 +17,8 @@ class RequestError(Exception):
 
 
 def validation_message(errs: list[dict], content_type: str | None) -> tuple[str, str]:
-    """(message, param) for the pydantic errors ``errs`` of a request body (the first one is
-    reported): the field, what is wrong and the value sent (``max_tokens: Input should be
-    greater than or equal to 1, got -1``, values cut to 80 characters); a body that is not
-    JSON says where, or which Content-Type came instead."""
+    """(message, param) for the first pydantic error of ``errs``: the field, what is wrong and
+    the value sent (``max_tokens: Input should be greater than or equal to 1, got -1``)."""
     err = errs[0] if errs else {}
     loc = [str(x)[:80] for x in err.get("loc", ()) if x != "body"]
     kind, detail = err.get("type"), str(err.get("msg", "invalid body"))
@@ -48,10 +43,8 @@ def validation_message(errs: list[dict], content_type: str | None) -> tuple[str,
 
 def registration_refusal(msg: Register, ident: bytes, *, mode: str, model: str,
                          tokenizer: str) -> str:
-    """Why the instance of ``msg`` (sent from ZMQ identity ``ident``) cannot register with a
-    router in ``mode`` serving ``model`` with tokenizer digest ``tokenizer`` ('' when it can):
-    another protocol version, a malformed Register, another tokenizer, or a role that does not
-    fit the mode."""
+    """Why the instance of ``msg`` (from ZMQ identity ``ident``) cannot register with this router
+    ('' when it can): protocol version, a malformed Register, tokenizer, or role."""
     if msg.version != PROTOCOL_VERSION:
         return (f"it speaks protocol version {msg.version}, the router {PROTOCOL_VERSION}; "
                 f"run the same kvflow version on both")

@@ -1,18 +1,5 @@
-"""Prometheus metrics of the router (``GET /metrics``), on a registry of its own.
-
-========================================  =========  ===========================================
-name                                      type       meaning
-========================================  =========  ===========================================
-kvflow_ttft_seconds                       histogram  router receives request -> first token
-kvflow_tpot_seconds                       histogram  mean time per output token after the first
-kvflow_transfer_bytes_total{connector}    counter    KV payload bytes moved P -> D
-kvflow_transfer_blocks_total{connector}   counter    KV blocks moved P -> D
-kvflow_transfer_seconds{connector}        histogram  P starts the transfer -> blocks in D's cache
-kvflow_free_blocks{instance,role}         gauge      free KV blocks of each instance
-kvflow_num_blocks{instance,role}          gauge      KV blocks of each instance
-kvflow_requests_total{outcome}            counter    finished requests: ok, error, aborted
-========================================  =========  ===========================================
-"""
+"""Prometheus metrics of the router (``GET /metrics``), on a registry of its own
+(docs/tutorials/quickstart.md, "5. Metrics"); each metric's help text says what it measures."""
 
 from __future__ import annotations
 

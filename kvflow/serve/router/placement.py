@@ -1,10 +1,6 @@
-"""Which prefill (P) and decode (D) instance serve the next request, and what the router keeps
-of each instance and each request in flight.
-
-:func:`pick_pair`: among the (P, D) pairs both sides accepted, the D with most free blocks, then
-fewest requests in flight here; then, of the P's paired with that D, the one with fewest
-prefills in flight here. Ties rotate (round robin), so every (P, D) combination comes up.
-"""
+"""Which P and D serve the next request (:func:`pick_pair`: the D with most free blocks, then
+fewest requests here; of its P's the one with fewest prefills; ties rotate), and what the
+router keeps of each instance and request in flight."""
 
 from __future__ import annotations
 
@@ -52,14 +48,13 @@ class ReqState:
     queue: asyncio.Queue
     prefill_id: str = ""
     decode_id: str = ""
-    stage: str = "allocating"   # allocating -> prefilling -> transferring (P's token out,
-                                # the KV still moving: P still needed) -> decoding
+    stage: str = "allocating"  # -> prefilling -> transferring (P still needed) -> decoding
 
 
 def pick_pair(instances: Iterable[InstanceInfo], requests: Iterable[ReqState], mode: str,
               turn: int) -> tuple[InstanceInfo, InstanceInfo] | None:
-    """(prefill, decode) for the next request (the same instance twice in ``mode``
-    "colocated"), or None when no pair is ready; ``turn`` counts the calls (round robin)."""
+    """(prefill, decode) for the next request (one instance twice when colocated), or None;
+    ``turn`` counts the calls (round robin)."""
     instances = list(instances)
     if mode == "colocated":
         cs = sorted((i for i in instances if i.role == "colocated"), key=lambda i: -i.free_blocks)

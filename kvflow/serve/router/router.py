@@ -1,25 +1,6 @@
-"""The router: an OpenAI-compatible HTTP front (FastAPI) over the ZMQ control plane.
-
-One request (disaggregated): tokenize -> check it fits ``max_model_len`` (else HTTP 400, nothing
-moved) -> ``Allocate`` to D (D's own block ids back; "busy" is retried until
-``admit_timeout_s``, "capacity" is HTTP 400) -> ``Prefill`` to P with D's ids -> the first
-token from P as soon as P sampled it, then the others from D once the KV is in D's cache,
-streamed as server-sent events or gathered into one response. Each step is stamped
-(:mod:`kvflow.serve.timings`: ``kvflow.timings_ms`` and ``hops_ms`` of the response).
-Whatever ends the request early (error, timeout, client disconnect, a dead instance) sends
-``Abort`` to P and D so both free the request's blocks.
-
-Reliability (docs/reliability.md): D out of free blocks answers "busy" and the router retries
-every 50 ms for at most ``admit_timeout_s`` (``--admit-timeout-s``), then HTTP 503 — a bounded
-wait, never a deadlock; a prompt that can never fit is HTTP 400 before anything moves. A
-client that disconnects (also before the first token) aborts its request. With ``--api-key``,
-``/v1/*`` needs ``Authorization: Bearer <key>`` (compared with :func:`hmac.compare_digest`),
-else HTTP 401; ``/health`` and ``/metrics`` stay open.
-
-The HTTP side (endpoints, server-sent events, the API key) is :mod:`kvflow.serve.router.app`; error
-wording is :mod:`kvflow.serve.router.errors`. Endpoints: ``GET /health`` (200 once P and D are registered and paired, else 503; JSON with
-every instance's free blocks), ``GET /v1/models``, ``POST /v1/completions``, ``GET /metrics``.
-"""
+"""The router: runs each request over the control plane (``Allocate`` to D, ``Prefill`` to P,
+the tokens in order; ``Abort`` on an early end). docs/design.md, "One request, from the router
+to D's cache"."""
 
 from __future__ import annotations
 
@@ -97,18 +78,11 @@ class Router:
 
     async def run(self, body: CompletionRequest, token_ids: list[int],
                   t_received: float | None = None) -> AsyncIterator[Tokens]:
-        """Yield the :class:`Tokens` messages of one request in output order; the finishing
-        one carries the request's ``kvflow`` object (:meth:`RequestClock.report`, with
-        ``timings_ms`` and ``hops_ms`` since ``t_received``, ``time.monotonic()`` s, default
-        now). Raise :class:`RequestError`.
-
-        Disaggregated, the first token is P's (``index`` 0), streamed as soon as it arrives;
-        D's tokens (``index`` 1..) follow once the KV is in D's cache (a D message that
-        overtakes P's is held back). Until D's first message P is still needed (the transfer):
-        its death fails the request. A request P's token finished (``max_tokens`` 1, a stop
-        token) is followed in the background until D reports the KV in and the blocks freed
-        (:meth:`_follow`); a failure there aborts it on P and D.
-        """
+        """Yield the :class:`Tokens` of one request in output order (P's first, ``index`` 0;
+        then D's); the finishing one carries the ``kvflow`` object (:meth:`RequestClock.report`,
+        since ``t_received``, ``time.monotonic()`` s, default now). A request P's token
+        finished is followed in the background (:meth:`_follow`). Raises :class:`RequestError`
+        (the HTTP status and message that end the request)."""
         clock = RequestClock(time.monotonic() if t_received is None else t_received)
         pair = self.ctl.pick()
         if pair is None:
@@ -116,7 +90,6 @@ class Router:
         p, d = pair
         limit = d.reg.max_model_len
         if len(token_ids) + body.max_tokens > limit:
-            # The prompt alone leaving no room for one new token is the prompt's fault.
             raise RequestError(400, f"prompt ({len(token_ids)} tokens) + max_tokens "
                                     f"({body.max_tokens}) = {len(token_ids) + body.max_tokens} "
                                     f"exceeds max_model_len={limit}",
@@ -202,9 +175,8 @@ class Router:
                 self.metrics.requests.labels("ok").inc()
 
     async def _follow(self, req_id: str, st: ReqState) -> None:
-        """After P's token finished a request: wait (at most ``first_token_timeout_s``) for D's
-        word that the KV arrived and the request ended there (an empty finished
-        :class:`Tokens`); on an error, a timeout or a dead instance, abort it on P and D."""
+        """After P's token finished a request: wait for D's empty finished :class:`Tokens`
+        (the KV arrived, blocks freed); on an error or a timeout, abort it on P and D."""
         try:
             while True:
                 msg = await self._wait(st, self.first_token_timeout_s, "the KV transfer")
