@@ -1,18 +1,9 @@
 """P's side of the lease: the blocks P keeps for a request after its send, until D's ack or the
-end of the lease (D's side: :mod:`.lease`).
-
-After :meth:`KVSender.finish <kvflow.connector.base.KVSender.finish>` P's serve hands the
-request's blocks and the :class:`~.records.Handoff` to :meth:`HeldSide.hold`; from then on the
-sender keeps a :class:`Held` record and answers which of P's block ids serve must free (serve
-keeps the block allocator):
-
-- D's :class:`~kvflow.protocol.KVAck` (through :meth:`HeldSide.on_message`, the one entry point
-  of P's data plane): the request's blocks, with a warning line when D dropped it;
-- D's :class:`~kvflow.protocol.LeaseRenew` (also :meth:`HeldSide.on_message`): nothing freed, the
-  lease of every named request starts again;
-- :meth:`HeldSide.expire`: a request with no renewal for ``lease_s`` seconds
-  (``--kv-lease-s``, docs/reliability.md), with an error line;
-- :meth:`HeldSide.drop` (an abort, a failed layerwise transfer): the request's blocks.
+end of the lease (D's side: :mod:`.lease`). After ``KVSender.finish`` serve hands the blocks and
+the :class:`~.records.Handoff` to :meth:`HeldSide.hold`; D's ack (:meth:`HeldSide.on_message`),
+the lease's end (:meth:`HeldSide.expire`, ``--kv-lease-s``) and :meth:`HeldSide.drop` answer
+which of P's block ids serve frees; a :class:`~kvflow.protocol.LeaseRenew` starts the lease of
+each request it names again.
 """
 
 from __future__ import annotations
@@ -26,17 +17,9 @@ from kvflow.protocol import KVAck, LeaseRenew
 
 @dataclasses.dataclass
 class Held:
-    """A sent request P keeps until D's ack or the end of its lease.
-
-    Attributes
-    ----------
-    blocks : list[int]
-        P's blocks D may still read ([] once freed).
-    keep : object
-        Memory ZMQ still reads (a staging buffer), or None.
-    t_renewed : float
-        ``time.monotonic()`` of the send or of D's last :class:`~kvflow.protocol.LeaseRenew`.
-    """
+    """A sent request P keeps until D's ack or the end of its lease: ``blocks`` D may still
+    read, ``keep`` (memory ZMQ still reads, or None), ``t_renewed`` (``time.monotonic()`` of
+    the send or of D's last renewal)."""
     blocks: list[int]
     keep: Any = None
     t_renewed: float = dataclasses.field(default_factory=time.monotonic)
@@ -44,19 +27,9 @@ class Held:
 
 @dataclasses.dataclass
 class Freed:
-    """One request P no longer keeps: the block ids serve frees and the line it logs.
-
-    Attributes
-    ----------
-    req_id : str
-    blocks : list[int]
-        P's block ids to free ([] when none were held).
-    note : str
-        A line for P's log ('' for none): D's "not ok" ack, an expired lease.
-    level : str
-        The note's log level: ``"warning"`` (D dropped the request) or ``"error"`` (a lease
-        ended).
-    """
+    """One request P no longer keeps: ``blocks`` (P's block ids serve frees, [] when none were
+    held), ``note`` (a line for P's log, '' for none) at ``level`` (``"warning"``: D dropped
+    the request, ``"error"``: a lease ended)."""
     req_id: str
     blocks: list[int]
     note: str = ""

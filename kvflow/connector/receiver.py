@@ -8,13 +8,13 @@ from typing import Any
 from kvflow.cache import PagedKVCache
 
 from .arrival import ArrivalSide
-from .records import TransferStats, as_device
+from .records import TransferError, TransferStats, as_device
 
 
 class KVReceiver(ArrivalSide, abc.ABC):
     """D's half of a connector: serve hands it every data-plane message
-    (:meth:`~kvflow.connector.arrival.ArrivalSide.on_message`, answering an
-    :class:`~kvflow.connector.Arrival`); the kind's :meth:`receive` does the copy.
+    (:meth:`~kvflow.connector.arrival.ArrivalSide.on_message`); the kind's :meth:`receive` does
+    the copy.
 
     Parameters
     ----------
@@ -54,8 +54,7 @@ class KVReceiver(ArrivalSide, abc.ABC):
         return {"shm_name": ""}
 
     def describe(self) -> dict[str, Any]:
-        """The connector fields of a request's ``kvflow`` response block: ``kv_connector``
-        (the kind; the metrics' ``connector`` label)."""
+        """The connector fields of a request's ``kvflow`` response block."""
         return {"kv_connector": self.name}
 
     def attach(self, peer: Peer) -> None:
@@ -67,10 +66,9 @@ class KVReceiver(ArrivalSide, abc.ABC):
     @abc.abstractmethod
     def receive(self, header: Any, frames: list[Any], cache: PagedKVCache,
                 dst_ids: list[int], peer_id: str | None = None) -> TransferStats | None:
-        """Put the KV described by ``header`` (+ raw ``frames``) into ``cache`` at ``dst_ids``
-        (D's own block ids, one per prompt block not in D's prefix hit). ``peer_id``: the P
-        that sent it (None: the last paired one). Returns None while layerwise parts are
-        missing, the request's totals when its KV is complete.
+        """Put the KV of ``header`` (+ raw ``frames``) into ``cache`` at ``dst_ids`` (D's block
+        ids past its prefix hit); ``peer_id``: the P that sent it (None: the last paired one).
+        Returns None while layerwise parts are missing, else the request's totals.
 
         Raises
         ------
@@ -78,9 +76,16 @@ class KVReceiver(ArrivalSide, abc.ABC):
             For frames that do not match the header or the spec, or an unattached peer.
         """
 
+    def _unverified(self, header: Any, reblocked: bool = False) -> None:
+        """Under ``--kv-verify`` refuse a move it does not check (a layerwise part or, with
+        ``reblocked``, a move between specs; layerwise is refused at start too)."""
+        if getattr(self, "verify", False):
+            raise TransferError(f"kv verify: {header.req_id} " + (
+                "comes from a P of another KV cache spec; --kv-verify does not check re-blocked "
+                "moves" if reblocked else "moves layer by layer, which --kv-verify does not check"))
+
     def expect(self, req_id: str) -> None:
-        """D allocated blocks for ``req_id``: its KV may come from now on (until
-        :meth:`receive` of it or :meth:`forget`)."""
+        """D allocated blocks for ``req_id``: its KV may come from now on."""
 
     def forget(self, req_id: str) -> None:
         """Drop the state of a partly received layerwise transfer (D ended the request)."""
