@@ -16,9 +16,9 @@ from .kinds import KINDS, Kind, Option, check_options, register_kind
 
 __all__ = ["Arrival", "CONNECTORS", "Freed", "Handoff", "Held", "KINDS", "KVReceiver", "KVSender",
            "KVVerifyError", "Kind", "LeaseLinks", "LentBlocks", "Option", "Peer", "PrefillJob",
-           "Renewals", "SlotsTaken", "TransferError", "TransferStats", "bind_to_host", "check_connector_config",
-           "get_kind", "is_data_message", "lease_socket", "make_receiver", "make_sender",
-           "register_kind", "resolve_connector", "scales_refusal"]
+           "Renewals", "SlotsTaken", "TransferError", "TransferStats", "bind_to_host",
+           "check_connector_config", "get_kind", "is_data_message", "lease_socket",
+           "make_receiver", "make_sender", "register_kind", "resolve_connector", "scales_refusal"]
 
 _LAZY = {"Arrival": "arrival", "is_data_message": "arrival", "LentBlocks": "lent",
          "Renewals": "lease", "LeaseLinks": "lease", "lease_socket": "lease", "Freed": "held",
@@ -45,11 +45,8 @@ def bind_to_host(kind: str, host: str) -> None:
     """Make connector ``kind``'s own listeners bind to ``host`` (``--host``) before its halves
     open them: the kind's ``bind_host`` hook (nixl: UCX's TCP listeners).
 
-    Raises
-    ------
-    ValueError
-        ``host`` is an address of no interface of this machine (naming ``--host``).
-    """
+    Raises ValueError: ``host`` is an address of no interface of this machine (naming
+    ``--host``)."""
     hook = _kinds.resolve(kind).bind_host
     if hook:
         module, func = hook.split(":")
@@ -58,13 +55,7 @@ def bind_to_host(kind: str, host: str) -> None:
 
 def resolve_connector(name: str, device: str = "cpu") -> str:
     """The connector kind ``name`` means on ``device`` (``auto``:
-    :data:`kvflow.connector.kinds.AUTO`).
-
-    Raises
-    ------
-    ValueError
-        For a name that is neither ``auto`` nor a kind.
-    """
+    :data:`kvflow.connector.kinds.AUTO`); ValueError for a name neither ``auto`` nor a kind."""
     return _kinds.resolve(name, device).name
 
 
@@ -84,13 +75,8 @@ def check_connector_config(name: str, config: dict[str, Any] | None) -> dict[str
     """``config`` checked against the options of connector ``name`` (a kind or ``auto``);
     returns a copy (:func:`kvflow.connector.kinds.check_options`).
 
-    Raises
-    ------
-    ValueError
-        ``config`` is not a dict, holds a key ``name`` does not accept, e.g.
-        ``kv_connector_config key 'max_ctas' is not an option of connector 'tcp' (it takes
-        none)``, or a value out of its option's type or range.
-    """
+    Raises ValueError: ``config`` is not a dict, holds a key ``name`` does not accept, or a bad
+    value."""
     return check_options(resolve_connector(name), config)
 
 
@@ -112,12 +98,8 @@ def make_sender(name: str, spec: Any, device: Any = "cpu", *, config: dict[str, 
     (``config``: ``kv_connector_config``; ``kw``: ``instance_id``, ``backend``,
     ``layerwise_min_tokens``, ``max_model_len`` of :class:`~kvflow.connector.base.KVSender`).
 
-    Raises
-    ------
-    ValueError
-        Unknown name or config key; a bad config value; an fp8 ``block_head`` spec for tcp
-        or nixl (:func:`scales_refusal`).
-    """
+    Raises ValueError: unknown name or config key; a bad config value; an fp8 ``block_head`` spec
+    for tcp or nixl (:func:`scales_refusal`)."""
     kind, options = _checked(name, spec, device, config)
     if kw.get("layerwise_min_tokens") is None:
         kw["layerwise_min_tokens"] = kind.layerwise_min_tokens
@@ -133,12 +115,8 @@ def make_receiver(name: str, spec: Any = None, device: Any = "cpu", *,
     ``head_start``: D's cache holds P's KV heads ``[head_start, head_start +
     spec.num_kv_heads)``, every transfer re-blocks with it).
 
-    Raises
-    ------
-    ValueError
-        Unknown name or config key; a bad config value; ``head_start`` for another kind; an
-        fp8 ``block_head`` spec for tcp or nixl (:func:`scales_refusal`).
-    """
+    Raises ValueError: unknown name or config key; a bad config value; ``head_start`` for another
+    kind; an fp8 ``block_head`` spec for tcp or nixl (:func:`scales_refusal`)."""
     kind, options = _checked(name, spec, device, config)
     if head_start is not None and not kind.head_slices:
         takers = " and ".join(_kinds.with_capability("head_slices"))

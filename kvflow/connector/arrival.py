@@ -30,27 +30,15 @@ def is_data_message(msg: Any) -> bool:
 
 @dataclasses.dataclass
 class Arrival:
-    """What one data-plane message did on D, for serve.
+    """What one data-plane message from P ``peer`` (None: not known) did on D, for serve.
 
-    Attributes
-    ----------
-    status : str
-        ``"done"`` (the KV is complete in D's blocks), ``"part"`` (more to come: a layerwise
-        part, or a message held by a test fault), ``"failed"`` or ``"ignored"`` (late,
-        aborted, unknown, or lent blocks given back).
-    peer : str or None
-        The P that sent it (None: not known).
-    stats, first_token, t_done
-        ``"done"``: the request's TransferStats, P's first token, ``time.monotonic()``.
-    transfer_ms, gather_ms : float
-        P's send to D's completion; P's gather time (tcp), in ms rounded to 3 places.
-    pushed : dict
-        For a push: ``exposed_ms`` (P's wait for its copies after the first token plus the
-        message's way) and ``prefill_ms``; else empty.
-    error, exc
-        ``"failed"``: why, and the exception.
-    reusable : bool
-        ``"failed"``: P writes nothing more, D may reuse the blocks now (a kind without acks).
+    ``status``: ``"done"`` (the KV is complete in D's blocks: ``stats``, P's ``first_token``,
+    ``t_done`` on ``time.monotonic()``), ``"part"`` (more to come, or held by a test fault),
+    ``"failed"`` (``error``, ``exc``; ``reusable``: P writes nothing more, D may reuse the
+    blocks now) or ``"ignored"`` (late, aborted, unknown, or lent blocks given back).
+    ``transfer_ms``: P's send to D's completion, ``gather_ms``: P's gather (tcp), ms rounded to
+    3 places; ``pushed``: for a push, ``exposed_ms`` (P's wait for its copies after the first
+    token plus the message's way) and ``prefill_ms``.
     """
     req_id: str
     status: str
@@ -97,18 +85,10 @@ class ArrivalSide:
     def on_message(self, msg: Any, frames: list[Any], peer: str | None,
                    dst_ids: list[int] | None, *, delay_s: float = 0.0,
                    fault: str = "") -> Arrival:
-        """Handle one data-plane message from P ``peer`` (its id; None: unknown).
-
-        Parameters
-        ----------
-        msg, frames
-            The decoded header and the raw frames after it.
-        dst_ids : list[int] or None
-            D's block ids of the prompt after D's prefix hit; None when D cannot receive it
-            now (late, aborted, unknown): acked with an error, ignored.
-        delay_s, fault
-            Test faults: hold the message this many seconds (:meth:`due`); fail the transfer
-            with this text (after the lease check).
+        """Handle one data-plane message (decoded ``msg`` and the raw ``frames`` after it) from
+        P ``peer`` (None: unknown). ``dst_ids``: D's block ids of the prompt after its prefix
+        hit, None when D cannot receive it now (acked with an error, ignored). Test faults:
+        ``delay_s`` holds the message (:meth:`due`), ``fault`` fails it after the lease check.
         """
         if not isinstance(msg, _TO_D):
             log.error("unexpected %s on D's data socket from %s; dropped", type(msg).__name__, peer)

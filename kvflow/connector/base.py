@@ -1,24 +1,13 @@
 """The connector contract: how a request's KV blocks get from P's paged cache into D's.
 
-Two halves, driven by the instances' event loops over one ZMQ link per (P, D) pair (P's DEALER
-to D's ROUTER data socket); the flow is docs/design.md, "One request, from the router to D's
-cache". P's serve (:mod:`kvflow.serve.prefill`) calls on :class:`KVSender`:
-
-1. at start-up :meth:`~KVSender.make_cache` and :meth:`~KVSender.warmup`; at pairing
-   :meth:`~KVSender.attach` / ``detach``;
-2. per request ``hook = sender.begin(job)`` (decides layerwise or not), then
-   ``engine.prefill(..., on_chunk=hook)``, then ``handoff = sender.finish(job, first_token)``,
-   or :meth:`~KVSender.fail` when these raised or the request ended before them;
-3. ``freed = sender.hold(req_id, blocks, handoff)`` (:mod:`.held`), then ``on_message`` (D's
-   ack, lease renewal), ``expire(lease_s)`` and ``drop(req_id)`` answer which of P's block ids
-   serve frees.
-
-A kind implements :meth:`~KVSender.send_prefilled`, optionally :meth:`~KVSender.prepare`, and,
-to move layers during the prefill, :attr:`~KVSender.layerwise_ready`,
-:meth:`~KVSender.chunk_hook`, :meth:`~KVSender.send_layerwise` and :meth:`~KVSender.cancel`.
-D's half is :class:`~kvflow.connector.receiver.KVReceiver` (:mod:`.arrival`, :mod:`.lease`,
-:mod:`.lent`); the records both sides pass are in :mod:`.records`. Nothing is sent inside a
-dummy/profile run (:func:`kvflow.context.sends_allowed`).
+Two halves over one ZMQ link per (P, D) pair (P's DEALER to D's data socket): P's
+:class:`KVSender` (serve calls ``make_cache``, ``warmup``, ``attach``; per request ``begin`` ->
+``engine.prefill(on_chunk=hook)`` -> ``finish`` or ``fail``, then ``hold`` and, from D's
+messages, ``on_message`` / ``expire`` / ``drop``: :mod:`.held`) and D's
+:class:`~kvflow.connector.receiver.KVReceiver` (:mod:`.arrival`). A kind implements
+:meth:`~KVSender.send_prefilled` and, to move layers during the prefill,
+:meth:`~KVSender.chunk_hook` and :meth:`~KVSender.send_layerwise`. The flow is docs/design.md,
+"One request, from the router to D's cache"; the records are in :mod:`.records`.
 """
 
 from __future__ import annotations
@@ -44,20 +33,10 @@ __all__ = ["ChunkHook", "Handoff", "KVReceiver", "KVSender", "Peer", "Prefilling
 class KVSender(HeldSide, abc.ABC):
     """P's half of a connector.
 
-    Parameters
-    ----------
-    spec : KVCacheSpec
-        P's cache spec.
-    device : str or torch.device
-    instance_id : str
-        P's id (D acks layerwise parts to it; names P's segments).
-    backend : str
-        Kernel backend of the block copies.
-    layerwise_min_tokens : int or None
-        Prompts of at least this many tokens move layer by layer; None: the connector's
-        :attr:`default_layerwise_min_tokens`.
-    max_model_len : int
-        Longest prompt + output (tokens); a threshold above it creates nothing layerwise.
+    ``spec``: P's cache spec; ``instance_id``: P's id (D acks layerwise parts to it);
+    ``backend``: of the block copies; ``layerwise_min_tokens``: prompts of at least this many
+    tokens move layer by layer (None: the kind's default); ``max_model_len``: longest prompt +
+    output (tokens), a threshold above it creates nothing layerwise.
     """
 
     name: str = ""
@@ -84,7 +63,6 @@ class KVSender(HeldSide, abc.ABC):
         return self.layerwise_min_tokens <= self.max_model_len
 
     def goes_layerwise(self, num_prompt_tokens: int) -> bool:
-        """A prompt of this length moves layer by layer."""
         return self.layerwise_enabled and num_prompt_tokens >= self.layerwise_min_tokens
 
     def reblocks(self, decode_id: str) -> bool:
@@ -93,7 +71,6 @@ class KVSender(HeldSide, abc.ABC):
         return False
 
     def make_cache(self, num_blocks: int) -> PagedKVCache:
-        """P's cache of ``num_blocks`` blocks (exported when D reads it)."""
         self.cache = PagedKVCache(self.spec, num_blocks, device=self.device)
         return self.cache
 
@@ -118,8 +95,7 @@ class KVSender(HeldSide, abc.ABC):
             self.finish(job, 0)
 
     def export(self) -> dict[str, Any]:
-        """Fields for P's :class:`~kvflow.protocol.Register` (e.g. ``shm_name``,
-        ``connector_md``)."""
+        """Fields for P's :class:`~kvflow.protocol.Register` (``shm_name``, ``connector_md``)."""
         return {}
 
     def attach(self, peer: Peer, ctx: Any = None, link: Any = None) -> Any:
@@ -127,11 +103,7 @@ class KVSender(HeldSide, abc.ABC):
         data socket (a DEALER of ``ctx``, or ``link`` as given) and what the kind needs
         (:meth:`_attach`). Returns the link (P polls it for D's acks and renewals).
 
-        Raises
-        ------
-        TransferError
-            D's cache cannot be mapped (nothing stays attached).
-        """
+        Raises TransferError: D's cache cannot be mapped (nothing stays attached)."""
         self.detach(peer.id)
         if link is None:
             import zmq
@@ -146,8 +118,8 @@ class KVSender(HeldSide, abc.ABC):
             raise
         return link
 
-    def _attach(self, peer: Peer, ctx: Any) -> None:
-        """What the kind adds to a pairing beyond the link."""
+    def _attach(self, peer: Peer, ctx: Any) -> None:  # what the kind adds beyond the link
+        pass
 
     def detach(self, peer_id: str) -> None:
         """Forget D ``peer_id``: close its link (and the kind's state of it); others stay."""
@@ -161,12 +133,9 @@ class KVSender(HeldSide, abc.ABC):
         when the kind can (:attr:`layerwise_ready`), D's spec is P's (not :meth:`reblocks`)
         and :meth:`goes_layerwise`, or at any length inside a dummy run.
 
-        Raises
-        ------
-        TransferError
-            Before any compute, nothing kept: ``job`` cannot go to D (not attached, bad block
-            tables, no staging slot...), or ``job.req_id`` is begun and not finished.
-        """
+        Raises TransferError: before any compute, nothing kept: ``job`` cannot go to D (not
+        attached, bad block tables, no staging slot...), or ``job.req_id`` is begun and not
+        finished."""
         if job.req_id in self.prefilling:
             raise TransferError(f"request {job.req_id!r} was begun already and is not "
                                 f"finished or failed")
@@ -186,12 +155,8 @@ class KVSender(HeldSide, abc.ABC):
         move (:meth:`send_layerwise`). Returns what P keeps until D's ack (:class:`Handoff`),
         or None (D sends no ack, or a dummy run): P's blocks are free then.
 
-        Raises
-        ------
-        TransferError
-            ``job`` was not begun (or failed), or a failed send: the caller frees P's blocks
-            and calls :meth:`fail`.
-        """
+        Raises TransferError: ``job`` was not begun (or failed), or a failed send: the caller frees
+        P's blocks and calls :meth:`fail`."""
         rec = self.prefilling.pop(job.req_id, None)
         if rec is None:
             raise TransferError(f"finish of request {job.req_id!r}, which was not begun or "
@@ -211,7 +176,7 @@ class KVSender(HeldSide, abc.ABC):
             self.cancel(req_id, rec)
 
     def release(self, req_id: str) -> None:
-        """D acked ``req_id``, it was aborted or its lease ended: drop what is kept for it."""
+        """D acked ``req_id``, it was aborted or its lease ended: drop what the kind keeps."""
 
     def pop_errors(self) -> list[tuple[str, BaseException]]:
         """Requests whose transfer failed after :meth:`finish` returned: ``(req_id, error)``."""
@@ -249,7 +214,7 @@ class KVSender(HeldSide, abc.ABC):
         already issued are waited for."""
 
     def link_to(self, decode_id: str) -> Any:
-        """The link to attached D ``decode_id`` (TransferError when it is not attached)."""
+        """The link to attached D ``decode_id`` (TransferError when not attached)."""
         link = self.links.get(decode_id)
         if link is None:
             raise TransferError(f"decode instance {decode_id!r} is not paired with this "

@@ -2,11 +2,9 @@
 ``ipc-pull`` (a :class:`~kvflow.protocol.KVReady` naming P's blocks) and ``tcp`` (a
 :class:`~kvflow.protocol.KVData` carrying them).
 
-A prompt that does not go layerwise moves after its prefill in one message
-(:meth:`FramedSender.send`); one that does moves layer by layer through
-:class:`~kvflow.connector.layerwise.LayerwiseSender`, whose worker thread sends the parts
-(:meth:`FramedSender.send_part`). Its signal segment, thread and sockets exist only when some
-prompt can go layerwise (``layerwise_min_tokens <= max_model_len``).
+A prompt moves after its prefill in one message (:meth:`FramedSender.send`) or layer by layer
+through :class:`~kvflow.connector.layerwise.LayerwiseSender` (:meth:`FramedSender.send_part`),
+which exists only when some prompt can go layerwise (``layerwise_min_tokens <= max_model_len``).
 """
 
 from __future__ import annotations

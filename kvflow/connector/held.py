@@ -1,9 +1,6 @@
-"""P's side of the lease: the blocks P keeps for a request after its send, until D's ack or the
-end of the lease (D's side: :mod:`.lease`). After ``KVSender.finish`` serve hands the blocks and
-the :class:`~.records.Handoff` to :meth:`HeldSide.hold`; D's ack (:meth:`HeldSide.on_message`),
-the lease's end (:meth:`HeldSide.expire`, ``--kv-lease-s``) and :meth:`HeldSide.drop` answer
-which of P's block ids serve frees; a :class:`~kvflow.protocol.LeaseRenew` starts the lease of
-each request it names again.
+"""P's side of the lease: the blocks P keeps for a request after its send (:meth:`HeldSide.hold`)
+until D's ack (:meth:`HeldSide.on_message`), the lease's end (:meth:`HeldSide.expire`) or
+:meth:`HeldSide.drop`, which answer which of P's block ids serve frees (D's side: :mod:`.lease`).
 """
 
 from __future__ import annotations
@@ -57,20 +54,16 @@ class HeldSide:
         serve frees now (all of ``blocks`` when ``handoff`` is None or holds no blocks)."""
         if handoff is None:  # D sends no ack: nothing is held
             return list(blocks)
-        if not handoff.holds_blocks:
-            self.held[req_id] = Held([], handoff.keep)
-            return list(blocks)
-        self.held[req_id] = Held(list(blocks), handoff.keep)
-        return []
+        keeps = handoff.holds_blocks
+        self.held[req_id] = Held(list(blocks) if keeps else [], handoff.keep)
+        return [] if keeps else list(blocks)
 
     def on_message(self, msg: Any, frames: list[Any], peer: str | None) -> list[Freed] | None:
         """A data-plane message from D ``peer`` (its id, or None): what it frees (``[]`` for a
         renewal); None for a message that is not P's (serve logs and drops it)."""
         if isinstance(msg, KVAck):
-            note = "" if msg.ok else \
-                f"{self.instance_id}: decode dropped {msg.req_id}: {msg.error}"
-            freed = self.drop(msg.req_id)
-            return [Freed(msg.req_id, freed, note)]
+            note = "" if msg.ok else f"{self.instance_id}: decode dropped {msg.req_id}: {msg.error}"
+            return [Freed(msg.req_id, self.drop(msg.req_id), note)]
         if isinstance(msg, LeaseRenew):
             now = time.monotonic()
             for req_id in msg.req_ids:

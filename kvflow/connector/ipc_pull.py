@@ -38,10 +38,7 @@ class IpcPullSender(FramedSender):
 
     name = "ipc-pull"
     holds_blocks = True
-
-    def __init__(self, spec, device: Any = "cpu", **kw: Any) -> None:
-        super().__init__(spec, device, **kw)
-        self.export_name = ""
+    export_name = ""  # the shm segment (CPU) or published CUDA IPC export
 
     def make_cache(self, num_blocks: int) -> PagedKVCache:
         """P's cache, exported: one CUDA allocation's IPC handle, or a shared-memory segment."""
@@ -115,13 +112,8 @@ class IpcPullReceiver(KVReceiver):
         self.peers.pop(peer_id, None)
 
     def peer_for(self, peer_id: str | None) -> PagedKVCache:
-        """The mapped cache of P ``peer_id`` (None: the last paired one).
-
-        Raises
-        ------
-        TransferError
-            Before pairing, or for a P that is not paired with this D.
-        """
+        """The mapped cache of P ``peer_id`` (None: the last paired one); TransferError before
+        pairing, or for a P that is not paired with this D."""
         if not self.peers:
             raise TransferError("ipc receive before pairing: no prefill cache is mapped")
         cache = self.peers.get(self.peer_id if peer_id is None else peer_id)
@@ -212,11 +204,7 @@ class CudaIpcPullReceiver(IpcPullReceiver):
     """D's half on CUDA: open P's handle at pairing; copies run where ``direction`` says
     (``"pull"``: D's GPU, ``"push"``: P's, the default) and are waited for once per request.
 
-    Raises
-    ------
-    ValueError
-        ``direction`` is neither ``"pull"`` nor ``"push"``.
-    """
+    Raises ValueError: ``direction`` is neither ``"pull"`` nor ``"push"``."""
 
     def __init__(self, spec=None, device: Any = "cuda", *, backend: str = "auto",
                  direction: str = "push", head_start: int | None = None) -> None:

@@ -1,14 +1,11 @@
 """``ipc-push``: P writes each request's KV straight into the blocks D allocated (one host).
 
-D exports its cache once (CPU: shared memory, :mod:`.transport.shm`; CUDA: one allocation's IPC
-handle, :mod:`.transport.cuda_ipc`); P maps it at pairing and copies its blocks into D's
-(``Prefill.decode_id``, ``decode_block_ids``) with :func:`~kvflow.kernels.copy_blocks` inside
-its own CUDA context, beside its compute. Layerwise prompts are copied per layer group on a
-side stream (:mod:`.layer_copy`), shorter ones after the prefill, a D of another spec after the
-prefill, re-blocked (:func:`.reblocked.push_prompt`). P then sends one
-:class:`~kvflow.protocol.KVPushed`; D keeps the blocks lent until it (:mod:`.lent`). See
-docs/gpu_serving.md, section "`ipc-push` (the default on CUDA): P writes into D's cache, layer
-by layer", and docs/design.md, "One request, from the router to D's cache".
+D exports its cache (:mod:`.transport.shm`); P maps it at pairing and copies its blocks into D's
+with :func:`~kvflow.kernels.copy_blocks` in its own CUDA context, beside its compute: layerwise
+per layer group (:mod:`.layer_copy`), else after the prefill (re-blocked for a D of another
+spec, :func:`.reblocked.push_prompt`); then one :class:`~kvflow.protocol.KVPushed`, until which
+D keeps the blocks lent (:mod:`.lent`). See docs/gpu_serving.md, "`ipc-push` (the default on
+CUDA): P writes into D's cache, layer by layer".
 """
 
 from __future__ import annotations
@@ -37,22 +34,10 @@ log = logging.getLogger("kvflow.connector.ipc_push")
 
 class PushSender(KVSender):
     """P's half: maps each paired D's cache and writes each request into the cache of the D
-    that allocated its blocks (``job.decode_id``).
-
-    Parameters
-    ----------
-    spec, device, instance_id, backend, layerwise_min_tokens, max_model_len
-        As :class:`~kvflow.connector.base.KVSender`.
-    max_ctas : int
-        Grid cap of the layerwise copies that overlap compute.
-    layers_per_copy : int
-        Layers per layerwise copy launch.
-
-    Raises
-    ------
-    ValueError
-        ``max_ctas`` or ``layers_per_copy`` not an int >= 1.
-    """
+    that allocated its blocks (``job.decode_id``). Parameters as
+    :class:`~kvflow.connector.base.KVSender`, and ``max_ctas`` (grid cap of the layerwise
+    copies that overlap compute), ``layers_per_copy`` (layers per layerwise copy launch):
+    ValueError when either is not an int >= 1."""
 
     name = "ipc-push"
     default_layerwise_min_tokens = 16384  # measured: docs/gpu_serving.md
@@ -174,26 +159,20 @@ class PushSender(KVSender):
         """``job``'s :class:`PushStats` (``dst``: D's mapped cache, None inside a dummy run;
         ``blocks``, ``payload_bytes``: what will be written, in D's spec).
 
-        Raises
-        ------
-        TransferError
-            ``job.decode_id`` is not attached, or a block table is shorter than the prompt.
-        """
-        blocks, dst_ids = job.blocks, job.decode_block_ids
-        n = len(job.token_ids)
-        nb = self.spec.num_blocks_for(n)
-        dst = self.peers.get(job.decode_id)
+        Raises TransferError: ``job.decode_id`` is not attached, or a block table is shorter than
+        the prompt."""
+        n, dst = len(job.token_ids), self.peers.get(job.decode_id)
         if sends_allowed() and dst is None:
             raise TransferError(f"push to decode instance {job.decode_id!r}, which is not paired "
                                 f"with this prefill instance (paired: {sorted(self.peers)})")
-        if dst is not None and differs(dst.spec, self.spec):  # push_prompt checks the tables
-            m = max(0, dst.spec.num_blocks_for(n) - job.num_cached_blocks)
-            return PushStats(dst=dst, blocks=m, payload_bytes=payload_bytes(dst.spec, m))
-        if len(dst_ids) < nb or len(blocks) < nb:
-            raise TransferError(f"decode_block_ids has {len(dst_ids)} blocks and P's table "
-                                f"{len(blocks)}; the {n}-token prompt needs {nb}")
+        spec = dst.spec if dst is not None and differs(dst.spec, self.spec) else self.spec
+        nb = spec.num_blocks_for(n)
+        # re-blocked: push_prompt checks the tables
+        if spec is self.spec and (len(job.decode_block_ids) < nb or len(job.blocks) < nb):
+            raise TransferError(f"decode_block_ids has {len(job.decode_block_ids)} blocks and "
+                                f"P's table {len(job.blocks)}; the {n}-token prompt needs {nb}")
         m = max(0, nb - job.num_cached_blocks)
-        return PushStats(dst=dst, blocks=m, payload_bytes=payload_bytes(self.spec, m))
+        return PushStats(dst=dst, blocks=m, payload_bytes=payload_bytes(spec, m))
 
     def chunk_hook(self, job: PrefillJob, stats: PushStats) -> Any:
         """The ``on_chunk`` hook of ``job``'s prefill: each layer group of each chunk is copied
@@ -235,10 +214,7 @@ class PushReceiver(KVReceiver):
     name = "ipc-push"
     acks = False
     peer_writes = True
-
-    def __init__(self, spec=None, device: Any = "cpu", *, backend: str = "auto") -> None:
-        super().__init__(spec, device, backend=backend)
-        self.export_name = ""  # the shm segment (CPU) or published CUDA IPC export
+    export_name = ""  # the shm segment (CPU) or published CUDA IPC export
 
     def make_cache(self, num_blocks: int) -> PagedKVCache:
         """D's cache, exported: one CUDA allocation's IPC handle, or a shared-memory segment."""

@@ -69,14 +69,12 @@ class Kind:
     """One connector kind: ``module`` holds ``sender`` (P's half) and ``receiver`` (D's;
     ``receiver_cuda`` instead on CUDA when set); ``receiver_args``: factory arguments D's class
     takes besides spec, device and backend; ``bind_host``: ``"module:function"`` called with
-    ``--host`` (:func:`kvflow.connector.bind_to_host`), or "".
-
-    Capabilities: ``reblocks`` (P and D may differ in block_size, layout, dtype),
-    ``reblocks_fp8`` (an fp8 P may re-block), ``block_scales`` (moves an fp8 cache's per-block
-    scales; False: block bytes only), ``head_slices`` (``head_start``), ``layerwise_min_tokens``
-    (the default, tokens), ``reads_peer_memory`` / ``writes_peer_memory`` (D reads P's cache /
-    P writes D's), ``cross_host``, ``kv_verify``, ``extra`` (the pip extra it needs).
-    """
+    ``--host`` (:func:`kvflow.connector.bind_to_host`), or "". Capabilities: ``reblocks`` (P and
+    D may differ in block_size, layout, dtype), ``reblocks_fp8`` (an fp8 P may re-block),
+    ``block_scales`` (moves an fp8 cache's per-block scales; False: block bytes only),
+    ``head_slices`` (``head_start``), ``layerwise_min_tokens`` (the default, tokens),
+    ``reads_peer_memory`` / ``writes_peer_memory`` (D reads P's cache / P writes D's),
+    ``cross_host``, ``kv_verify``, ``extra`` (the pip extra it needs)."""
 
     name: str
     module: str
@@ -163,11 +161,7 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
 def register_kind(kind: Kind) -> Kind:
     """Add (or replace) ``kind`` in :data:`KINDS`; returns it.
 
-    Raises
-    ------
-    ValueError
-        ``kind.name`` is ``auto`` or empty, or two of its options share a name.
-    """
+    Raises ValueError: ``kind.name`` is ``auto`` or empty, or two of its options share a name."""
     names = [o.name for o in kind.options]
     if kind.name in ("", "auto") or len(set(names)) != len(names):
         raise ValueError(f"connector kind {kind.name!r}: the name must be non-empty and not "
@@ -186,14 +180,8 @@ def with_capability(capability: str) -> tuple[str, ...]:
 
 
 def resolve(name: str, device: Any = "cpu") -> Kind:
-    """The kind ``name`` means on ``device`` (``auto``: :data:`AUTO`).
-
-    Raises
-    ------
-    ValueError
-        ``name`` is neither ``auto`` nor a kind, e.g. ``kv_connector must be 'auto' or one of
-        ipc-pull, ipc-push, tcp, nixl; got 'rdma'``.
-    """
+    """The kind ``name`` means on ``device`` (``auto``: :data:`AUTO`); ValueError when ``name``
+    is neither ``auto`` nor a kind."""
     if name == "auto":
         name = AUTO["cuda" if str(device).startswith("cuda") else "cpu"]
     if name not in KINDS:
@@ -206,14 +194,8 @@ def check_options(kind: str, config: Any, where: str = "kv_connector_config") ->
     """``config`` (a dict or None) checked against kind ``kind``'s options; returns a copy.
     ``where`` names the config in the error (``--kv-connector-config`` for the flag).
 
-    Raises
-    ------
-    ValueError
-        ``config`` is not a dict; a key ``kind`` does not take, e.g. ``kv_connector_config key
-        'max_ctas' is not an option of connector 'tcp' (it takes none)``; a bad value, e.g.
-        ``kv_connector_config key 'max_ctas' of connector 'ipc-push' must be an int >= 1; got
-        0``.
-    """
+    Raises ValueError: ``config`` is not a dict, holds a key ``kind`` does not take, or a bad
+    value."""
     config = {} if config is None else config
     if not isinstance(config, dict):
         raise ValueError(f"{where} must be a JSON object, got {config!r}")
@@ -252,7 +234,7 @@ def help_options() -> str:
 
 
 def layerwise_defaults() -> str:
-    """Each kind's default ``layerwise_min_tokens``, grouped: ``16384 (ipc-pull, ...), 0 (nixl)``."""
+    """Each kind's default ``layerwise_min_tokens``, grouped: ``16384 (ipc-pull, ...)``."""
     groups: dict[int, list[str]] = {}
     for k in KINDS.values():
         groups.setdefault(k.layerwise_min_tokens, []).append(k.name)

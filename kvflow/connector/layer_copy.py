@@ -70,13 +70,8 @@ class LayerCopier:
               peer: PagedKVCache) -> tuple[torch.Tensor, torch.Tensor] | None:
         """P's and D's ids of logical blocks ``[max(first, skip), stop)`` (two int64 tensors,
         None when the range is empty), checked here (the copies skip validation) and, on CUDA,
-        put on the device once through the copy stream.
-
-        Raises
-        ------
-        TransferError
-            An id outside its cache, or ``dst_ids`` repeating a block.
-        """
+        put on the device once through the copy stream. Raises TransferError for an id outside
+        its cache, or ``dst_ids`` repeating a block."""
         lo = max(first, skip)
         if lo >= stop:
             return None

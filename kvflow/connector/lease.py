@@ -17,16 +17,9 @@ from kvflow.protocol import LeaseRenew, encode
 class Renewals:
     """D's lease renewals: the loop says what to renew (:meth:`want`), the heartbeat thread
     sends it (:meth:`send`) and records what left; :meth:`renewed_since` tells the loop whether
-    P's lease still holds. Thread-safe.
-
-    Parameters
-    ----------
-    sock : zmq.Socket
-        D's bound lease socket; once the thread runs only the thread uses it.
-    gap_s : float
-        The longest gap between renewals that keeps a lease alive as D judges it: 0.8 x
-        ``--kv-lease-s``; settable.
-    """
+    P's lease still holds. Thread-safe. ``sock``: D's bound lease socket (once the thread runs,
+    only the thread uses it); ``gap_s``: the longest gap between renewals that keeps a lease
+    alive as D judges it, 0.8 x ``--kv-lease-s`` (settable)."""
 
     def __init__(self, sock: zmq.Socket | None, gap_s: float) -> None:
         self.sock, self.gap_s = sock, gap_s
@@ -54,10 +47,7 @@ class Renewals:
     def record(self, peer_id: str, req_ids, wall: float) -> None:
         """A renewal naming ``req_ids`` left for P ``peer_id`` at ``wall`` (``time.time()``)."""
         with self._lock:
-            still = set(self._req_ids)  # a request ended meanwhile keeps no record
-            for r in req_ids:
-                if r not in still:
-                    continue
+            for r in set(self._req_ids).intersection(req_ids):  # an ended request keeps none
                 first, last = self._runs.get((peer_id, r), (wall, wall))
                 self._runs[(peer_id, r)] = (first, wall) if wall - last < self.gap_s else (wall, wall)
 
@@ -68,11 +58,8 @@ class Renewals:
         with self._lock:
             runs = [v for (p, r), v in self._runs.items()
                     if r == req_id and (peer_id is None or p == peer_id)]
-        best = 0.0
-        for first, last in runs:
-            if last >= t_start and (first <= t_start or first - t_start < self.gap_s):
-                best = max(best, last)
-        return best
+        return max((last for first, last in runs if last >= t_start
+                    and (first <= t_start or first - t_start < self.gap_s)), default=0.0)
 
     def send(self) -> int:
         """One :class:`~kvflow.protocol.LeaseRenew` to every wanted P (on the thread only);

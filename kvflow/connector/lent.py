@@ -32,15 +32,8 @@ class Lent:
 
 
 class LentBlocks(dict):
-    """``req_id -> Lent`` of one D, with the paired P's it judges.
-
-    Parameters
-    ----------
-    allocator : BlockAllocator
-        D's; lent blocks go back to it.
-    kv_lease_s : float
-        How long after the router declared an unjudgeable P dead its blocks come back.
-    """
+    """``req_id -> Lent`` of one D, with the paired P's it judges; lent blocks go back to D's
+    ``allocator``, those of an unjudgeable P ``kv_lease_s`` after the router declared it dead."""
 
     def __init__(self, allocator: Any, kv_lease_s: float) -> None:
         super().__init__()

@@ -12,18 +12,10 @@ from .records import TransferError, TransferStats, as_device
 
 
 class KVReceiver(ArrivalSide, abc.ABC):
-    """D's half of a connector: serve hands it every data-plane message
+    """D's half of a connector for D's cache ``spec`` on ``device`` (``backend``: of the block
+    copies): serve hands it every data-plane message
     (:meth:`~kvflow.connector.arrival.ArrivalSide.on_message`); the kind's :meth:`receive` does
-    the copy.
-
-    Parameters
-    ----------
-    spec : KVCacheSpec
-        D's cache spec.
-    device : str or torch.device
-    backend : str
-        Kernel backend of the block copies.
-    """
+    the copy."""
 
     name: str = ""
     #: D acks each transfer (P keeps blocks or buffers until then).
@@ -35,13 +27,13 @@ class KVReceiver(ArrivalSide, abc.ABC):
     #: P and D share one host (their processes can be judged by pid).
     host_local: bool = True
 
-    def __init__(self, spec: KVCacheSpec, device: Any = "cpu", *, backend: str = "auto") -> None:
+    def __init__(self, spec: KVCacheSpec | None = None, device: Any = "cpu", *,
+                 backend: str = "auto") -> None:
         self.spec, self.device, self.backend = spec, as_device(device), backend
         self.cache: PagedKVCache | None = None
         self._init_arrivals()
 
     def make_cache(self, num_blocks: int) -> PagedKVCache:
-        """D's cache of ``num_blocks`` blocks (exported when P writes into it)."""
         self.cache = PagedKVCache(self.spec, num_blocks, device=self.device)
         return self.cache
 
@@ -49,8 +41,7 @@ class KVReceiver(ArrivalSide, abc.ABC):
         """Compile the copy kernels on scratch caches (no socket exists yet)."""
 
     def export(self) -> dict[str, Any]:
-        """Fields for D's :class:`~kvflow.protocol.Register` (``shm_name``: '' if none;
-        ``connector_md``)."""
+        """Fields for D's :class:`~kvflow.protocol.Register` (``shm_name``, ``connector_md``)."""
         return {"shm_name": ""}
 
     def describe(self) -> dict[str, Any]:
@@ -68,13 +59,9 @@ class KVReceiver(ArrivalSide, abc.ABC):
                 dst_ids: list[int], peer_id: str | None = None) -> TransferStats | None:
         """Put the KV of ``header`` (+ raw ``frames``) into ``cache`` at ``dst_ids`` (D's block
         ids past its prefix hit); ``peer_id``: the P that sent it (None: the last paired one).
-        Returns None while layerwise parts are missing, else the request's totals.
-
-        Raises
-        ------
-        TransferError
-            For frames that do not match the header or the spec, or an unattached peer.
-        """
+        Returns None while layerwise parts are missing, else the request's totals. Raises
+        TransferError for frames that match neither the header nor the spec, or an unattached
+        peer."""
 
     def _unverified(self, header: Any, reblocked: bool = False) -> None:
         """Under ``--kv-verify`` refuse a move it does not check (a layerwise part or, with

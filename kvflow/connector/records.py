@@ -33,22 +33,10 @@ class TransferStats:
 
 @dataclasses.dataclass
 class Peer:
-    """The other instance of a pairing (from :class:`~kvflow.protocol.Pair`).
-
-    Attributes
-    ----------
-    id : str
-    spec : KVCacheSpec
-    num_blocks : int
-        Blocks of its cache.
-    shm_name : str
-        Its exported cache ('' if it exports none).
-    data_addr : str
-        D's data socket (P connects its link there; '' for a P).
-    connector_md : bytes
-        What its connector published for peers (nixl: an encoded
-        :class:`~kvflow.protocol.NixlAgentInfo`; b'' for other kinds).
-    """
+    """The other instance of a pairing (from :class:`~kvflow.protocol.Pair`): its id, cache
+    spec and ``num_blocks``; ``shm_name`` (its exported cache, '' if none); ``data_addr`` (D's
+    data socket, '' for a P); ``connector_md`` (what its connector published: nixl's encoded
+    :class:`~kvflow.protocol.NixlAgentInfo`, else b'')."""
     id: str
     spec: KVCacheSpec
     num_blocks: int
