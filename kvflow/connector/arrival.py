@@ -1,15 +1,8 @@
 """D's half of the data plane: every message P's connector sends D goes to
 :meth:`KVReceiver.on_message <kvflow.connector.KVReceiver.on_message>`, which answers an
-:class:`Arrival` that serve reacts to without naming a data-plane message.
-
-Per message (``KVReady`` / ``KVData`` / ``KVLayer`` parts / ``KVPushed``, by kind): a
-``KVPushed`` of a request whose blocks are lent (:mod:`kvflow.connector.lent`) gives them back;
-one for a request D cannot receive (serve passes no ``dst_ids``: late, aborted or unknown) is
-acked with an error and ignored; else P's lease is checked when D reads P's memory
-(:mod:`kvflow.connector.lease`), the kind's :meth:`~kvflow.connector.KVReceiver.receive` puts
-the KV into D's blocks, and the transfer is acked to P when the kind acks (P holds blocks or a
-staging buffer until then). A test fault (``KVFLOW_FAULT_RECEIVE_DELAY_S``, judged by serve)
-keeps a message in flight (:class:`InFlight`) until :meth:`ArrivalSide.due`.
+:class:`Arrival` that serve reacts to without naming a data-plane message: it gives lent
+blocks back (:mod:`.lent`), checks P's lease (:mod:`.lease`), lets the kind's ``receive`` copy
+and acks P when the kind acks.
 """
 
 from __future__ import annotations
@@ -36,36 +29,15 @@ def is_data_message(msg: Any) -> bool:
 
 @dataclasses.dataclass
 class Arrival:
-    """What one data-plane message did on D, for serve.
+    """What one data-plane message from P ``peer`` (None: not known) did on D, for serve.
 
-    Attributes
-    ----------
-    req_id : str
-    status : str
-        ``"done"`` (the request's KV is complete in D's blocks), ``"part"`` (more to come: a
-        layerwise part, or a message held by a test fault), ``"failed"`` (the transfer failed;
-        acked to P when the kind acks) or ``"ignored"`` (late, aborted, unknown, or lent
-        blocks given back: nothing for serve to do).
-    peer : str or None
-        The P that sent it (None: not known, the last paired one).
-    stats : TransferStats or None
-        The request's totals (``"done"``).
-    first_token : int
-        P's first token (``"done"``).
-    t_done : float
-        ``time.monotonic()`` when the KV was complete (``"done"``).
-    transfer_ms, gather_ms : float
-        P's send to D's completion; P's gather time (tcp), in ms rounded to 3 places.
-    pushed : dict
-        For a push (P wrote D's blocks, then said so): ``exposed_ms`` (P's wait for its copies
-        after the first token plus the message's way) and ``prefill_ms``; else empty.
-    error : str
-        Why it failed (``"failed"``).
-    exc : BaseException or None
-        The exception of a failure.
-    reusable : bool
-        ``"failed"``: P writes nothing more, D may reuse the blocks now (a kind without acks:
-        this message was P's last word).
+    ``status``: ``"done"`` (the KV is complete in D's blocks: ``stats``, P's ``first_token``,
+    ``t_done`` on ``time.monotonic()``), ``"part"`` (more to come, or held by a test fault),
+    ``"failed"`` (``error``, ``exc``; ``reusable``: P writes nothing more, D may reuse the
+    blocks now) or ``"ignored"`` (late, aborted, unknown, or lent blocks given back).
+    ``transfer_ms``: P's send to D's completion, ``gather_ms``: P's gather (tcp), ms rounded to
+    3 places; ``pushed``: for a push, ``exposed_ms`` (P's wait for its copies after the first
+    token plus the message's way) and ``prefill_ms``.
     """
     req_id: str
     status: str
@@ -94,30 +66,17 @@ class InFlight:
 
 class ArrivalSide:
     """The arrival, ack, lease and lent-block handling of :class:`~kvflow.connector.KVReceiver`
-    (a mixin; its state is set by :meth:`_init_arrivals`, the kind's ``receive`` does the copy).
-
-    Attributes
-    ----------
-    reply : callable or None
-        ``reply(msg, peer_id)``: send a message to P ``peer_id`` on D's data socket (set by
-        serve); acks and the loop's lease renewals go through it.
-    lent : LentBlocks or None
-        Blocks of ended requests that a P may still write (:meth:`keep`).
-    renewals : Renewals or None
-        D's lease renewals (set by serve when its heartbeat thread sends them).
-    inflight : dict
-        ``req_id -> InFlight`` held by a test fault.
-    """
+    (a mixin; :meth:`_init_arrivals` sets its state)."""
 
     def _init_arrivals(self) -> None:
-        self.reply: Callable[[Any, str | None], None] | None = None
-        self.lent = None
-        self.renewals = None
-        self.inflight: dict[str, InFlight] = {}
+        self.reply: Callable[[Any, str | None], None] | None = None  # reply(msg, P id), by serve
+        self.lent = None  # LentBlocks (:meth:`keep`)
+        self.renewals = None  # Renewals, set by serve when its heartbeat thread sends them
+        self.inflight: dict[str, InFlight] = {}  # held by a test fault
 
     def keep(self, allocator: Any, kv_lease_s: float):
-        """Keep lent blocks for ``allocator`` (D's); returns the new
-        :class:`~kvflow.connector.LentBlocks`. ``kv_lease_s``: P's lease on sent blocks (s)."""
+        """Keep lent blocks for D's ``allocator``; returns the new
+        :class:`~kvflow.connector.LentBlocks` (``kv_lease_s``: P's lease, s)."""
         from .lent import LentBlocks
         self.lent = LentBlocks(allocator, kv_lease_s)
         return self.lent
@@ -125,19 +84,10 @@ class ArrivalSide:
     def on_message(self, msg: Any, frames: list[Any], peer: str | None,
                    dst_ids: list[int] | None, *, delay_s: float = 0.0,
                    fault: str = "") -> Arrival:
-        """Handle one data-plane message from P ``peer`` (its id; None: unknown).
-
-        Parameters
-        ----------
-        msg, frames
-            The decoded header and the raw frames after it.
-        dst_ids : list[int] or None
-            D's block ids of the request's prompt blocks after D's prefix hit; None when D
-            cannot receive it now (late, aborted, unknown): acked with an error, ignored.
-        delay_s : float
-            Test fault: hold the message this many seconds (:meth:`due` takes it then).
-        fault : str
-            Test fault: fail the transfer with this text (after the lease check).
+        """Handle one data-plane message (decoded ``msg`` and the raw ``frames`` after it) from
+        P ``peer`` (None: unknown). ``dst_ids``: D's block ids of the prompt after its prefix
+        hit, None when D cannot receive it now (acked with an error, ignored). Test faults:
+        ``delay_s`` holds the message (:meth:`due`), ``fault`` fails it after the lease check.
         """
         if not isinstance(msg, _TO_D):
             log.error("unexpected %s on D's data socket from %s; dropped", type(msg).__name__, peer)
@@ -169,8 +119,8 @@ class ArrivalSide:
     def end(self, req_id: str, blocks: list[int], error: str, *, may_write: bool) -> bool:
         """D ended ``req_id`` (D's ``blocks``): drop a message held for it (acked with
         ``error``) and a partly received transfer. Returns True when its blocks stay lent
-        (``may_write``: P may still write them, the kind's P writes D's blocks, and P's
-        ``KVPushed`` did not come yet); the caller frees them otherwise."""
+        (``may_write``, the kind's P writes D's blocks and P's ``KVPushed`` did not come);
+        the caller frees them otherwise."""
         held = self.inflight.pop(req_id, None)
         if held is not None and isinstance(held.msg, KVPushed):
             may_write = False  # P's KVPushed already came: it writes nothing more
@@ -183,15 +133,14 @@ class ArrivalSide:
         return lend
 
     def renew(self, peers: list[str], req_ids: list[str]) -> None:
-        """A lease renewal of ``req_ids`` to every P of ``peers``, through :attr:`reply` (from
-        D's loop, where no heartbeat thread sends them)."""
+        """A lease renewal of ``req_ids`` to every P of ``peers`` through ``reply`` (from D's
+        loop, where no heartbeat thread sends them)."""
         wall = time.time()
         for peer in peers:
             self.reply(LeaseRenew(req_ids=req_ids), peer)
             if self.renewals is not None:
                 self.renewals.record(peer, req_ids, wall)
 
-    # ---- one transfer ---------------------------------------------------------------
     def _ack(self, req_id: str, peer: str | None, error: str = "") -> None:
         """Ack a transfer to P (when the kind acks: P holds something until then)."""
         if self.acks:
@@ -219,9 +168,7 @@ class ArrivalSide:
                 raise RuntimeError(fault)
             stats = self.receive(msg, frames, self.cache, dst_ids, peer)
         except Exception as exc:
-            self._ack(req_id, peer, str(exc))
-            # with an acking kind P may still be writing nothing; without one (ipc-push) this
-            # message was P's last word: the blocks may be reused
+            self._ack(req_id, peer, str(exc))  # no acks (ipc-push): this was P's last word
             return Arrival(req_id, FAILED, peer, error=str(exc), exc=exc, reusable=not self.acks)
         if stats is None:  # a layerwise part: more layers to come
             return Arrival(req_id, PART, peer)

@@ -1,16 +1,10 @@
 """P's half of the connectors whose KV (or a pointer to it) goes to D as messages on the link:
-``ipc-pull`` (a :class:`~kvflow.connector.messages.KVReady` naming P's blocks, D copies them) and ``tcp``
-(a :class:`~kvflow.connector.messages.KVData` carrying them).
+``ipc-pull`` (a :class:`~kvflow.connector.messages.KVReady` naming P's blocks) and ``tcp`` (a
+:class:`~kvflow.connector.messages.KVData` carrying them).
 
-A prompt that does not go layerwise (:meth:`KVSender.begin
-<kvflow.connector.base.KVSender.begin>` decides) moves after its prefill in one message
-(:meth:`FramedSender.send`). One that does moves layer by layer: the engine's per-chunk hook
-(:meth:`FramedSender.chunk_hook`) registers the chunk with
-:class:`~kvflow.connector.layerwise.LayerwiseSender`, whose per-layer hook signals each layer;
-its worker thread sends the due parts
-(:meth:`FramedSender.send_part`) on a send-only socket per D. The signal segment, the thread
-and those sockets exist only when some prompt can go layerwise (``layerwise_min_tokens <=
-max_model_len``); the segment and thread are created at warm-up, the sockets at pairing.
+A prompt moves after its prefill in one message (:meth:`FramedSender.send`) or layer by layer
+through :class:`~kvflow.connector.layerwise.LayerwiseSender` (:meth:`FramedSender.send_part`),
+which exists only when some prompt can go layerwise (``layerwise_min_tokens <= max_model_len``).
 """
 
 from __future__ import annotations
@@ -40,40 +34,25 @@ class FramedSender(KVSender):
         self.layerwise = None  # LayerwiseSender, when some prompt can go layerwise
         self.peer_specs: dict = {}  # attached D -> its KVCacheSpec
 
-    # ---- the kind's messages -----------------------------------------------------------
     @abc.abstractmethod
     def send(self, link: Any, req_id: str, cache: Any, src_ids: list[int], *, first_token: int,
              num_prompt_tokens: int, corrupt: bool = False) -> Any:
         """Send the request's KV (or a pointer to it) over ``link`` (a zmq socket). Returns
-        an object P must keep alive until D's ack (a staging buffer ZMQ sends zero-copy), or
-        None. With :attr:`verify` the message carries the blocks' digests; ``corrupt`` (a
-        test fault, ``KVFLOW_FAULT_KV_CORRUPT``) then flips a byte of the last sent block
-        after its digest was taken.
-
-        Raises
-        ------
-        RuntimeError
-            Inside a dummy/profile run.
-        """
+        what P keeps alive until D's ack (a staging buffer ZMQ sends zero-copy), or None. With
+        :attr:`verify` the message carries the blocks' digests; ``corrupt`` (test fault
+        ``KVFLOW_FAULT_KV_CORRUPT``) flips a byte of the last block after its digest.
+        RuntimeError inside a dummy/profile run."""
 
     @abc.abstractmethod
     def send_part(self, link: Any, cache: Any, src_ids: list[int], layers: range,
                   **fields: Any) -> tuple[Any, float]:
-        """Send one layerwise part: layers ``layers`` of P's blocks ``src_ids`` as a
-        :class:`~kvflow.connector.messages.KVLayer` (``fields`` fill the header: ``req_id``,
-        ``reply_to``, ``block_offset``...). Returns ``(keep, gather_ms)``.
+        """Send layers ``layers`` of P's blocks ``src_ids`` as a
+        :class:`~kvflow.connector.messages.KVLayer` (``fields`` fill the header). Returns ``(keep,
+        gather_ms)``. RuntimeError inside a dummy/profile run."""
 
-        Raises
-        ------
-        RuntimeError
-            Inside a dummy/profile run.
-        """
-
-    # ---- set-up ------------------------------------------------------------------------
     def warmup(self, engine: Any, chunk_size: int) -> None:
-        """Create the layerwise signal segment and sender (only when some prompt can go
-        layerwise) and run a chunked dummy prefill through it (:meth:`dummy_run`: nothing
-        registered, signalled or sent)."""
+        """Create the layerwise sender (only when some prompt can go layerwise) and run a
+        dummy prefill through it (:meth:`dummy_run`)."""
         if not self.layerwise_enabled:
             return
         from .layerwise import LayerwiseSender
@@ -83,7 +62,7 @@ class FramedSender(KVSender):
 
     @property
     def layerwise_ready(self) -> bool:
-        """The layerwise sender exists (made at warm-up when some prompt can go layerwise)."""
+        """The layerwise sender exists (made at warm-up)."""
         return self.layerwise is not None
 
     def _attach(self, peer: Peer, ctx: Any) -> None:
@@ -97,44 +76,35 @@ class FramedSender(KVSender):
         if self.layerwise is not None:
             self.layerwise.close_peer(peer_id)
 
-    # ---- per request -------------------------------------------------------------------
     def prepare(self, job: PrefillJob, layerwise: bool) -> None:
-        """``job.decode_id`` is attached; a layerwise move is refused under :attr:`verify`
-        (which checks only whole messages). Not checked inside a dummy run."""
+        """``job.decode_id`` is attached; a layerwise move is refused under :attr:`verify`.
+        Not checked inside a dummy run."""
         super().prepare(job, layerwise)
         if layerwise and self.verify and sends_allowed():  # refused at start too
             raise TransferError(f"kv verify: {job.req_id} would move layer by layer, "
                                 f"which --kv-verify does not check")
 
     def chunk_hook(self, job: PrefillJob, state: Any) -> Any:
-        """Register ``job`` with the layerwise sender; its hook signals every layer of every
-        chunk (the worker thread sends the parts)."""
         return self.layerwise.begin(job)
 
     def send_layerwise(self, job: PrefillJob, first_token: int, state: Any, *,
                        prefill_ms: float = 0.0) -> Handoff:
-        """The last part carries the first token (now, or after the last layer's part); P's
-        blocks are held until D's ack; a part that fails later comes out of
-        :meth:`pop_errors`."""
+        """The last part carries the first token; P's blocks are held until D's ack; a part
+        that fails later comes out of :meth:`pop_errors`."""
         self.layerwise.finish(job.req_id, first_token)
         return Handoff(holds_blocks=True)
 
     def cancel(self, req_id: str, rec: Prefilling) -> None:
-        """Later layer signals of ``req_id`` send nothing."""
         if rec.layerwise and self.layerwise is not None:
             self.layerwise.abort(req_id)
 
     def reblocks(self, decode_id: str) -> bool:
-        """D ``decode_id``'s cache spec differs from P's: its KV moves after the prefill, P's
-        whole table in one message (:mod:`.reblocked`)."""
         return differs(self.peer_specs.get(decode_id, self.spec), self.spec)
 
     def send_prefilled(self, job: PrefillJob, first_token: int, *,
                        prefill_ms: float = 0.0) -> Handoff:
         """One message (:meth:`send`) for the prompt's blocks past D's prefix hit (all of P's
-        blocks when D's spec differs: D skips its hit by token, :mod:`.reblocked`);
-        ``prefill_ms`` is not sent."""
-        # D holds logical blocks 0..num_cached_blocks-1 (prefix hit): send only the rest
+        blocks when D's spec differs, :mod:`.reblocked`); ``prefill_ms`` is not sent."""
         skip = 0 if self.reblocks(job.decode_id) else min(job.num_cached_blocks, len(job.blocks))
         corrupt = False
         if self.verify:
@@ -150,7 +120,6 @@ class FramedSender(KVSender):
         return Handoff(self.holds_blocks, keep)
 
     def release(self, req_id: str) -> None:
-        """Drop the request's pending layer signals and staging buffers."""
         if self.layerwise is not None:
             self.layerwise.abort(req_id)
 

@@ -1,18 +1,6 @@
-"""P's side of the lease: the blocks P keeps for a request after its send, until D's ack or the
-end of the lease (D's side: :mod:`.lease`).
-
-After :meth:`KVSender.finish <kvflow.connector.base.KVSender.finish>` P's serve hands the
-request's blocks and the :class:`~.records.Handoff` to :meth:`HeldSide.hold`; from then on the
-sender keeps a :class:`Held` record and answers which of P's block ids serve must free (serve
-keeps the block allocator):
-
-- D's :class:`~kvflow.connector.messages.KVAck` (through :meth:`HeldSide.on_message`, the one entry point
-  of P's data plane): the request's blocks, with a warning line when D dropped it;
-- D's :class:`~kvflow.connector.messages.LeaseRenew` (also :meth:`HeldSide.on_message`): nothing freed, the
-  lease of every named request starts again;
-- :meth:`HeldSide.expire`: a request with no renewal for ``lease_s`` seconds
-  (``--kv-lease-s``, docs/reliability.md), with an error line;
-- :meth:`HeldSide.drop` (an abort, a failed layerwise transfer): the request's blocks.
+"""P's side of the lease: the blocks P keeps for a request after its send (:meth:`HeldSide.hold`)
+until D's ack (:meth:`HeldSide.on_message`), the lease's end (:meth:`HeldSide.expire`) or
+:meth:`HeldSide.drop`, which answer which of P's block ids serve frees (D's side: :mod:`.lease`).
 """
 
 from __future__ import annotations
@@ -26,17 +14,9 @@ from kvflow.connector.messages import KVAck, LeaseRenew
 
 @dataclasses.dataclass
 class Held:
-    """A sent request P keeps until D's ack or the end of its lease.
-
-    Attributes
-    ----------
-    blocks : list[int]
-        P's blocks D may still read ([] once freed).
-    keep : object
-        Memory ZMQ still reads (a staging buffer), or None.
-    t_renewed : float
-        ``time.monotonic()`` of the send or of D's last :class:`~kvflow.connector.messages.LeaseRenew`.
-    """
+    """A sent request P keeps until D's ack or the end of its lease: ``blocks`` D may still
+    read, ``keep`` (memory ZMQ still reads, or None), ``t_renewed`` (``time.monotonic()`` of
+    the send or of D's last renewal)."""
     blocks: list[int]
     keep: Any = None
     t_renewed: float = dataclasses.field(default_factory=time.monotonic)
@@ -44,19 +24,9 @@ class Held:
 
 @dataclasses.dataclass
 class Freed:
-    """One request P no longer keeps: the block ids serve frees and the line it logs.
-
-    Attributes
-    ----------
-    req_id : str
-    blocks : list[int]
-        P's block ids to free ([] when none were held).
-    note : str
-        A line for P's log ('' for none): D's "not ok" ack, an expired lease.
-    level : str
-        The note's log level: ``"warning"`` (D dropped the request) or ``"error"`` (a lease
-        ended).
-    """
+    """One request P no longer keeps: ``blocks`` (P's block ids serve frees, [] when none were
+    held), ``note`` (a line for P's log, '' for none) at ``level`` (``"warning"``: D dropped
+    the request, ``"error"``: a lease ended)."""
     req_id: str
     blocks: list[int]
     note: str = ""
@@ -84,20 +54,16 @@ class HeldSide:
         serve frees now (all of ``blocks`` when ``handoff`` is None or holds no blocks)."""
         if handoff is None:  # D sends no ack: nothing is held
             return list(blocks)
-        if not handoff.holds_blocks:
-            self.held[req_id] = Held([], handoff.keep)
-            return list(blocks)
-        self.held[req_id] = Held(list(blocks), handoff.keep)
-        return []
+        keeps = handoff.holds_blocks
+        self.held[req_id] = Held(list(blocks) if keeps else [], handoff.keep)
+        return [] if keeps else list(blocks)
 
     def on_message(self, msg: Any, frames: list[Any], peer: str | None) -> list[Freed] | None:
         """A data-plane message from D ``peer`` (its id, or None): what it frees (``[]`` for a
         renewal); None for a message that is not P's (serve logs and drops it)."""
         if isinstance(msg, KVAck):
-            note = "" if msg.ok else \
-                f"{self.instance_id}: decode dropped {msg.req_id}: {msg.error}"
-            freed = self.drop(msg.req_id)
-            return [Freed(msg.req_id, freed, note)]
+            note = "" if msg.ok else f"{self.instance_id}: decode dropped {msg.req_id}: {msg.error}"
+            return [Freed(msg.req_id, self.drop(msg.req_id), note)]
         if isinstance(msg, LeaseRenew):
             now = time.monotonic()
             for req_id in msg.req_ids:

@@ -1,21 +1,14 @@
-"""``ipc-pull`` (one host): P's paged cache is exported (CPU: POSIX shared memory, :mod:`.shm`;
-CUDA: one allocation's IPC handle, :mod:`.cuda_ipc`); D maps it once, at pairing, and pulls each
-request's blocks with :func:`kvflow.kernels.copy_blocks` straight into the block ids D
-allocated. P sends a :class:`~kvflow.connector.messages.KVReady` naming its blocks (a few bytes) and keeps
-them until D's ack or the lease ends.
+"""``ipc-pull`` (one host): P's paged cache is exported (CPU: POSIX shared memory; CUDA: one
+allocation's IPC handle, :mod:`.transport.shm`, :mod:`.transport.cuda_ipc`); D maps it at
+pairing and pulls each request's blocks with :func:`kvflow.kernels.copy_blocks` into the block
+ids D allocated. P sends a :class:`~kvflow.connector.messages.KVReady` naming its blocks and keeps them
+until D's ack or the lease ends; layerwise, a :class:`~kvflow.connector.messages.KVLayer` per part
+(:mod:`.framed`). A P of another spec names its whole table and D pulls re-blocked
+(:mod:`.reblocked`); an fp8 P's scales are read from its exported memory (:mod:`kvflow.scales`).
 
-A P whose cache spec differs from D's (block_size, NHD/HND, dtype) names its whole table and D
-pulls with one re-blocked copy (:mod:`.reblocked`); an fp8 P's scales are read from its
-exported memory, where P's own cache keeps them (:mod:`kvflow.scales`).
-Layerwise (:class:`~kvflow.connector.messages.KVLayer`, :mod:`.framed`): D is told per part (layers + P's
-block ids) and pulls just that with ``copy_blocks(..., layers=range)``; P never writes into D's
-cache.
-
-On CUDA the copy kernel runs where ``direction`` says (:class:`CudaIpcPullReceiver`):
-``"push"`` (default) on P's GPU from D's process, reading the mapping locally and writing D's
-cache over NVLink; ``"pull"`` on D's GPU (on 2 x H200, torch 2.11, a pull kernel reading the
-IPC-mapped memory faulted with an illegal address: docs/design.md). D waits once per request
-before acknowledging, since P reuses its blocks after the ack.
+On CUDA the copy runs where ``direction`` says (:class:`CudaIpcPullReceiver`): ``"push"``
+(default) on P's GPU from D's process, ``"pull"`` on D's GPU (docs/gpu_serving.md, "How the
+GPUs are paired"). D waits for the copy before its ack.
 """
 
 from __future__ import annotations
@@ -29,11 +22,14 @@ from kvflow.cache import PagedKVCache
 from kvflow.kernels import copy_blocks, copy_sequence, payload_bytes
 from kvflow.kernels.digest import digest_blocks
 from kvflow.connector.messages import KVLayer, KVReady, encode
+from kvflow.segments import unlink
 
 from .base import KVReceiver, Peer, TransferError, TransferStats, as_ids, check_send_allowed
 from .framed import FramedSender
 from .layerwise.parts import LayerParts
 from .reblocked import differs, tables
+from .records import warm_copy
+from .transport.shm import export_new_cache, map_peer_cache
 from .verify import check, expect, new_digest
 
 
@@ -42,14 +38,10 @@ class IpcPullSender(FramedSender):
 
     name = "ipc-pull"
     holds_blocks = True
-
-    def __init__(self, spec, device: Any = "cpu", **kw: Any) -> None:
-        super().__init__(spec, device, **kw)
-        self.export_name = ""
+    export_name = ""  # the shm segment (CPU) or published CUDA IPC export
 
     def make_cache(self, num_blocks: int) -> PagedKVCache:
         """P's cache, exported: one CUDA allocation's IPC handle, or a shared-memory segment."""
-        from .transport.shm import export_new_cache
         self.cache, self.export_name = export_new_cache(self.spec, num_blocks, self.device,
                                                         "prefill")
         return self.cache
@@ -61,8 +53,7 @@ class IpcPullSender(FramedSender):
              corrupt=False):
         check_send_allowed("IpcPullSender.send")
         t_start = time.time()
-        # P copies nothing here (D copies out of P's exported cache): one read-only digest
-        # launch of the blocks (kvflow.kernels.digest.digest_blocks)
+        # D copies out of P's cache: one read-only digest launch of the blocks
         digests = digest_blocks(cache, list(src_ids), backend=self.backend).tolist() \
             if self.verify else []
         if corrupt and src_ids:  # test fault: after the digest, in the memory D reads
@@ -83,18 +74,14 @@ class IpcPullSender(FramedSender):
     def close(self) -> None:
         super().close()
         if self.export_name:  # the router also removes it if P dies
-            from kvflow.segments import unlink
             unlink(self.export_name)
         self.export_name = ""
 
 
 class IpcPullReceiver(KVReceiver):
-    """D side: map each paired P's cache at pairing, then ``copy_blocks`` P's ids -> D's ids.
-
-    D may be paired with several P's: one mapping per P (``peers``), and every transfer reads
-    the cache of the P that sent it (``peer_id``), never another one's. ``head_start``: D holds
-    P's KV heads ``[head_start, head_start + spec.num_kv_heads)`` (:func:`.make_receiver`).
-    """
+    """D's half: map each paired P's cache at pairing (``peers``), then ``copy_blocks`` P's ids
+    -> D's ids, reading the cache of the P that sent the transfer (``peer_id``).
+    ``head_start``: D holds P's KV heads ``[head_start, head_start + spec.num_kv_heads)``."""
 
     name = "ipc-pull"
     reads_peer_memory = True
@@ -115,28 +102,18 @@ class IpcPullReceiver(KVReceiver):
         return self.peers.get(self.peer_id)
 
     def warmup(self) -> None:
-        a = PagedKVCache(self.spec, 2, device=self.device)
-        b = PagedKVCache(self.spec, 2, device=self.device)
-        copy_blocks(a, b, [0], [1], backend=self.backend)
-
+        warm_copy(self.spec, self.device, self.backend)
 
     def attach(self, peer: Peer) -> None:
-        from .transport.shm import map_peer_cache
         self.peers[peer.id] = map_peer_cache(peer.shm_name, peer.spec, peer.num_blocks)
         self.peer_id = peer.id
 
     def detach(self, peer_id: str) -> None:
-        """Drop P ``peer_id``'s mapping (it died or was replaced)."""
         self.peers.pop(peer_id, None)
 
     def peer_for(self, peer_id: str | None) -> PagedKVCache:
-        """The mapped cache of P ``peer_id`` (None: the only / last paired one).
-
-        Raises
-        ------
-        TransferError
-            Before pairing, or for a P that is not paired with this D.
-        """
+        """The mapped cache of P ``peer_id`` (None: the last paired one); TransferError before
+        pairing, or for a P that is not paired with this D."""
         if not self.peers:
             raise TransferError("ipc receive before pairing: no prefill cache is mapped")
         cache = self.peers.get(self.peer_id if peer_id is None else peer_id)
@@ -145,46 +122,52 @@ class IpcPullReceiver(KVReceiver):
                                 f"decode instance (paired: {sorted(self.peers)})")
         return cache
 
-    def receive(self, header: Any, frames, cache, dst_ids, peer_id: str | None = None) -> TransferStats:
+    def run_on(self, src_cache: PagedKVCache, cache: PagedKVCache) -> torch.device:
+        """The device the plain copies run on."""
+        return cache.device
+
+    def sync(self, src_cache: PagedKVCache, cache: PagedKVCache) -> None:
+        """Wait for the plain copies (P may reuse its blocks after the ack)."""
+
+    def receive(self, header: Any, frames, cache, dst_ids,
+                peer_id: str | None = None) -> TransferStats | None:
+        """``KVReady``: one ``copy_blocks`` (re-blocked: :meth:`pull_reblocked`); ``KVLayer``
+        parts pulled as they come. Waits for the copies when the request is complete."""
         src_cache = self.peer_for(peer_id)
         if isinstance(header, KVLayer):
-            if self.verify:  # refused at start (kvflow.serve.checks): never unchecked
-                raise TransferError(f"kv verify: {header.req_id} moves layer by layer, which "
-                                    f"--kv-verify does not check")
-            return self.parts.receive(header, frames, cache, dst_ids,
-                                      lambda *a: self._pull_part(src_cache, *a))
+            self._unverified(header)
+            stats = self.parts.receive(header, frames, cache, dst_ids,
+                                       lambda *a: self._pull_part(src_cache, *a))
+            if stats is not None:
+                self.sync(src_cache, cache)
+            return stats
         if not isinstance(header, KVReady):
             raise TransferError(f"ipc expects a KVReady or KVLayer header, got "
                                 f"{type(header).__name__}")
         if frames:
             raise TransferError(f"ipc KVReady carries no payload frames, got {len(frames)}")
         if differs(src_cache.spec, cache.spec):
-            self._no_verify(header)
+            self._unverified(header, reblocked=True)
             return self.pull_reblocked(src_cache, header, cache, dst_ids)
         src = as_ids(header.src_block_ids)
         if src.numel() != len(dst_ids):
             raise TransferError(f"KVReady for {header.req_id} names {src.numel()} blocks; "
                                 f"D allocated {len(dst_ids)} for the prompt")
         sent = expect(header, src.numel()) if self.verify else None
-        digest = None if sent is None else new_digest(src.numel(), cache.device)
+        digest = None if sent is None else new_digest(src.numel(), self.run_on(src_cache, cache))
         t0 = time.perf_counter()
-        copy_blocks(src_cache, cache, src, as_ids(dst_ids), backend=self.backend, digest=digest)
+        copy_blocks(src_cache, cache, src, as_ids(dst_ids), backend=self.backend, digest=digest,
+                    **self.copy_kwargs)
+        self.sync(src_cache, cache)
         if sent is not None:
             check(header.req_id, sent, digest)
         ms = (time.perf_counter() - t0) * 1e3
         n = int((src >= 0).sum())
         return TransferStats(blocks=n, payload_bytes=payload_bytes(cache.spec, n), copy_ms=ms)
 
-    def _no_verify(self, header: Any) -> None:
-        """Refuse an unchecked (re-blocked) move under ``--kv-verify``."""
-        if self.verify:
-            raise TransferError(f"kv verify: {header.req_id} comes from a P of another KV cache "
-                                f"spec; --kv-verify does not check re-blocked moves")
-
     def pull_reblocked(self, src_cache, header: KVReady, cache, dst_ids) -> TransferStats:
-        """A :class:`KVReady` from a P of another spec: one ``copy_sequence`` of the
-        whole prompt (:mod:`.reblocked`), on D's device (a re-blocked copy runs as "pull", whatever
-        ``direction`` the plain copies take); waits for it on CUDA."""
+        """A :class:`KVReady` from a P of another spec: one ``copy_sequence`` of the whole
+        prompt (:mod:`.reblocked`) on D's device, waited for on CUDA."""
         src, dst = tables(header.src_block_ids, src_cache.spec, dst_ids, cache.spec,
                           header.num_prompt_tokens, header.req_id)
         t0 = time.perf_counter()
@@ -198,7 +181,6 @@ class IpcPullReceiver(KVReceiver):
                              payload_bytes=payload_bytes(cache.spec, len(dst_ids)))
 
     def _pull_part(self, src_cache, header, frames, cache, dst_ids, layers) -> int:
-        """copy_blocks of one layerwise part: P's ``src_block_ids`` -> D's ``dst_ids``."""
         if frames:
             raise TransferError(f"ipc KVLayer carries no payload frames, got {len(frames)}")
         if differs(src_cache.spec, cache.spec):
@@ -219,16 +201,10 @@ class IpcPullReceiver(KVReceiver):
 
 
 class CudaIpcPullReceiver(IpcPullReceiver):
-    """D side: open P's handle at pairing; per request one ``copy_blocks`` launch and one event
-    wait (before the ack lets P reuse its blocks).
+    """D's half on CUDA: open P's handle at pairing; copies run where ``direction`` says
+    (``"pull"``: D's GPU, ``"push"``: P's, the default) and are waited for once per request.
 
-    Parameters
-    ----------
-    backend : str
-        Kernel backend (``"auto"`` picks triton on CUDA).
-    direction : {"pull", "push"}
-        Where the copy kernel runs (see the module docstring); "push" by default.
-    """
+    Raises ValueError: ``direction`` is neither ``"pull"`` nor ``"push"``."""
 
     def __init__(self, spec=None, device: Any = "cuda", *, backend: str = "auto",
                  direction: str = "push", head_start: int | None = None) -> None:
@@ -242,8 +218,7 @@ class CudaIpcPullReceiver(IpcPullReceiver):
         from .transport.cuda_ipc import enable_peer_access, import_cache, read_export
         self.detach(peer.id)
         cache = import_cache(read_export(peer.shm_name), peer.spec, peer.num_blocks)
-        mine = torch.device("cuda", torch.cuda.current_device())
-        enable_peer_access(mine, cache.device)
+        enable_peer_access(torch.device("cuda", torch.cuda.current_device()), cache.device)
         self.peers[peer.id], self.peer_id = cache, peer.id
 
     def detach(self, peer_id: str) -> None:
@@ -251,38 +226,11 @@ class CudaIpcPullReceiver(IpcPullReceiver):
         if self.peers.pop(peer_id, None) is not None and torch.cuda.is_initialized():
             torch.cuda.ipc_collect()
 
-    def receive(self, header: Any, frames, cache, dst_ids, peer_id: str | None = None) -> TransferStats | None:
-        """``KVReady``: one ``copy_blocks`` launch in ``direction``; other headers (layerwise
-        ``KVLayer`` parts) as the CPU ``ipc`` receiver (pull). Waits for the copies once when
-        the request is complete (the ack lets P reuse its blocks)."""
-        peer = self.peer_for(peer_id)
-        if not isinstance(header, KVReady):
-            stats = super().receive(header, frames, cache, dst_ids, peer_id)
-            if stats is not None:
-                run_on = cache.device if self.direction == "pull" else peer.device
-                torch.cuda.current_stream(run_on).synchronize()
-            return stats
-        if frames:
-            raise TransferError(f"ipc KVReady carries no payload frames, got {len(frames)}")
-        if differs(peer.spec, cache.spec):
-            self._no_verify(header)
-            return self.pull_reblocked(peer, header, cache, dst_ids)
-        src = as_ids(header.src_block_ids)
-        if src.numel() != len(dst_ids):
-            raise TransferError(f"KVReady for {header.req_id} names {src.numel()} blocks; "
-                                f"D allocated {len(dst_ids)} for the prompt")
-        run_on = cache.device if self.direction == "pull" else peer.device
-        sent = expect(header, src.numel()) if self.verify else None
-        digest = None if sent is None else new_digest(src.numel(), run_on)
-        t0 = time.perf_counter()
-        copy_blocks(peer, cache, src, as_ids(dst_ids), backend=self.backend,
-                    direction=self.direction, digest=digest)
-        torch.cuda.current_stream(run_on).synchronize()  # P may reuse its blocks after the ack
-        if sent is not None:
-            check(header.req_id, sent, digest)
-        ms = (time.perf_counter() - t0) * 1e3
-        n = int((src >= 0).sum())
-        return TransferStats(blocks=n, payload_bytes=payload_bytes(cache.spec, n), copy_ms=ms)
+    def run_on(self, src_cache: PagedKVCache, cache: PagedKVCache) -> torch.device:
+        return cache.device if self.direction == "pull" else src_cache.device
+
+    def sync(self, src_cache: PagedKVCache, cache: PagedKVCache) -> None:
+        torch.cuda.current_stream(self.run_on(src_cache, cache)).synchronize()
 
     def close(self) -> None:
         self.peers.clear()  # drops the storages: torch closes the IPC mappings

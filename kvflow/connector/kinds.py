@@ -1,14 +1,9 @@
 """The connector kinds: one :class:`Kind` per ``--kv-connector`` value, in :data:`KINDS`.
 
-Every fact of a kind lives in its entry, and everything else is generated from it: the factory
-(:func:`kvflow.connector.make_sender` / ``make_receiver``), the option check
-(:func:`check_options`, the one place ``kv_connector_config`` is validated), the pairing rules
-(:mod:`kvflow.serve.pairing` reads :attr:`Kind.reblocks` and the other capabilities), the
-``--help`` of ``--kv-connector`` / ``--kv-connector-config`` / ``--layerwise-min-tokens``, and
-the connector table of docs/design.md (:func:`kinds_table`; a test compares the two). A new kind
-touches its module, its entry here (or :func:`register_kind` from outside) and its tests;
-nothing in ``kvflow/serve``. This module imports neither torch nor a kind's module: serve's
-flag checks use it before anything heavy loads.
+The factory (:func:`kvflow.connector.make_sender` / ``make_receiver``), the option check
+(:func:`check_options`), the pairing rules, the flags' ``--help`` and docs/design.md's connector
+table (:func:`kinds_table`) are generated from the entries (docs/design.md, "Connectors"). This
+module imports neither torch nor a kind's module: serve's flag checks use it first.
 """
 
 from __future__ import annotations
@@ -22,13 +17,9 @@ AUTO = {"cuda": "ipc-push", "cpu": "ipc-pull"}
 
 @dataclass(frozen=True)
 class Option:
-    """One key of ``kv_connector_config``.
-
-    ``type`` is ``int`` (an int, not a bool), ``float`` (an int or float, not a bool) or ``str``;
-    ``choices`` limits a value to a few; ``minimum`` is a lower bound, inclusive unless
-    ``exclusive``. ``sender`` / ``receiver``: which half takes it (P's, D's or both); the
-    other half ignores it, so P and D take one config.
-    """
+    """One key of ``kv_connector_config``: ``type`` ``int`` / ``float`` (never a bool) or
+    ``str``; ``choices`` or a ``minimum`` (inclusive unless ``exclusive``); ``sender`` /
+    ``receiver``: which half takes it (the other ignores it, so P and D take one config)."""
 
     name: str
     type: type
@@ -54,7 +45,6 @@ class Option:
         return what
 
     def valid(self, value: Any) -> bool:
-        """Whether ``value`` satisfies :attr:`rule`."""
         if self.choices:
             return value in self.choices
         if isinstance(value, bool) or not isinstance(value, (int, float) if self.type is float
@@ -65,7 +55,7 @@ class Option:
         return value > self.minimum if self.exclusive else value >= self.minimum
 
     def describe(self) -> str:
-        """``name (rule, default D): help`` -- one option of ``--help``."""
+        """``name (rule, default D): help``, one option of ``--help``."""
         return f"{self.name} ({self.rule}, default {self.shown}): {self.help}"
 
     @property
@@ -76,23 +66,15 @@ class Option:
 
 @dataclass(frozen=True)
 class Kind:
-    """One connector kind: where it lives, what it takes, what it can do.
-
-    ``module`` holds ``sender`` (P's half) and ``receiver`` (D's half; ``receiver_cuda`` instead
-    on a CUDA device when set); ``receiver_args``: factory arguments D's class takes besides
-    spec, device and backend, e.g. ``("max_model_len",)``; ``bind_host``: ``"module:function"``
-    called with ``--host`` before the kind's listeners open
-    (:func:`kvflow.connector.bind_to_host`), or "".
-
-    Capabilities: ``reblocks`` (P and D may differ in block_size, layout, dtype: the
-    re-blocking kernels map one onto the other), ``reblocks_fp8`` (an fp8 P may re-block into a
-    D of another spec: P's scales reach the kernel), ``block_scales`` (moves an fp8 cache's
-    per-block scales, ``scales="block_head"``; False: block bytes only), ``head_slices`` (D may
-    hold a slice of P's KV heads, ``head_start``), ``layerwise_min_tokens`` (the default
-    threshold, tokens), ``reads_peer_memory`` (D reads P's cache), ``writes_peer_memory`` (P
-    writes D's cache), ``cross_host``, ``kv_verify`` (``--kv-verify`` checks its transfers),
-    ``extra`` (the pip extra it needs).
-    """
+    """One connector kind: ``module`` holds ``sender`` (P's half) and ``receiver`` (D's;
+    ``receiver_cuda`` instead on CUDA when set); ``receiver_args``: factory arguments D's class
+    takes besides spec, device and backend; ``bind_host``: ``"module:function"`` called with
+    ``--host`` (:func:`kvflow.connector.bind_to_host`), or "". Capabilities: ``reblocks`` (P and
+    D may differ in block_size, layout, dtype), ``reblocks_fp8`` (an fp8 P may re-block),
+    ``block_scales`` (moves an fp8 cache's per-block scales; False: block bytes only),
+    ``head_slices`` (``head_start``), ``layerwise_min_tokens`` (the default, tokens),
+    ``reads_peer_memory`` / ``writes_peer_memory`` (D reads P's cache / P writes D's),
+    ``cross_host``, ``kv_verify``, ``extra`` (the pip extra it needs)."""
 
     name: str
     module: str
@@ -117,11 +99,10 @@ class Kind:
     bind_host: str = ""
 
     def option(self, key: str) -> Option:
-        """The option ``key`` (KeyError when the kind has none of that name)."""
+        """The option ``key`` (KeyError when there is none)."""
         return {o.name: o for o in self.options}[key]
 
     def receiver_class(self, device: Any) -> str:
-        """The name of D's class on ``device``."""
         cuda = str(device).startswith("cuda")
         return self.receiver_cuda if cuda and self.receiver_cuda else self.receiver
 
@@ -178,14 +159,9 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
 
 
 def register_kind(kind: Kind) -> Kind:
-    """Add (or replace) ``kind`` in :data:`KINDS`; returns it. An out-of-tree kind comes in by
-    its module path, as a built-in one.
+    """Add (or replace) ``kind`` in :data:`KINDS`; returns it.
 
-    Raises
-    ------
-    ValueError
-        ``kind.name`` is ``auto`` or empty, or two of its options share a name.
-    """
+    Raises ValueError: ``kind.name`` is ``auto`` or empty, or two of its options share a name."""
     names = [o.name for o in kind.options]
     if kind.name in ("", "auto") or len(set(names)) != len(names):
         raise ValueError(f"connector kind {kind.name!r}: the name must be non-empty and not "
@@ -195,7 +171,6 @@ def register_kind(kind: Kind) -> Kind:
 
 
 def kind_names() -> tuple[str, ...]:
-    """The kinds, in registration order."""
     return tuple(KINDS)
 
 
@@ -205,14 +180,8 @@ def with_capability(capability: str) -> tuple[str, ...]:
 
 
 def resolve(name: str, device: Any = "cpu") -> Kind:
-    """The kind ``name`` means on ``device`` (``auto``: :data:`AUTO`).
-
-    Raises
-    ------
-    ValueError
-        ``name`` is neither ``auto`` nor a kind, e.g. ``kv_connector must be 'auto' or one of
-        ipc-pull, ipc-push, tcp, nixl; got 'rdma'``.
-    """
+    """The kind ``name`` means on ``device`` (``auto``: :data:`AUTO`); ValueError when ``name``
+    is neither ``auto`` nor a kind."""
     if name == "auto":
         name = AUTO["cuda" if str(device).startswith("cuda") else "cpu"]
     if name not in KINDS:
@@ -222,18 +191,11 @@ def resolve(name: str, device: Any = "cpu") -> Kind:
 
 
 def check_options(kind: str, config: Any, where: str = "kv_connector_config") -> dict[str, Any]:
-    """``config`` (a dict, or None for none) checked against kind ``kind``'s options: every key
-    known, every value of its option's type and range; returns a copy. ``where`` names the
-    config in the error (``--kv-connector-config`` for the flag).
+    """``config`` (a dict or None) checked against kind ``kind``'s options; returns a copy.
+    ``where`` names the config in the error (``--kv-connector-config`` for the flag).
 
-    Raises
-    ------
-    ValueError
-        ``config`` is not a dict; a key ``kind`` does not take, e.g. ``kv_connector_config key
-        'max_ctas' is not an option of connector 'tcp' (it takes none)``; a bad value, e.g.
-        ``kv_connector_config key 'max_ctas' of connector 'ipc-push' must be an int >= 1; got
-        0``.
-    """
+    Raises ValueError: ``config`` is not a dict, holds a key ``kind`` does not take, or a bad
+    value."""
     config = {} if config is None else config
     if not isinstance(config, dict):
         raise ValueError(f"{where} must be a JSON object, got {config!r}")
@@ -251,12 +213,11 @@ def check_options(kind: str, config: Any, where: str = "kv_connector_config") ->
 
 def half_options(kind: str, config: dict[str, Any], half: str) -> dict[str, Any]:
     """Every option ``half`` (``"sender"`` or ``"receiver"``) of ``kind`` takes: ``config``'s
-    value (checked by :func:`check_options`) or the option's default."""
+    value or the default."""
     return {o.name: config.get(o.name, o.default) for o in KINDS[kind].options
             if getattr(o, half)}
 
 
-# ---- text generated from the registry: --help and the docs table ---------------------------
 def help_kinds() -> str:
     """``--kv-connector``'s help: each kind's summary, and what ``auto`` is."""
     kinds = "; ".join(f"{k.name} ({k.summary}" + (f"; extra [{k.extra}]" if k.extra else "") + ")"
@@ -273,8 +234,7 @@ def help_options() -> str:
 
 
 def layerwise_defaults() -> str:
-    """Each kind's default ``layerwise_min_tokens``, grouped: ``16384 (ipc-pull, ...), 0
-    (nixl)``."""
+    """Each kind's default ``layerwise_min_tokens``, grouped: ``16384 (ipc-pull, ...)``."""
     groups: dict[int, list[str]] = {}
     for k in KINDS.values():
         groups.setdefault(k.layerwise_min_tokens, []).append(k.name)

@@ -1,12 +1,10 @@
 """P's copies of a request's blocks into a peer's mapped cache (ipc-push), one launch per group
 of ``layers_per_copy`` layers, ordered on the device behind P's compute.
 
-On CUDA each group's copy waits on an event recorded on P's compute stream after the group's
-last layer and runs on a copy stream: a GPU-side dependency, no host round trip. Copies that
-overlap compute use a capped grid (``max_ctas`` programs, so the prefill keeps its SMs); the
+On CUDA each group's copy waits on an event recorded on P's compute stream and runs on a copy
+stream (no host round trip), on a grid capped at ``max_ctas`` while it overlaps compute; the
 last group of the last chunk and the copy after the prefill take the whole GPU. On CPU each copy
-runs at once. Block ids are checked once per chunk (:meth:`LayerCopier.pairs`); the copies skip
-validation.
+runs at once. Block ids are checked once per chunk (:meth:`LayerCopier.pairs`).
 """
 
 from __future__ import annotations
@@ -31,25 +29,11 @@ LAYERS_PER_COPY = 4
 
 @dataclasses.dataclass
 class PushStats:
-    """One request's push as seen by P.
-
-    Attributes
-    ----------
-    blocks, payload_bytes : int
-        Blocks (per layer) and payload bytes written into D's cache.
-    t_start : float
-        ``time.time()`` when the first copy was issued (0 if nothing moved).
-    layerwise : bool
-        Copied layer by layer during the prefill.
-    copy_ms : float
-        Wall time of the copy calls on P (CPU: the copies; CUDA: issuing them, the device
-        runs them on P's copy stream).
-    exposed_ms : float
-        Time from the first token (sampled after the prefill) until every copy was done:
-        the copy after the prefill, or the layerwise copies still running (ms).
-    prefill_ms : float
-        P's prefill until the first token was sampled (ms).
-    """
+    """One request's push as seen by P: ``blocks`` and ``payload_bytes`` written into D's
+    cache; ``t_start`` (``time.time()`` of the first copy, 0 if nothing moved); ``copy_ms``
+    (wall time of the copy calls on P: on CUDA, issuing them); ``exposed_ms`` (from the first
+    token until every copy was done); ``prefill_ms`` (P's prefill until the first token);
+    ``layerwise`` (copied during the prefill)."""
 
     blocks: int = 0
     payload_bytes: int = 0
@@ -63,19 +47,9 @@ class PushStats:
 
 
 class LayerCopier:
-    """Copies from P's ``cache`` into mapped peer caches.
-
-    Parameters
-    ----------
-    cache : PagedKVCache
-        P's cache (the source).
-    backend : str
-        Kernel backend of :func:`~kvflow.kernels.copy_blocks`.
-    max_ctas : int
-        Grid cap of copies that overlap compute.
-    layers_per_copy : int
-        Layers per launch.
-    """
+    """Copies from P's ``cache`` into mapped peer caches (``backend`` of
+    :func:`~kvflow.kernels.copy_blocks`; ``max_ctas``: grid cap of copies that overlap compute;
+    ``layers_per_copy``: layers per launch)."""
 
     def __init__(self, cache: PagedKVCache, backend: str, max_ctas: int,
                  layers_per_copy: int) -> None:
@@ -95,15 +69,9 @@ class LayerCopier:
     def pairs(self, blocks: list[int], dst_ids: list[int], first: int, stop: int, skip: int,
               peer: PagedKVCache) -> tuple[torch.Tensor, torch.Tensor] | None:
         """P's and D's ids of logical blocks ``[max(first, skip), stop)`` (two int64 tensors,
-        None when the range is empty), checked once here (the per-layer copies skip
-        validation) and, on CUDA, put on the device once through the copy stream (no host
-        sync per layer).
-
-        Raises
-        ------
-        TransferError
-            An id outside its cache, or ``dst_ids`` repeating a block.
-        """
+        None when the range is empty), checked here (the copies skip validation) and, on CUDA,
+        put on the device once through the copy stream. Raises TransferError for an id outside
+        its cache, or ``dst_ids`` repeating a block."""
         lo = max(first, skip)
         if lo >= stop:
             return None
@@ -152,12 +120,10 @@ class LayerCopier:
 
     def finish(self, stats: PushStats | None = None) -> None:
         """Issue the copy after the prefill (``stats.pending``, if any) and block until every
-        copy issued so far is done (D may read the blocks after this). The time spent here is
-        the part of the transfer not hidden behind the prefill (``stats.exposed_ms``)."""
+        copy issued so far is done; the time spent here is ``stats.exposed_ms``."""
         t0 = time.perf_counter()
         if stats is not None and stats.pending is not None:
-            if self.cuda:
-                self._stream.wait_stream(torch.cuda.current_stream(self.cache.device))
+            self.start()
             self._copy(stats.pending, None, None, stats)
             stats.pending = None
         if self._stream is not None:

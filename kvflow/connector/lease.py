@@ -1,15 +1,7 @@
-"""The lease on sent blocks between P and D: D's renewals and its judgement of whether a lease
-still holds when the KV arrives; P's links on which those renewals come.
-
-P keeps the blocks it sent (or a pointer to them) for ``--kv-lease-s`` seconds after its send;
-every renewal naming the request starts that time again (P's side: :mod:`kvflow.connector.held`).
-D's heartbeat thread sends the renewals (:class:`Renewals`, on D's *lease socket*,
-:func:`lease_socket`, a ROUTER that P's connect to at pairing, ``Register.lease_addr``), so a
-long decode step does not delay them (docs/reliability.md, "Liveness"); an instance driven by
-hand, without that thread, renews from its loop on the data socket
-(:meth:`kvflow.connector.KVReceiver.renew`). Before reading P's memory D checks that the lease
-still holds with a 20% margin (:meth:`Renewals.renewed_since`). P connects one DEALER per paired
-D to that socket (:class:`LeaseLinks`) and reads it before it judges a lease.
+"""The lease on sent blocks between P and D: D's renewals (:class:`Renewals`, sent by its
+heartbeat thread on D's lease socket, :func:`lease_socket`) and its judgement of whether a lease
+still holds when the KV arrives; P's links on which those renewals come (:class:`LeaseLinks`).
+P's side of the lease is :mod:`.held`; see docs/reliability.md, "Liveness".
 """
 
 from __future__ import annotations
@@ -23,34 +15,25 @@ from kvflow.connector.messages import LeaseRenew, encode
 
 
 class Renewals:
-    """D's lease renewals, sent by its heartbeat thread: the loop says what to renew
-    (:meth:`want`), the thread sends it (:meth:`send`) and records when renewals naming a
-    request really left for a P; :meth:`renewed_since` tells the loop whether P's lease still
-    holds. Thread-safe.
-
-    Parameters
-    ----------
-    sock : zmq.Socket
-        D's lease socket (ROUTER, ``ROUTER_MANDATORY``), bound; once the thread runs only the
-        thread uses it (:meth:`send`; ZMQ sockets are single-threaded).
-    gap_s : float
-        The longest gap between renewals that keeps a lease alive as D judges it: 0.8 x
-        ``--kv-lease-s`` (the 20% margin covers delivery and P's own loop); settable.
-    """
+    """D's lease renewals: the loop says what to renew (:meth:`want`), the heartbeat thread
+    sends it (:meth:`send`) and records what left; :meth:`renewed_since` tells the loop whether
+    P's lease still holds. Thread-safe. ``sock``: D's bound lease socket (once the thread runs,
+    only the thread uses it); ``gap_s``: the longest gap between renewals that keeps a lease
+    alive as D judges it, 0.8 x ``--kv-lease-s`` (settable)."""
 
     def __init__(self, sock: zmq.Socket | None, gap_s: float) -> None:
         self.sock, self.gap_s = sock, gap_s
         self._lock = threading.Lock()
         self._peers: tuple[str, ...] = ()
         self._req_ids: tuple[str, ...] = ()
-        # (P id, req id) -> (first, last): time.time() of the first and the last renewal of the
-        # latest run that left for that P with no gap of gap_s or more between them
+        # (P id, req id) -> time.time() of the first and last renewal of the latest run with
+        # no gap of gap_s or more
         self._runs: dict[tuple[str, str], tuple[float, float]] = {}
         self.sent = 0  # LeaseRenew messages that left (all peers)
 
     def want(self, peers, req_ids) -> None:
-        """From now on renew ``req_ids`` (the requests D still means to read: ALLOCATED or
-        RECEIVING) with every P of ``peers`` (ids); records of other requests are dropped."""
+        """From now on renew ``req_ids`` with every P of ``peers`` (ids); records of other
+        requests are dropped."""
         with self._lock:
             self._peers, self._req_ids = tuple(peers), tuple(req_ids)
             keep = set(self._req_ids)
@@ -62,34 +45,25 @@ class Renewals:
             return self._peers, self._req_ids
 
     def record(self, peer_id: str, req_ids, wall: float) -> None:
-        """A renewal naming ``req_ids`` left for P ``peer_id`` at ``wall`` (``time.time()``
-        taken before the send)."""
+        """A renewal naming ``req_ids`` left for P ``peer_id`` at ``wall`` (``time.time()``)."""
         with self._lock:
-            still = set(self._req_ids)  # a request ended meanwhile keeps no record
-            for r in req_ids:
-                if r not in still:
-                    continue
+            for r in set(self._req_ids).intersection(req_ids):  # an ended request keeps none
                 first, last = self._runs.get((peer_id, r), (wall, wall))
                 self._runs[(peer_id, r)] = (first, wall) if wall - last < self.gap_s else (wall, wall)
 
     def renewed_since(self, req_id: str, peer_id: str | None, t_start: float) -> float:
         """``time.time()`` of the last renewal of ``req_id`` that kept P ``peer_id``'s lease
-        (started at P's send, ``t_start``) alive: renewals left with no gap of ``gap_s`` from
-        ``t_start`` on; 0.0 if none did (a gap ends the lease: a renewal after it renews
-        nothing, P may have freed the blocks). ``peer_id`` None: the best of any P."""
+        (started at ``t_start``) alive with no gap of ``gap_s``; 0.0 if none did (a gap ends
+        the lease). ``peer_id`` None: the best of any P."""
         with self._lock:
             runs = [v for (p, r), v in self._runs.items()
                     if r == req_id and (peer_id is None or p == peer_id)]
-        best = 0.0
-        for first, last in runs:
-            if last >= t_start and (first <= t_start or first - t_start < self.gap_s):
-                best = max(best, last)
-        return best
+        return max((last for first, last in runs if last >= t_start
+                    and (first <= t_start or first - t_start < self.gap_s)), default=0.0)
 
     def send(self) -> int:
         """One :class:`~kvflow.connector.messages.LeaseRenew` to every wanted P (on the thread only);
-        returns to how many it left. A P not connected (yet, or any more:
-        ``EHOSTUNREACH``) or whose queue is full (its loop stalls: ``EAGAIN``) does not count."""
+        returns to how many it left (a P not connected or whose queue is full does not count)."""
         peers, req_ids = self.wanted()
         if not req_ids or not peers:
             return 0
@@ -115,13 +89,10 @@ def lease_socket(ctx: zmq.Context, host: str) -> tuple[zmq.Socket, int]:
     return sock, sock.bind_to_random_port(f"tcp://{host}")
 
 
-
-
 class LeaseLinks:
-    """P's links to the lease sockets of its paired D's (:func:`lease_socket`): one DEALER per D,
-    named by P's id (D renews by it), on which D's renewals arrive. P polls them with its other
-    sockets and reads them before it judges a lease (:meth:`drain`), so a long prefill of its own
-    does not expire a lease whose renewals wait unread. Iterating gives the D ids."""
+    """P's links to its paired D's lease sockets: one DEALER per D, named by P's id, polled with
+    P's other sockets and read before P judges a lease (:meth:`drain`). Iterating gives the D
+    ids."""
 
     def __init__(self, instance_id: str) -> None:
         self.identity = instance_id.encode()
@@ -131,8 +102,7 @@ class LeaseLinks:
         return iter(self.socks)
 
     def connect(self, ctx: zmq.Context, peer_id: str, addr: str) -> zmq.Socket:
-        """Connect to D ``peer_id``'s lease socket at ``addr`` (``Pair.lease_addr``); returns the
-        new socket, for P to poll."""
+        """Connect to D ``peer_id``'s lease socket at ``addr``; returns the socket, to poll."""
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, self.identity)
         sock.setsockopt(zmq.LINGER, 0)
@@ -141,7 +111,7 @@ class LeaseLinks:
         return sock
 
     def drain(self, read) -> None:
-        """Call ``read(sock)`` (P's loop: dispatch every waiting message) on every link."""
+        """Call ``read(sock)`` on every link."""
         for sock in list(self.socks.values()):
             read(sock)
 

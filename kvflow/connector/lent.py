@@ -1,14 +1,9 @@
-"""D's blocks that a P may still write (connectors whose P writes D's cache: ipc-push), and the
-liveness of D's paired P's.
-
-A request that ends on D before its P's ``KVPushed`` leaves its blocks *lent*: never reused
-while the writing process exists. They come back on P's ``KVPushed``; when P's process is gone
-(judged as the router judges instances: P's pid, only when P's host id equals D's,
-:mod:`kvflow.segments`; or the router saw it exit, ``Abort.peer_exited`` /
-``Unpair.exited``); or, for a P that D cannot judge (another pid namespace), ``kv_lease_s``
-after the router declared it dead.
-A router's "dead" alone (missed heartbeats: a slow prefill) frees nothing. See
-docs/reliability.md.
+"""D's blocks that a P may still write (kinds whose P writes D's cache: ipc-push), and the
+liveness of D's paired P's: a request that ends on D before its P's ``KVPushed`` leaves its
+blocks *lent* until that ``KVPushed``, until P's process is gone (its pid on D's host,
+:mod:`kvflow.segments`, or the router saw it exit), or, for a P that D cannot judge,
+``kv_lease_s`` after the router declared it dead. See docs/reliability.md, "Failure kinds and
+policies".
 """
 
 from __future__ import annotations
@@ -18,15 +13,16 @@ import logging
 import time
 from typing import Any
 
+from kvflow.segments import DEAD, UNKNOWN, process_state
+
 log = logging.getLogger("kvflow.connector.lent")
 
 
 @dataclasses.dataclass
 class Lent:
-    """Blocks of an ended request that a P may still write: freed on its KVPushed or once that
-    P's process is gone; ``prefill_id`` is "" until the router's Abort names it; ``dead_at``
-    (monotonic) when the router declared that P dead, ``exited`` when it saw the process
-    exit."""
+    """Blocks of an ended request that a P may still write; ``prefill_id`` is "" until the
+    router's Abort names it; ``dead_at`` (monotonic) when the router declared that P dead,
+    ``exited`` when it saw the process exit."""
     blocks: list[int]
     prefill_id: str = ""
     since: float = dataclasses.field(default_factory=time.monotonic)
@@ -36,15 +32,8 @@ class Lent:
 
 
 class LentBlocks(dict):
-    """``req_id -> Lent`` of one D, with the paired P's it judges.
-
-    Parameters
-    ----------
-    allocator : BlockAllocator
-        D's; lent blocks go back to it.
-    kv_lease_s : float
-        How long after the router declared an unjudgeable P dead its blocks come back.
-    """
+    """``req_id -> Lent`` of one D, with the paired P's it judges; lent blocks go back to D's
+    ``allocator``, those of an unjudgeable P ``kv_lease_s`` after the router declared it dead."""
 
     def __init__(self, allocator: Any, kv_lease_s: float) -> None:
         super().__init__()
@@ -93,7 +82,6 @@ class LentBlocks(dict):
     def settle(self) -> None:
         """Give back lent blocks whose writer can write no more: its process is gone, or D
         cannot judge it and ``kv_lease_s`` has passed since the router declared it dead."""
-        from kvflow.segments import DEAD, UNKNOWN, process_state
         now = time.monotonic()
         done = []
         for req_id, e in self.items():
@@ -106,10 +94,8 @@ class LentBlocks(dict):
         self.give_back(done)
 
     def gone(self) -> list[tuple[str, int]]:
-        """Forget the paired P's whose process is gone (judged only on this host and pid
-        namespace) and return them as ``(peer_id, pid)``; then give back the blocks lent to
-        them."""
-        from kvflow.segments import DEAD, process_state
+        """Forget the paired P's whose process is gone (judged on this host only) and return
+        them as ``(peer_id, pid)``; then give back the blocks lent to them."""
         out = []
         for peer, pid in list(self.peer_pids.items()):
             if process_state(pid, self.peer_hosts.get(peer, "")) == DEAD:

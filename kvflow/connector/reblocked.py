@@ -1,14 +1,8 @@
-"""A request's KV between a P and a D whose cache specs differ (block_size, NHD/HND, dtype):
-what the ``ipc-pull``, ``tcp`` and ``ipc-push`` connectors do then (pairing allows it only for
-them, :mod:`kvflow.serve.pairing`).
-
-The whole prompt moves after the prefill (never layer by layer): token ``t`` goes from P's block
-``src[t // bs_P]`` to D's block ``dst[t // bs_D]`` by the re-blocking kernels
-(:mod:`kvflow.kernels.reblock`), ``num_tokens`` = the prompt's length. ipc-pull and tcp: P sends
-its whole table, D copies or scatters. ipc-push: P writes into D's mapped cache with one
-``copy_sequence`` over all layers (:func:`push_prompt`). D's prefix hit (its first blocks, which it
-already holds) becomes id -1 in D's table: those tokens are read from nothing and written
-nowhere.
+"""A request's KV between a P and a D whose cache specs differ (block_size, NHD/HND, dtype), for
+the kinds that re-block (``ipc-pull``, ``tcp``, ``ipc-push``): the whole prompt moves after the
+prefill, token ``t`` from P's block ``src[t // bs_P]`` to D's ``dst[t // bs_D]``; D's prefix hit
+becomes id -1 in D's table (written nowhere). See docs/layouts.md, "Re-blocking: P and D of
+different specs".
 """
 
 from __future__ import annotations
@@ -31,14 +25,10 @@ def differs(a: Any, b: Any) -> bool:
 def tables(src_ids: Any, src_spec: Any, dst_ids: Any, dst_spec: Any, num_tokens: int,
            req_id: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(P's table, D's table)`` of a ``num_tokens``-token prompt, two int64 CPU tensors: P's
-    ``src_ids`` as sent (all ``ceil(num_tokens / bs_P)`` blocks) and D's ``dst_ids`` (its
-    blocks past the prefix hit) preceded by one -1 per block of the hit.
+    ``src_ids`` as sent and D's ``dst_ids`` (past its prefix hit) after one -1 per hit block.
 
-    Raises
-    ------
-    TransferError
-        ``src_ids`` does not cover the prompt, or ``dst_ids`` holds more blocks than it needs.
-    """
+    Raises TransferError: ``src_ids`` does not cover the prompt, or ``dst_ids`` holds more blocks
+    than it needs."""
     need_s = -(-num_tokens // src_spec.block_size)
     need_d = -(-num_tokens // dst_spec.block_size)
     if len(src_ids) != need_s:
@@ -56,35 +46,12 @@ def tables(src_ids: Any, src_spec: Any, dst_ids: Any, dst_spec: Any, num_tokens:
 def push_prompt(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, dst_ids: Any,
                 num_cached_blocks: int, num_tokens: int, req_id: str, backend: str) -> int:
     """ipc-push between different specs: write a ``num_tokens``-token prompt from P's
-    ``src_cache`` into D's mapped ``dst_cache`` (another spec) with one
-    :func:`~kvflow.kernels.copy_sequence` over all layers, and wait for it.
+    ``src_cache`` (table ``src_ids``) into D's ``dst_cache`` mapped on P's GPU (table
+    ``dst_ids``, its first ``num_cached_blocks`` D's prefix hit, left untouched) with one
+    :func:`~kvflow.kernels.copy_sequence` over all layers, and wait for it. Returns D's blocks
+    written, ``ceil(num_tokens / bs_D) - num_cached_blocks``.
 
-    The kernel runs on ``dst_cache``'s device, which for ipc-push is P's own GPU (D's cache is
-    mapped there, :func:`~kvflow.connector.transport.shm.map_decode_cache`): P pushes.
-
-    Parameters
-    ----------
-    src_cache, dst_cache : PagedKVCache
-        P's cache and D's (mapped in P's process); specs may differ in block_size, layout, dtype.
-    src_ids, dst_ids : sequence of int
-        P's block table (at least ``ceil(num_tokens / bs_P)`` blocks) and D's
-        (``decode_block_ids``: at least ``ceil(num_tokens / bs_D)``, the first
-        ``num_cached_blocks`` of them D's prefix hit, left untouched).
-    num_cached_blocks, num_tokens : int
-        D's prefix hit in D's blocks; the prompt's length in tokens.
-    req_id, backend : str
-        For error messages; the kernel backend.
-
-    Returns
-    -------
-    int
-        D's blocks written: ``ceil(num_tokens / bs_D) - num_cached_blocks``.
-
-    Raises
-    ------
-    TransferError
-        A table shorter than the prompt, or ``num_cached_blocks`` past it.
-    """
+    Raises TransferError: a table shorter than the prompt, or ``num_cached_blocks`` past it."""
     need_s = src_cache.spec.num_blocks_for(num_tokens)
     need_d = dst_cache.spec.num_blocks_for(num_tokens)
     if len(src_ids) < need_s or len(dst_ids) < need_d or not 0 <= num_cached_blocks <= need_d:
@@ -102,7 +69,6 @@ def push_prompt(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, 
 
 
 def warm(src_spec: Any, dst_spec: Any, device: Any, backend: str) -> None:
-    """Compile the re-blocked copy from ``src_spec`` to ``dst_spec`` on ``device`` (one token
-    between two one-block caches), so a request does not wait for it."""
+    """Compile the re-blocked copy from ``src_spec`` to ``dst_spec`` on ``device``."""
     a, b = PagedKVCache(src_spec, 1, device=device), PagedKVCache(dst_spec, 1, device=device)
     copy_sequence(a, b, [0], [0], num_tokens=1, backend=backend)

@@ -8,22 +8,14 @@ from typing import Any
 from kvflow.cache import PagedKVCache
 
 from .arrival import ArrivalSide
-from .records import TransferStats, as_device
+from .records import TransferError, TransferStats, as_device
 
 
 class KVReceiver(ArrivalSide, abc.ABC):
-    """D's half of a connector: serve hands it every data-plane message
-    (:meth:`~kvflow.connector.arrival.ArrivalSide.on_message`, answering an
-    :class:`~kvflow.connector.Arrival`); the kind's :meth:`receive` does the copy.
-
-    Parameters
-    ----------
-    spec : KVCacheSpec
-        D's cache spec.
-    device : str or torch.device
-    backend : str
-        Kernel backend of the block copies.
-    """
+    """D's half of a connector for D's cache ``spec`` on ``device`` (``backend``: of the block
+    copies): serve hands it every data-plane message
+    (:meth:`~kvflow.connector.arrival.ArrivalSide.on_message`); the kind's :meth:`receive` does
+    the copy."""
 
     name: str = ""
     #: D acks each transfer (P keeps blocks or buffers until then).
@@ -35,13 +27,13 @@ class KVReceiver(ArrivalSide, abc.ABC):
     #: P and D share one host (their processes can be judged by pid).
     host_local: bool = True
 
-    def __init__(self, spec: KVCacheSpec, device: Any = "cpu", *, backend: str = "auto") -> None:
+    def __init__(self, spec: KVCacheSpec | None = None, device: Any = "cpu", *,
+                 backend: str = "auto") -> None:
         self.spec, self.device, self.backend = spec, as_device(device), backend
         self.cache: PagedKVCache | None = None
         self._init_arrivals()
 
     def make_cache(self, num_blocks: int) -> PagedKVCache:
-        """D's cache of ``num_blocks`` blocks (exported when P writes into it)."""
         self.cache = PagedKVCache(self.spec, num_blocks, device=self.device)
         return self.cache
 
@@ -49,13 +41,11 @@ class KVReceiver(ArrivalSide, abc.ABC):
         """Compile the copy kernels on scratch caches (no socket exists yet)."""
 
     def export(self) -> dict[str, Any]:
-        """Fields for D's :class:`~kvflow.serve.protocol.Register` (``shm_name``: '' if none;
-        ``connector_md``)."""
+        """Fields for D's :class:`~kvflow.serve.protocol.Register` (``shm_name``, ``connector_md``)."""
         return {"shm_name": ""}
 
     def describe(self) -> dict[str, Any]:
-        """The connector fields of a request's ``kvflow`` response block: ``kv_connector``
-        (the kind; the metrics' ``connector`` label)."""
+        """The connector fields of a request's ``kvflow`` response block."""
         return {"kv_connector": self.name}
 
     def attach(self, peer: Peer) -> None:
@@ -67,20 +57,22 @@ class KVReceiver(ArrivalSide, abc.ABC):
     @abc.abstractmethod
     def receive(self, header: Any, frames: list[Any], cache: PagedKVCache,
                 dst_ids: list[int], peer_id: str | None = None) -> TransferStats | None:
-        """Put the KV described by ``header`` (+ raw ``frames``) into ``cache`` at ``dst_ids``
-        (D's own block ids, one per prompt block not in D's prefix hit). ``peer_id``: the P
-        that sent it (None: the last paired one). Returns None while layerwise parts are
-        missing, the request's totals when its KV is complete.
+        """Put the KV of ``header`` (+ raw ``frames``) into ``cache`` at ``dst_ids`` (D's block
+        ids past its prefix hit); ``peer_id``: the P that sent it (None: the last paired one).
+        Returns None while layerwise parts are missing, else the request's totals. Raises
+        TransferError for frames that match neither the header nor the spec, or an unattached
+        peer."""
 
-        Raises
-        ------
-        TransferError
-            For frames that do not match the header or the spec, or an unattached peer.
-        """
+    def _unverified(self, header: Any, reblocked: bool = False) -> None:
+        """Under ``--kv-verify`` refuse a move it does not check (a layerwise part or, with
+        ``reblocked``, a move between specs; layerwise is refused at start too)."""
+        if getattr(self, "verify", False):
+            raise TransferError(f"kv verify: {header.req_id} " + (
+                "comes from a P of another KV cache spec; --kv-verify does not check re-blocked "
+                "moves" if reblocked else "moves layer by layer, which --kv-verify does not check"))
 
     def expect(self, req_id: str) -> None:
-        """D allocated blocks for ``req_id``: its KV may come from now on (until
-        :meth:`receive` of it or :meth:`forget`)."""
+        """D allocated blocks for ``req_id``: its KV may come from now on."""
 
     def forget(self, req_id: str) -> None:
         """Drop the state of a partly received layerwise transfer (D ended the request)."""

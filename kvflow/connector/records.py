@@ -1,5 +1,5 @@
 """What crosses the connector contract (:mod:`.base`): the records P's and D's serve pass in
-and get back, the connector errors, and small checks every kind uses."""
+and get back, the connector errors, and small helpers every kind uses."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 import torch
 
+from kvflow.cache import PagedKVCache
 from kvflow.context import sends_allowed
 from kvflow.layout import KVCacheSpec
 
@@ -21,19 +22,9 @@ class SlotsTaken(TransferError):
 
 @dataclasses.dataclass
 class TransferStats:
-    """What one request's transfer moved, as D saw it.
-
-    Attributes
-    ----------
-    blocks : int
-        Prompt blocks written into D's cache (a prefix hit's blocks excluded).
-    payload_bytes : int
-        Bytes moved (``blocks`` x :attr:`KVCacheSpec.bytes_per_block` for whole blocks).
-    copy_ms : float
-        Copy time (ms): D's copy for ipc-pull / tcp, P's copy calls for ipc-push.
-    layerwise : bool
-        The request moved layer by layer during the prefill.
-    """
+    """What one request's transfer moved, as D saw it: ``blocks`` (prompt blocks written into
+    D's cache, a prefix hit's excluded), ``payload_bytes``, ``copy_ms`` (D's copy for ipc-pull
+    / tcp, P's copy calls for ipc-push) and ``layerwise`` (moved during the prefill)."""
     blocks: int
     payload_bytes: int
     copy_ms: float
@@ -42,24 +33,10 @@ class TransferStats:
 
 @dataclasses.dataclass
 class Peer:
-    """The other instance of a pairing (from :class:`~kvflow.serve.protocol.Pair`).
-
-    Attributes
-    ----------
-    id : str
-        Its instance id.
-    spec : KVCacheSpec
-        Its KV cache spec (equal to ours: checked before attaching).
-    num_blocks : int
-        Blocks of its cache.
-    shm_name : str
-        Its exported cache ('' if it exports none).
-    data_addr : str
-        D's data socket (P connects its link there; '' for a P).
-    connector_md : bytes
-        What its connector published for peers (nixl: an encoded
-        :class:`~kvflow.connector.messages.NixlAgentInfo`; b'' for other kinds).
-    """
+    """The other instance of a pairing (from :class:`~kvflow.serve.protocol.Pair`): its id, cache
+    spec and ``num_blocks``; ``shm_name`` (its exported cache, '' if none); ``data_addr`` (D's
+    data socket, '' for a P); ``connector_md`` (what its connector published: nixl's encoded
+    :class:`~kvflow.connector.messages.NixlAgentInfo`, else b'')."""
     id: str
     spec: KVCacheSpec
     num_blocks: int
@@ -70,22 +47,10 @@ class Peer:
 
 @dataclasses.dataclass
 class PrefillJob:
-    """One request as P's connector sees it.
-
-    Attributes
-    ----------
-    req_id : str
-    token_ids : list[int]
-        The prompt.
-    blocks : list[int]
-        P's block table (covers the prompt).
-    decode_id : str
-        The D that allocated ``decode_block_ids`` (attached).
-    decode_block_ids : list[int]
-        D's block table of the request (logical block ``i`` is ``decode_block_ids[i]`` there).
-    num_cached_blocks : int
-        D's prefix hit: D already holds logical blocks ``0..num_cached_blocks-1``; not sent.
-    """
+    """One request as P's connector sees it: the prompt ``token_ids``, P's block table
+    ``blocks``, the D that allocated ``decode_block_ids`` (logical block ``i`` is
+    ``decode_block_ids[i]`` there) and D's prefix hit ``num_cached_blocks`` (logical blocks
+    ``0..num_cached_blocks-1``, not sent)."""
     req_id: str
     token_ids: list[int]
     blocks: list[int]
@@ -102,18 +67,9 @@ ChunkHook = Callable[[int, int], Callable[[int], None] | None]
 
 @dataclasses.dataclass
 class Prefilling:
-    """A request between ``KVSender.begin`` and ``KVSender.finish`` or ``KVSender.fail``
-    (:class:`kvflow.connector.base.KVSender`).
-
-    Attributes
-    ----------
-    layerwise : bool
-        Its KV moves during the prefill (through the kind's ``chunk_hook``).
-    t_begin : float
-        ``time.perf_counter()`` at ``begin`` (s).
-    state : object
-        What the kind's ``prepare`` returned (ipc-push, nixl: its ``PushStats``).
-    """
+    """A request between ``KVSender.begin`` and ``finish`` or ``fail``: ``layerwise`` (its KV
+    moves during the prefill), ``t_begin`` (``time.perf_counter()`` at ``begin``) and
+    ``state`` (what the kind's ``prepare`` returned)."""
     layerwise: bool
     t_begin: float
     state: Any = None
@@ -121,23 +77,16 @@ class Prefilling:
 
 @dataclasses.dataclass
 class Handoff:
-    """What P keeps for a request after :meth:`~kvflow.connector.base.KVSender.finish` until
-    D's :class:`~kvflow.connector.messages.KVAck` or the lease ends.
-
-    Attributes
-    ----------
-    holds_blocks : bool
-        D reads P's blocks after the prefill returned (or parts still go out): keep them.
-    keep : object
-        Memory ZMQ still reads (a staging buffer), or None.
-    """
+    """What P keeps for a request after ``KVSender.finish`` until D's ack or the lease ends:
+    ``holds_blocks`` (D still reads P's blocks) and ``keep`` (memory ZMQ still reads, or
+    None)."""
     holds_blocks: bool
     keep: Any = None
 
 
 def as_device(device: Any) -> torch.device:
-    """``device`` as a ``torch.device`` with an index on CUDA (``"cuda"`` is the current GPU,
-    ``cuda:N``), so two names of one GPU compare equal."""
+    """``device`` as a ``torch.device`` with an index on CUDA (``"cuda"`` is the current GPU),
+    so two names of one GPU compare equal."""
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -155,3 +104,12 @@ def as_ids(ids: Any) -> torch.Tensor:
     """Block ids as a 1-D int64 CPU tensor."""
     return torch.as_tensor(list(ids) if not isinstance(ids, torch.Tensor) else ids,
                            dtype=torch.int64).reshape(-1)
+
+
+def warm_copy(spec: KVCacheSpec, device: Any, backend: str, *caps: int | None) -> None:
+    """Compile :func:`~kvflow.kernels.copy_blocks` on two scratch caches of ``spec``, once per
+    grid cap of ``caps`` (none: the full grid only)."""
+    from kvflow.kernels import copy_blocks
+    a, b = PagedKVCache(spec, 2, device=device), PagedKVCache(spec, 2, device=device)
+    for cap in caps or (None,):
+        copy_blocks(a, b, [0], [1], backend=backend, max_ctas=cap)

@@ -1,21 +1,13 @@
-"""``tcp``: P gathers a request's blocks into a staging buffer with
-:func:`kvflow.kernels.gather_blocks` and sends it over ZMQ as zero-copy frames (one per layer,
-``send_multipart(copy=False)`` of memoryviews of the buffer, kept alive until D acknowledges);
-D receives the frames without copying and :func:`kvflow.kernels.scatter_blocks` each layer into
-the block ids it allocated. Works between hosts (the link is a TCP socket).
+"""``tcp``: P gathers a request's blocks into a staging buffer
+(:func:`kvflow.kernels.gather_blocks`) and sends it over ZMQ as zero-copy frames, one per layer,
+kept alive until D's ack; D :func:`kvflow.kernels.scatter_blocks` each layer into the block ids
+it allocated. Works between hosts.
 
-Frame layout: ``[KVData header (msgpack), layer 0, layer 1, ...]``; layer ``l`` is
-``staging[l]`` = ``[tensors_per_layer, num_blocks, *block_shape]`` of ``spec.dtype``, i.e.
-``tensors_per_layer * num_blocks * spec.block_bytes`` bytes. Zero blocks (D's prefix cache holds
-every prompt block) is a transfer too: empty layer frames, nothing written on D.
-
-A P whose cache spec differs from D's (block_size, NHD/HND, dtype) sends its whole table in its
-own spec; D scatters each layer with ``src_spec`` = P's spec and ``num_tokens`` = the prompt
-(:mod:`.reblocked`).
-
-Layerwise (:mod:`.framed`): ``[KVLayer header, one frame per layer of the part]``, each
-gathered with ``gather_blocks(layers=...)`` as soon as the prefill signals the layer; D scatters
-on arrival.
+Frames: ``[KVData header (msgpack), layer 0, layer 1, ...]``; layer ``l`` is ``staging[l]`` =
+``[tensors_per_layer, num_blocks, *block_shape]`` of ``spec.dtype`` (docs/layouts.md, "The
+staging buffer"); zero blocks is a transfer too (empty frames). Layerwise (:mod:`.framed`):
+``[KVLayer header, one frame per layer of the part]``. A P of another spec sends its whole
+table in its own spec and D scatters re-blocked (:mod:`.reblocked`).
 """
 
 from __future__ import annotations
@@ -59,18 +51,24 @@ class TcpSender(FramedSender):
                       backend=self.backend)
         super().warmup(engine, chunk_size)
 
+    def _gather(self, cache, ids: torch.Tensor, layers: range | None = None,
+                digest: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+        """``(staging on the host, gather ms)`` of ``layers`` (None: all) of blocks ``ids``."""
+        t0 = time.perf_counter()
+        staging = gather_blocks(cache, ids, staging_buffer(cache.spec, ids.numel(), layers,
+                                                           device=cache.device),
+                                layers, backend=self.backend, digest=digest)
+        if staging.device.type != "cpu":
+            staging = staging.cpu()
+        return staging, (time.perf_counter() - t0) * 1e3
+
     def send(self, link, req_id, cache, src_ids, *, first_token, num_prompt_tokens,
              corrupt=False):
         check_send_allowed("TcpSender.send")
         t_start = time.time()
         ids = as_ids(src_ids)
         digest = new_digest(ids.numel(), cache.device) if self.verify else None
-        t0 = time.perf_counter()
-        staging = gather_blocks(cache, ids, staging_buffer(cache.spec, ids.numel(), device=cache.device),
-                                backend=self.backend, digest=digest)
-        if staging.device.type != "cpu":
-            staging = staging.cpu()
-        gather_ms = (time.perf_counter() - t0) * 1e3
+        staging, gather_ms = self._gather(cache, ids, digest=digest)
         if corrupt and ids.numel():  # test fault: after the digest, as on the wire
             from kvflow.serve.instance.faults import flip_byte
             flip_byte(staging[-1, -1, -1])
@@ -82,17 +80,11 @@ class TcpSender(FramedSender):
         return staging  # ZMQ reads this memory after send returns: keep it until the ack
 
     def send_part(self, link, cache, src_ids, layers, **fields):
-        """Gather ``layers`` of ``src_ids`` (``gather_blocks(layers=...)``) and send a
-        :class:`KVLayer` header + one zero-copy frame per layer; keep the staging buffer."""
+        """Gather ``layers`` of ``src_ids`` and send a :class:`KVLayer` header + one zero-copy
+        frame per layer; keep the staging buffer."""
         check_send_allowed("TcpSender.send_part")
         ids = as_ids(src_ids)
-        t0 = time.perf_counter()
-        staging = gather_blocks(cache, ids, staging_buffer(cache.spec, ids.numel(), layers,
-                                                           device=cache.device),
-                                layers, backend=self.backend)
-        if staging.device.type != "cpu":
-            staging = staging.cpu()
-        gather_ms = (time.perf_counter() - t0) * 1e3
+        staging, gather_ms = self._gather(cache, ids, layers)
         header = KVLayer(layer_start=layers.start, layer_stop=layers.stop, num_blocks=ids.numel(),
                          **fields)
         link.send_multipart([encode(header)] + layer_frames(staging), copy=False)
@@ -124,25 +116,20 @@ class TcpReceiver(KVReceiver):
         scatter_blocks(staging_buffer(self.spec, 1, device=self.device),
                        PagedKVCache(self.spec, 2, device=self.device), [1], backend=self.backend)
 
-
     def forget(self, req_id: str) -> None:
         self.parts.forget(req_id)
 
     def receive(self, header: Any, frames: list[Any], cache, dst_ids, peer_id=None) -> TransferStats:
         spec = cache.spec
         if isinstance(header, KVLayer):
-            if self.verify:  # refused at start (kvflow.serve.checks): never unchecked
-                raise TransferError(f"kv verify: {header.req_id} moves layer by layer, which "
-                                    f"--kv-verify does not check")
+            self._unverified(header)
             return self.parts.receive(header, frames, cache, dst_ids, self._scatter_part)
         if not isinstance(header, KVData):
             raise TransferError(f"tcp expects a KVData or KVLayer header, got "
                                 f"{type(header).__name__}")
         src_spec = self.peer_specs.get(self.peer_id if peer_id is None else peer_id, spec)
         if differs(src_spec, spec):
-            if self.verify:
-                raise TransferError(f"kv verify: {header.req_id} comes from a P of another KV "
-                                    f"cache spec; --kv-verify does not check re-blocked moves")
+            self._unverified(header, reblocked=True)
             return self._scatter_reblocked(header, frames, cache, dst_ids, src_spec)
         n = header.num_blocks
         if n != len(dst_ids):
@@ -170,9 +157,8 @@ class TcpReceiver(KVReceiver):
         return TransferStats(blocks=n, payload_bytes=total, copy_ms=ms)
 
     def _scatter_reblocked(self, header, frames, cache, dst_ids, src_spec) -> TransferStats:
-        """A :class:`KVData` from a P of another spec: its frames are staging buffers of P's
-        spec holding P's whole table; each layer is scattered with ``src_spec`` and
-        ``num_tokens`` (:mod:`.reblocked`)."""
+        """A :class:`KVData` from a P of another spec (frames of P's whole table in P's spec):
+        each layer scattered with ``src_spec`` and ``num_tokens`` (:mod:`.reblocked`)."""
         n, T = header.num_blocks, header.num_prompt_tokens
         src, dst = tables(range(n), src_spec, dst_ids, cache.spec, T, header.req_id)
         t0 = time.perf_counter()
@@ -186,7 +172,6 @@ class TcpReceiver(KVReceiver):
                              payload_bytes=payload_bytes(cache.spec, len(dst_ids)))
 
     def _scatter_part(self, header, frames, cache, dst_ids, layers) -> int:
-        """Check one frame per layer of ``len(dst_ids)`` blocks, then scatter each layer."""
         return scatter_frames(frames, cache, as_ids(dst_ids), layers, req_id=header.req_id,
                               error=TransferError, count_msg=PART_COUNT, size_msg=PART_SIZE,
                               backend=self.backend)

@@ -1,14 +1,6 @@
-"""``--kv-verify``: P's digests of the blocks it sends, D's check after its copy (fail closed).
-
-P puts one digest per sent block (:func:`kvflow.kernels.block_digest`'s definition) in the
-data-plane message (``block_digests`` of :class:`~kvflow.connector.messages.KVData` /
-:class:`~kvflow.connector.messages.KVReady`): ``tcp`` from its gather's own launch; ``ipc-pull``, where
-P copies nothing (D copies out of P's exported cache), from one read-only digest launch over
-its blocks after the prefill (:func:`kvflow.kernels.digest.digest_blocks`). D's scatter (tcp)
-or copy (ipc-pull) computes the digest of what it wrote in the same launch, and :func:`check`
-compares: a mismatch raises :class:`KVVerifyError`, and D ends the request (HTTP 502) and
-frees its blocks without decoding from them or putting them in its prefix cache
-(:mod:`kvflow.serve.arrivals`).
+"""``--kv-verify``: P's digests of the blocks it sends (``block_digests`` of ``KVData`` /
+``KVReady``), D's check of what its scatter or copy wrote (fail closed: a mismatch raises
+:class:`KVVerifyError`). See docs/reliability.md, "KV integrity: `--kv-verify`".
 """
 
 from __future__ import annotations
@@ -36,13 +28,7 @@ def hex32(value: int) -> str:
 
 
 def expect(header: Any, n: int) -> list[int]:
-    """P's digests of the ``n`` blocks ``header`` sends.
-
-    Raises
-    ------
-    TransferError
-        P sent another number of digests (none: P runs without ``--kv-verify``).
-    """
+    """P's digests of the ``n`` blocks ``header`` sends (TransferError: another number)."""
     sent = list(header.block_digests)
     if len(sent) != n:
         raise TransferError(f"kv verify: {type(header).__name__} for {header.req_id} carries "
@@ -52,13 +38,8 @@ def expect(header: Any, n: int) -> list[int]:
 
 
 def check(req_id: str, sent: list[int], got: torch.Tensor) -> None:
-    """Compare P's digests ``sent`` with D's ``got`` (int32 ``[n]``).
-
-    Raises
-    ------
-    KVVerifyError
-        At the first block whose digests differ.
-    """
+    """Compare P's digests ``sent`` with D's ``got`` (int32 ``[n]``); KVVerifyError at the
+    first block whose digests differ."""
     mine = got.tolist()
     for i, (a, b) in enumerate(zip(sent, mine)):
         if a != b:
