@@ -3,8 +3,9 @@
 ``--mix-decodes N`` starts ``N`` *running* requests (prompts of ``--mix-prompt-len`` tokens,
 ``--mix-output-len`` output tokens, all sent at once) before the measured workload (the long
 prompts of ``--prompt-len`` at ``--rate``), which begins ``--mix-delay-s`` later, once the
-running requests decode. Per (mode, rate) step the running requests are first served alone (the
-baseline), then beside the workload. The rows add, for the running requests (ms, nearest rank):
+running requests decode. Per (mode, rate) step the running requests are served alone once
+(a warm-up, dropped: a fresh server's first steps are slower), then beside the workload, then
+alone again (the baseline). The rows add, for the running requests (ms, nearest rank):
 
 - ``running_tpot_ms_{p50,p99}`` and ``running_itl_ms_{p50,p99}`` beside the workload, and the
   same under ``running_alone_`` for the baseline;
@@ -74,18 +75,19 @@ def running_stats(results: list[loadgen.Result], prefix: str) -> dict[str, float
 
 def measure_mixed(url: str, opts: dict[str, Any], work: list, offsets: list[float],
                   on_done=None) -> tuple[list, float, dict[str, list]]:
-    """Serve the running requests alone, then beside ``work`` (sent at ``offsets`` after
-    ``--mix-delay-s``). Returns the workload's results, its duration (s, first workload send
+    """Serve the running requests alone (warm-up), beside ``work`` (sent at ``offsets`` after
+    ``--mix-delay-s``), then alone (the baseline). Returns the workload's results, its duration (s, first workload send
     to the last finish of either) and ``{"alone": [...], "beside": [...]}``, the running
     requests' results (:func:`fields`)."""
     running = running_workload(opts)
     kw = dict(model=opts["model"], concurrency=opts["concurrency"] + len(running),
               timeout=opts["request_timeout"])
-    alone, _ = asyncio.run(loadgen.run_load(url, running, [0.0] * len(running), **kw))
+    asyncio.run(loadgen.run_load(url, running, [0.0] * len(running), **kw))  # warm-up, dropped
     delay = opts["mix_delay_s"]
     both, dur = asyncio.run(loadgen.run_load(
         url, running + work, [0.0] * len(running) + [delay + t for t in offsets],
         on_done=on_done, **kw))
+    alone, _ = asyncio.run(loadgen.run_load(url, running, [0.0] * len(running), **kw))
     return both[len(running):], max(0.0, dur - delay), {"alone": alone,
                                                           "beside": both[:len(running)]}
 
