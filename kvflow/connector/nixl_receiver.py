@@ -19,6 +19,7 @@ from kvflow.connector.messages import (KVPushed, NixlAgentInfo, ProtocolError, d
 
 from .base import KVReceiver, Peer, SlotsTaken, TransferError, TransferStats
 from .layer_copy import LAYERS_PER_COPY
+from .records import warm_staging
 from .transport.nixl_agent import Agent, mem_type
 
 MODES = ("direct", "staged")
@@ -50,12 +51,6 @@ def peer_info(peer: Peer, role: str, mode: str, me: str) -> NixlAgentInfo:
         raise TransferError(f"nixl mode mismatch, pairing refused: {mode} ({me}) vs "
                             f"{info.mode} ({peer.id})")
     return info
-
-
-def one_block(spec: Any, device: torch.device) -> tuple[PagedKVCache, torch.Tensor]:
-    """A two-block cache and one block's staging (to compile the gather or scatter)."""
-    return (PagedKVCache(spec, 2, device=device),
-            torch.zeros(staging_shape(spec, 1), dtype=spec.dtype, device=device))
 
 
 class NixlReceiver(KVReceiver):
@@ -95,8 +90,7 @@ class NixlReceiver(KVReceiver):
 
     def warmup(self) -> None:
         if self.mode == "staged":
-            cache, one = one_block(self.spec, self.device)
-            scatter_blocks(one, cache, [1], backend=self.backend)
+            warm_staging(self.spec, self.device, self.backend, scatter=True)
 
     def export(self) -> dict[str, Any]:
         staged = self.staging is not None

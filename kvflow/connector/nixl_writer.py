@@ -24,6 +24,7 @@ from kvflow.cache import staging_shape
 from kvflow.kernels import gather_blocks
 
 from .base import TransferError
+from .layer_copy import block_pairs
 from .transport.nixl_plan import desc_indices
 
 #: Seconds P waits for a D's staging slot (its ``slot`` or ``free`` notification).
@@ -125,21 +126,10 @@ class NixlWriter:
         return bool(peer.last_req)
 
     def pairs(self, blocks, dst_ids, first: int, stop: int, skip: int, peer: NixlPeer | None):
-        """P's and D's ids of logical blocks ``[max(first, skip), stop)`` (lists), or None
-        when empty. TransferError for an id outside its cache or ``dst_ids`` repeating one."""
-        lo = max(first, skip)
-        if lo >= stop:
-            return None
-        src, dst = list(blocks[lo:stop]), list(dst_ids[lo:stop])
-        limit = peer.num_blocks if peer is not None else self.cache.num_blocks
-        for name, ids, n in (("P's block table", src, self.cache.num_blocks),
-                             ("decode_block_ids", dst, limit)):
-            bad = [b for b in ids if not 0 <= b < n]
-            if bad:
-                raise TransferError(f"{name} holds block {bad[0]}, not in [0, {n})")
-        if len(set(dst)) != len(dst):
-            raise TransferError(f"decode_block_ids repeats a block: {dst}")
-        return src, dst
+        """:func:`~kvflow.connector.layer_copy.block_pairs` (``peer`` None: P's own cache)."""
+        n = self.cache.num_blocks
+        return block_pairs(blocks, dst_ids, first, stop, skip, n,
+                           peer.num_blocks if peer is not None else n)
 
     def layer_hook(self, pairs, stats: Any, last_chunk: bool):
         """The engine's per-layer hook of one chunk: after each group of layers, post that

@@ -17,14 +17,15 @@ from typing import Any
 
 import torch
 
-from kvflow.cache import PagedKVCache, staging_buffer
-from kvflow.kernels import gather_blocks, payload_bytes, scatter_blocks
+from kvflow.cache import staging_buffer
+from kvflow.kernels import gather_blocks, payload_bytes
 from kvflow.kernels.digest import fold
 from kvflow.connector.messages import KVData, KVLayer, encode
 
 from .base import TransferError, TransferStats, as_ids, check_send_allowed
 from .framed import FramedReceiver, FramedSender
 from .reblocked import differs, tables
+from .records import warm_staging
 from .transport.frames import check_frames, layer_bytes, layer_frames, scatter_frames
 from .verify import check, expect, new_digest
 
@@ -45,9 +46,7 @@ class TcpSender(FramedSender):
 
     def warmup(self, engine: Any, chunk_size: int) -> None:
         """Compile the gather kernel on a scratch cache, then the layerwise set-up."""
-        scratch = PagedKVCache(self.spec, 2, device=self.device)
-        gather_blocks(scratch, [1], staging_buffer(self.spec, 1, device=self.device),
-                      backend=self.backend)
+        warm_staging(self.spec, self.device, self.backend)
         super().warmup(engine, chunk_size)
 
     def _gather(self, cache, ids: torch.Tensor, layers: range | None = None,
@@ -101,8 +100,7 @@ class TcpReceiver(FramedReceiver):
         self.peers[peer.id], self.peer_id = peer.spec, peer.id
 
     def warmup(self) -> None:
-        scatter_blocks(staging_buffer(self.spec, 1, device=self.device),
-                       PagedKVCache(self.spec, 2, device=self.device), [1], backend=self.backend)
+        warm_staging(self.spec, self.device, self.backend, scatter=True)
 
     def receive(self, header: Any, frames: list[Any], cache, dst_ids, peer_id=None) -> TransferStats:
         spec = cache.spec
