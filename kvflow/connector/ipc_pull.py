@@ -5,10 +5,7 @@ ids D allocated. P sends a :class:`~kvflow.connector.messages.KVReady` naming it
 until D's ack or the lease ends; layerwise, a :class:`~kvflow.connector.messages.KVLayer` per part
 (:mod:`.framed`). A P of another spec names its whole table and D pulls re-blocked
 (:mod:`.reblocked`); an fp8 P's scales are read from its exported memory (:mod:`kvflow.scales`).
-
-On CUDA the copy runs where ``direction`` says (:class:`CudaIpcPullReceiver`): ``"push"``
-(default) on P's GPU from D's process, ``"pull"`` on D's GPU (docs/gpu_serving.md, "How the
-GPUs are paired"). D waits for the copy before its ack.
+On CUDA: :class:`CudaIpcPullReceiver` (docs/gpu_serving.md, "How the GPUs are paired").
 """
 
 from __future__ import annotations

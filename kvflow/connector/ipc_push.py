@@ -208,6 +208,20 @@ class PushSender(KVSender):
         self.messages_sent += 1
 
 
+def pushed_stats(header: KVPushed, frames, dst_ids, failed: str) -> TransferStats:
+    """The stats of a ``KVPushed``; TransferError (``failed``: the text for ``ok=False``) for
+    payload frames, a failed push, or another number of blocks than ``dst_ids``."""
+    if frames:
+        raise TransferError(f"KVPushed carries no payload frames, got {len(frames)}")
+    if not header.ok:
+        raise TransferError(f"{failed}: {header.error or 'no reason given'}")
+    if header.num_blocks != len(dst_ids):
+        raise TransferError(f"KVPushed for {header.req_id} wrote {header.num_blocks} blocks; "
+                            f"D expects {len(dst_ids)}")
+    return TransferStats(blocks=header.num_blocks, payload_bytes=header.payload_bytes,
+                         copy_ms=header.copy_ms, layerwise=header.layerwise)
+
+
 class PushReceiver(KVReceiver):
     """D's half: exports D's cache; a ``KVPushed`` says the KV is in D's blocks already."""
 
@@ -231,15 +245,7 @@ class PushReceiver(KVReceiver):
     def receive(self, header: Any, frames, cache, dst_ids, peer_id=None) -> TransferStats:
         if not isinstance(header, KVPushed):
             raise TransferError(f"ipc push expects a KVPushed header, got {type(header).__name__}")
-        if frames:
-            raise TransferError(f"KVPushed carries no payload frames, got {len(frames)}")
-        if not header.ok:
-            raise TransferError(f"prefill could not push the KV: {header.error or 'no reason given'}")
-        if header.num_blocks != len(dst_ids):
-            raise TransferError(f"KVPushed for {header.req_id} wrote {header.num_blocks} blocks; "
-                                f"D expects {len(dst_ids)}")
-        return TransferStats(blocks=header.num_blocks, payload_bytes=header.payload_bytes,
-                             copy_ms=header.copy_ms, layerwise=header.layerwise)
+        return pushed_stats(header, frames, dst_ids, "prefill could not push the KV")
 
     def close(self) -> None:
         if self.export_name:  # the router also removes it if D dies

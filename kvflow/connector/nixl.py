@@ -19,7 +19,7 @@ from .ipc_push import PushSender
 from .layer_copy import LAYERS_PER_COPY
 from .nixl_receiver import NixlReceiver, check_mode, peer_info, staging_blocks  # noqa: F401
 from .nixl_writer import NixlPeer, NixlWriter
-from .records import warm_staging
+from .transport.frames import warm_staging
 from .transport.nixl_agent import Agent, block_descs, mem_type
 
 WRITE_TIMEOUT_S = 30.0  # default bound (seconds) on P's wait for a request's WRITEs

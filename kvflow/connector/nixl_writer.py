@@ -1,14 +1,8 @@
 """P's WRITEs of a request's KV into a paired D over NIXL, in the shape of
 :class:`~kvflow.connector.layer_copy.LayerCopier` (``start``, ``pairs``, ``layer_hook``,
-``finish``), so :class:`~kvflow.connector.ipc_push.PushSender`'s prefill drives it.
-
-``direct``: after each group of ``layers_per_copy`` layers of a chunk, one WRITE of the group's
-tensors x the chunk's complete blocks (:func:`~kvflow.connector.transport.nixl_plan.desc_indices`).
-``staged``: in the last chunk, after each layer group, P gathers the group's layers of every
-prompt block into its staging buffer and WRITEs that range into its slot of D's staging buffer,
-after D's ``free`` of the previous request. A prompt moved after its prefill is written per
-layer group on the host, in one gather and one WRITE on a GPU. Every WRITE is waited for in
-:meth:`NixlWriter.finish`, before ``KVPushed``. See docs/nixl.md, "How it works".
+``finish``), so :class:`~kvflow.connector.ipc_push.PushSender`'s prefill drives it. The modes
+(``direct``, ``staged``): docs/nixl.md, "How it works"; ``staged`` writes in the last chunk
+only. Every WRITE is waited for in :meth:`NixlWriter.finish`, before ``KVPushed``.
 """
 
 from __future__ import annotations

@@ -113,13 +113,3 @@ def warm_copy(spec: KVCacheSpec, device: Any, backend: str, *caps: int | None) -
     a, b = PagedKVCache(spec, 2, device=device), PagedKVCache(spec, 2, device=device)
     for cap in caps or (None,):
         copy_blocks(a, b, [0], [1], backend=backend, max_ctas=cap)
-
-
-def warm_staging(spec: KVCacheSpec, device: Any, backend: str, scatter: bool = False) -> None:
-    """Compile :func:`~kvflow.kernels.gather_blocks` (``scatter``: ``scatter_blocks``) on one
-    block of a scratch cache of ``spec``."""
-    from kvflow.cache import staging_buffer
-    from kvflow.kernels import gather_blocks, scatter_blocks
-    cache, one = PagedKVCache(spec, 2, device=device), staging_buffer(spec, 1, device=device)
-    scatter_blocks(one, cache, [1], backend=backend) if scatter else \
-        gather_blocks(cache, [1], one, backend=backend)

@@ -25,8 +25,8 @@ from kvflow.connector.messages import KVData, KVLayer, encode
 from .base import TransferError, TransferStats, as_ids, check_send_allowed
 from .framed import FramedReceiver, FramedSender
 from .reblocked import differs, tables
-from .records import warm_staging
-from .transport.frames import check_frames, layer_bytes, layer_frames, scatter_frames
+from .transport.frames import (check_frames, layer_bytes, layer_frames, scatter_frames,
+                               warm_staging)
 from .verify import check, expect, new_digest
 
 

@@ -13,8 +13,7 @@ import torch
 import zmq
 
 from kvflow.cache import PagedKVCache, staging_buffer
-from kvflow.connector.records import warm_staging
-from kvflow.connector.transport.frames import layer_frames, scatter_frames
+from kvflow.connector.transport.frames import layer_frames, scatter_frames, warm_staging
 from kvflow.kernels import gather_blocks
 from kvflow.layout import KVCacheSpec
 from kvflow.wire import ProtocolError
