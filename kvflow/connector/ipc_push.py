@@ -1,11 +1,10 @@
 """``ipc-push``: P writes each request's KV straight into the blocks D allocated (one host).
 
-D exports its cache (:mod:`.transport.shm`); P maps it at pairing and copies its blocks into D's
-with :func:`~kvflow.kernels.copy_blocks` in its own CUDA context, beside its compute: layerwise
-per layer group (:mod:`.layer_copy`), else after the prefill (re-blocked for a D of another
-spec, :func:`.reblocked.push_prompt`); then one :class:`~kvflow.connector.messages.KVPushed`, until which
-D keeps the blocks lent (:mod:`.lent`). See docs/gpu_serving.md, "`ipc-push` (the default on
-CUDA): P writes into D's cache, layer by layer".
+D exports its cache (:mod:`.transport.shm`); P maps it at pairing and copies its blocks into
+D's, per layer group (:mod:`.layer_copy`) or after the prefill (:func:`.reblocked.push_prompt`
+for a D of another spec); then one ``KVPushed``, until which D keeps the blocks lent
+(:mod:`.lent`). See docs/gpu_serving.md, "`ipc-push` (the default on CUDA): P writes into D's
+cache, layer by layer".
 """
 
 from __future__ import annotations
