@@ -1,4 +1,4 @@
-"""P's half of the connectors whose KV (or a pointer to it) goes to D as messages on the link:
+"""The halves of the connectors whose KV (or a pointer to it) goes to D as messages on the link:
 ``ipc-pull`` (a :class:`~kvflow.connector.messages.KVReady` naming P's blocks) and ``tcp`` (a
 :class:`~kvflow.connector.messages.KVData` carrying them).
 
@@ -14,7 +14,8 @@ from typing import Any
 
 from kvflow.context import sends_allowed
 
-from .base import Handoff, KVSender, Peer, PrefillJob, Prefilling, TransferError
+from .base import Handoff, KVReceiver, KVSender, Peer, PrefillJob, Prefilling, TransferError
+from .layerwise.parts import LayerParts
 from .reblocked import differs
 
 
@@ -130,3 +131,25 @@ class FramedSender(KVSender):
         if self.layerwise is not None:
             self.layerwise.close()  # before the ZMQ context ends: it owns sockets
         super().close()
+
+
+class FramedReceiver(KVReceiver):
+    """Base of D's halves (ipc-pull, tcp): ``peers`` (paired P -> what the kind keeps of it;
+    ``peer_id``: the last one paired) and the layerwise ``parts``. ``head_start``: D holds P's
+    KV heads ``[head_start, head_start + spec.num_kv_heads)``."""
+
+    verify = False  # --kv-verify: check P's digests after the copy (set by the instance)
+
+    def __init__(self, spec=None, device: Any = "cpu", *, backend: str = "auto",
+                 head_start: int | None = None) -> None:
+        super().__init__(spec, device, backend=backend)
+        self.head_start, self.parts, self.peers, self.peer_id = head_start, LayerParts(), {}, ""
+
+    def detach(self, peer_id: str) -> None:
+        self.peers.pop(peer_id, None)
+
+    def forget(self, req_id: str) -> None:
+        self.parts.forget(req_id)
+
+    def close(self) -> None:
+        self.peers.clear()

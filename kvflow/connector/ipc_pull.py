@@ -5,10 +5,7 @@ ids D allocated. P sends a :class:`~kvflow.connector.messages.KVReady` naming it
 until D's ack or the lease ends; layerwise, a :class:`~kvflow.connector.messages.KVLayer` per part
 (:mod:`.framed`). A P of another spec names its whole table and D pulls re-blocked
 (:mod:`.reblocked`); an fp8 P's scales are read from its exported memory (:mod:`kvflow.scales`).
-
-On CUDA the copy runs where ``direction`` says (:class:`CudaIpcPullReceiver`): ``"push"``
-(default) on P's GPU from D's process, ``"pull"`` on D's GPU (docs/gpu_serving.md, "How the
-GPUs are paired"). D waits for the copy before its ack.
+On CUDA: :class:`CudaIpcPullReceiver` (docs/gpu_serving.md, "How the GPUs are paired").
 """
 
 from __future__ import annotations
@@ -24,9 +21,8 @@ from kvflow.kernels.digest import digest_blocks
 from kvflow.connector.messages import KVLayer, KVReady, encode
 from kvflow.segments import unlink
 
-from .base import KVReceiver, Peer, TransferError, TransferStats, as_ids, check_send_allowed
-from .framed import FramedSender
-from .layerwise.parts import LayerParts
+from .base import Peer, TransferError, TransferStats, as_ids, check_send_allowed
+from .framed import FramedReceiver, FramedSender
 from .reblocked import differs, tables
 from .records import warm_copy
 from .transport.shm import export_new_cache, map_peer_cache
@@ -78,23 +74,13 @@ class IpcPullSender(FramedSender):
         self.export_name = ""
 
 
-class IpcPullReceiver(KVReceiver):
+class IpcPullReceiver(FramedReceiver):
     """D's half: map each paired P's cache at pairing (``peers``), then ``copy_blocks`` P's ids
-    -> D's ids, reading the cache of the P that sent the transfer (``peer_id``).
-    ``head_start``: D holds P's KV heads ``[head_start, head_start + spec.num_kv_heads)``."""
+    -> D's ids, reading the cache of the P that sent the transfer (``peer_id``)."""
 
     name = "ipc-pull"
     reads_peer_memory = True
     copy_kwargs: dict = {}  # extra copy_blocks arguments (the CUDA receiver sets direction)
-    verify = False  # --kv-verify: check P's digests after the copy (set by the instance)
-
-    def __init__(self, spec=None, device: Any = "cpu", *, backend: str = "auto",
-                 head_start: int | None = None) -> None:
-        super().__init__(spec, device, backend=backend)
-        self.head_start = head_start
-        self.peers: dict[str, PagedKVCache] = {}
-        self.peer_id = ""  # the last one paired
-        self.parts = LayerParts()
 
     @property
     def peer(self) -> PagedKVCache | None:
@@ -107,9 +93,6 @@ class IpcPullReceiver(KVReceiver):
     def attach(self, peer: Peer) -> None:
         self.peers[peer.id] = map_peer_cache(peer.shm_name, peer.spec, peer.num_blocks)
         self.peer_id = peer.id
-
-    def detach(self, peer_id: str) -> None:
-        self.peers.pop(peer_id, None)
 
     def peer_for(self, peer_id: str | None) -> PagedKVCache:
         """The mapped cache of P ``peer_id`` (None: the last paired one); TransferError before
@@ -176,8 +159,7 @@ class IpcPullReceiver(KVReceiver):
         if cache.device.type == "cuda":  # P may reuse its blocks after the ack
             torch.cuda.synchronize(cache.device)
             torch.cuda.synchronize(src_cache.device)
-        ms = (time.perf_counter() - t0) * 1e3
-        return TransferStats(blocks=len(dst_ids), copy_ms=ms,
+        return TransferStats(blocks=len(dst_ids), copy_ms=(time.perf_counter() - t0) * 1e3,
                              payload_bytes=payload_bytes(cache.spec, len(dst_ids)))
 
     def _pull_part(self, src_cache, header, frames, cache, dst_ids, layers) -> int:
@@ -193,11 +175,6 @@ class IpcPullReceiver(KVReceiver):
                     backend=self.backend, **self.copy_kwargs)
         return payload_bytes(cache.spec, len(dst_ids), layers)
 
-    def forget(self, req_id: str) -> None:
-        self.parts.forget(req_id)
-
-    def close(self) -> None:
-        self.peers.clear()
 
 
 class CudaIpcPullReceiver(IpcPullReceiver):

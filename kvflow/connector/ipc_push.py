@@ -1,11 +1,10 @@
 """``ipc-push``: P writes each request's KV straight into the blocks D allocated (one host).
 
-D exports its cache (:mod:`.transport.shm`); P maps it at pairing and copies its blocks into D's
-with :func:`~kvflow.kernels.copy_blocks` in its own CUDA context, beside its compute: layerwise
-per layer group (:mod:`.layer_copy`), else after the prefill (re-blocked for a D of another
-spec, :func:`.reblocked.push_prompt`); then one :class:`~kvflow.connector.messages.KVPushed`, until which
-D keeps the blocks lent (:mod:`.lent`). See docs/gpu_serving.md, "`ipc-push` (the default on
-CUDA): P writes into D's cache, layer by layer".
+D exports its cache (:mod:`.transport.shm`); P maps it at pairing and copies its blocks into
+D's, per layer group (:mod:`.layer_copy`) or after the prefill (:func:`.reblocked.push_prompt`
+for a D of another spec); then one ``KVPushed``, until which D keeps the blocks lent
+(:mod:`.lent`). See docs/gpu_serving.md, "`ipc-push` (the default on CUDA): P writes into D's
+cache, layer by layer".
 """
 
 from __future__ import annotations
@@ -208,6 +207,20 @@ class PushSender(KVSender):
         self.messages_sent += 1
 
 
+def pushed_stats(header: KVPushed, frames, dst_ids, failed: str) -> TransferStats:
+    """The stats of a ``KVPushed``; TransferError (``failed``: the text for ``ok=False``) for
+    payload frames, a failed push, or another number of blocks than ``dst_ids``."""
+    if frames:
+        raise TransferError(f"KVPushed carries no payload frames, got {len(frames)}")
+    if not header.ok:
+        raise TransferError(f"{failed}: {header.error or 'no reason given'}")
+    if header.num_blocks != len(dst_ids):
+        raise TransferError(f"KVPushed for {header.req_id} wrote {header.num_blocks} blocks; "
+                            f"D expects {len(dst_ids)}")
+    return TransferStats(blocks=header.num_blocks, payload_bytes=header.payload_bytes,
+                         copy_ms=header.copy_ms, layerwise=header.layerwise)
+
+
 class PushReceiver(KVReceiver):
     """D's half: exports D's cache; a ``KVPushed`` says the KV is in D's blocks already."""
 
@@ -231,15 +244,7 @@ class PushReceiver(KVReceiver):
     def receive(self, header: Any, frames, cache, dst_ids, peer_id=None) -> TransferStats:
         if not isinstance(header, KVPushed):
             raise TransferError(f"ipc push expects a KVPushed header, got {type(header).__name__}")
-        if frames:
-            raise TransferError(f"KVPushed carries no payload frames, got {len(frames)}")
-        if not header.ok:
-            raise TransferError(f"prefill could not push the KV: {header.error or 'no reason given'}")
-        if header.num_blocks != len(dst_ids):
-            raise TransferError(f"KVPushed for {header.req_id} wrote {header.num_blocks} blocks; "
-                                f"D expects {len(dst_ids)}")
-        return TransferStats(blocks=header.num_blocks, payload_bytes=header.payload_bytes,
-                             copy_ms=header.copy_ms, layerwise=header.layerwise)
+        return pushed_stats(header, frames, dst_ids, "prefill could not push the KV")
 
     def close(self) -> None:
         if self.export_name:  # the router also removes it if D dies

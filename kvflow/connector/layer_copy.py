@@ -27,6 +27,24 @@ LAYERWISE_MAX_CTAS = 16
 LAYERS_PER_COPY = 4
 
 
+def block_pairs(blocks, dst_ids, first: int, stop: int, skip: int, p_blocks: int,
+                d_blocks: int) -> tuple[list[int], list[int]] | None:
+    """P's and D's ids (lists) of logical blocks ``[max(first, skip), stop)``, None when empty.
+    TransferError for an id outside its cache (of ``p_blocks`` / ``d_blocks`` blocks) or
+    ``dst_ids`` repeating a block."""
+    lo = max(first, skip)
+    if lo >= stop:
+        return None
+    src, dst = list(blocks[lo:stop]), list(dst_ids[lo:stop])
+    for name, ids, n in (("P's block table", src, p_blocks), ("decode_block_ids", dst, d_blocks)):
+        bad = [b for b in ids if not 0 <= b < n]
+        if bad:
+            raise TransferError(f"{name} holds block {bad[0]}, not in [0, {n})")
+    if len(set(dst)) != len(dst):
+        raise TransferError(f"decode_block_ids repeats a block: {dst}")
+    return src, dst
+
+
 @dataclasses.dataclass
 class PushStats:
     """One request's push as seen by P: ``blocks`` and ``payload_bytes`` written into D's
@@ -68,22 +86,13 @@ class LayerCopier:
 
     def pairs(self, blocks: list[int], dst_ids: list[int], first: int, stop: int, skip: int,
               peer: PagedKVCache) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """P's and D's ids of logical blocks ``[max(first, skip), stop)`` (two int64 tensors,
-        None when the range is empty), checked here (the copies skip validation) and, on CUDA,
-        put on the device once through the copy stream. Raises TransferError for an id outside
-        its cache, or ``dst_ids`` repeating a block."""
-        lo = max(first, skip)
-        if lo >= stop:
+        """:func:`block_pairs` as two int64 tensors (the copies skip validation), on CUDA put
+        on the device once through the copy stream."""
+        ids = block_pairs(blocks, dst_ids, first, stop, skip, self.cache.num_blocks,
+                          peer.num_blocks)
+        if ids is None:
             return None
-        src, dst = blocks[lo:stop], dst_ids[lo:stop]
-        for name, ids, limit in (("P's block table", src, self.cache.num_blocks),
-                                 ("decode_block_ids", dst, peer.num_blocks)):
-            bad = [b for b in ids if not 0 <= b < limit]
-            if bad:
-                raise TransferError(f"{name} holds block {bad[0]}, not in [0, {limit})")
-        if len(set(dst)) != len(dst):
-            raise TransferError(f"decode_block_ids repeats a block: {dst}")
-        pairs = tuple(torch.tensor(x, dtype=torch.int64, pin_memory=self.cuda) for x in (src, dst))
+        pairs = tuple(torch.tensor(x, dtype=torch.int64, pin_memory=self.cuda) for x in ids)
         if not self.cuda:
             return pairs
         with torch.cuda.stream(self._stream):

@@ -12,15 +12,14 @@ import torch
 
 from kvflow.cache import PagedKVCache
 from kvflow.context import sends_allowed
-from kvflow.kernels import gather_blocks
 from kvflow.connector.messages import NixlAgentInfo, encode_agent_info
 
 from .base import KVSender, Peer, PrefillJob, TransferError
 from .ipc_push import PushSender
 from .layer_copy import LAYERS_PER_COPY
-from .nixl_receiver import NixlReceiver  # noqa: F401  (D's half, loaded from here)
-from .nixl_receiver import check_mode, one_block, peer_info, staging_blocks
+from .nixl_receiver import NixlReceiver, check_mode, peer_info, staging_blocks  # noqa: F401
 from .nixl_writer import NixlPeer, NixlWriter
+from .transport.frames import warm_staging
 from .transport.nixl_agent import Agent, block_descs, mem_type
 
 WRITE_TIMEOUT_S = 30.0  # default bound (seconds) on P's wait for a request's WRITEs
@@ -70,8 +69,7 @@ class NixlSender(PushSender):
     def warmup(self, engine: Any, chunk_size: int) -> None:
         """Compile the gather (staged), then a chunked dummy prefill (nothing written)."""
         if self.mode == "staged":
-            cache, one = one_block(self.spec, self.device)
-            gather_blocks(cache, [1], one, backend=self.backend)
+            warm_staging(self.spec, self.device, self.backend)
         self.dummy_run(engine, chunk_size)
 
     def export(self) -> dict[str, Any]:

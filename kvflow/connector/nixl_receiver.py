@@ -1,9 +1,7 @@
 """D's half of the ``nixl`` kind (:class:`NixlReceiver`, loaded through
 :mod:`kvflow.connector.nixl`), and what both halves share: the modes, the size of a staging
-slot, the check of a peer's agent info. D registers its cache (and, staged, its staging slots)
-with a NIXL agent and publishes it in ``Register.connector_md``; P WRITEs into it. Staged, D
-gives each paired P a slot (``slot K``) and frees it per request (``free REQ``), sending both
-again after a failed request of that P. See docs/nixl.md, "How it works".
+slot, the check of a peer's agent info. D publishes its registered memory in
+``Register.connector_md``; P WRITEs into it. See docs/nixl.md, "How it works".
 """
 
 from __future__ import annotations
@@ -18,7 +16,9 @@ from kvflow.connector.messages import (KVPushed, NixlAgentInfo, ProtocolError, d
                              encode_agent_info)
 
 from .base import KVReceiver, Peer, SlotsTaken, TransferError, TransferStats
+from .ipc_push import pushed_stats
 from .layer_copy import LAYERS_PER_COPY
+from .transport.frames import warm_staging
 from .transport.nixl_agent import Agent, mem_type
 
 MODES = ("direct", "staged")
@@ -50,12 +50,6 @@ def peer_info(peer: Peer, role: str, mode: str, me: str) -> NixlAgentInfo:
         raise TransferError(f"nixl mode mismatch, pairing refused: {mode} ({me}) vs "
                             f"{info.mode} ({peer.id})")
     return info
-
-
-def one_block(spec: Any, device: torch.device) -> tuple[PagedKVCache, torch.Tensor]:
-    """A two-block cache and one block's staging (to compile the gather or scatter)."""
-    return (PagedKVCache(spec, 2, device=device),
-            torch.zeros(staging_shape(spec, 1), dtype=spec.dtype, device=device))
 
 
 class NixlReceiver(KVReceiver):
@@ -95,8 +89,7 @@ class NixlReceiver(KVReceiver):
 
     def warmup(self) -> None:
         if self.mode == "staged":
-            cache, one = one_block(self.spec, self.device)
-            scatter_blocks(one, cache, [1], backend=self.backend)
+            warm_staging(self.spec, self.device, self.backend, scatter=True)
 
     def export(self) -> dict[str, Any]:
         staged = self.staging is not None
@@ -149,14 +142,8 @@ class NixlReceiver(KVReceiver):
         if not isinstance(header, KVPushed):
             raise TransferError(f"nixl expects a KVPushed header, got {type(header).__name__}")
         try:
-            if frames:
-                raise TransferError(f"KVPushed carries no payload frames, got {len(frames)}")
-            if not header.ok:
-                raise TransferError(f"prefill could not write the KV over NIXL: "
-                                    f"{header.error or 'no reason given'}")
-            if header.num_blocks != len(dst_ids):
-                raise TransferError(f"KVPushed for {header.req_id} wrote {header.num_blocks} "
-                                    f"blocks; D expects {len(dst_ids)}")
+            stats = pushed_stats(header, frames, dst_ids,
+                                 "prefill could not write the KV over NIXL")
             if self.mode == "staged" and dst_ids:
                 self._scatter(peer_id, dst_ids, cache)
         finally:
@@ -166,8 +153,7 @@ class NixlReceiver(KVReceiver):
                     self._resend_slot(pid)
                 self._free(pid, header.req_id)
                 self.freed[pid] = header.req_id
-        return TransferStats(blocks=header.num_blocks, payload_bytes=header.payload_bytes,
-                             copy_ms=header.copy_ms, layerwise=header.layerwise)
+        return stats
 
     def _free(self, peer_id: str, req_id: str) -> None:
         self.agent.notify(peer_id, b"free " + req_id.encode())

@@ -1,14 +1,8 @@
 """P's WRITEs of a request's KV into a paired D over NIXL, in the shape of
 :class:`~kvflow.connector.layer_copy.LayerCopier` (``start``, ``pairs``, ``layer_hook``,
-``finish``), so :class:`~kvflow.connector.ipc_push.PushSender`'s prefill drives it.
-
-``direct``: after each group of ``layers_per_copy`` layers of a chunk, one WRITE of the group's
-tensors x the chunk's complete blocks (:func:`~kvflow.connector.transport.nixl_plan.desc_indices`).
-``staged``: in the last chunk, after each layer group, P gathers the group's layers of every
-prompt block into its staging buffer and WRITEs that range into its slot of D's staging buffer,
-after D's ``free`` of the previous request. A prompt moved after its prefill is written per
-layer group on the host, in one gather and one WRITE on a GPU. Every WRITE is waited for in
-:meth:`NixlWriter.finish`, before ``KVPushed``. See docs/nixl.md, "How it works".
+``finish``), so :class:`~kvflow.connector.ipc_push.PushSender`'s prefill drives it. The modes
+(``direct``, ``staged``): docs/nixl.md, "How it works"; ``staged`` writes in the last chunk
+only. Every WRITE is waited for in :meth:`NixlWriter.finish`, before ``KVPushed``.
 """
 
 from __future__ import annotations
@@ -24,6 +18,7 @@ from kvflow.cache import staging_shape
 from kvflow.kernels import gather_blocks
 
 from .base import TransferError
+from .layer_copy import block_pairs
 from .transport.nixl_plan import desc_indices
 
 #: Seconds P waits for a D's staging slot (its ``slot`` or ``free`` notification).
@@ -125,21 +120,10 @@ class NixlWriter:
         return bool(peer.last_req)
 
     def pairs(self, blocks, dst_ids, first: int, stop: int, skip: int, peer: NixlPeer | None):
-        """P's and D's ids of logical blocks ``[max(first, skip), stop)`` (lists), or None
-        when empty. TransferError for an id outside its cache or ``dst_ids`` repeating one."""
-        lo = max(first, skip)
-        if lo >= stop:
-            return None
-        src, dst = list(blocks[lo:stop]), list(dst_ids[lo:stop])
-        limit = peer.num_blocks if peer is not None else self.cache.num_blocks
-        for name, ids, n in (("P's block table", src, self.cache.num_blocks),
-                             ("decode_block_ids", dst, limit)):
-            bad = [b for b in ids if not 0 <= b < n]
-            if bad:
-                raise TransferError(f"{name} holds block {bad[0]}, not in [0, {n})")
-        if len(set(dst)) != len(dst):
-            raise TransferError(f"decode_block_ids repeats a block: {dst}")
-        return src, dst
+        """:func:`~kvflow.connector.layer_copy.block_pairs` (``peer`` None: P's own cache)."""
+        n = self.cache.num_blocks
+        return block_pairs(blocks, dst_ids, first, stop, skip, n,
+                           peer.num_blocks if peer is not None else n)
 
     def layer_hook(self, pairs, stats: Any, last_chunk: bool):
         """The engine's per-layer hook of one chunk: after each group of layers, post that

@@ -17,16 +17,16 @@ from typing import Any
 
 import torch
 
-from kvflow.cache import PagedKVCache, staging_buffer
-from kvflow.kernels import gather_blocks, payload_bytes, scatter_blocks
+from kvflow.cache import staging_buffer
+from kvflow.kernels import gather_blocks, payload_bytes
 from kvflow.kernels.digest import fold
 from kvflow.connector.messages import KVData, KVLayer, encode
 
-from .base import KVReceiver, TransferError, TransferStats, as_ids, check_send_allowed
-from .framed import FramedSender
-from .layerwise.parts import LayerParts
+from .base import TransferError, TransferStats, as_ids, check_send_allowed
+from .framed import FramedReceiver, FramedSender
 from .reblocked import differs, tables
-from .transport.frames import check_frames, layer_bytes, layer_frames, scatter_frames
+from .transport.frames import (check_frames, layer_bytes, layer_frames, scatter_frames,
+                               warm_staging)
 from .verify import check, expect, new_digest
 
 
@@ -46,9 +46,7 @@ class TcpSender(FramedSender):
 
     def warmup(self, engine: Any, chunk_size: int) -> None:
         """Compile the gather kernel on a scratch cache, then the layerwise set-up."""
-        scratch = PagedKVCache(self.spec, 2, device=self.device)
-        gather_blocks(scratch, [1], staging_buffer(self.spec, 1, device=self.device),
-                      backend=self.backend)
+        warm_staging(self.spec, self.device, self.backend)
         super().warmup(engine, chunk_size)
 
     def _gather(self, cache, ids: torch.Tensor, layers: range | None = None,
@@ -91,33 +89,18 @@ class TcpSender(FramedSender):
         return staging, gather_ms
 
 
-class TcpReceiver(KVReceiver):
-    """D's half: check the frames against the header and the spec, scatter each layer."""
+class TcpReceiver(FramedReceiver):
+    """D's half: check the frames against the header and the spec (``peers``: paired P -> its
+    KVCacheSpec), scatter each layer."""
 
     name = "tcp"
     host_local = False  # P may live on another host
-    verify = False  # --kv-verify: check P's digests after the scatter (set by the instance)
-
-    def __init__(self, spec=None, device: Any = "cpu", *, backend: str = "auto",
-                 head_start: int | None = None) -> None:
-        super().__init__(spec, device, backend=backend)
-        self.head_start = head_start  # D holds P's heads [head_start, + spec.num_kv_heads)
-        self.parts = LayerParts()
-        self.peer_specs: dict = {}  # paired P -> its KVCacheSpec
-        self.peer_id = ""  # the last one paired
 
     def attach(self, peer) -> None:
-        self.peer_specs[peer.id], self.peer_id = peer.spec, peer.id
-
-    def detach(self, peer_id: str) -> None:
-        self.peer_specs.pop(peer_id, None)
+        self.peers[peer.id], self.peer_id = peer.spec, peer.id
 
     def warmup(self) -> None:
-        scatter_blocks(staging_buffer(self.spec, 1, device=self.device),
-                       PagedKVCache(self.spec, 2, device=self.device), [1], backend=self.backend)
-
-    def forget(self, req_id: str) -> None:
-        self.parts.forget(req_id)
+        warm_staging(self.spec, self.device, self.backend, scatter=True)
 
     def receive(self, header: Any, frames: list[Any], cache, dst_ids, peer_id=None) -> TransferStats:
         spec = cache.spec
@@ -127,7 +110,7 @@ class TcpReceiver(KVReceiver):
         if not isinstance(header, KVData):
             raise TransferError(f"tcp expects a KVData or KVLayer header, got "
                                 f"{type(header).__name__}")
-        src_spec = self.peer_specs.get(self.peer_id if peer_id is None else peer_id, spec)
+        src_spec = self.peers.get(self.peer_id if peer_id is None else peer_id, spec)
         if differs(src_spec, spec):
             self._unverified(header, reblocked=True)
             return self._scatter_reblocked(header, frames, cache, dst_ids, src_spec)
@@ -167,8 +150,7 @@ class TcpReceiver(KVReceiver):
                        num_frames=header.num_frames, spec=src_spec, num_blocks=n,
                        backend=self.backend, src_spec=src_spec, num_tokens=T,
                        head_start=self.head_start)
-        ms = (time.perf_counter() - t0) * 1e3
-        return TransferStats(blocks=len(dst_ids), copy_ms=ms,
+        return TransferStats(blocks=len(dst_ids), copy_ms=(time.perf_counter() - t0) * 1e3,
                              payload_bytes=payload_bytes(cache.spec, len(dst_ids)))
 
     def _scatter_part(self, header, frames, cache, dst_ids, layers) -> int:

@@ -6,9 +6,8 @@ request's newly full blocks of layer ``l``, and after its last chunk the partial
 Every block of every layer is sent exactly once, in any layer order; blocks ready before D's ids
 arrive are replayed when they do. A stale, duplicate or unmatched (no live request ran that
 step) signal sends nothing, and nothing is sent inside a profile/dummy run
-(:func:`kvflow.context.sends_allowed`). ``send(request_id, layers, src_block_ids,
-dst_block_ids)`` gets a ``range`` of consecutive layers standing at the same blocks and pairs
-P's ``src[i]`` with D's ``dst[i]``.
+(:func:`kvflow.context.sends_allowed`). ``send`` gets a ``range`` of consecutive layers
+standing at the same blocks.
 """
 
 from __future__ import annotations
@@ -215,8 +214,7 @@ class LayerwiseScheduler:
         with self._lock:
             return list(self._reqs)
 
-    # ---- internals (lock held unless noted) -------------------------------------------
-    def _get(self, request_id: str) -> _Request:
+    def _get(self, request_id: str) -> _Request:  # lock held (as below, unless noted)
         r = self._reqs.get(request_id)
         if r is None:
             raise KeyError(f"request_id={request_id!r} is not registered (finished or aborted?)")

@@ -1,16 +1,9 @@
 """P's side of the layerwise transfer: each layer's blocks leave as soon as the prefill has
-written them, so the transfer of layer ``l`` overlaps the compute of layers ``l+1..``.
-
-:meth:`LayerwiseSender.begin` returns the request's ``on_chunk`` hook: each chunk is registered
-with a :class:`.LayerwiseScheduler` and each layer stores ``(layer, step)`` into the instance's
-:class:`~kvflow.signal.LayerSignaller` segment; a :class:`.LayerwiseWorker` thread reads it and
-sends each due part as a :class:`~kvflow.connector.messages.KVLayer` through the connector's
-``send_part`` on the part socket of the request's D; a last ``KVLayer(last=True)`` carries the
-first token once every part went. Parts name *logical* prompt positions (``block_offset``),
-which D maps through its own block table. Failures (a send error; no signal within
-``signal_timeout_s``: :class:`TimeoutError`) drop the request and queue it for
-:meth:`LayerwiseSender.pop_errors`. See docs/design.md, sections "One request, from the router
-to D's cache" and "Nothing is signalled or sent during a profile run".
+written them (signalled through a :class:`~kvflow.signal.LayerSignaller` segment, read by a
+:class:`.LayerwiseWorker`), each part a :class:`~kvflow.connector.messages.KVLayer` at logical
+prompt positions (``block_offset``); a last ``KVLayer(last=True)`` carries the first token.
+Failures go to :meth:`LayerwiseSender.pop_errors`. See docs/design.md, sections "One request,
+from the router to D's cache" and "Nothing is signalled or sent during a profile run".
 """
 
 from __future__ import annotations
@@ -172,7 +165,6 @@ class LayerwiseSender:
             out.append(self._errors.get_nowait())
         return out
 
-    # ---- the worker thread (and finish) ------------------------------------------------
     def _send_part(self, req_id: str, layers: range, src: list[int], dst: list[int]) -> None:
         with self._lock:
             live = self._live.get(req_id)

@@ -1,8 +1,5 @@
-"""A thread that reads the signal segment and drives a :class:`LayerwiseScheduler`: every layer
-whose step moved goes to :meth:`~LayerwiseScheduler.on_layer_signal` (the sends run in this
-thread); a request whose layers stay unsignalled for ``signal_timeout_s`` is aborted with a
-:class:`TimeoutError`. With no request in flight it sleeps until :meth:`~LayerwiseWorker.wake`
-or ``poll_s``; every wait is bounded by ``poll_s``.
+"""A thread that reads the signal segment and drives a :class:`LayerwiseScheduler` (its sends
+run in this thread); with no request in flight it sleeps until :meth:`~LayerwiseWorker.wake`.
 """
 
 from __future__ import annotations

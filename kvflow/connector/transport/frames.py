@@ -1,7 +1,7 @@
 """Layer frames: a staging buffer sent as one zero-copy frame per layer (:func:`layer_frames`;
 frame ``l`` is ``staging[l]`` of :func:`kvflow.cache.staging_shape`, :func:`layer_bytes`
-bytes), and the receiver's one "check every frame, then scatter" (:func:`scatter_frames`).
-Used by the ``tcp`` kind and by the vLLM connector's ``tcp`` transport.
+bytes), the receiver's one "check every frame, then scatter" (:func:`scatter_frames`), and
+the compile of both ends' kernels (:func:`warm_staging`). Used by the ``tcp`` kind and by the vLLM connector's ``tcp`` transport.
 """
 
 from __future__ import annotations
@@ -120,3 +120,13 @@ def scatter_frames(frames: Sequence[Any], cache, dst_ids: Any, layers: range, *,
             on_layer()
         total += buf.nbytes
     return total
+
+
+def warm_staging(spec: Any, device: Any, backend: str, scatter: bool = False) -> None:
+    """Compile :func:`~kvflow.kernels.gather_blocks` (``scatter``: ``scatter_blocks``) on one
+    block of a scratch cache of ``spec``."""
+    from kvflow.cache import PagedKVCache, staging_buffer
+    from kvflow.kernels import gather_blocks
+    cache, one = PagedKVCache(spec, 2, device=device), staging_buffer(spec, 1, device=device)
+    scatter_blocks(one, cache, [1], backend=backend) if scatter else \
+        gather_blocks(cache, [1], one, backend=backend)

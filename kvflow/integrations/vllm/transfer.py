@@ -13,8 +13,8 @@ import torch
 import zmq
 
 from kvflow.cache import PagedKVCache, staging_buffer
-from kvflow.connector.transport.frames import layer_frames, scatter_frames
-from kvflow.kernels import gather_blocks, scatter_blocks
+from kvflow.connector.transport.frames import layer_frames, scatter_frames, warm_staging
+from kvflow.kernels import gather_blocks
 from kvflow.layout import KVCacheSpec
 from kvflow.wire import ProtocolError
 
@@ -48,8 +48,7 @@ class KVServer:
             from .nixl_pull import export
             self.agent, self.nixl = export(cache)
         # compile the gather now, not in the first tcp pull's TTFT (P serves tcp pulls always)
-        gather_blocks(PagedKVCache(cache.spec, 2, device=cache.device), [1],
-                      staging_buffer(cache.spec, 1, device=cache.device), backend=backend)
+        warm_staging(cache.spec, cache.device, backend)
         self._held: dict[str, tuple[float, frozenset[int] | None]] = {}  # deadline, P's blocks
         self._reading: set[str] = set()        # nixl: requests some D may be READing now
         self._done: set[str] = set()           # pulled, released or expired: P may free
@@ -190,8 +189,7 @@ class KVPuller(Puller):
         super().__init__(cache, timeout_s=timeout_s, corrupt=corrupt)
         self.backend = backend
         # compile the scatter now, not in the first request's TTFT
-        scatter_blocks(staging_buffer(cache.spec, 1, device=cache.device),
-                       PagedKVCache(cache.spec, 2, device=cache.device), [1], backend=backend)
+        warm_staging(cache.spec, cache.device, backend, scatter=True)
 
     def _pull(self, addr: str, req_id: str, remote_ids: list[int], local_ids: list[int]) -> None:
         spec = self.cache.spec
