@@ -2,7 +2,7 @@
 
 A :class:`Request` lives on the instance that owns its blocks for the whole request: D, or a
 colocated instance. P keeps no ``Request``; it holds a prefill's blocks only until D acks or
-the lease ends (``kvflow/serve/prefill.py``).
+the lease ends (``kvflow/serve/instance/prefill.py``).
 
 Lifecycles (terminal states end a request; every path into one must free its blocks):
 
