@@ -183,7 +183,7 @@ sig.update({"n": "i32", "src_n": "i32", "dst_n": "i32", "total": "i32", "errors"
 const = dict(WORD=tl.int64, ALIGN=16, RUN=16384, CHUNK=8192, BLOCK=2048, EVEN=True,
              SRC_CACHE=src_cache, DST_CACHE=dst_cache, STREAM=False, SRC_I64=False,
              DST_I64=True, CHECK=check, DUP=check, SHARED=check, STAMP_ONLY=False,
-             DIGEST=digest, WPW=2, STORE=store)
+             DIGEST=digest, WPW=2, STORE=store, SRC_STRIDE=16384, DST_STRIDE=16384)
 sig.update({k: "constexpr" for k in const})
 src = ASTSource(fn=triton.jit(cr._copy_runs), signature=sig, constexprs=const, attrs={})
 try:
