@@ -48,6 +48,10 @@ SERVE_MODES = {
     "push-request": ("disagg", ["--kv-connector", "ipc-push", *NO_LAYERWISE]),
     "pull-request": ("disagg", ["--kv-connector", "ipc-pull", *NO_LAYERWISE]),
     "pull-layerwise": ("disagg", ["--kv-connector", "ipc-pull", "--layerwise-min-tokens", "0"]),
+    "nixl-layerwise": ("disagg", ["--kv-connector", "nixl", "--layerwise-min-tokens", "0"]),
+    "nixl-request": ("disagg", ["--kv-connector", "nixl", *NO_LAYERWISE]),
+    "nixl-staged": ("disagg", ["--kv-connector", "nixl", "--kv-connector-config",
+                               '{"mode": "staged"}']),
     "colocated": ("colocated", []),
     "colocated-again": ("colocated", []),  # is the reference itself repeatable?
 }
