@@ -101,8 +101,6 @@ def make_sender(name: str, spec: Any, device: Any = "cpu", *, config: dict[str, 
     Raises ValueError: unknown name or config key; a bad config value; an fp8 ``block_head`` spec
     for tcp or nixl (:func:`scales_refusal`)."""
     kind, options = _checked(name, spec, device, config)
-    if kw.get("layerwise_min_tokens") is None:
-        kw["layerwise_min_tokens"] = kind.layerwise_min_tokens
     return _build(kind, kind.sender, spec, device, **_kinds.half_options(kind.name, options,
                                                                           "sender"), **kw)
 

@@ -22,6 +22,7 @@ from kvflow.layout import KVCacheSpec
 
 from .held import HeldSide
 from .kept import Kept
+from .kinds import default_layerwise_min_tokens
 from .receiver import KVReceiver
 from .records import (ChunkHook, Peer, Prefilling, PrefillJob, SlotsTaken, TransferError,
                       TransferStats, as_device, as_ids, check_send_allowed)
@@ -36,13 +37,12 @@ class KVSender(HeldSide, abc.ABC):
 
     ``spec``: P's cache spec; ``instance_id``: P's id (D acks layerwise parts to it);
     ``backend``: of the block copies; ``layerwise_min_tokens``: prompts of at least this many
-    tokens move layer by layer (None: the kind's default); ``max_model_len``: longest prompt +
-    output (tokens), a threshold above it creates nothing layerwise.
+    tokens move layer by layer (None: the default of kind :attr:`name` in :data:`.kinds.KINDS`);
+    ``max_model_len``: longest prompt + output (tokens), a threshold above it creates nothing
+    layerwise.
     """
 
     name: str = ""
-    #: ``layerwise_min_tokens`` when the config leaves it None.
-    default_layerwise_min_tokens: int = 16384
     #: The kind moves layers during the prefill (:meth:`chunk_hook`, :meth:`send_layerwise`).
     layerwise_ready: bool = False
 
@@ -51,7 +51,7 @@ class KVSender(HeldSide, abc.ABC):
                  max_model_len: int = 2048) -> None:
         self.spec, self.device = spec, as_device(device)
         self.instance_id, self.backend, self.max_model_len = instance_id, backend, max_model_len
-        self.layerwise_min_tokens = (self.default_layerwise_min_tokens
+        self.layerwise_min_tokens = (default_layerwise_min_tokens(self.name)
                                      if layerwise_min_tokens is None else layerwise_min_tokens)
         self.links: dict[str, Any] = {}  # paired D -> the link to its data socket
         self.cache: PagedKVCache | None = None
