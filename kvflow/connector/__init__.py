@@ -14,18 +14,17 @@ from typing import Any
 from . import kinds as _kinds
 from .kinds import KINDS, Kind, Option, check_options, register_kind
 
-__all__ = ["Arrival", "CONNECTORS", "DATA_MESSAGES", "Freed", "Handoff", "Held", "KINDS",
-           "KVReceiver", "KVSender", "KVVerifyError", "Kind", "LeaseLinks", "LentBlocks", "Option",
-           "Peer", "PrefillJob", "Renewals", "SlotsTaken", "TransferError", "TransferStats",
-           "bind_to_host", "check_connector_config", "get_kind", "is_data_message", "lease_socket",
-           "make_receiver", "make_sender", "register_kind", "resolve_connector", "scales_refusal"]
+__all__ = ["Arrival", "CONNECTORS", "DATA_MESSAGES", "Freed", "KINDS", "KVReceiver", "KVSender",
+           "KVVerifyError", "Kept", "Kind", "LeaseLinks", "LentBlocks", "Option", "Peer",
+           "PrefillJob", "Renewals", "SlotsTaken", "TransferError", "TransferStats", "bind_to_host",
+           "check_connector_config", "get_kind", "is_data_message", "lease_socket", "make_receiver",
+           "make_sender", "register_kind", "resolve_connector", "scales_refusal"]
 
 _LAZY = {"Arrival": "arrival", "is_data_message": "arrival", "DATA_MESSAGES": "messages",
-         "LentBlocks": "lent",
-         "Renewals": "lease", "LeaseLinks": "lease", "lease_socket": "lease", "Freed": "held",
-         "Held": "held", "KVVerifyError": "verify", **dict.fromkeys((
-             "Handoff", "KVReceiver", "KVSender", "Peer", "PrefillJob", "SlotsTaken",
-             "TransferError", "TransferStats"), "base")}
+         "LentBlocks": "lent", "Kept": "kept", "KVVerifyError": "verify", "Freed": "held",
+         "Renewals": "lease", "LeaseLinks": "lease", "lease_socket": "lease", **dict.fromkeys((
+             "KVReceiver", "KVSender", "Peer", "PrefillJob", "SlotsTaken", "TransferError",
+             "TransferStats"), "base")}
 
 
 def __getattr__(name: str) -> Any:  # the contract loads torch: import it on first use
@@ -102,8 +101,6 @@ def make_sender(name: str, spec: Any, device: Any = "cpu", *, config: dict[str, 
     Raises ValueError: unknown name or config key; a bad config value; an fp8 ``block_head`` spec
     for tcp or nixl (:func:`scales_refusal`)."""
     kind, options = _checked(name, spec, device, config)
-    if kw.get("layerwise_min_tokens") is None:
-        kw["layerwise_min_tokens"] = kind.layerwise_min_tokens
     return _build(kind, kind.sender, spec, device, **_kinds.half_options(kind.name, options,
                                                                           "sender"), **kw)
 

@@ -15,6 +15,8 @@ from typing import Any, Callable
 from kvflow.connector.messages import (DATA_MESSAGES, KVAck, KVData, KVLayer, KVPushed, KVReady,
                                        LeaseRenew)
 
+from .kept import Kept
+
 log = logging.getLogger("kvflow.connector.arrival")
 
 _TO_D = (KVReady, KVData, KVLayer, KVPushed)
@@ -53,17 +55,6 @@ class Arrival:
     reusable: bool = False
 
 
-@dataclasses.dataclass
-class InFlight:
-    """An arrived transfer held back by a test fault (``KVFLOW_FAULT_RECEIVE_DELAY_S``)."""
-    msg: Any
-    frames: list
-    peer: str | None
-    dst_ids: list[int]
-    fault: str
-    due: float
-
-
 class ArrivalSide:
     """The arrival, ack, lease and lent-block handling of :class:`~kvflow.connector.KVReceiver`
     (a mixin; :meth:`_init_arrivals` sets its state)."""
@@ -72,7 +63,7 @@ class ArrivalSide:
         self.reply: Callable[[Any, str | None], None] | None = None  # reply(msg, P id), by serve
         self.lent = None  # LentBlocks (:meth:`keep`)
         self.renewals = None  # Renewals, set by serve when its heartbeat thread sends them
-        self.inflight: dict[str, InFlight] = {}  # held by a test fault
+        self.inflight: dict[str, Kept] = {}  # held back by a test fault: keep=(msg, frames, fault)
 
     def keep(self, allocator: Any, kv_lease_s: float):
         """Keep lent blocks for D's ``allocator``; returns the new
@@ -102,8 +93,8 @@ class ArrivalSide:
             self._ack(req_id, peer, "unknown or aborted request")
             return Arrival(req_id, IGNORED, peer)
         if delay_s:  # test fault: the transfer stays in flight; abort or kill D meanwhile
-            self.inflight[req_id] = InFlight(msg, [bytes(getattr(f, "buffer", f)) for f in frames],
-                                             peer, list(dst_ids), fault, time.monotonic() + delay_s)
+            held = (msg, [bytes(getattr(f, "buffer", f)) for f in frames], fault)
+            self.inflight[req_id] = Kept(list(dst_ids), held, peer, due=time.monotonic() + delay_s)
             return Arrival(req_id, PART, peer)
         return self._take(msg, frames, peer, dst_ids, fault)
 
@@ -113,7 +104,8 @@ class ArrivalSide:
         for req_id, held in list(self.inflight.items()):
             if now >= held.due:
                 del self.inflight[req_id]
-                out.append(self._take(held.msg, held.frames, held.peer, held.dst_ids, held.fault))
+                msg, frames, fault = held.keep
+                out.append(self._take(msg, frames, held.peer, held.blocks, fault))
         return out
 
     def end(self, req_id: str, blocks: list[int], error: str, *, may_write: bool) -> bool:
@@ -122,7 +114,7 @@ class ArrivalSide:
         (``may_write``, the kind's P writes D's blocks and P's ``KVPushed`` did not come);
         the caller frees them otherwise."""
         held = self.inflight.pop(req_id, None)
-        if held is not None and isinstance(held.msg, KVPushed):
+        if held is not None and isinstance(held.keep[0], KVPushed):
             may_write = False  # P's KVPushed already came: it writes nothing more
         elif held is not None:  # a transfer in flight is dropped; P may free its blocks
             self._ack(req_id, held.peer, error or "aborted")

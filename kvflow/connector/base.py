@@ -21,11 +21,13 @@ from kvflow.context import forward_context, sends_allowed
 from kvflow.layout import KVCacheSpec
 
 from .held import HeldSide
+from .kept import Kept
+from .kinds import default_layerwise_min_tokens
 from .receiver import KVReceiver
-from .records import (ChunkHook, Handoff, Peer, Prefilling, PrefillJob, SlotsTaken,
-                      TransferError, TransferStats, as_device, as_ids, check_send_allowed)
+from .records import (ChunkHook, Peer, Prefilling, PrefillJob, SlotsTaken, TransferError,
+                      TransferStats, as_device, as_ids, check_send_allowed)
 
-__all__ = ["ChunkHook", "Handoff", "KVReceiver", "KVSender", "Peer", "Prefilling", "PrefillJob",
+__all__ = ["ChunkHook", "KVReceiver", "KVSender", "Kept", "Peer", "Prefilling", "PrefillJob",
            "SlotsTaken", "TransferError", "TransferStats", "as_device", "as_ids",
            "check_send_allowed"]
 
@@ -35,13 +37,12 @@ class KVSender(HeldSide, abc.ABC):
 
     ``spec``: P's cache spec; ``instance_id``: P's id (D acks layerwise parts to it);
     ``backend``: of the block copies; ``layerwise_min_tokens``: prompts of at least this many
-    tokens move layer by layer (None: the kind's default); ``max_model_len``: longest prompt +
-    output (tokens), a threshold above it creates nothing layerwise.
+    tokens move layer by layer (None: the default of kind :attr:`name` in :data:`.kinds.KINDS`);
+    ``max_model_len``: longest prompt + output (tokens), a threshold above it creates nothing
+    layerwise.
     """
 
     name: str = ""
-    #: ``layerwise_min_tokens`` when the config leaves it None.
-    default_layerwise_min_tokens: int = 16384
     #: The kind moves layers during the prefill (:meth:`chunk_hook`, :meth:`send_layerwise`).
     layerwise_ready: bool = False
 
@@ -50,7 +51,7 @@ class KVSender(HeldSide, abc.ABC):
                  max_model_len: int = 2048) -> None:
         self.spec, self.device = spec, as_device(device)
         self.instance_id, self.backend, self.max_model_len = instance_id, backend, max_model_len
-        self.layerwise_min_tokens = (self.default_layerwise_min_tokens
+        self.layerwise_min_tokens = (default_layerwise_min_tokens(self.name)
                                      if layerwise_min_tokens is None else layerwise_min_tokens)
         self.links: dict[str, Any] = {}  # paired D -> the link to its data socket
         self.cache: PagedKVCache | None = None
@@ -150,10 +151,10 @@ class KVSender(HeldSide, abc.ABC):
             self.cancel(job.req_id, rec)
             raise
 
-    def finish(self, job: PrefillJob, first_token: int) -> Handoff | None:
+    def finish(self, job: PrefillJob, first_token: int) -> Kept | None:
         """After ``job``'s prefill: send its KV (:meth:`send_prefilled`) or end its layerwise
-        move (:meth:`send_layerwise`). Returns what P keeps until D's ack (:class:`Handoff`),
-        or None (D sends no ack, or a dummy run): P's blocks are free then.
+        move (:meth:`send_layerwise`). Returns what P keeps until D's ack (:class:`Kept`, for
+        :meth:`hold`), or None (D sends no ack, or a dummy run): P's blocks are free then.
 
         Raises TransferError: ``job`` was not begun (or failed), or a failed send: the caller frees
         P's blocks and calls :meth:`fail`."""
@@ -196,14 +197,14 @@ class KVSender(HeldSide, abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} moves no layers during the prefill")
 
     def send_layerwise(self, job: PrefillJob, first_token: int, state: Any, *,
-                       prefill_ms: float = 0.0) -> Handoff | None:
+                       prefill_ms: float = 0.0) -> Kept | None:
         """After a layerwise prefill: what is left to send. Returns and raises as
         :meth:`finish`."""
         raise NotImplementedError(f"{type(self).__name__} moves no layers during the prefill")
 
     @abc.abstractmethod
     def send_prefilled(self, job: PrefillJob, first_token: int, *,
-                       prefill_ms: float = 0.0) -> Handoff | None:
+                       prefill_ms: float = 0.0) -> Kept | None:
         """Send ``job``'s KV, already in P's blocks ``job.blocks``, to D ``job.decode_id`` with
         its first token (a transfer benchmark calls it alone). ``prefill_ms``: P's prefill
         (ms), reported by kinds whose message carries it. Returns and raises as

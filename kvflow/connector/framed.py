@@ -14,7 +14,7 @@ from typing import Any
 
 from kvflow.context import sends_allowed
 
-from .base import Handoff, KVReceiver, KVSender, Peer, PrefillJob, Prefilling, TransferError
+from .base import Kept, KVReceiver, KVSender, Peer, PrefillJob, Prefilling, TransferError
 from .layerwise.parts import LayerParts
 from .reblocked import differs
 
@@ -89,11 +89,11 @@ class FramedSender(KVSender):
         return self.layerwise.begin(job)
 
     def send_layerwise(self, job: PrefillJob, first_token: int, state: Any, *,
-                       prefill_ms: float = 0.0) -> Handoff:
+                       prefill_ms: float = 0.0) -> Kept:
         """The last part carries the first token; P's blocks are held until D's ack; a part
         that fails later comes out of :meth:`pop_errors`."""
         self.layerwise.finish(job.req_id, first_token)
-        return Handoff(holds_blocks=True)
+        return Kept(list(job.blocks), peer=job.decode_id)
 
     def cancel(self, req_id: str, rec: Prefilling) -> None:
         if rec.layerwise and self.layerwise is not None:
@@ -103,7 +103,7 @@ class FramedSender(KVSender):
         return differs(self.peer_specs.get(decode_id, self.spec), self.spec)
 
     def send_prefilled(self, job: PrefillJob, first_token: int, *,
-                       prefill_ms: float = 0.0) -> Handoff:
+                       prefill_ms: float = 0.0) -> Kept:
         """One message (:meth:`send`) for the prompt's blocks past D's prefix hit (all of P's
         blocks when D's spec differs, :mod:`.reblocked`); ``prefill_ms`` is not sent."""
         skip = 0 if self.reblocks(job.decode_id) else min(job.num_cached_blocks, len(job.blocks))
@@ -118,7 +118,7 @@ class FramedSender(KVSender):
                          first_token=first_token, num_prompt_tokens=len(job.token_ids),
                          corrupt=corrupt)
         self.messages_sent += 1
-        return Handoff(self.holds_blocks, keep)
+        return Kept(list(job.blocks) if self.holds_blocks else [], keep, job.decode_id)
 
     def release(self, req_id: str) -> None:
         if self.layerwise is not None:

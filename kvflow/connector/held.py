@@ -9,17 +9,8 @@ import dataclasses
 import time
 from typing import Any
 
+from kvflow.connector.kept import Kept
 from kvflow.connector.messages import KVAck, LeaseRenew
-
-
-@dataclasses.dataclass
-class Held:
-    """A sent request P keeps until D's ack or the end of its lease: ``blocks`` D may still
-    read, ``keep`` (memory ZMQ still reads, or None), ``t_renewed`` (``time.monotonic()`` of
-    the send or of D's last renewal)."""
-    blocks: list[int]
-    keep: Any = None
-    t_renewed: float = dataclasses.field(default_factory=time.monotonic)
 
 
 @dataclasses.dataclass
@@ -40,23 +31,23 @@ class HeldSide:
     instance_id: str
 
     @property
-    def held(self) -> dict[str, Held]:
-        """req_id -> :class:`Held`, for every request sent and not yet acked or expired."""
+    def held(self) -> dict[str, Kept]:
+        """req_id -> :class:`~.kept.Kept`, for every request sent and not yet acked or expired."""
         try:
             return self._held
         except AttributeError:
-            self._held: dict[str, Held] = {}
+            self._held: dict[str, Kept] = {}
             return self._held
 
-    def hold(self, req_id: str, blocks: list[int], handoff) -> list[int]:
-        """After ``finish`` returned ``handoff`` (a :class:`~.records.Handoff` or None) for
-        ``req_id`` prefilled in ``blocks``: keep what D still reads; returns the block ids
-        serve frees now (all of ``blocks`` when ``handoff`` is None or holds no blocks)."""
-        if handoff is None:  # D sends no ack: nothing is held
+    def hold(self, req_id: str, blocks: list[int], kept: Kept | None) -> list[int]:
+        """After ``finish`` returned ``kept`` (None: D sends no ack) for ``req_id`` prefilled
+        in ``blocks``: keep it, its lease counted from now; returns the block ids serve frees
+        now (all of ``blocks`` when ``kept`` is None or keeps none of them)."""
+        if kept is None:  # D sends no ack: nothing is held
             return list(blocks)
-        keeps = handoff.holds_blocks
-        self.held[req_id] = Held(list(blocks) if keeps else [], handoff.keep)
-        return [] if keeps else list(blocks)
+        kept.since = time.monotonic()
+        self.held[req_id] = kept
+        return [] if kept.blocks else list(blocks)
 
     def on_message(self, msg: Any, frames: list[Any], peer: str | None) -> list[Freed] | None:
         """A data-plane message from D ``peer`` (its id, or None): what it frees (``[]`` for a
@@ -69,7 +60,7 @@ class HeldSide:
             for req_id in msg.req_ids:
                 held = self.held.get(req_id)
                 if held is not None:
-                    held.t_renewed = now
+                    held.since = now
             return []
         return None
 
@@ -86,7 +77,7 @@ class HeldSide:
         now = time.monotonic() if now is None else now
         out = []
         for req_id, held in list(self.held.items()):
-            if now - held.t_renewed > lease_s:
+            if now - held.since > lease_s:
                 note = (f"{self.instance_id}: no ack or lease renewal for {req_id} in "
                         f"{lease_s:g} s; blocks freed")
                 out.append(Freed(req_id, self.drop(req_id), note, "error"))

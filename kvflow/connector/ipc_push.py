@@ -39,7 +39,6 @@ class PushSender(KVSender):
     ValueError when either is not an int >= 1."""
 
     name = "ipc-push"
-    default_layerwise_min_tokens = 16384  # measured: docs/gpu_serving.md
     layerwise_ready = True
 
     def __init__(self, spec, device: Any = "cpu", *, max_ctas: int = LAYERWISE_MAX_CTAS,

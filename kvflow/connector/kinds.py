@@ -90,7 +90,7 @@ class Kind:
     reblocks_fp8: bool = False
     block_scales: bool = True
     head_slices: bool = False
-    layerwise_min_tokens: int = 16384
+    layerwise_min_tokens: int = 16384  # measured (ipc-push): docs/gpu_serving.md
     reads_peer_memory: bool = False
     writes_peer_memory: bool = False
     cross_host: bool = False
@@ -152,6 +152,7 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
                          "WRITEs, then fails the request (KVPushed ok=false, HTTP 502): raise "
                          "it for long prompts over a slow link", minimum=0, exclusive=True,
                          unit="seconds")),
+         # every prompt layerwise: a WRITE is slower than P's compute of a layer group
          block_scales=False, layerwise_min_tokens=0, writes_peer_memory=True, cross_host=True,
          receiver_args=("max_model_len",), extra="nixl",
          bind_host="kvflow.connector.transport.nixl_net:bind_ucx_to_host"),
@@ -168,6 +169,11 @@ def register_kind(kind: Kind) -> Kind:
                          f"'auto', the option names distinct; got options {names}")
     KINDS[kind.name] = kind
     return kind
+
+
+def default_layerwise_min_tokens(name: str) -> int:
+    """Kind ``name``'s default ``layerwise_min_tokens`` (:class:`Kind`'s if not registered)."""
+    return KINDS[name].layerwise_min_tokens if name in KINDS else Kind.layerwise_min_tokens
 
 
 def kind_names() -> tuple[str, ...]:

@@ -8,32 +8,22 @@ policies".
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Any
 
 from kvflow.segments import DEAD, UNKNOWN, process_state
 
+from .kept import Kept
+
 log = logging.getLogger("kvflow.connector.lent")
 
 
-@dataclasses.dataclass
-class Lent:
-    """Blocks of an ended request that a P may still write; ``prefill_id`` is "" until the
-    router's Abort names it; ``dead_at`` (monotonic) when the router declared that P dead,
-    ``exited`` when it saw the process exit."""
-    blocks: list[int]
-    prefill_id: str = ""
-    since: float = dataclasses.field(default_factory=time.monotonic)
-    warned: bool = False
-    dead_at: float = 0.0
-    exited: bool = False
-
-
 class LentBlocks(dict):
-    """``req_id -> Lent`` of one D, with the paired P's it judges; lent blocks go back to D's
-    ``allocator``, those of an unjudgeable P ``kv_lease_s`` after the router declared it dead."""
+    """``req_id -> Kept`` (blocks of an ended request its ``peer``, "" until the router's Abort
+    names it, may still write) of one D, with the paired P's it judges; lent blocks go back to
+    D's ``allocator``, those of an unjudgeable P at ``due``: ``kv_lease_s`` after it was declared
+    dead."""
 
     def __init__(self, allocator: Any, kv_lease_s: float) -> None:
         super().__init__()
@@ -59,7 +49,7 @@ class LentBlocks(dict):
         self.settle()
 
     def lend(self, req_id: str, blocks: list[int]) -> None:
-        self[req_id] = Lent(list(blocks))
+        self[req_id] = Kept(list(blocks))
 
     def give_back(self, req_ids: list[str]) -> None:
         """Free the lent blocks of ``req_ids`` (their writer is done or gone)."""
@@ -73,23 +63,23 @@ class LentBlocks(dict):
         entry = self.get(req_id)
         if entry is None:
             return
-        entry.prefill_id = prefill_id or entry.prefill_id
-        if peer_dead and peer_dead == entry.prefill_id:
-            entry.dead_at = entry.dead_at or time.monotonic()
+        entry.peer = prefill_id or entry.peer
+        if peer_dead and peer_dead == entry.peer:
+            entry.due = entry.due or time.monotonic() + self.kv_lease_s
             entry.exited = entry.exited or peer_exited
         self.settle()
 
     def settle(self) -> None:
         """Give back lent blocks whose writer can write no more: its process is gone, or D
-        cannot judge it and ``kv_lease_s`` has passed since the router declared it dead."""
+        cannot judge it and their ``due`` (``kv_lease_s`` after the router declared it dead)
+        has passed."""
         now = time.monotonic()
         done = []
         for req_id, e in self.items():
-            p = e.prefill_id
+            p = e.peer
             state = DEAD if e.exited or p in self.gone_peers else \
                 process_state(self.peer_pids.get(p, 0), self.peer_hosts.get(p, ""))
-            if state == DEAD or (state == UNKNOWN and e.dead_at
-                                 and now - e.dead_at >= self.kv_lease_s):
+            if state == DEAD or (state == UNKNOWN and e.due and now >= e.due):
                 done.append(req_id)
         self.give_back(done)
 
@@ -113,4 +103,4 @@ class LentBlocks(dict):
                 entry.warned = True
                 log.warning("%s: ended request %s still waits for KVPushed from %s after %g s; "
                             "its blocks stay held", instance_id, req_id,
-                            entry.prefill_id or "its prefill instance", timeout_s)
+                            entry.peer or "its prefill instance", timeout_s)

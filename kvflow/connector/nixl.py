@@ -33,8 +33,6 @@ class NixlSender(PushSender):
     """
 
     name = "nixl"
-    #: Every prompt goes layerwise: a WRITE is slower than P's compute of a layer group.
-    default_layerwise_min_tokens = 0
 
     def __init__(self, spec, device: Any = "cpu", *, mode: str = "direct",
                  layers_per_copy: int = LAYERS_PER_COPY,

@@ -75,15 +75,6 @@ class Prefilling:
     state: Any = None
 
 
-@dataclasses.dataclass
-class Handoff:
-    """What P keeps for a request after ``KVSender.finish`` until D's ack or the lease ends:
-    ``holds_blocks`` (D still reads P's blocks) and ``keep`` (memory ZMQ still reads, or
-    None)."""
-    holds_blocks: bool
-    keep: Any = None
-
-
 def as_device(device: Any) -> torch.device:
     """``device`` as a ``torch.device`` with an index on CUDA (``"cuda"`` is the current GPU),
     so two names of one GPU compare equal."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvflow import KVCacheSpec
-from kvflow.connector import Handoff, PrefillJob, TransferError
+from kvflow.connector import Kept, PrefillJob, TransferError
 from kvflow.connector.base import KVSender
 from kvflow.context import forward_context
 
@@ -29,7 +29,7 @@ class Plain(KVSender):
 
     def send_prefilled(self, job, first_token, *, prefill_ms=0.0):
         self.sent.append(("after", job.req_id, first_token))
-        return Handoff(holds_blocks=True)
+        return Kept(list(job.blocks))
 
 
 class Layered(Plain):
@@ -84,10 +84,10 @@ def serve(tx: KVSender, j: PrefillJob, chunk_size: int = 4):
 
 def test_begin_decides_by_threshold_and_finish_sends_by_that_decision():
     tx = Layered(layerwise_min_tokens=8)
-    hook, handoff = serve(tx, job(7, "short"))
-    assert hook is None and tx.calls == [] and handoff == Handoff(holds_blocks=True)
-    hook, handoff = serve(tx, job(8, "long"))
-    assert hook is not None and handoff is None
+    hook, kept = serve(tx, job(7, "short"))
+    assert hook is None and tx.calls == [] and kept == Kept([0, 1])
+    hook, kept = serve(tx, job(8, "long"))
+    assert hook is not None and kept is None
     assert tx.calls == [(0, 4), 0, 1, (4, 8), 0, 1]
     assert tx.sent == [("after", "short", 7), ("layerwise", "long", 7)]
     assert tx.prefilling == {}

@@ -33,7 +33,7 @@ def test_each_entry_agrees_with_its_module(name):
     kind = KINDS[name]
     tx_cls, rx_classes = _classes(kind)
     assert tx_cls.name == name and {c.name for c in rx_classes} == {name}
-    assert tx_cls.default_layerwise_min_tokens == kind.layerwise_min_tokens
+    assert tx_cls(SPEC).layerwise_min_tokens == kind.layerwise_min_tokens  # no factory
     for rx in rx_classes:
         assert rx.reads_peer_memory == kind.reads_peer_memory, name
         assert rx.peer_writes == kind.writes_peer_memory, name
@@ -90,7 +90,6 @@ class FakeSender(TcpSender):
     """tcp with one more option, under another name."""
 
     name = "tcp-fake"
-    default_layerwise_min_tokens = 64
 
     def __init__(self, spec, device="cpu", *, frames: int = 2, **kw) -> None:
         super().__init__(spec, device, **kw)

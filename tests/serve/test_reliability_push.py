@@ -127,7 +127,7 @@ def test_receive_timeout_keeps_the_blocks_lent_until_p_is_done_or_dead(pd):
         assert req in pd.d.lent and pd.d.allocator.num_used > 0  # P is alive: it may write
         # the router's abort names the P; once that P's process is gone the blocks come back
         pd.d.on_abort(Abort(req_id=req, prefill_id="p-gone"), [], None)
-        assert pd.d.lent[req].prefill_id == "p-gone"
+        assert pd.d.lent[req].peer == "p-gone"
         pd.d.lent.peer_pids["p-gone"] = dead_pid()
         pd.d.lent.peer_hosts["p-gone"] = host_id()  # its pid is comparable with D's
         pd.d._last_peer_check = 0.0

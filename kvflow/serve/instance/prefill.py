@@ -33,7 +33,7 @@ class PrefillInstance(Instance):
 
     @property
     def pending(self) -> dict:
-        """req_id -> :class:`kvflow.connector.Held` of the requests sent, not yet acked."""
+        """req_id -> :class:`kvflow.connector.Kept` of the requests sent, not yet acked."""
         return self.connector.held if self.connector is not None else {}
 
     def setup(self) -> None:
@@ -195,7 +195,7 @@ class PrefillInstance(Instance):
             logits = self.engine.prefill(job.token_ids, blocks,
                                          chunk_size=self.cfg.max_num_batched_tokens,
                                          on_chunk=self.on_chunk(job.token_ids, hook))
-            handoff = self.connector.finish(job, sample(logits))
+            kept = self.connector.finish(job, sample(logits))
         except Exception as exc:
             log.exception("%s: prefill of %s failed", self.instance_id, msg.req_id)
             error = f"prefill failed on {self.instance_id}: {exc}"
@@ -204,8 +204,8 @@ class PrefillInstance(Instance):
             kind = "transfer" if isinstance(exc, TransferError) else "error"  # 502 / 500
             self.send_ctrl(Rejected(req_id=msg.req_id, kind=kind, error=error))
             return
-        free_now = self.connector.hold(msg.req_id, blocks, handoff)
-        if free_now:  # no ack comes (handoff None) or D reads none of them after the prefill
+        free_now = self.connector.hold(msg.req_id, blocks, kept)
+        if free_now:  # no ack comes (kept None) or D reads none of them after the prefill
             self.allocator.free(free_now)
 
     def _fail_transfers(self) -> None:

@@ -1,0 +1,31 @@
+"""What an instance keeps for a request after its own part ends, until the peer is done with it
+(P: :mod:`.held`; D: :mod:`.lent`, :mod:`.arrival`; docs/reliability.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+
+@dataclasses.dataclass
+class Kept:
+    """What is kept for one request, and for which peer: P's sent blocks until D's ack or the
+    lease's end (``KVSender.finish`` returns it), D's blocks lent to a P that may still write
+    them, or a data message D holds back under a test fault.
+
+    ``blocks``: the block ids kept (P: those D still reads, [] when D reads a copy; D: those the
+    P may write, or a held message's). ``keep``: memory ZMQ still reads (P's staging buffer), a
+    held message's ``(msg, frames, fault)``, or None. ``peer``: the instance it is kept for ("" or
+    None: not known yet). ``since``: ``time.monotonic()`` when kept or of D's last lease renewal
+    (not compared). ``due``: a ``time.monotonic()`` deadline, 0.0 for none (a held message is
+    taken then; blocks lent to a P that D cannot judge go back then). ``warned``: an overdue
+    warning was logged; ``exited``: the router saw ``peer``'s process exit.
+    """
+    blocks: list[int]
+    keep: Any = None
+    peer: str | None = ""
+    since: float = dataclasses.field(default_factory=time.monotonic, compare=False)
+    due: float = 0.0
+    warned: bool = False
+    exited: bool = False
