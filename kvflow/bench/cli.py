@@ -142,12 +142,12 @@ def finish(args, opts: dict, env: dict, rows: list, extra_env: dict | None = Non
     """Write the study's result file (``<out-dir>/<name>-<device>-<date>.json``) holding the
     command line that made it; print and return its path."""
     from .record import sink_of
-    from .schema import command_line, result_path, write_results
+    from .schema import command_line, measured_options, result_path, write_results
     extra = dict(extra_env or {})
     if t0 is not None:
         extra["wall_s"] = time.perf_counter() - t0
     env = dict(env, command=command_line(getattr(args, "_argv", None)), kind=args.study,
-               options=opts, **extra)
+               options=measured_options(opts), **extra)
     sink = sink_of(rows)
     if sink is not None:  # rows saved as measured: the result file replaces the .partial.jsonl
         path = sink.write(env)

@@ -156,12 +156,12 @@ def run(args) -> int:
     if not o["no_plot"] and o["side"] != "prefill":
         png = result_path(o["out_dir"], o.get("name") or "interference", env).with_suffix(".png")
         try:
-            extra["plot"] = str(plot(list(rows), env, png))
+            extra["plot"] = plot(list(rows), env, png).name  # beside the result file
         except ImportError as exc:
             print(f"interference: no plot ({exc}); pip install 'kvflow[bench]'", file=sys.stderr)
     cli.finish(args, o, env, rows, extra_env=extra)
     if extra.get("plot"):
-        print(f"wrote {extra['plot']}")
+        print(f"wrote {png}")
     if bad:
         print(f"interference: {len(bad)} rows' copied blocks differ from their source: "
               f"{[r['label'] for r in bad]}", file=sys.stderr)

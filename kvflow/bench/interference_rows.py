@@ -114,6 +114,30 @@ HEAD = {"decode": f"{'side':8} {'copies':16} {'ctas':>6} {'rate':>8} {'GB/s':>8}
                    f"{'pre ms':>8} {'tot ms':>8} {'pre x':>7} {'tot x':>7}"}
 
 
+def markdown(rows: list[dict]) -> list[str]:
+    """The report's tables of the study's rows: D side (TPOT beside KV landing at a rate) and
+    P side (prefill beside layerwise copies); ratios are to the same run's no-transfer row."""
+    from .kernel_report import md_table
+    out = []
+    for side, head in (("decode", ["copies", "SMs at most", "rate GB/s", "KV GB/s", "/ceil",
+                                   "TPOT p50 ms", "TPOT p99 ms", "p50 x", "p99 x"]),
+                       ("prefill", ["copies", "SMs at most", "tokens", "KV GB/s", "/ceil",
+                                    "prefill ms", "prefill x", "total x"])):
+        mine = [r for r in rows if r["op"] == f"interference_{side}" and not r.get("skipped")]
+        if not mine:
+            continue
+        if side == "decode":
+            body = [[r["label"], r["sms_used_max"], _g(r["rate_gbps"]), _g(r["gbps"]),
+                     _g(r["ratio"]), _g(r["tpot_p50_s"], 1e3), _g(r["tpot_p99_s"], 1e3),
+                     f"{r['tpot_p50_ratio']:.3f}", f"{r['tpot_p99_ratio']:.3f}"] for r in mine]
+        else:
+            body = [[r["label"], r["sms_used_max"], r["tokens"], _g(r["gbps"]), _g(r["ratio"]),
+                     _g(r["prefill_s"], 1e3), f"{r['prefill_ratio']:.3f}",
+                     f"{r['total_ratio']:.3f}"] for r in mine]
+        out += [f"**Interference, {side} side**", ""] + md_table(head, body)
+    return out
+
+
 def plot(rows: list[dict], env: dict, path: Path) -> Path:
     """PNG of TPOT p50 and p99 ratio (to the no-transfer baseline) vs the KV GB/s achieved, one
     series per copy configuration, each starting at the baseline (0 GB/s, 1.0); titled with the

@@ -42,6 +42,16 @@ async def _complete(client, url, prompt, max_tokens):
     return {"ttft": ttft, "tpot": (e2e - ttft) / max(1, len(toks) - 1), "text": toks, "kvflow": kv}
 
 
+def today_flags(args: str) -> str:
+    """``server_args`` recorded with the removed ``--ipc-direction D --transfer-mode M`` in
+    today's flags (``--kv-connector ipc-D`` and the ``--layerwise-min-tokens`` of
+    :data:`SERVE_MODES`); any other string as it is."""
+    import re
+    return re.sub(r"--ipc-direction (push|pull) --transfer-mode (layerwise|request)",
+                  lambda m: f"--kv-connector ipc-{m[1]} --layerwise-min-tokens "
+                            f"{0 if m[2] == 'layerwise' else NO_LAYERWISE[1]}", args)
+
+
 #: name -> (server mode, extra ``python -m kvflow.serve`` flags)
 SERVE_MODES = {
     "push-layerwise": ("disagg", ["--kv-connector", "ipc-push", "--layerwise-min-tokens", "0"]),

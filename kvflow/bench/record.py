@@ -127,15 +127,16 @@ def _run_exit_cleanups() -> None:
 def rows(env: dict[str, Any], opts: dict[str, Any] | None = None) -> list:
     """The row list of the running study: a :class:`RowSink` under :func:`run_study` (the same
     one on a second call), else a plain list (a study function called from Python)."""
-    from .schema import command_line, result_path
+    from .schema import command_line, measured_options, result_path
     run = _ACTIVE
     if run is None:
         return []
     if run.sink is None:
         a = run.args
         header = dict(env, command=command_line(getattr(a, "_argv", None)), kind=a.study,
-                      options=opts if opts is not None else
-                      {k: v for k, v in vars(a).items() if not k.startswith("_")})
+                      options=measured_options(opts if opts is not None else
+                                               {k: v for k, v in vars(a).items()
+                                                if not k.startswith("_")}))
         run.sink = RowSink(result_path(a.out_dir, a.name or a.study, env), header, a.study,
                            quiet=bool(getattr(a, "no_progress", False)), check=run.check)
     return run.sink

@@ -4,11 +4,12 @@ The page is generated, never hand-edited: one section per device (its driver and
 versions, commit, date), then per result file the command that produced it and its tables
 (kernels: as called, then device time, GB/s and ratio to the same-run ceiling per
 op/layout/dtype, :mod:`kvflow.bench.kernel_report`; host time per call,
-:mod:`kvflow.bench.calls`; contention; transfer; serve; any other rows generically) and plots (:mod:`kvflow.bench.plots`). A table never mixes
-devices: rows of two devices in one result file raise, naming both. A headline table (the
-kernels' ratios at 1K and 16K tokens, NHD bf16) opens the page and is copied into the README
-between its headline markers. A result file a signal stopped (``"complete": false``,
-:mod:`kvflow.bench.record`) gets its section, labelled partial, but never feeds the headline.
+:mod:`kvflow.bench.calls`; contention; transfer; serve; interference; any other rows
+generically) and plots (:mod:`kvflow.bench.plots`). A table never mixes devices: rows of two
+devices in one result file raise, naming both. A headline table (the kernels' ratios at 1K and
+16K tokens, NHD bf16) opens the page and is copied into the README between its headline
+markers. A result file a signal stopped (``"complete": false``, :mod:`kvflow.bench.record`)
+gets its section, labelled partial, but never feeds the headline.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from . import cli
-from .kernel_report import headline, kernel_tables, update_readme
-from .kernel_report import md_table as _md_table
+from .interference_rows import markdown as interference_markdown, plot as interference_plot
+from .ipc_served import today_flags
+from .kernel_report import headline, kernel_tables, md_table as _md_table, update_readme
 from .schema import is_partial, read_results
+from .tables import contention_table, fmt as _fmt, reblock_table, serve_table, transfer_table
 
 KERNEL_OPS = ("gather", "scatter", "copy")
 
@@ -41,71 +44,6 @@ def check_one_device(rows: list[dict], where: str) -> str:
     return devices[0] if devices else ""
 
 
-def _fmt(v: Any, spec: str = ".2f") -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return format(v, spec)
-    return str(v)
-
-
-def contention_table(rows: list[dict]) -> list[str]:
-    body = [[r["backend"], r["tokens"], _fmt(r["max_ctas"]), r["prefill_tokens"],
-             r["prefill_alone_ms"], r["prefill_beside_ms"], f"{r['slowdown'] * 100:.1f}%",
-             r["copy_alone_gbps"]] for r in rows]
-    return ["**SM contention**: prefill matmul alone vs beside a background gather", ""] + _md_table(
-        ["backend", "copy tokens", "max_ctas", "prefill tokens", "alone ms", "beside ms",
-         "slowdown", "copy GB/s alone"], body)
-
-
-def transfer_table(rows: list[dict]) -> list[str]:
-    """Connector rows beside their ceilings; a NIXL ceiling names its descriptor size, and a
-    file whose D ran in its own process gives D's receive time and device."""
-    def ceiling(r: dict) -> str:
-        if "chunk_bytes" in r:
-            return f"fastest bulk WRITE: {r['chunk_bytes'] // 1024} KiB descriptors"
-        return r.get("ceiling", "-")
-    body = [[r["backend"], r["tokens"], r["payload_bytes"] / 2**20, r["gbps"], r["ratio"],
-             ceiling(r), r.get("latency_ms_p50", r["time_s"] * 1e3),
-             r.get("latency_ms_p99", r["time_s"] * 1e3)] for r in rows]
-    head = ["connector", "tokens", "MiB", "GB/s", "ratio", "ceiling", "p50 ms", "p99 ms"]
-    if any(r.get("peer_process") for r in rows):
-        head += ["D receive ms", "D device"]
-        for line, r in zip(body, rows):
-            line += [r.get("d_receive_ms", "-"), r.get("d_device", "-")]
-    return _md_table(head, body)
-
-
-def reblock_table(rows: list[dict]) -> list[str]:
-    """copy_sequence between two specs (``python -m kvflow.bench reblock``): both sides' bytes,
-    as called and device time, and the ratios to the same-run copy_ ceiling of the bytes
-    written, of the bytes read, and of the copy's memory traffic."""
-    body = [[r["case"], r["tokens"], r["src_bytes"] / 2**20, r["dst_bytes"] / 2**20,
-             r["time_s"] * 1e6, r["gbps"], r["ratio"], r["ratio_read"], r["ratio_traffic"],
-             r["device_ratio"]] for r in rows]
-    return (["**copy_sequence between two specs**, as called (back-to-back calls, default "
-             "arguments); GB/s of bytes written; ratios to the same-run copy_ ceiling of the "
-             "bytes written (the headline), of the bytes read, and of the memory traffic; the "
-             "last column is the written ratio in device time.", ""]
-            + _md_table(["case", "tokens", "read MiB", "write MiB", "us/call", "GB/s written",
-                         "ratio", "ratio read", "ratio traffic", "device ratio"], body))
-
-
-def serve_table(rows: list[dict]) -> list[str]:
-    body = []
-    for r in rows:
-        body.append([r["backend"], _fmt(r.get("rate")), f"{r['completed']}/{r['requests']}"]
-                    + [f"{_fmt(r[f'{m}_ms_mean'], '.1f')} / {_fmt(r[f'{m}_ms_p50'], '.1f')} / "
-                       f"{_fmt(r[f'{m}_ms_p90'], '.1f')} / {_fmt(r[f'{m}_ms_p99'], '.1f')}"
-                       for m in ("ttft", "tpot", "itl", "e2e")]
-                    + [r["throughput_rps"], r["output_tok_s"], r["goodput_rps"], r["slo_attainment"]])
-    slo = rows[0] if rows else {}
-    return ([f"Latencies in ms as mean / p50 / p90 / p99. Goodput: requests/s meeting TTFT <= "
-             f"{slo.get('slo_ttft_ms')} ms and TPOT <= {slo.get('slo_tpot_ms')} ms (DistServe).", ""]
-            + _md_table(["mode", "rate req/s", "done", "TTFT", "TPOT", "ITL", "E2E", "req/s",
-                         "out tok/s", "goodput req/s", "SLO attainment"], body))
-
-
 def generic_table(rows: list[dict]) -> list[str]:
     """Any other rows: the fixed fields plus every extra scalar field."""
     from .schema import ROW_FIELDS
@@ -115,7 +53,8 @@ def generic_table(rows: list[dict]) -> list[str]:
             if all(not isinstance((r.get("config") or {}).get(k), (list, dict)) for r in rows)]
     g = lambda v: _fmt(v, ".4g")  # noqa: E731 - small seconds stay readable
     head = ["op", "backend", *conf, "tokens", "time ms", "GB/s", *extra]
-    body = [[r["op"], r["backend"], *[g((r.get("config") or {}).get(k)) for k in conf], r["tokens"],
+    cell = lambda v: today_flags(v) if isinstance(v, str) else g(v)  # noqa: E731
+    body = [[r["op"], r["backend"], *[cell((r.get("config") or {}).get(k)) for k in conf], r["tokens"],
              g(r["time_s"] * 1e3), g(r["gbps"]), *[g(r.get(k)) for k in extra]] for r in rows]
     return _md_table(head, body)
 
@@ -185,6 +124,7 @@ def file_section(path: Path, data: dict, md_dir: Path, img_dir: Path) -> list[st
             kinds["reblock"].append(r)
             continue
         kinds[r["op"] if r["op"] in ("contention", "serve", "transfer", "ceiling") else
+              "interference" if r["op"].startswith("interference_") else
               ("kernels" if r["op"] in KERNEL_OPS else "other")].append(r)
     if kinds["reblock"]:
         out += reblock_table(kinds["reblock"])
@@ -202,9 +142,14 @@ def file_section(path: Path, data: dict, md_dir: Path, img_dir: Path) -> list[st
     if kinds["served"]:
         from .hops import markdown
         out += markdown(kinds["served"])
+    if kinds["interference"]:
+        out += interference_markdown(kinds["interference"])
     if kinds["other"]:
         out += generic_table(kinds["other"])
-    for png in plots.plot_file(path.stem, kinds, img_dir, env):
+    pngs = plots.plot_file(path.stem, kinds, img_dir, env)
+    if kinds["interference"]:
+        pngs.append(interference_plot(kinds["interference"], env, img_dir / f"{path.stem}.png"))
+    for png in pngs:
         rel = os.path.relpath(png, md_dir)
         out += [f"![{png.stem}]({rel})", ""]
     for s in env.get("skipped") or []:

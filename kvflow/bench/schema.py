@@ -191,13 +191,31 @@ def read_results(path: str | os.PathLike) -> dict[str, Any]:
     return data
 
 
+#: flags that choose where a result goes or how it prints, not what is measured: left out of
+#: ``env["command"]`` and ``env["options"]`` so a result file names no one machine's paths
+OUTPUT_FLAGS = {"--out-dir": 1, "--out": 1, "--no-progress": 0}
+
+
 def command_line(argv: list[str] | None = None) -> str:
     """The command that produced a result file, as a user would retype it
-    (``python -m kvflow.bench kernels --quick``); stored in ``env["command"]``."""
+    (``python -m kvflow.bench kernels --quick``), less :data:`OUTPUT_FLAGS`; stored in
+    ``env["command"]``."""
     import shlex
     import sys
-    argv = sys.argv[1:] if argv is None else argv
-    return " ".join(["python -m kvflow.bench", *map(shlex.quote, argv)])
+    argv, kept = list(sys.argv[1:] if argv is None else argv), []
+    while argv:
+        a = argv.pop(0)
+        flag = a.split("=", 1)[0]
+        if flag in OUTPUT_FLAGS:
+            del argv[:OUTPUT_FLAGS[flag] if "=" not in a else 0]
+        else:
+            kept.append(a)
+    return " ".join(["python -m kvflow.bench", *map(shlex.quote, kept)])
+
+
+def measured_options(opts: dict[str, Any]) -> dict[str, Any]:
+    """``opts`` less the :data:`OUTPUT_FLAGS` (``out_dir``, ``out``, ``no_progress``)."""
+    return {k: v for k, v in opts.items() if f"--{k.replace('_', '-')}" not in OUTPUT_FLAGS}
 
 
 def slug(text: str) -> str:

@@ -77,10 +77,12 @@ def test_cli_writes_decode_and_prefill_rows_with_real_figures(tmp_path):
     assert moved["gbps"] > 0 and moved["ceiling_gbps"] > 0 and moved["copy_alone_gbps"] > 0
 
     page = write_report([data["path"]], tmp_path / "b.md", tmp_path / "img").read_text()
-    assert "interference_decode" in page and "interference_prefill" in page  # report reads it
+    assert "**Interference, decode side**" in page and "**Interference, prefill side**" in page
+    assert f"| {moved['label']} | " in page and f"| {moved['prefill_ratio']:.3f} |" in page
+    assert page.count(".png)") == 1  # the study's own plot, once
 
-    png = Path(env["plot"])
-    assert png == data["path"].with_suffix(".png") and png.stat().st_size > 0
+    png = data["path"].with_suffix(".png")
+    assert env["plot"] == png.name and png.stat().st_size > 0
     from PIL import Image
     title = Image.open(png).text["Title"]
     assert env["device"] in title and env["commit"] in title and env["date"] in title
