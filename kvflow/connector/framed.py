@@ -18,6 +18,10 @@ from .base import Kept, KVReceiver, KVSender, Peer, PrefillJob, Prefilling, Tran
 from .layerwise.parts import LayerParts
 from .reblocked import differs
 
+#: Grid cap (CTAs) of D's receive copies on CUDA, beside its decode: ``receive_max_ctas``'s
+#: default (the interference study, docs/benchmarks.md; kinds.py's entries name it).
+RECEIVE_MAX_CTAS = 16
+
 
 class FramedSender(KVSender):
     """Base of :class:`~kvflow.connector.ipc_pull.IpcPullSender` and
@@ -141,8 +145,9 @@ class FramedReceiver(KVReceiver):
     verify = False  # --kv-verify: check P's digests after the copy (set by the instance)
 
     def __init__(self, spec=None, device: Any = "cpu", *, backend: str = "auto",
-                 head_start: int | None = None) -> None:
+                 head_start: int | None = None, receive_max_ctas: int = RECEIVE_MAX_CTAS) -> None:
         super().__init__(spec, device, backend=backend)
+        self.receive_max_ctas = receive_max_ctas
         self.head_start, self.parts, self.peers, self.peer_id = head_start, LayerParts(), {}, ""
 
     def detach(self, peer_id: str) -> None:

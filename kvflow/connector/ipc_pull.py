@@ -22,7 +22,7 @@ from kvflow.connector.messages import KVLayer, KVReady, encode
 from kvflow.segments import unlink
 
 from .base import Peer, TransferError, TransferStats, as_ids, check_send_allowed
-from .framed import FramedReceiver, FramedSender
+from .framed import RECEIVE_MAX_CTAS, FramedReceiver, FramedSender
 from .reblocked import differs, tables
 from .records import warm_copy
 from .transport.shm import export_new_cache, map_peer_cache
@@ -140,7 +140,7 @@ class IpcPullReceiver(FramedReceiver):
         digest = None if sent is None else new_digest(src.numel(), self.run_on(src_cache, cache))
         t0 = time.perf_counter()
         copy_blocks(src_cache, cache, src, as_ids(dst_ids), backend=self.backend, digest=digest,
-                    **self.copy_kwargs)
+                    max_ctas=self.receive_max_ctas, **self.copy_kwargs)
         self.sync(src_cache, cache)
         if sent is not None:
             check(header.req_id, sent, digest)
@@ -155,7 +155,8 @@ class IpcPullReceiver(FramedReceiver):
                           header.num_prompt_tokens, header.req_id)
         t0 = time.perf_counter()
         copy_sequence(src_cache, cache, src, dst, num_tokens=header.num_prompt_tokens,
-                      head_start=self.head_start, backend=self.backend)
+                      head_start=self.head_start, backend=self.backend,
+                      max_ctas=self.receive_max_ctas)
         if cache.device.type == "cuda":  # P may reuse its blocks after the ack
             torch.cuda.synchronize(cache.device)
             torch.cuda.synchronize(src_cache.device)
@@ -172,7 +173,7 @@ class IpcPullReceiver(FramedReceiver):
             raise TransferError(f"KVLayer for {header.req_id} names {len(header.src_block_ids)} "
                                 f"source blocks for {len(dst_ids)} prompt blocks")
         copy_blocks(src_cache, cache, as_ids(header.src_block_ids), as_ids(dst_ids), layers=layers,
-                    backend=self.backend, **self.copy_kwargs)
+                    backend=self.backend, max_ctas=self.receive_max_ctas, **self.copy_kwargs)
         return payload_bytes(cache.spec, len(dst_ids), layers)
 
 
@@ -184,10 +185,12 @@ class CudaIpcPullReceiver(IpcPullReceiver):
     Raises ValueError: ``direction`` is neither ``"pull"`` nor ``"push"``."""
 
     def __init__(self, spec=None, device: Any = "cuda", *, backend: str = "auto",
-                 direction: str = "push", head_start: int | None = None) -> None:
+                 direction: str = "push", head_start: int | None = None,
+                 receive_max_ctas: int = RECEIVE_MAX_CTAS) -> None:
         if direction not in ("pull", "push"):
             raise ValueError(f"direction must be 'pull' or 'push', got {direction!r}")
-        super().__init__(spec, device, backend=backend, head_start=head_start)
+        super().__init__(spec, device, backend=backend, head_start=head_start,
+                         receive_max_ctas=receive_max_ctas)
         self.direction = direction
         self.copy_kwargs = {"direction": direction}
 

@@ -108,13 +108,19 @@ class Kind:
 
 
 _LAYERS_PER_COPY = 4  # kvflow.connector.layer_copy.LAYERS_PER_COPY
+#: kvflow.connector.framed.RECEIVE_MAX_CTAS: a capped grid for D's copies beside its decode (the
+#: interference study, docs/benchmarks.md: 4, 16 or 64 CTAs cost decode TPOT p50 1.01-1.16x at
+#: 25-100 GB/s of KV landing, the full grid 1.01-1.25x)
+_RECEIVE_MAX_CTAS = Option("receive_max_ctas", int, 16, "programs (CTAs) of each of D's receive "
+                           "copies on CUDA (its scatter, or its copy from P's cache): D's decode "
+                           "keeps the other SMs", minimum=1, sender=False, receiver=True)
 
 KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("ipc-pull", "kvflow.connector.ipc_pull", "IpcPullSender", "IpcPullReceiver",
          receiver_cuda="CudaIpcPullReceiver",
          summary="D copies from P's exported cache: shared memory on CPU, CUDA IPC on GPU",
          p_half="exports its cache; `KVReady` / `KVLayer` with its block ids",
-         d_half="`copy_blocks` from P's cache, `KVAck`",
+         d_half="`copy_blocks` from P's cache, `KVAck`", options=(_RECEIVE_MAX_CTAS,),
          reblocks=True, reblocks_fp8=True, head_slices=True, reads_peer_memory=True,
          kv_verify=True),
     Kind("ipc-push", "kvflow.connector.ipc_push", "PushSender", "PushReceiver",
@@ -132,7 +138,7 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
          summary="P gathers blocks into zero-copy ZMQ frames, D scatters them; P and D may be "
                  "on different hosts",
          p_half="gather into staging, `KVData` / `KVLayer` + raw frames",
-         d_half="scatter frames, `KVAck`",
+         d_half="scatter frames, `KVAck`", options=(_RECEIVE_MAX_CTAS,),
          reblocks=True, block_scales=False, head_slices=True, cross_host=True, kv_verify=True),
     Kind("nixl", "kvflow.connector.nixl", "NixlSender", "NixlReceiver",
          summary="P writes D's registered host or GPU memory with one-sided NIXL WRITEs; any "

@@ -132,7 +132,7 @@ class TcpReceiver(FramedReceiver):
 
         t0 = time.perf_counter()
         total = scatter_frames(frames, cache, as_ids(dst_ids), range(spec.num_layers),
-                               backend=self.backend, digest=digest,
+                               backend=self.backend, digest=digest, max_ctas=self.receive_max_ctas,
                                on_layer=None if digest is None else add_digest, **checks)
         if sent is not None:
             check(header.req_id, sent, fold(total_digest))
@@ -149,11 +149,11 @@ class TcpReceiver(FramedReceiver):
                        error=TransferError, count_msg=DATA_COUNT, size_msg=DATA_SIZE,
                        num_frames=header.num_frames, spec=src_spec, num_blocks=n,
                        backend=self.backend, src_spec=src_spec, num_tokens=T,
-                       head_start=self.head_start)
+                       head_start=self.head_start, max_ctas=self.receive_max_ctas)
         return TransferStats(blocks=len(dst_ids), copy_ms=(time.perf_counter() - t0) * 1e3,
                              payload_bytes=payload_bytes(cache.spec, len(dst_ids)))
 
     def _scatter_part(self, header, frames, cache, dst_ids, layers) -> int:
         return scatter_frames(frames, cache, as_ids(dst_ids), layers, req_id=header.req_id,
                               error=TransferError, count_msg=PART_COUNT, size_msg=PART_SIZE,
-                              backend=self.backend)
+                              backend=self.backend, max_ctas=self.receive_max_ctas)

@@ -51,14 +51,26 @@ def test_connector_config_keys():
         make_sender("ipc-push", SPEC, config={"layers_per_copy": 2, "max_cta": 8})
     assert str(e.value) == ("kv_connector_config key 'max_cta' is not an option of connector "
                             "'ipc-push' (it takes layers_per_copy, max_ctas)")
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(ValueError) as e:  # P's max_ctas is ipc-push's; tcp's cap is D's
         make_sender("tcp", SPEC, config={"max_ctas": 8})
     assert str(e.value) == ("kv_connector_config key 'max_ctas' is not an option of connector "
-                            "'tcp' (it takes none)")
-    with pytest.raises(ValueError) as e:  # auto on CPU is ipc-pull, which takes none
+                            "'tcp' (it takes receive_max_ctas)")
+    with pytest.raises(ValueError) as e:  # auto on CPU is ipc-pull
         make_sender("auto", SPEC, config={"max_ctas": 8})
     assert str(e.value) == ("kv_connector_config key 'max_ctas' is not an option of connector "
-                            "'ipc-pull' (it takes none)")
+                            "'ipc-pull' (it takes receive_max_ctas)")
+
+
+def test_receive_max_ctas_reaches_d_and_not_p():
+    """D's receive copies take the cap (default 16, from the interference study); P's half of
+    the same config ignores it; a bad value is refused naming key and value."""
+    for kind in ("ipc-pull", "tcp"):
+        assert make_receiver(kind, SPEC).receive_max_ctas == 16
+        assert make_receiver(kind, SPEC, config={"receive_max_ctas": 4}).receive_max_ctas == 4
+        assert not hasattr(make_sender(kind, SPEC, config={"receive_max_ctas": 4}),
+                           "receive_max_ctas")
+    with pytest.raises(ValueError, match=r"receive_max_ctas.*0"):
+        make_receiver("tcp", SPEC, config={"receive_max_ctas": 0})
 
 
 def test_serve_imports_no_concrete_connector():

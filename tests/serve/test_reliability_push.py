@@ -296,6 +296,6 @@ def test_push_options_need_ipc_push(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--kv-connector", "tcp", "--kv-connector-config", '{"max_ctas": 8}'])
     assert capsys.readouterr().err == ("kvflow.serve: error: --kv-connector-config key 'max_ctas' "
-                                       "is not an option of connector 'tcp' (it takes none)\n")
+                                       "is not an option of connector 'tcp' (it takes receive_max_ctas)\n")
     cfg = parse_args(["--kv-connector", "ipc-push", "--kv-connector-config", '{"max_ctas": 8}'])
     assert cfg.kv_connector_config == {"max_ctas": 8}
