@@ -123,6 +123,17 @@ def test_a_registered_kind_is_built_by_the_factory(fake_kind):
     assert CONNECTORS == ("ipc-pull", "ipc-push", "tcp", "nixl", "tcp-fake")
 
 
+def test_a_key_for_a_kind_of_no_options_says_it_takes_none():
+    bare = register_kind(Kind("tcp-bare", __name__, "FakeSender", "FakeReceiver", "s", "p", "d"))
+    try:
+        with pytest.raises(ValueError) as e:
+            kinds.check_options("tcp-bare", {"frames": 2})
+        assert str(e.value) == ("kv_connector_config key 'frames' is not an option of connector "
+                                "'tcp-bare' (it takes none)")
+    finally:
+        del KINDS[bare.name]
+
+
 def test_serve_config_checks_and_pairing_take_a_new_kind(fake_kind):
     from kvflow.serve.__main__ import build_parser, check_args, parse_args
     from kvflow.serve.instance.pairing import check_pairing

@@ -94,7 +94,7 @@ def line_of(argv: list[str]) -> str:
      "--kv-connector-config must be a JSON object such as '{\"max_ctas\": 16}', got '[8]'"),
     (["--kv-connector-config", '{"max_ctas": 8}'],  # auto on CPU is ipc-pull
      "--kv-connector-config key 'max_ctas' is not an option of connector 'ipc-pull' (it takes "
-     "none)"),
+     "receive_max_ctas)"),
     (["--kv-connector", "ipc-push", "--kv-connector-config", '{"max_cta": 8}'],
      "--kv-connector-config key 'max_cta' is not an option of connector 'ipc-push' (it takes "
      "layers_per_copy, max_ctas)"),
