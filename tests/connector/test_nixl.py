@@ -158,6 +158,7 @@ def test_consecutive_ids_move_as_one_descriptor_per_tensor():
         tel = a.telemetry(h)
         assert tel.descCount == num_descriptors(s_ids, d_ids, SPEC.num_tensors) == 16
         assert tel.totalBytes == len(s_ids) * SPEC.num_tensors * 64
+        assert a.descs_posted == len(s_ids) * SPEC.num_tensors and a.post_ms > 0
         h.release()
         assert int(dst.sum()) == len(s_ids) * SPEC.num_tensors * 64
     finally:

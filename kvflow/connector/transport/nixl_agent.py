@@ -104,6 +104,8 @@ class Agent:
         self.regs: list[Any] = []
         self.peers: dict[str, str] = {}  # peer instance id -> its agent's name
         self.notifs: dict[str, list[bytes]] = {}  # agent name -> notifications not taken yet
+        self.descs_posted = 0  # descriptors posted in WRITEs/READs (issue 28's descs column)
+        self.post_ms = 0.0  # ms spent in NIXL's make_prepped_xfer + transfer calls
         self.driver = ProgressDriver(self.progress, self.name) if driven else None
 
     def _quietly(self, fn: Any, *args: Any) -> None:
@@ -181,9 +183,12 @@ class Agent:
               remote_idx: np.ndarray, what: str) -> Any:
         try:
             with self._lock:
+                t0 = time.perf_counter()
                 handle = self.agent.make_prepped_xfer(op, local, local_idx.astype(np.int32),
                                                       remote, remote_idx.astype(np.int32))
                 state = self.agent.transfer(handle)
+                self.post_ms += (time.perf_counter() - t0) * 1e3
+                self.descs_posted += len(local_idx)
         except Exception as exc:
             raise TransferError(f"NIXL {op} of {what} failed: {type(exc).__name__}: "
                                 f"{exc}") from None
