@@ -89,6 +89,50 @@ def test_tcp_gathers_sends_and_scatters_into_d_ids(spec, zmq_link):
     assert stats.payload_bytes == 4 * spec.bytes_per_block == keep.numel() * keep.element_size()
 
 
+def test_receive_max_ctas_caps_each_of_d_s_copies(zmq_link, monkeypatch):
+    """``receive_max_ctas`` reaches every copy D's receive makes (tcp's scatter per layer,
+    ipc-pull's copy), and the blocks land byte for byte as without it."""
+    import kvflow.connector.ipc_pull as ipc_pull
+    import kvflow.connector.transport.frames as frames
+    spec, seen = SPECS[0], []
+
+    def spy(fn):
+        def call(*a, **kw):
+            seen.append(kw.get("max_ctas"))
+            return fn(*a, **kw)
+        return call
+
+    monkeypatch.setattr(frames, "scatter_blocks", spy(frames.scatter_blocks))
+    monkeypatch.setattr(ipc_pull, "copy_blocks", spy(ipc_pull.copy_blocks))
+    p_sock, d_sock = zmq_link
+    p_cache, d_cache = PagedKVCache(spec, num_blocks=12), PagedKVCache(spec, num_blocks=16)
+    _fill(p_cache, 5)
+    _fill(d_cache, 6)
+    want = _expected(p_cache, d_cache.tensors())
+    TcpSender(spec, backend="numba").send(p_sock, "r3", p_cache, SRC, first_token=1,
+                                          num_prompt_tokens=13)
+    head, payload = recv(d_sock)
+    rx = make_receiver("tcp", backend="numba", config={"receive_max_ctas": 4})
+    rx.receive(head, payload, d_cache, DST)
+    _assert_bytes_equal(d_cache, want)
+    assert seen == [4] * spec.num_layers
+    shared = SharedCache(spec, num_blocks=12, role="prefill")
+    try:
+        _fill(shared.cache, 7)
+        d_cache = PagedKVCache(spec, num_blocks=16)
+        want = _expected(shared.cache, d_cache.tensors())
+        rx = make_receiver("ipc-pull", backend="numba", config={"receive_max_ctas": 8})
+        rx.attach(Peer("p0", spec, 12, shm_name=shared.name))
+        IpcPullSender(spec).send(p_sock, "r4", shared.cache, SRC, first_token=1,
+                                 num_prompt_tokens=15)
+        head, payload = recv(d_sock)
+        rx.receive(head, payload, d_cache, DST)
+        _assert_bytes_equal(d_cache, want)
+        assert seen == [4] * spec.num_layers + [8]
+    finally:
+        shared.close()
+
+
 def test_tcp_rejects_frames_that_do_not_match(zmq_link):
     spec = SPECS[0]
     d_cache = PagedKVCache(spec, num_blocks=16)
