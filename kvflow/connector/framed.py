@@ -17,10 +17,7 @@ from kvflow.context import sends_allowed
 from .base import Kept, KVReceiver, KVSender, Peer, PrefillJob, Prefilling, TransferError
 from .layerwise.parts import LayerParts
 from .reblocked import differs
-
-#: Grid cap (CTAs) of D's receive copies on CUDA, beside its decode: ``receive_max_ctas``'s
-#: default (the interference study, docs/benchmarks.md; kinds.py's entries name it).
-RECEIVE_MAX_CTAS = 16
+from .receiver import RECEIVE_MAX_CTAS
 
 
 class FramedSender(KVSender):

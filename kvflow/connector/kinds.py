@@ -108,7 +108,7 @@ class Kind:
 
 
 _LAYERS_PER_COPY = 4  # kvflow.connector.layer_copy.LAYERS_PER_COPY
-#: kvflow.connector.framed.RECEIVE_MAX_CTAS: a capped grid for D's copies beside its decode (the
+#: kvflow.connector.receiver.RECEIVE_MAX_CTAS: a capped grid for D's copies beside its decode (the
 #: interference study, docs/benchmarks.md: 4, 16 or 64 CTAs cost decode TPOT p50 1.01-1.16x at
 #: 25-100 GB/s of KV landing, the full grid 1.01-1.25x)
 _RECEIVE_MAX_CTAS = Option("receive_max_ctas", int, 16, "programs (CTAs) of each of D's receive "
@@ -157,7 +157,7 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
                   Option("write_timeout_s", float, 30.0, "P waits this long for a request's "
                          "WRITEs, then fails the request (KVPushed ok=false, HTTP 502): raise "
                          "it for long prompts over a slow link", minimum=0, exclusive=True,
-                         unit="seconds")),
+                         unit="seconds"), _RECEIVE_MAX_CTAS),
          # every prompt layerwise: a WRITE is slower than P's compute of a layer group
          block_scales=False, layerwise_min_tokens=0, writes_peer_memory=True, cross_host=True,
          receiver_args=("max_model_len",), extra="nixl",

@@ -16,6 +16,7 @@ from kvflow.connector.messages import (KVPushed, NixlAgentInfo, ProtocolError, d
                              encode_agent_info)
 
 from .base import KVReceiver, Peer, SlotsTaken, TransferError, TransferStats
+from .receiver import RECEIVE_MAX_CTAS
 from .ipc_push import pushed_stats
 from .layer_copy import LAYERS_PER_COPY
 from .transport.frames import warm_staging
@@ -63,8 +64,10 @@ class NixlReceiver(KVReceiver):
 
     def __init__(self, spec=None, device: Any = "cpu", *, backend: str = "auto",
                  mode: str = "direct", staging_slots: int = STAGING_SLOTS,
-                 max_model_len: int = 2048, layers_per_copy: int = LAYERS_PER_COPY) -> None:
+                 max_model_len: int = 2048, layers_per_copy: int = LAYERS_PER_COPY,
+                 receive_max_ctas: int = RECEIVE_MAX_CTAS) -> None:
         super().__init__(spec, device, backend=backend)
+        self.receive_max_ctas = receive_max_ctas  # staged: the cap of D's scatter
         check_mode(mode, self.device)
         self.mode, self.staging_slots, self.max_model_len = mode, staging_slots, max_model_len
         self.agent: Agent | None = None
@@ -176,7 +179,8 @@ class NixlReceiver(KVReceiver):
         spec, n, lo = self.spec, len(dst_ids), slot * self.slot_bytes
         src = self.staging[lo:lo + n * spec.bytes_per_block]
         src = src.view(spec.dtype).view(staging_shape(spec, n))
-        scatter_blocks(src, cache, list(dst_ids), backend=self.backend)
+        scatter_blocks(src, cache, list(dst_ids), backend=self.backend,
+                       max_ctas=self.receive_max_ctas)
         if src.is_cuda:  # the slot is read until the scatter ran: only then may P reuse it
             torch.cuda.current_stream(src.device).synchronize()
 

@@ -10,6 +10,10 @@ from kvflow.cache import PagedKVCache
 from .arrival import ArrivalSide
 from .records import TransferError, TransferStats, as_device
 
+#: Grid cap (CTAs) of D's receive copies on CUDA, beside its decode: ``receive_max_ctas``'s
+#: default (the interference study, docs/benchmarks.md; kinds.py's entries name it).
+RECEIVE_MAX_CTAS = 16
+
 
 class KVReceiver(ArrivalSide, abc.ABC):
     """D's half of a connector for D's cache ``spec`` on ``device`` (``backend``: of the block

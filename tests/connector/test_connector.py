@@ -64,7 +64,7 @@ def test_connector_config_keys():
 def test_receive_max_ctas_reaches_d_and_not_p():
     """D's receive copies take the cap (default 16, from the interference study); P's half of
     the same config ignores it; a bad value is refused naming key and value."""
-    for kind in ("ipc-pull", "tcp"):
+    for kind in ("ipc-pull", "tcp", "nixl"):
         assert make_receiver(kind, SPEC).receive_max_ctas == 16
         assert make_receiver(kind, SPEC, config={"receive_max_ctas": 4}).receive_max_ctas == 4
         assert not hasattr(make_sender(kind, SPEC, config={"receive_max_ctas": 4}),
