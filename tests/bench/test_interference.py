@@ -154,3 +154,9 @@ def test_sigint_stops_with_the_rows_measured(tmp_path):
     assert data["complete"] is False and data["interrupted"] == "SIGINT"
     assert len(data["rows"]) == int(m.group(1)) >= 2
     assert data["rows"][0]["backend"] == "none" and data["rows"][0]["tpot_p99_ratio"] == 1.0
+
+
+def test_prefill_side_copies_as_ipc_push_does_by_default():
+    from kvflow.bench.interference import DEFAULTS
+    from kvflow.connector.layer_copy import LAYERS_PER_COPY
+    assert DEFAULTS["cuda"]["layers_per_copy"] == DEFAULTS["cpu"]["layers_per_copy"] == LAYERS_PER_COPY
