@@ -32,13 +32,14 @@ from . import cli
 DEFAULTS = {
     "cuda": dict(model="kvflow-llama-32l", dtype="bfloat16", batch=32, context=1024,
                  block_size=64, arrival_tokens=1024, kv_rate_gbs=[0.0, 25.0, 50.0, 100.0],
-                 max_ctas=[4, 16, 64, None], backends=["triton", "copy_engine"], steps=150,
-                 warmup=10, prefill_tokens=[1024, 4096, 8192], reps=3, pool=4, max_inflight=4,
-                 layers_per_copy=4),
+                 max_ctas=[4, 16, 64, None], backends=["triton", "copy_engine"], steps=600,
+                 warmup=10, prefill_tokens=[1024, 4096, 8192], reps=10, pool=4, max_inflight=4,
+                 layers_per_copy=4, rounds=10),
     "cpu": dict(model="kvflow-tiny", dtype="float32", batch=3, context=48, block_size=16,
                 arrival_tokens=64, kv_rate_gbs=[0.0, 0.05, 0.2], max_ctas=[None],
                 backends=["torch", "copy_engine"], steps=12, warmup=2, prefill_tokens=[32, 64],
-                reps=1, pool=2, max_inflight=4, layers_per_copy=4),
+                reps=1, pool=2, max_inflight=4, layers_per_copy=4,
+                rounds=2),
 }
 
 
@@ -97,10 +98,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", type=cli.csv(),
                    help="copy backends (cuda triton,copy_engine; cpu torch,copy_engine); "
                         "'none', the baseline, is always measured")
-    p.add_argument("--steps", type=int, help="timed decode steps per row (cuda 150)")
+    p.add_argument("--steps", type=int, help="timed decode steps per row (cuda 600)")
+    p.add_argument("--rounds", type=int,
+                   help="D side: rounds each row's steps are split over, rows interleaved in "
+                        "each round (cuda 10)")
     p.add_argument("--warmup", type=int, help="untimed decode steps or prefills first (cuda 10)")
     p.add_argument("--prefill-tokens", type=cli.tokens, help="P side prompt lengths (cuda 1K,4K,8K)")
-    p.add_argument("--reps", type=int, help="timed prefills per length and configuration (cuda 3)")
+    p.add_argument("--reps", type=int, help="timed prefills per length and configuration (cuda 10)")
     p.add_argument("--layers-per-copy", type=int,
                    help="P side: layers per copy launch, as ipc-push's layers_per_copy (default 4)")
     p.add_argument("--pool", type=int, help="destination block sets the arrivals rotate over")
@@ -121,10 +125,13 @@ def options(args) -> dict:
     opts.update({k: v for k, v in vars(args).items() if not k.startswith("_") and v is not None})
     opts["device"] = dev
     for key in ("batch", "context", "block_size", "arrival_tokens", "steps", "pool", "max_inflight",
-                "reps", "layers_per_copy"):
+                "reps", "layers_per_copy", "rounds"):
         if isinstance(opts[key], bool) or not isinstance(opts[key], int) or opts[key] < 1:
             raise SystemExit(f"kvflow.bench interference: --{key.replace('_', '-')} "
                              f"{opts[key]!r}: must be an int >= 1")
+    if opts["rounds"] > opts["steps"]:
+        raise SystemExit(f"kvflow.bench interference: --rounds {opts['rounds']!r}: must be <= "
+                         f"--steps ({opts['steps']})")
     if opts["warmup"] < 0:
         raise SystemExit(f"kvflow.bench interference: --warmup {opts['warmup']!r}: must be >= 0")
     if opts.get("threads"):

@@ -107,19 +107,19 @@ class DecodeBench:
         batch = [(tok, self.s.context, table) for tok, table in zip(self.tokens, self.tables)]
         self.tokens = self.engine.decode(batch).argmax(-1).tolist()
 
-    def measure(self, cfg: Config, rate_gbps: float | None) -> dict:
-        """TPOT of ``s.steps`` steps (after ``s.warmup``) with units arriving at ``rate_gbps``
+    def measure(self, cfg: Config, rate_gbps: float | None, steps: int | None = None) -> dict:
+        """TPOT of ``steps`` (default ``s.steps``) steps (after ``s.warmup``) with units arriving at ``rate_gbps``
         GB/s (0 or ``cfg.backend == "none"``: none). Returns seconds per step (``tpot_s``),
         units landed, the window's seconds (first step's start to the last unit's end or the
         last step's end, whichever is later) and whether the last unit landed intact."""
         lane = Lane(self.dev) if cfg.backend != NONE and rate_gbps != 0 else None
         try:
-            return self._measure(lane, cfg, rate_gbps)
+            return self._measure(lane, cfg, rate_gbps, steps or self.s.steps)
         finally:
             if lane is not None:
                 lane.close()
 
-    def _measure(self, lane, cfg, rate_gbps) -> dict:
+    def _measure(self, lane, cfg, rate_gbps, steps: int) -> dict:
         s = self.s
         for _ in range(s.warmup):  # compiles, allocator; arrivals on too when they run
             if lane is not None and lane.pending() < s.max_inflight:
@@ -130,7 +130,7 @@ class DecodeBench:
             lane.drain()
         first, issued, credited, tpot = self.n_units, 0, 0, []
         t0 = time.perf_counter()
-        for _ in range(s.steps):
+        for _ in range(steps):
             t = time.perf_counter()
             if lane is not None:
                 busy = lane.pending()
@@ -152,8 +152,10 @@ class DecodeBench:
 
 
 def decode_side(o: dict, model, dev, cfgs: list[Config], env: dict, rows: list, sms: int) -> None:
-    """The D side's rows, appended to ``rows`` as measured: the baseline, a skipped row per
-    configuration that cannot run, one row per (rate > 0, configuration), the baseline again.
+    """The D side's rows, appended to ``rows``: the baseline, a skipped row per configuration
+    that cannot run, one row per (rate > 0, configuration), the baseline again. Each configuration
+    runs ``steps / rounds`` steps per round, in that order, for ``rounds`` rounds (so host and
+    clock drift falls on all alike); its row pools its rounds; ratios are to the first baseline.
     ``o``: the study's options (:func:`kvflow.bench.interference.options`)."""
     from .timing import copy_ceiling, median, time_calls
     s = DecodeSetup(**{f.name: o[f.name] for f in dataclasses.fields(DecodeSetup)})
@@ -168,17 +170,33 @@ def decode_side(o: dict, model, dev, cfgs: list[Config], env: dict, rows: list, 
         rows.append(row)
         print(line(row), flush=True)
 
-    base = decode_row(env, b, none, 0.0, b.measure(none, 0.0), None, None, None, sms,
-                      dict(conf, phase="first"), seed)
-    add(base)
-    for cfg in [c for c in cfgs if c.skipped]:
-        add(skipped_row(env, "decode", cfg, b.spec, sms, conf))
     run = [c for c in cfgs if not c.skipped]
     alone = {cfg: median(time_calls([b.copy_fn(cfg, k) for k in range(s.pool)], device=dev,
                                     warmup=2, reps=10)) for cfg in run}
-    for rate in [r for r in o["kv_rate_gbs"] if r != 0]:
-        for cfg in run:
-            add(decode_row(env, b, cfg, rate, b.measure(cfg, rate), base, ceil_unit, alone[cfg],
-                           sms, dict(conf, phase="swept"), seed))
-    add(decode_row(env, b, none, 0.0, b.measure(none, 0.0), base, None, None, sms,
-                   dict(conf, phase="last"), seed))
+    plan = ([("first", none, 0.0)] + [("swept", cfg, rate) for rate in o["kv_rate_gbs"]
+                                        if rate != 0 for cfg in run] + [("last", none, 0.0)])
+    got: list[list[dict]] = [[] for _ in plan]
+    rounds = o["rounds"]
+    per = [s.steps // rounds + (i < s.steps % rounds) for i in range(rounds)]
+    for n in per:  # every configuration a slice of its steps per round: drift hits each alike
+        for k, (_, cfg, rate) in enumerate(plan):
+            got[k].append(b.measure(cfg, rate, n))
+    base = None
+    for (phase, cfg, rate), res in zip(plan, got):
+        row = decode_row(env, b, cfg, rate, _pooled(res), base, None if cfg is none else ceil_unit,
+                         alone.get(cfg), sms, dict(conf, phase=phase, rounds=rounds), seed)
+        base = base or row
+        add(row)
+        if phase == "first":
+            for skipped in [c for c in cfgs if c.skipped]:
+                add(skipped_row(env, "decode", skipped, b.spec, sms, conf))
+
+
+def _pooled(parts: list[dict]) -> dict:
+    """One :meth:`DecodeBench.measure` result of a configuration's rounds: steps and units
+    summed, ``landed`` True only if every round's last unit landed."""
+    landed = [p["landed"] for p in parts if p["landed"] is not None]
+    return {"tpot_s": [t for p in parts for t in p["tpot_s"]],
+            "units": sum(p["units"] for p in parts), "forgone": sum(p["forgone"] for p in parts),
+            "window_s": sum(p["window_s"] for p in parts),
+            "landed": all(landed) if landed else None}

@@ -42,6 +42,8 @@ def test_cli_writes_decode_and_prefill_rows_with_real_figures(tmp_path):
     pre = [r for r in rows if r["op"] == "interference_prefill"]
     assert [r["label"] for r in dec if not r["skipped"]] == ["none", "torch", "none"]
     assert [r["config"]["phase"] for r in dec if not r["skipped"]] == ["first", "swept", "last"]
+    # 6 steps over the cpu default of 2 rounds: each row pools 3 + 3 steps
+    assert [(r["config"]["rounds"], r["steps"]) for r in dec if not r["skipped"]] == [(2, 6)] * 3
 
     base, torch_row, last = [r for r in dec if not r["skipped"]]
     assert base["tpot_p50_ratio"] == 1.0 and base["tpot_p99_ratio"] == 1.0  # exactly
@@ -160,3 +162,8 @@ def test_prefill_side_copies_as_ipc_push_does_by_default():
     from kvflow.bench.interference import DEFAULTS
     from kvflow.connector.layer_copy import LAYERS_PER_COPY
     assert DEFAULTS["cuda"]["layers_per_copy"] == DEFAULTS["cpu"]["layers_per_copy"] == LAYERS_PER_COPY
+
+
+def test_rounds_above_steps_is_refused():
+    with pytest.raises(SystemExit, match=r"--rounds 7: must be <= --steps \(6\)"):
+        main(TINY + ["--rounds", "7", "--out-dir", "/nonexistent"])
