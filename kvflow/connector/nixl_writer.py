@@ -191,7 +191,8 @@ class NixlWriter:
             return
         if self.mode == "direct":
             src, dst = pairs
-            self._settle()
+            if self.cache.buffer.is_cuda:  # NIXL reads memory outside P's stream
+                torch.cuda.current_stream(self.cache.buffer.device).synchronize()
             self.handles.append(self.agent.write(
                 self.local, desc_indices(src, tensors, self.cache.num_blocks), peer.remote,
                 desc_indices(dst, tensors, peer.num_blocks), what))
@@ -216,11 +217,6 @@ class NixlWriter:
         self._ids = (job, ids, ",".join(map(str, job.decode_block_ids[lo:nb])).encode())
         return self._ids[1:]
 
-    def _settle(self) -> None:
-        """On a GPU, wait for P's stream (NIXL reads memory outside it)."""
-        if self.cache.buffer.is_cuda:
-            torch.cuda.current_stream(self.cache.buffer.device).synchronize()
-
     def _write_staged(self, peer: NixlPeer, layers: range, tensors: range, what: str) -> bool:
         """Gather ``layers`` of the request's blocks into the next slot of P's staging (once
         that slot's last WRITE is done) and WRITE them to their place in D's slot, notifying
@@ -243,9 +239,8 @@ class NixlWriter:
         idx = np.arange(k, dtype=np.int32)
         base = peer.slot * peer.slot_descs + tensors.start * n  # the group's place in D's slot
         notif = b"kv %d %d %s %s" % (layers.start, layers.stop, dst, job.req_id.encode())
-        ev = None
-        if out.is_cuda:
-            ev = torch.cuda.Event()
+        ev = torch.cuda.Event() if out.is_cuda else None
+        if ev is not None:
             ev.record(torch.cuda.current_stream(out.device))
         self._post_ready()
         self.ready = (ev, s, (self.local_staging, lo + idx, peer.remote, base + idx, what, notif))
