@@ -9,6 +9,7 @@ whichever thread progresses the agent). See docs/nixl.md, "How it works".
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
 import time
 from typing import Any
@@ -98,7 +99,11 @@ class NixlReceiver(KVReceiver):
             self.staging = torch.zeros(self.staging_slots * self.slot_bytes, dtype=torch.uint8,
                                        device=self.device)
             self.agent.register(self.staging)
-            self.agent.on_notif = (b"kv ", self._on_group)
+            todo: queue.SimpleQueue = queue.SimpleQueue()  # None: stop
+            self.agent.on_notif = (b"kv ", lambda peer, msg: todo.put((peer, msg)))
+            self._todo = todo  # a thread of its own: a progress thread stays free to progress
+            threading.Thread(target=lambda: [self._on_group(*x) for x in iter(todo.get, None)],
+                             name="nixl-scatter", daemon=True).start()
         return cache
 
     def warmup(self) -> None:
@@ -187,18 +192,17 @@ class NixlReceiver(KVReceiver):
     def _on_group(self, peer_id: str, msg: bytes) -> None:
         """``kv LO HI D-IDS REQ``: scatter layers [LO, HI) of ``REQ`` from ``peer_id``'s slot
         into D's ids, unless ``REQ`` ended here (its blocks may be another's by now)."""
+        _, lo, hi, ids, req = (msg.split(b" ", 4) + [b""] * 5)[:5]
         with self._mu:
-            _, lo, hi, ids, req = msg.split(b" ", 4)
-            req = req.decode()
-            if req in self.ended:
-                return
-            got = self.groups.setdefault(req, [0, None, ""])
+            if not req or req.decode() in self.ended:
+                return  # not a group's notice, or too late
+            got = self.groups.setdefault(req.decode(), [0, None, ""])
             try:
                 got[1] = [int(x) for x in ids.split(b",")]
                 self._scatter(peer_id, got[1], range(int(lo), int(hi)))
                 got[0] += int(hi) - int(lo)
             except Exception as exc:  # noqa: BLE001 - the request fails at its KVPushed
-                got[2] = got[2] or f"staged scatter of {req} failed: {exc}"
+                got[2] = got[2] or f"staged scatter of {req.decode()} failed: {exc}"
 
     def _await_groups(self, req_id: str, dst_ids: list[int]) -> None:
         """After ``KVPushed``: until every layer of ``req_id`` was scattered into ``dst_ids``
@@ -251,6 +255,8 @@ class NixlReceiver(KVReceiver):
                 self._free(peer_id, req_id)
 
     def close(self) -> None:
+        if self.staging is not None:
+            self._todo.put(None)
         if self.agent is not None:
             self.agent.close()
             self.agent = None
