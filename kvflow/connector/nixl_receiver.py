@@ -2,8 +2,8 @@
 :mod:`kvflow.connector.nixl`), and what both halves share: the modes, the size of a staging
 slot, the check of a peer's agent info. D publishes its registered memory in
 ``Register.connector_md``; P WRITEs into it. Staged, a P's slot holds a whole request, each
-layer group at its own place, and D scatters a group when its ``kv`` notification comes (in
-whichever thread progresses the agent). See docs/nixl.md, "How it works".
+layer group at its own place, and D scatters a group when its ``kv`` notification comes (on a
+thread of its own). See docs/nixl.md, "How it works".
 """
 
 from __future__ import annotations
@@ -99,11 +99,10 @@ class NixlReceiver(KVReceiver):
             self.staging = torch.zeros(self.staging_slots * self.slot_bytes, dtype=torch.uint8,
                                        device=self.device)
             self.agent.register(self.staging)
-            todo: queue.SimpleQueue = queue.SimpleQueue()  # None: stop
-            self.agent.on_notif = (b"kv ", lambda peer, msg: todo.put((peer, msg)))
-            self._todo = todo  # a thread of its own: a progress thread stays free to progress
-            threading.Thread(target=lambda: [self._on_group(*x) for x in iter(todo.get, None)],
-                             name="nixl-scatter", daemon=True).start()
+            # groups scatter on a thread of their own: the progress thread stays free to progress
+            self._todo: queue.SimpleQueue = queue.SimpleQueue()  # (peer, notice); None: stop
+            self.agent.on_notif = (b"kv ", lambda *notice: self._todo.put(notice))
+            threading.Thread(target=self._scatter_loop, name="nixl-scatter", daemon=True).start()
         return cache
 
     def warmup(self) -> None:
@@ -188,6 +187,10 @@ class NixlReceiver(KVReceiver):
         self.agent.notify(peer_id, b"slot %d" % slot)
         if peer_id in self.freed:
             self._free(peer_id, self.freed[peer_id])
+
+    def _scatter_loop(self) -> None:
+        for notice in iter(self._todo.get, None):
+            self._on_group(*notice)
 
     def _on_group(self, peer_id: str, msg: bytes) -> None:
         """``kv LO HI D-IDS REQ``: scatter layers [LO, HI) of ``REQ`` from ``peer_id``'s slot
