@@ -124,3 +124,14 @@ def test_notifications_of_a_request_d_ended_never_scatter(pair):
     time.sleep(0.2)  # the notifications came and went
     rx.agent.progress()
     assert not d_cache.buffer.any() and "r-gone" not in rx.groups
+
+
+def test_kv_into_other_blocks_than_kvpushed_is_for_fails_the_request(pair):
+    from kvflow.connector import TransferError
+    tx, rx, p_cache, d_cache, d_sock = pair
+    tx.send_prefilled(PrefillJob("r1", [1] * 8, [4, 5], "d-test", [8, 9]), 0)
+    _, head, *frames = d_sock.recv_multipart()
+    with pytest.raises(TransferError) as e:
+        rx.receive(decode(head), frames, d_cache, [8, 10], "p-test")
+    assert str(e.value) == "staged KV of r1 went into D's blocks [8, 9]; D expects [8, 10]"
+    assert "r1" in rx.ended and "r1" not in rx.groups
