@@ -226,12 +226,10 @@ class NixlReceiver(KVReceiver):
         """``req_id``'s slot is done with; False when it was already."""
         with self._mu:
             self.groups.pop(req_id, None)
-            if req_id in self.ended:
-                return False
-            self.ended[req_id] = None
-            while len(self.ended) > ENDED:
+            fresh, self.ended[req_id] = req_id not in self.ended, None
+            if len(self.ended) > ENDED:
                 del self.ended[next(iter(self.ended))]
-            return True
+            return fresh
 
     def _scatter(self, peer_id: str, dst_ids: list[int], layers: range) -> None:
         slot = self.slots.get(peer_id)

@@ -105,11 +105,14 @@ class NixlWriter:
         spec = self.cache.spec
         nb = spec.num_blocks_for(len(job.token_ids))
         n = nb - min(job.num_cached_blocks, nb)
-        fits = peer.slot_descs // spec.num_tensors
-        if n > fits:
-            raise TransferError(f"request {job.req_id} moves {n} blocks ({len(job.token_ids)} "
-                                f"tokens, {job.num_cached_blocks} cached on D); a staging slot "
-                                f"of decode instance {peer.id} holds {fits}")
+        mine = self.slot_descs // spec.tensors_per_layer // min(self.layers_per_copy,
+                                                                spec.num_layers)
+        for fits, whose in ((peer.slot_descs // spec.num_tensors, f"decode instance {peer.id}"),
+                            (mine, "this prefill instance")):
+            if n > fits:
+                raise TransferError(f"request {job.req_id} moves {n} blocks "
+                                    f"({len(job.token_ids)} tokens, {job.num_cached_blocks} "
+                                    f"cached on D); a staging slot of {whose} holds {fits}")
 
     def _drain_free(self, peer: NixlPeer) -> bool:
         """Take D's ``free`` notices (others' are kept in ``peer.early``); True while the slot

@@ -135,3 +135,17 @@ def test_kv_into_other_blocks_than_kvpushed_is_for_fails_the_request(pair):
         rx.receive(decode(head), frames, d_cache, [8, 10], "p-test")
     assert str(e.value) == "staged KV of r1 went into D's blocks [8, 9]; D expects [8, 10]"
     assert "r1" in rx.ended and "r1" not in rx.groups
+
+
+def test_a_request_over_p_s_staging_slot_is_refused_before_any_write(pair):
+    """P's slots hold one layer group of its longest request (``max_model_len``): a request
+    over it is refused naming P, before any WRITE (a gather past a slot would overwrite the
+    other slot while its WRITE is in flight)."""
+    from kvflow.connector import TransferError
+    tx, rx, p_cache, d_cache, d_sock = pair
+    tx.copier.slot_descs //= NUM_BLOCKS  # as if P's max_model_len were one block
+    with pytest.raises(TransferError) as e:
+        tx.send_prefilled(PrefillJob("r1", [1] * 8, [4, 5], "d-test", [8, 9]), 0)
+    assert str(e.value) == ("request r1 moves 2 blocks (8 tokens, 0 cached on D); a staging "
+                            "slot of this prefill instance holds 1")
+    assert tx.copier.posted == 0 and tx.agent.descs_posted == 0

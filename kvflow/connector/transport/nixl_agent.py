@@ -106,8 +106,8 @@ class Agent:
         self.notifs: dict[str, list[bytes]] = {}  # agent name -> notifications not taken yet
         self.descs_posted = 0  # descriptors posted in WRITEs/READs (issue 28's descs column)
         self.post_ms = 0.0  # ms spent in NIXL's make_prepped_xfer + transfer calls
-        #: ``(prefix, fn)``: :meth:`progress` hands each notification starting with ``prefix``
-        #: to ``fn(peer_id, message)`` (outside the lock) instead of keeping it for :meth:`take`
+        #: ``(prefix, fn)``: :meth:`progress` hands notifications starting with ``prefix`` to
+        #: ``fn(peer_id, message)`` (outside the lock), not to :meth:`take`
         self.on_notif: tuple[bytes, Any] | None = None
         self.driver = ProgressDriver(self.progress, self.name) if driven else None
 
