@@ -213,8 +213,13 @@ def _measure(pair: _Pair, c: str, spec, tokens: int, src: list[int], dst: list[i
     ok = pair.check(src, dst)
     stats: list = []
     extra = {}
+    agent = getattr(pair.sender, "agent", None)  # nixl: P's descriptors and post time
+    before = (agent.descs_posted, agent.post_ms) if agent is not None else None
     times = time_calls([lambda: stats.append(pair.request(src, dst))],
                        warmup=opts["warmup"], reps=opts["reps"])
+    if before is not None:  # per request, warm-up included
+        extra["descs_per_request"] = (agent.descs_posted - before[0]) / len(stats)
+        extra["post_ms"] = (agent.post_ms - before[1]) / len(stats)
     if hasattr(stats[-1], "receive_ms"):  # D in its own process: its receive's wall time
         extra["d_receive_ms"] = median([s.receive_ms for s in stats[-len(times):]])
     return make_row(
@@ -230,14 +235,18 @@ def _measure(pair: _Pair, c: str, spec, tokens: int, src: list[int], dst: list[i
 
 
 def format_table(rows: list[dict]) -> str:
-    """Text table: connector, tokens, MiB, GB/s, ratio to its ceiling, latency p50/p99 (ms)."""
-    head = f"{'connector':13} {'tokens':>7} {'MiB':>8} {'GB/s':>8} {'ratio':>6} {'p50 ms':>8} {'p99 ms':>8}"
+    """Text table: connector, tokens, MiB, GB/s, ratio to its ceiling, latency p50/p99 (ms),
+    and for nixl the descriptors P posts per request and its ms in NIXL's post calls."""
+    head = (f"{'connector':13} {'tokens':>7} {'MiB':>8} {'GB/s':>8} {'ratio':>6} {'p50 ms':>8} "
+            f"{'p99 ms':>8} {'descs':>7} {'post ms':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         p50 = r.get("latency_ms_p50", r["time_s"] * 1e3)
         p99 = r.get("latency_ms_p99", r["time_s"] * 1e3)
         lines.append(f"{r['backend']:13} {r['tokens']:>7} {r['payload_bytes'] / 2**20:>8.1f} "
                      f"{r['gbps']:>8.2f} {r['ratio'] or 0:>6.2f} {p50:>8.2f} {p99:>8.2f}"
+                     + (f" {r['descs_per_request']:>7.0f} {r['post_ms']:>8.3f}"
+                        if "post_ms" in r else "")
                      + ("" if r.get("verified", True) else "  MISMATCH"))
     return "\n".join(lines)
 

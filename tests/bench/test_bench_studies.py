@@ -187,3 +187,25 @@ def test_transfer_pair_writes_only_d_blocks(connector):
             assert not t[[1, 2, 4, 5, 6]].view(torch.uint8).any()
     finally:
         pair.close()
+
+
+def test_transfer_nixl_rows_carry_descriptors_and_post_time(tmp_path, capsys, monkeypatch):
+    """nixl rows report the descriptors P posts per request and its ms in NIXL's post calls
+    (staged: one WRITE per layer group of 4 of 32 layers, 2 tensors, 1 block: 64); other
+    connectors leave the columns out."""
+    from kvflow.bench.__main__ import main
+    from kvflow.connector.transport.nixl_agent import nixl_available, tcp_tls
+    if not nixl_available():
+        pytest.skip("NIXL is not installed")
+    monkeypatch.setenv("UCX_TLS", tcp_tls())
+    assert main(["transfer", "--quick", "--device", "cpu", "--connectors", "tcp,nixl,nixl-staged",
+                 "--tokens", "64", "--out-dir", str(tmp_path), "--no-progress", "--threads",
+                 "1"]) == 0
+    (head,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("connector ")]
+    assert head.split()[-3:] == ["descs", "post", "ms"]
+    (result,) = tmp_path.glob("transfer-cpu-*.json")
+    moved = {r["backend"]: r for r in json.loads(result.read_text())["rows"]
+             if r["op"] == "transfer"}
+    assert moved["nixl-staged"]["descs_per_request"] == moved["nixl"]["descs_per_request"] == 64
+    assert all(moved[c]["post_ms"] > 0 and moved[c]["verified"] for c in ("nixl", "nixl-staged"))
+    assert "post_ms" not in moved["tcp"]
