@@ -17,7 +17,7 @@ from .kinds import KINDS, Kind, Option, check_options, register_kind
 __all__ = ["Arrival", "CONNECTORS", "DATA_MESSAGES", "Freed", "KINDS", "KVReceiver", "KVSender",
            "KVVerifyError", "Kept", "Kind", "LeaseLinks", "LentBlocks", "Option", "Peer",
            "PrefillJob", "Renewals", "SlotsTaken", "TransferError", "TransferStats", "bind_to_host",
-           "check_connector_config", "get_kind", "is_data_message", "lease_socket", "make_receiver",
+           "check_connector_config", "is_data_message", "lease_socket", "make_receiver",
            "make_sender", "register_kind", "resolve_connector", "scales_refusal"]
 
 _LAZY = {"Arrival": "arrival", "is_data_message": "arrival", "DATA_MESSAGES": "messages",
@@ -33,12 +33,6 @@ def __getattr__(name: str) -> Any:  # the contract loads torch: import it on fir
     if name in _LAZY:
         return getattr(importlib.import_module(f"kvflow.connector.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'kvflow.connector' has no attribute {name!r}")
-
-
-def get_kind(name: str, device: Any = "cpu") -> Kind:
-    """The registry entry of ``name`` (a kind or ``auto``) on ``device`` (ValueError for an
-    unknown name)."""
-    return _kinds.resolve(name, device)
 
 
 def bind_to_host(kind: str, host: str) -> None:
@@ -72,16 +66,12 @@ def scales_refusal(kind: str | None, spec: Any, who: str = "spec") -> str:
 
 
 def check_connector_config(name: str, config: dict[str, Any] | None) -> dict[str, Any]:
-    """``config`` checked against the options of connector ``name`` (a kind or ``auto``);
-    returns a copy (:func:`kvflow.connector.kinds.check_options`).
-
-    Raises ValueError: ``config`` is not a dict, holds a key ``name`` does not accept, or a bad
-    value."""
+    """:func:`kvflow.connector.kinds.check_options` for ``name`` (a kind or ``auto``)."""
     return check_options(resolve_connector(name), config)
 
 
 def _checked(name: str, spec: Any, device: Any, config: Any) -> tuple[Kind, dict[str, Any]]:
-    kind = get_kind(name, device)
+    kind = _kinds.resolve(name, device)
     options = check_options(kind.name, config)
     if why := scales_refusal(kind.name, spec):
         raise ValueError(why)

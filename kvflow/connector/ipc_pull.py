@@ -19,31 +19,21 @@ from kvflow.cache import PagedKVCache
 from kvflow.kernels import copy_blocks, copy_sequence, payload_bytes
 from kvflow.kernels.digest import digest_blocks
 from kvflow.connector.messages import KVLayer, KVReady, encode
-from kvflow.segments import unlink
 
 from .base import Peer, TransferError, TransferStats, as_ids, check_send_allowed
 from .framed import RECEIVE_MAX_CTAS, FramedReceiver, FramedSender
 from .reblocked import differs, tables
-from .records import warm_copy
-from .transport.shm import export_new_cache, map_peer_cache
+from .records import ExportedCache, warm_copy
+from .transport.shm import map_peer_cache
 from .verify import check, expect, new_digest
 
 
-class IpcPullSender(FramedSender):
+class IpcPullSender(ExportedCache, FramedSender):
     """P's half: the cache is exported at start-up; send D the ids to pull."""
 
     name = "ipc-pull"
     holds_blocks = True
-    export_name = ""  # the shm segment (CPU) or published CUDA IPC export
-
-    def make_cache(self, num_blocks: int) -> PagedKVCache:
-        """P's cache, exported: one CUDA allocation's IPC handle, or a shared-memory segment."""
-        self.cache, self.export_name = export_new_cache(self.spec, num_blocks, self.device,
-                                                        "prefill")
-        return self.cache
-
-    def export(self) -> dict[str, str]:
-        return {"shm_name": self.export_name}
+    export_role = "prefill"
 
     def send(self, link, req_id, cache, src_ids, *, first_token, num_prompt_tokens,
              corrupt=False):
@@ -69,9 +59,7 @@ class IpcPullSender(FramedSender):
 
     def close(self) -> None:
         super().close()
-        if self.export_name:  # the router also removes it if P dies
-            unlink(self.export_name)
-        self.export_name = ""
+        self.unexport()
 
 
 class IpcPullReceiver(FramedReceiver):

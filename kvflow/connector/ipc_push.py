@@ -19,14 +19,13 @@ from kvflow.cache import PagedKVCache
 from kvflow.context import sends_allowed
 from kvflow.kernels import payload_bytes
 from kvflow.connector.messages import KVPushed, encode
-from kvflow.segments import unlink
 
 from .base import (KVReceiver, KVSender, Peer, PrefillJob, Prefilling, TransferError,
                    TransferStats, check_send_allowed)
 from .layer_copy import LAYERS_PER_COPY, LAYERWISE_MAX_CTAS, LayerCopier, PushStats
 from .reblocked import differs, push_prompt, warm
-from .records import warm_copy
-from .transport.shm import export_new_cache, map_decode_cache
+from .records import ExportedCache, warm_copy
+from .transport.shm import map_decode_cache
 
 log = logging.getLogger("kvflow.connector.ipc_push")
 
@@ -220,25 +219,16 @@ def pushed_stats(header: KVPushed, frames, dst_ids, failed: str) -> TransferStat
                          copy_ms=header.copy_ms, layerwise=header.layerwise)
 
 
-class PushReceiver(KVReceiver):
+class PushReceiver(ExportedCache, KVReceiver):
     """D's half: exports D's cache; a ``KVPushed`` says the KV is in D's blocks already."""
 
     name = "ipc-push"
     acks = False
     peer_writes = True
-    export_name = ""  # the shm segment (CPU) or published CUDA IPC export
-
-    def make_cache(self, num_blocks: int) -> PagedKVCache:
-        """D's cache, exported: one CUDA allocation's IPC handle, or a shared-memory segment."""
-        self.cache, self.export_name = export_new_cache(self.spec, num_blocks, self.device,
-                                                        "decode")
-        return self.cache
+    export_role = "decode"
 
     def warmup(self) -> None:
         warm_copy(self.spec, self.device, self.backend)
-
-    def export(self) -> dict[str, str]:
-        return {"shm_name": self.export_name}
 
     def receive(self, header: Any, frames, cache, dst_ids, peer_id=None) -> TransferStats:
         if not isinstance(header, KVPushed):
@@ -246,6 +236,4 @@ class PushReceiver(KVReceiver):
         return pushed_stats(header, frames, dst_ids, "prefill could not push the KV")
 
     def close(self) -> None:
-        if self.export_name:  # the router also removes it if D dies
-            unlink(self.export_name)
-            self.export_name = ""
+        self.unexport()

@@ -104,3 +104,26 @@ def warm_copy(spec: KVCacheSpec, device: Any, backend: str, *caps: int | None) -
     a, b = PagedKVCache(spec, 2, device=device), PagedKVCache(spec, 2, device=device)
     for cap in caps or (None,):
         copy_blocks(a, b, [0], [1], backend=backend, max_ctas=cap)
+
+
+class ExportedCache:
+    """A half whose cache another process of this host maps (ipc-pull's P, ipc-push's D):
+    :func:`~.transport.shm.export_new_cache`, named in ``Register.shm_name``."""
+
+    export_role = ""
+    export_name = ""  # the shm segment (CPU) or published CUDA IPC export
+
+    def make_cache(self, num_blocks: int) -> PagedKVCache:
+        from .transport.shm import export_new_cache
+        self.cache, self.export_name = export_new_cache(self.spec, num_blocks, self.device,
+                                                        self.export_role)
+        return self.cache
+
+    def export(self) -> dict[str, str]:
+        return {"shm_name": self.export_name}
+
+    def unexport(self) -> None:
+        if self.export_name:  # the router also removes it if its owner dies
+            from kvflow.segments import unlink
+            unlink(self.export_name)
+        self.export_name = ""

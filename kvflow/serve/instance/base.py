@@ -118,15 +118,13 @@ class Instance(EventLoop):
         self.registered, self._reregistered_at = False, now
         self.register()
 
-    def profile(self, budget=None) -> int:
-        """``num_blocks`` from a profile run (nothing sent) in ``budget`` (default from the
-        config). Raises :class:`StartupError` when it leaves no room for one block."""
+    def profile(self, budget) -> int:
+        """``num_blocks`` from a profile run (nothing sent) in ``budget`` (a
+        :class:`~kvflow.serve.launch.budget.MemoryBudget`). Raises :class:`StartupError` when it
+        leaves no room for one block."""
         from kvflow.engine import MemoryBudgetError, determine_num_blocks
-        from ..launch.budget import memory_budget, too_small_message
+        from ..launch.budget import too_small_message
         assert self.ctrl is None, "profile run must happen before any channel exists"
-        if budget is None:
-            budget = memory_budget(self.cfg.device, self.cfg.memory_budget_mb,
-                                   self.cfg.gpu_memory_utilization)
         try:
             n = determine_num_blocks(self.model, self.spec, memory_budget_bytes=budget.bytes,
                                      max_num_batched_tokens=min(self.cfg.max_num_batched_tokens,

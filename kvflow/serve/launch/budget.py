@@ -86,12 +86,6 @@ def memory_budget(device: str, memory_budget_mb: int | None = None,
     return MemoryBudget(int(util * free), "--gpu-memory-utilization", util, str(device), free, total)
 
 
-def shared_gpu_utilization(utilization: float | None, instances: int) -> float:
-    """Each instance's ``--gpu-memory-utilization`` when ``instances`` of them share one GPU."""
-    util = GPU_DEFAULT_UTILIZATION if utilization is None else utilization
-    return util / instances
-
-
 def too_small_message(budget: MemoryBudget, err, model: str) -> str:
     """One line for a :class:`~kvflow.engine.MemoryBudgetError`: what the smallest budget
     needs, and the flag value that gives it."""

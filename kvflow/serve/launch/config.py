@@ -32,11 +32,6 @@ def meta(f: dataclasses.Field, key: str) -> Any:
     return value() if callable(value) else value
 
 
-def kv_connectors() -> tuple[str, ...]:
-    """The values of ``--kv-connector``: ``auto`` and every registered kind."""
-    return ("auto", *kinds.kind_names())
-
-
 def _reblocking(what: str) -> typing.Callable[[], str]:
     return lambda: f"{what}: {', '.join(kinds.with_capability('reblocks'))})"
 
@@ -68,7 +63,7 @@ class ServeConfig:
         "built-in model name (kvflow-tiny: seeded weights, byte tokenizer, no download) or a "
         "local Hugging Face Llama/Qwen2 checkpoint directory"))
     kv_connector: str = field(default="auto", metadata=_flag(
-        kinds.help_kinds, choices=kv_connectors))
+        kinds.help_kinds, choices=lambda: ("auto", *kinds.kind_names())))
     kv_connector_config: dict = field(default_factory=dict, metadata=_flag(
         kinds.help_options, default_text="{}", metavar="JSON"))
     layerwise_min_tokens: int | None = field(default=None, metadata=_flag(

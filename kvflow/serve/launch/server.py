@@ -20,12 +20,12 @@ from .startup import StartupError, check_interrupted, one_line_errors
 def instance_config(cfg: ServeConfig, role: str, router_url: str) -> ServeConfig:
     """The config of child instance ``role``: the parent's, with the role, the router's address,
     this process as parent, no API key, and half the GPU each when P and D share one."""
-    from .budget import shared_gpu_utilization
+    from .budget import GPU_DEFAULT_UTILIZATION
     child = dataclasses.replace(cfg, role=role, router_url=router_url, api_key=None,
                                 parent_pid=os.getpid())
     if (cfg.device == "cuda" and cfg.mode == "disagg" and cfg.memory_budget_mb is None
             and cfg.num_blocks is None and cfg.prefill_device == cfg.decode_device):
-        child.gpu_memory_utilization = shared_gpu_utilization(cfg.gpu_memory_utilization, 2)
+        child.gpu_memory_utilization = (cfg.gpu_memory_utilization or GPU_DEFAULT_UTILIZATION) / 2
     return child
 
 
