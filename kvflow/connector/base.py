@@ -1,13 +1,10 @@
-"""The connector contract: how a request's KV blocks get from P's paged cache into D's.
-
-Two halves over one ZMQ link per (P, D) pair (P's DEALER to D's data socket): P's
-:class:`KVSender` (serve calls ``make_cache``, ``warmup``, ``attach``; per request ``begin`` ->
-``engine.prefill(on_chunk=hook)`` -> ``finish`` or ``fail``, then ``hold`` and, from D's
-messages, ``on_message`` / ``expire`` / ``drop``: :mod:`.held`) and D's
-:class:`~kvflow.connector.receiver.KVReceiver` (:mod:`.arrival`). A kind implements
-:meth:`~KVSender.send_prefilled` and, to move layers during the prefill,
-:meth:`~KVSender.chunk_hook` and :meth:`~KVSender.send_layerwise`. The flow is docs/design.md,
-"One request, from the router to D's cache"; the records are in :mod:`.records`.
+"""The connector contract: P's :class:`KVSender` and D's
+:class:`~kvflow.connector.receiver.KVReceiver` (:mod:`.arrival`), over one ZMQ link per (P, D)
+pair (P's DEALER to D's data socket). Serve calls ``make_cache``, ``warmup``, ``attach``; per
+request ``begin`` -> ``engine.prefill(on_chunk=hook)`` -> ``finish`` or ``fail``, then ``hold``
+and D's messages (:mod:`.held`). A kind implements :meth:`~KVSender.send_prefilled` and, to move
+layers during the prefill, :meth:`~KVSender.chunk_hook` and :meth:`~KVSender.send_layerwise`.
+The flow: docs/design.md, "One request, from the router to D's cache"; records: :mod:`.records`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""``ipc-pull`` (one host): P's paged cache is exported (CPU: POSIX shared memory; CUDA: one
-allocation's IPC handle, :mod:`.transport.shm`, :mod:`.transport.cuda_ipc`); D maps it at
-pairing and pulls each request's blocks with :func:`kvflow.kernels.copy_blocks` into the block
-ids D allocated. P sends a :class:`~kvflow.connector.messages.KVReady` naming its blocks and keeps them
-until D's ack or the lease ends; layerwise, a :class:`~kvflow.connector.messages.KVLayer` per part
-(:mod:`.framed`). A P of another spec names its whole table and D pulls re-blocked
-(:mod:`.reblocked`); an fp8 P's scales are read from its exported memory (:mod:`kvflow.scales`).
-On CUDA: :class:`CudaIpcPullReceiver` (docs/gpu_serving.md, "How the GPUs are paired").
+"""``ipc-pull`` (one host): D maps P's exported cache at pairing (:mod:`.transport.shm`; on CUDA
+:class:`CudaIpcPullReceiver`, docs/gpu_serving.md, "How the GPUs are paired") and pulls the
+blocks P names in ``KVReady`` / ``KVLayer`` with :func:`kvflow.kernels.copy_blocks`; the flow is
+docs/design.md, "One request, from the router to D's cache", step 4. A P of another spec is
+pulled re-blocked (:mod:`.reblocked`); an fp8 P's scales are read from its export.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""``ipc-push``: P writes each request's KV straight into the blocks D allocated (one host).
-
-D exports its cache (:mod:`.transport.shm`); P maps it at pairing and copies its blocks into
-D's, per layer group (:mod:`.layer_copy`) or after the prefill (:func:`.reblocked.push_prompt`
-for a D of another spec); then one ``KVPushed``, until which D keeps the blocks lent
-(:mod:`.lent`). See docs/gpu_serving.md, "`ipc-push` (the default on CUDA): P writes into D's
+"""``ipc-push`` (one host): P maps D's exported cache and copies each request's blocks into the
+ones D allocated, per layer group (:mod:`.layer_copy`) or after the prefill (re-blocked:
+:func:`.reblocked.push_prompt`), then one ``KVPushed``; D keeps the blocks lent until then
+(:mod:`.lent`). docs/gpu_serving.md, "`ipc-push` (the default on CUDA): P writes into D's
 cache, layer by layer".
 """
 

@@ -1,10 +1,7 @@
 """P's copies of a request's blocks into a peer's mapped cache (ipc-push), one launch per group
-of ``layers_per_copy`` layers, ordered on the device behind P's compute.
-
-On CUDA each group's copy waits on an event recorded on P's compute stream and runs on a copy
-stream (no host round trip), on a grid capped at ``max_ctas`` while it overlaps compute; the
-last group of the last chunk and the copy after the prefill take the whole GPU. On CPU each copy
-runs at once. Block ids are checked once per chunk (:meth:`LayerCopier.pairs`).
+of ``layers_per_copy`` layers, ordered behind P's compute: on CUDA each waits on an event of the
+compute stream and runs on a copy stream, capped at ``max_ctas`` while it overlaps compute (the
+last group and the copy after the prefill take the whole GPU); on CPU each runs at once.
 """
 
 from __future__ import annotations

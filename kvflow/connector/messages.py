@@ -1,12 +1,7 @@
-"""The connector's data plane: the messages P's and D's connector halves send each other.
-
-``KVReady`` (ipc-pull), ``KVData`` + raw payload frames (tcp), ``KVLayer`` parts (layerwise),
-``KVPushed`` (ipc-push, nixl) go P -> D; ``KVAck`` and ``LeaseRenew`` go D -> P (one request's
-path: docs/design.md, "One request, from the router to D's cache"). Each is a
-:class:`kvflow.wire.WireMsg` encoded by :data:`CODEC`; KV payload bytes travel as raw frames
-after a header message, never msgpack-encoded. :class:`NixlAgentInfo` is not a message: it
-rides as bytes in serve's ``Register.connector_md`` / ``Pair.peer_connector_md``, and lives here
-with its sender, the nixl connector. Serve's control plane is :mod:`kvflow.serve.protocol`.
+"""The connector's data plane: the messages P's and D's halves send each other (which kind sends
+which, and when: docs/design.md, "One request, from the router to D's cache"), encoded by
+:data:`CODEC`; KV payload bytes travel as raw frames after a header, never msgpack-encoded.
+:class:`NixlAgentInfo` is no message: it rides in serve's ``Register.connector_md``.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""``tcp``: P gathers a request's blocks into a staging buffer
-(:func:`kvflow.kernels.gather_blocks`) and sends it over ZMQ as zero-copy frames, one per layer,
-kept alive until D's ack; D :func:`kvflow.kernels.scatter_blocks` each layer into the block ids
-it allocated. Works between hosts.
-
-Frames: ``[KVData header (msgpack), layer 0, layer 1, ...]``; layer ``l`` is ``staging[l]`` =
-``[tensors_per_layer, num_blocks, *block_shape]`` of ``spec.dtype`` (docs/layouts.md, "The
-staging buffer"); zero blocks is a transfer too (empty frames). Layerwise (:mod:`.framed`):
-``[KVLayer header, one frame per layer of the part]``. A P of another spec sends its whole
-table in its own spec and D scatters re-blocked (:mod:`.reblocked`).
+"""``tcp`` (any hosts): P gathers a request's blocks into a staging buffer and sends it as
+``[KVData header, one zero-copy frame per layer]`` (:mod:`.transport.frames`; layerwise parts:
+``KVLayer``, :mod:`.framed`), kept alive until D's ack; D scatters each frame into its blocks.
+Zero blocks is a transfer too (empty frames); a P of another spec sends its whole table and D
+scatters re-blocked (:mod:`.reblocked`).
 """
 
 from __future__ import annotations

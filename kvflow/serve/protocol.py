@@ -1,15 +1,8 @@
-"""Serve's control plane: the messages between the router and the prefill (P), decode (D) and
-colocated instances.
-
-Each is a :class:`kvflow.wire.WireMsg`; one request's path through them is in docs/design.md,
-"One request, from the router to D's cache". An instance's sockets carry these and the
-connector's data-plane messages (:mod:`kvflow.connector.messages`, which serve hands to its
-connector unnamed), so :data:`CODEC` (:func:`encode`, :func:`decode`, :func:`decode_or_log`)
-covers both families: an unknown tag, a missing field or a wrong type is a
-:class:`ProtocolError`, logged by the receiver and never executed.
-
-Prefix hit on D: ``Allocated.num_cached_blocks = k`` (D holds logical blocks ``0..k-1``) is
-passed on as ``Prefill.num_cached_blocks = k``; P sends only its logical blocks ``k..``.
+"""Serve's control plane: the :class:`kvflow.wire.WireMsg` messages between the router and the
+P, D and colocated instances (one request's path: docs/design.md, "One request, from the router
+to D's cache"). :data:`CODEC` also decodes the connector's data plane
+(:mod:`kvflow.connector.messages`), which serve hands on unnamed; a bad frame is a
+:class:`ProtocolError`, logged and never executed.
 """
 
 from __future__ import annotations
