@@ -1,8 +1,6 @@
-"""D's half of the data plane: every message P's connector sends D goes to
-:meth:`KVReceiver.on_message <kvflow.connector.KVReceiver.on_message>`, which answers an
-:class:`Arrival` that serve reacts to without naming a data-plane message: it gives lent
-blocks back (:mod:`.lent`), checks P's lease (:mod:`.lease`), lets the kind's ``receive`` copy
-and acks P when the kind acks.
+"""D's half of the data plane: :meth:`~ArrivalSide.on_message` takes every message P's connector
+sends D and answers an :class:`Arrival` for serve: lent blocks given back (:mod:`.lent`), P's
+lease checked (:mod:`.lease`), the kind's ``receive``, P acked when the kind acks.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""The halves of the connectors whose KV (or a pointer to it) goes to D as messages on the link:
-``ipc-pull`` (a :class:`~kvflow.connector.messages.KVReady` naming P's blocks) and ``tcp`` (a
-:class:`~kvflow.connector.messages.KVData` carrying them).
-
-A prompt moves after its prefill in one message (:meth:`FramedSender.send`) or layer by layer
+"""The halves of ``ipc-pull`` and ``tcp``, whose KV (or a pointer to it) goes to D as messages on
+the link: after the prefill in one message (:meth:`FramedSender.send`), or layer by layer
 through :class:`~kvflow.connector.layerwise.LayerwiseSender` (:meth:`FramedSender.send_part`),
-which exists only when some prompt can go layerwise (``layerwise_min_tokens <= max_model_len``).
+made only when some prompt can go layerwise (``layerwise_min_tokens <= max_model_len``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""The lease on sent blocks between P and D: D's renewals (:class:`Renewals`, sent by its
-heartbeat thread on D's lease socket, :func:`lease_socket`) and its judgement of whether a lease
-still holds when the KV arrives; P's links on which those renewals come (:class:`LeaseLinks`).
-P's side of the lease is :mod:`.held`; see docs/reliability.md, "Liveness".
+"""The lease on sent blocks: D's renewals (:class:`Renewals`, sent from its lease socket,
+:func:`lease_socket`) and P's links that receive them (:class:`LeaseLinks`); P's side is
+:mod:`.held`. docs/reliability.md, "Liveness".
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""D's blocks that a P may still write (kinds whose P writes D's cache: ipc-push), and the
-liveness of D's paired P's: a request that ends on D before its P's ``KVPushed`` leaves its
-blocks *lent* until that ``KVPushed``, until P's process is gone (its pid on D's host,
-:mod:`kvflow.segments`, or the router saw it exit), or, for a P that D cannot judge,
-``kv_lease_s`` after the router declared it dead. See docs/reliability.md, "Failure kinds and
-policies".
+"""D's blocks a P may still write (ipc-push), and the liveness of D's paired P's: the blocks of a
+request that ends on D before its P's ``KVPushed`` stay lent until then, until P's process is
+gone, or ``kv_lease_s`` after the router declared an unjudgeable P dead (docs/reliability.md,
+"Failure kinds and policies").
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""P's side of the layerwise transfer: each layer's blocks leave as soon as the prefill has
-written them (signalled through a :class:`~kvflow.signal.LayerSignaller` segment, read by a
-:class:`.LayerwiseWorker`), each part a :class:`~kvflow.connector.messages.KVLayer` at logical
-prompt positions (``block_offset``); a last ``KVLayer(last=True)`` carries the first token.
-Failures go to :meth:`LayerwiseSender.pop_errors`. See docs/design.md, sections "One request,
-from the router to D's cache" and "Nothing is signalled or sent during a profile run".
+"""P's side of the layerwise transfer: each layer's blocks leave as a
+:class:`~kvflow.connector.messages.KVLayer` as soon as the prefill signals them (a
+:class:`~kvflow.signal.LayerSignaller` segment read by a :class:`.LayerwiseWorker`); the last
+part carries the first token, failures go to :meth:`LayerwiseSender.pop_errors`. docs/design.md,
+"Nothing is signalled or sent during a profile run".
 """
 
 from __future__ import annotations

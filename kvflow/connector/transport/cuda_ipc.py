@@ -1,12 +1,7 @@
-"""CUDA IPC export and import of a paged cache: P's cache for ipc-pull on GPU (D copies from
-it), D's for ipc-push (P writes into it).
-
-The exporter's cache is one CUDA allocation, exported once (:func:`export_cache`) as a
-:class:`CudaIpcExport` (MessagePack, nothing pickled) with its GPU's **UUID**, and published in
-a 0600 shared-memory file (:func:`publish_export`) named in ``Register`` / ``Pair``
-(``shm_name``). The importer maps the UUID to its own ordinal and opens the handle once, at
-pairing (:func:`import_cache`). The exporter orders its writes before the importer reads.
-See docs/gpu_serving.md, "How the GPUs are paired".
+"""CUDA IPC export and import of a paged cache (P's for ipc-pull on GPU, D's for ipc-push): one
+allocation exported once (:func:`export_cache`) with its GPU's UUID, published in a 0600 file
+(:func:`publish_export`) named in ``Register`` / ``Pair``, opened once at pairing
+(:func:`import_cache`). docs/gpu_serving.md, "How the GPUs are paired".
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""A progress driver for a NIXL agent created without NIXL's busy progress thread: without
-it UCX moves data only inside the agent's own calls, and a WRITE's target must progress too.
-:class:`ProgressDriver` progresses the agent every :data:`BUSY_S` while a transfer is held (P:
-posted until waited for; D: a request's blocks allocated until its KV came or it ended), every
-:data:`IDLE_S` otherwise. Measurements: docs/nixl.md, "Progress without a busy thread".
+"""A progress driver for a NIXL agent made without NIXL's busy progress thread (UCX moves data
+only inside the agent's calls, on both ends): :class:`ProgressDriver` progresses it every
+:data:`BUSY_S` while a transfer is held, every :data:`IDLE_S` otherwise. Why and the
+measurements: docs/nixl.md, "Progress without a busy thread".
 """
 
 from __future__ import annotations
