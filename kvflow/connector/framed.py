@@ -13,7 +13,6 @@ from kvflow.context import sends_allowed
 
 from .base import Kept, KVReceiver, KVSender, Peer, PrefillJob, Prefilling, TransferError
 from .layerwise.parts import LayerParts
-from .reblocked import differs
 from .receiver import RECEIVE_MAX_CTAS
 
 
@@ -98,7 +97,7 @@ class FramedSender(KVSender):
             self.layerwise.abort(req_id)
 
     def reblocks(self, decode_id: str) -> bool:
-        return differs(self.peer_specs.get(decode_id, self.spec), self.spec)
+        return self.peer_specs.get(decode_id, self.spec) != self.spec
 
     def send_prefilled(self, job: PrefillJob, first_token: int, *,
                        prefill_ms: float = 0.0) -> Kept:

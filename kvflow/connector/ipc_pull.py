@@ -19,7 +19,7 @@ from kvflow.connector.messages import KVLayer, KVReady, encode
 
 from .base import Peer, TransferError, TransferStats, as_ids, check_send_allowed
 from .framed import RECEIVE_MAX_CTAS, FramedReceiver, FramedSender
-from .reblocked import differs, tables
+from .reblocked import tables
 from .records import ExportedCache, warm_copy
 from .transport.shm import map_peer_cache
 from .verify import check, expect, new_digest
@@ -114,7 +114,7 @@ class IpcPullReceiver(FramedReceiver):
                                 f"{type(header).__name__}")
         if frames:
             raise TransferError(f"ipc KVReady carries no payload frames, got {len(frames)}")
-        if differs(src_cache.spec, cache.spec):
+        if src_cache.spec != cache.spec:
             self._unverified(header, reblocked=True)
             return self.pull_reblocked(src_cache, header, cache, dst_ids)
         src = as_ids(header.src_block_ids)
@@ -151,7 +151,7 @@ class IpcPullReceiver(FramedReceiver):
     def _pull_part(self, src_cache, header, frames, cache, dst_ids, layers) -> int:
         if frames:
             raise TransferError(f"ipc KVLayer carries no payload frames, got {len(frames)}")
-        if differs(src_cache.spec, cache.spec):
+        if src_cache.spec != cache.spec:
             raise TransferError(f"KVLayer for {header.req_id} from a P of another KV cache "
                                 f"spec: such a P sends after the prefill, never by layer")
         if len(header.src_block_ids) != len(dst_ids):

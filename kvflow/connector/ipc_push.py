@@ -21,7 +21,7 @@ from kvflow.connector.messages import KVPushed, encode
 from .base import (KVReceiver, KVSender, Peer, PrefillJob, Prefilling, TransferError,
                    TransferStats, check_send_allowed)
 from .layer_copy import LAYERS_PER_COPY, LAYERWISE_MAX_CTAS, LayerCopier, PushStats
-from .reblocked import differs, push_prompt, warm
+from .reblocked import push_prompt, warm
 from .records import ExportedCache, warm_copy
 from .transport.shm import map_decode_cache
 
@@ -67,12 +67,12 @@ class PushSender(KVSender):
                                 f"(is it running with --kv-connector ipc-push?)")
         self.peers[peer.id] = map_decode_cache(peer.shm_name, peer.spec, peer.num_blocks,
                                                self.device)
-        if differs(peer.spec, self.spec):
+        if peer.spec != self.spec:
             warm(self.spec, peer.spec, self.device, self.backend)
 
     def reblocks(self, decode_id: str) -> bool:
         dst = self.peers.get(decode_id)
-        return dst is not None and differs(dst.spec, self.spec)
+        return dst is not None and dst.spec != self.spec
 
     def detach(self, peer_id: str) -> None:
         super().detach(peer_id)
@@ -160,7 +160,7 @@ class PushSender(KVSender):
         if sends_allowed() and dst is None:
             raise TransferError(f"push to decode instance {job.decode_id!r}, which is not paired "
                                 f"with this prefill instance (paired: {sorted(self.peers)})")
-        spec = dst.spec if dst is not None and differs(dst.spec, self.spec) else self.spec
+        spec = dst.spec if dst is not None and dst.spec != self.spec else self.spec
         nb = spec.num_blocks_for(n)
         # re-blocked: push_prompt checks the tables
         if spec is self.spec and (len(job.decode_block_ids) < nb or len(job.blocks) < nb):

@@ -17,11 +17,6 @@ from kvflow.kernels import copy_sequence
 from .base import TransferError
 
 
-def differs(a: Any, b: Any) -> bool:
-    """The two :class:`~kvflow.layout.KVCacheSpec` differ (the transfer re-blocks)."""
-    return a != b
-
-
 def tables(src_ids: Any, src_spec: Any, dst_ids: Any, dst_spec: Any, num_tokens: int,
            req_id: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(P's table, D's table)`` of a ``num_tokens``-token prompt, two int64 CPU tensors: P's

@@ -19,7 +19,7 @@ from kvflow.connector.messages import KVData, KVLayer, encode
 
 from .base import TransferError, TransferStats, as_ids, check_send_allowed
 from .framed import FramedReceiver, FramedSender
-from .reblocked import differs, tables
+from .reblocked import tables
 from .transport.frames import (check_frames, layer_bytes, layer_frames, scatter_frames,
                                warm_staging)
 from .verify import check, expect, new_digest
@@ -106,7 +106,7 @@ class TcpReceiver(FramedReceiver):
             raise TransferError(f"tcp expects a KVData or KVLayer header, got "
                                 f"{type(header).__name__}")
         src_spec = self.peers.get(self.peer_id if peer_id is None else peer_id, spec)
-        if differs(src_spec, spec):
+        if src_spec != spec:
             self._unverified(header, reblocked=True)
             return self._scatter_reblocked(header, frames, cache, dst_ids, src_spec)
         n = header.num_blocks
