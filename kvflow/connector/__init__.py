@@ -36,11 +36,9 @@ def __getattr__(name: str) -> Any:  # the contract loads torch: import it on fir
 
 
 def bind_to_host(kind: str, host: str) -> None:
-    """Make connector ``kind``'s own listeners bind to ``host`` (``--host``) before its halves
-    open them: the kind's ``bind_host`` hook (nixl: UCX's TCP listeners).
-
-    Raises ValueError: ``host`` is an address of no interface of this machine (naming
-    ``--host``)."""
+    """Make connector ``kind``'s own listeners (nixl: UCX's) bind to ``host`` (``--host``) before
+    its halves open them, by its ``bind_host`` hook. ValueError (naming ``--host``): ``host`` is
+    an address of no interface of this machine."""
     hook = _kinds.resolve(kind).bind_host
     if hook:
         module, func = hook.split(":")
@@ -85,11 +83,9 @@ def _build(kind: Kind, class_name: str, *args: Any, **kw: Any) -> Any:
 def make_sender(name: str, spec: Any, device: Any = "cpu", *, config: dict[str, Any] | None = None,
                 **kw: Any) -> Any:
     """P's half of connector ``name`` (a kind or ``auto``) for P's cache ``spec`` on ``device``
-    (``config``: ``kv_connector_config``; ``kw``: ``instance_id``, ``backend``,
-    ``layerwise_min_tokens``, ``max_model_len`` of :class:`~kvflow.connector.base.KVSender`).
-
-    Raises ValueError: unknown name or config key; a bad config value; an fp8 ``block_head`` spec
-    for tcp or nixl (:func:`scales_refusal`)."""
+    (``config``: ``kv_connector_config``; ``kw``: as :class:`~kvflow.connector.base.KVSender`).
+    Raises ValueError: unknown name or config key, a bad config value, or
+    :func:`scales_refusal`'s refusal."""
     kind, options = _checked(name, spec, device, config)
     return _build(kind, kind.sender, spec, device, **_kinds.half_options(kind.name, options,
                                                                           "sender"), **kw)
@@ -101,10 +97,8 @@ def make_receiver(name: str, spec: Any = None, device: Any = "cpu", *,
     """D's half of connector ``name`` (a kind or ``auto``) for a cache of ``spec`` on ``device``
     (``config``: ``kv_connector_config``; ``max_model_len``: tokens, sizes nixl's staging;
     ``head_start``: D's cache holds P's KV heads ``[head_start, head_start +
-    spec.num_kv_heads)``, every transfer re-blocks with it).
-
-    Raises ValueError: unknown name or config key; a bad config value; ``head_start`` for another
-    kind; an fp8 ``block_head`` spec for tcp or nixl (:func:`scales_refusal`)."""
+    spec.num_kv_heads)``, every transfer re-blocks with it). Raises ValueError as
+    :func:`make_sender`, and for ``head_start`` with a kind without ``head_slices``."""
     kind, options = _checked(name, spec, device, config)
     if head_start is not None and not kind.head_slices:
         takers = " and ".join(_kinds.with_capability("head_slices"))

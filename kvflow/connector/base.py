@@ -30,14 +30,10 @@ __all__ = ["ChunkHook", "KVReceiver", "KVSender", "Kept", "Peer", "Prefilling", 
 
 
 class KVSender(HeldSide, abc.ABC):
-    """P's half of a connector.
-
-    ``spec``: P's cache spec; ``instance_id``: P's id (D acks layerwise parts to it);
-    ``backend``: of the block copies; ``layerwise_min_tokens``: prompts of at least this many
-    tokens move layer by layer (None: the default of kind :attr:`name` in :data:`.kinds.KINDS`);
-    ``max_model_len``: longest prompt + output (tokens), a threshold above it creates nothing
-    layerwise.
-    """
+    """P's half of a connector for P's cache ``spec``: ``instance_id`` (D acks layerwise parts to
+    it), ``backend`` (of the block copies), ``layerwise_min_tokens`` (prompts of at least this many
+    tokens move layer by layer; None: kind :attr:`name`'s default), ``max_model_len`` (tokens; a
+    threshold above it creates nothing layerwise)."""
 
     name: str = ""
     #: The kind moves layers during the prefill (:meth:`chunk_hook`, :meth:`send_layerwise`).
@@ -131,9 +127,8 @@ class KVSender(HeldSide, abc.ABC):
         when the kind can (:attr:`layerwise_ready`), D's spec is P's (not :meth:`reblocks`)
         and :meth:`goes_layerwise`, or at any length inside a dummy run.
 
-        Raises TransferError: before any compute, nothing kept: ``job`` cannot go to D (not
-        attached, bad block tables, no staging slot...), or ``job.req_id`` is begun and not
-        finished."""
+        Raises TransferError (before any compute, nothing kept): ``job`` cannot go to D (not
+        attached, bad block tables, no staging slot...) or is begun already."""
         if job.req_id in self.prefilling:
             raise TransferError(f"request {job.req_id!r} was begun already and is not "
                                 f"finished or failed")
@@ -153,8 +148,8 @@ class KVSender(HeldSide, abc.ABC):
         move (:meth:`send_layerwise`). Returns what P keeps until D's ack (:class:`Kept`, for
         :meth:`hold`), or None (D sends no ack, or a dummy run): P's blocks are free then.
 
-        Raises TransferError: ``job`` was not begun (or failed), or a failed send: the caller frees
-        P's blocks and calls :meth:`fail`."""
+        Raises TransferError: ``job`` was not begun (or failed), or the send failed (the caller
+        frees P's blocks and calls :meth:`fail`)."""
         rec = self.prefilling.pop(job.req_id, None)
         if rec is None:
             raise TransferError(f"finish of request {job.req_id!r}, which was not begun or "
@@ -202,10 +197,9 @@ class KVSender(HeldSide, abc.ABC):
     @abc.abstractmethod
     def send_prefilled(self, job: PrefillJob, first_token: int, *,
                        prefill_ms: float = 0.0) -> Kept | None:
-        """Send ``job``'s KV, already in P's blocks ``job.blocks``, to D ``job.decode_id`` with
-        its first token (a transfer benchmark calls it alone). ``prefill_ms``: P's prefill
-        (ms), reported by kinds whose message carries it. Returns and raises as
-        :meth:`finish`."""
+        """Send ``job``'s KV, in P's blocks ``job.blocks``, to D ``job.decode_id`` with its first
+        token (a transfer benchmark calls it alone; ``prefill_ms``: P's prefill, ms, for kinds
+        whose message carries it). Returns and raises as :meth:`finish`."""
 
     def cancel(self, req_id: str, rec: Prefilling) -> None:
         """A begun prefill ends without :meth:`finish`: its hooks send nothing more; copies

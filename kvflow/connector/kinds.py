@@ -1,9 +1,7 @@
-"""The connector kinds: one :class:`Kind` per ``--kv-connector`` value, in :data:`KINDS`.
-
-The factory (:func:`kvflow.connector.make_sender` / ``make_receiver``), the option check
-(:func:`check_options`), the pairing rules, the flags' ``--help`` and docs/design.md's connector
-table (:func:`kinds_table`) are generated from the entries (docs/design.md, "Connectors"). This
-module imports neither torch nor a kind's module: serve's flag checks use it first.
+"""The connector kinds: one :class:`Kind` per ``--kv-connector`` value, in :data:`KINDS`, from
+which the factory, :func:`check_options`, the pairing rules, ``--help`` and docs/design.md's
+table (:func:`kinds_table`) are generated (docs/design.md, "Connectors"). Imports neither torch
+nor a kind's module: serve's flag checks use it first.
 """
 
 from __future__ import annotations
@@ -166,9 +164,8 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
 
 
 def register_kind(kind: Kind) -> Kind:
-    """Add (or replace) ``kind`` in :data:`KINDS`; returns it.
-
-    Raises ValueError: ``kind.name`` is ``auto`` or empty, or two of its options share a name."""
+    """Add (or replace) ``kind`` in :data:`KINDS`; returns it. ValueError: ``kind.name`` is
+    ``auto`` or empty, or two of its options share a name."""
     names = [o.name for o in kind.options]
     if kind.name in ("", "auto") or len(set(names)) != len(names):
         raise ValueError(f"connector kind {kind.name!r}: the name must be non-empty and not "
@@ -204,10 +201,8 @@ def resolve(name: str, device: Any = "cpu") -> Kind:
 
 def check_options(kind: str, config: Any, where: str = "kv_connector_config") -> dict[str, Any]:
     """``config`` (a dict or None) checked against kind ``kind``'s options; returns a copy.
-    ``where`` names the config in the error (``--kv-connector-config`` for the flag).
-
-    Raises ValueError: ``config`` is not a dict, holds a key ``kind`` does not take, or a bad
-    value."""
+    ValueError (naming ``where``, the config): not a dict, a key ``kind`` does not take, or a
+    bad value."""
     config = {} if config is None else config
     if not isinstance(config, dict):
         raise ValueError(f"{where} must be a JSON object, got {config!r}")
