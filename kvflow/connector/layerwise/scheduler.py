@@ -1,13 +1,10 @@
-"""Which blocks of which layers go to the decode side, and when (transport-agnostic).
-
-A layer signal ``(l, s)`` means "layer ``l`` is complete through engine step ``s``" (a
-:mod:`kvflow.signal` slot keeps the latest step, so steps may be skipped); it sends the
-request's newly full blocks of layer ``l``, and after its last chunk the partial last block.
-Every block of every layer is sent exactly once, in any layer order; blocks ready before D's ids
-arrive are replayed when they do. A stale, duplicate or unmatched (no live request ran that
-step) signal sends nothing, and nothing is sent inside a profile/dummy run
-(:func:`kvflow.context.sends_allowed`). ``send`` gets a ``range`` of consecutive layers
-standing at the same blocks.
+"""Which blocks of which layers go to the decode side, and when (transport-agnostic). A layer signal
+``(l, s)`` means "layer ``l`` is complete through engine step ``s``" (a :mod:`kvflow.signal` slot
+keeps the latest step, so steps may be skipped): it sends the request's newly full blocks of layer
+``l``, after its last chunk the partial last block too, as ``range``s of consecutive layers standing
+at the same blocks. Every block of every layer goes exactly once; blocks ready before D's ids arrive
+are replayed then. A stale, duplicate or unmatched signal sends nothing, nor does anything inside a
+profile/dummy run (:func:`kvflow.context.sends_allowed`).
 """
 
 from __future__ import annotations
@@ -71,24 +68,12 @@ def _ids(name: str, ids: Sequence[int]) -> list[int]:
 
 
 class LayerwiseScheduler:
-    """Per-request block bookkeeping that turns layer signals into sends.
-
-    Parameters
-    ----------
-    num_layers : int
-        Layers of the KV cache.
-    block_size : int
-        Tokens per block.
-    send : callable
-        ``send(request_id, layers: range, src_block_ids: list[int], dst_block_ids: list[int])``.
-    on_done : callable, optional
-        ``on_done(request_id)`` after the last send of a request (its state is then gone).
-    on_error : callable, optional
-        ``on_error(request_id, exc)`` when a send raises (the request is aborted); without it
-        the exception propagates.
-
-    Thread-safe; sends run outside the lock, in the calling thread.
-    """
+    """Per-request block bookkeeping that turns layer signals into sends, for a cache of
+    ``num_layers`` layers and ``block_size``-token blocks (ValueError unless positive ints):
+    ``send(request_id, layers: range, src_block_ids, dst_block_ids)`` (TypeError unless callable);
+    ``on_done(request_id)`` after a request's last send (its state is then gone);
+    ``on_error(request_id, exc)`` when a send raises (the request is aborted; without it the
+    exception propagates). Thread-safe; sends run outside the lock, in the calling thread."""
 
     def __init__(self, num_layers: int, block_size: int, send: SendFn, *,
                  on_done: Callable[[str], None] | None = None,

@@ -39,24 +39,13 @@ class _Live:
 
 
 class LayerwiseSender:
-    """Signal segment, scheduler and worker thread of one prefill instance, and one send-only
-    part socket per paired D (used by the worker and :meth:`finish`, under one lock).
-
-    Parameters
-    ----------
-    sender : FramedSender
-        The connector (ipc-pull or tcp); its :meth:`send_part` moves each part.
-    cache : PagedKVCache
-        P's cache.
-    instance_id : str
-        P's id: D acks to it (P's control-link identity); also names the signal segment.
-    signal_timeout_s : float
-        A registered chunk whose layers go unsignalled this long fails the request.
-    poll_s : float
-        Longest wait of the worker between checks (bounds :meth:`close`).
-    send_timeout_ms : int
-        ZMQ send timeout of the part socket (a dead D fails the request, never a hang).
-    """
+    """Signal segment, scheduler and worker thread of one prefill instance, and one send-only part
+    socket per paired D (used by the worker and :meth:`finish`, under one lock). ``sender``: the
+    connector (ipc-pull or tcp) whose :meth:`send_part` moves each part; ``cache``: P's;
+    ``instance_id``: P's (D acks to it; it also names the signal segment); ``signal_timeout_s``: a
+    registered chunk whose layers go unsignalled this long fails the request; ``poll_s``: the
+    worker's longest wait (bounds :meth:`close`); ``send_timeout_ms``: ZMQ send timeout of the part
+    sockets (a dead D fails the request, never a hang)."""
 
     def __init__(self, sender: Any, cache: PagedKVCache, instance_id: str, *,
                  signal_timeout_s: float = 30.0, poll_s: float = 0.05,
