@@ -131,13 +131,8 @@ def encode_agent_info(info: NixlAgentInfo) -> bytes:
 
 
 def decode_agent_info(data: bytes) -> NixlAgentInfo:
-    """The :class:`NixlAgentInfo` a peer sent.
-
-    Raises
-    ------
-    ProtocolError
-        ``data`` is empty or not a well-formed NixlAgentInfo.
-    """
+    """The :class:`NixlAgentInfo` a peer sent; ProtocolError when ``data`` is empty or not a
+    well-formed NixlAgentInfo."""
     if not data:
         raise ProtocolError("no nixl agent info (connector_md is empty: is the peer running "
                             "with --kv-connector nixl?)")

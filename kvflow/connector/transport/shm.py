@@ -25,12 +25,10 @@ __all__ = ["SharedCache", "export_new_cache", "map_peer_cache"]
 
 
 class SharedCache:
-    """A :class:`PagedKVCache` laid over a shared-memory segment.
-
-    ``role`` (lowercase letters, else ValueError) is part of the segment name ``name``;
-    ``cache.buffer`` is the mapping (fp8 scales, 1.0 at first, lie in it). Raises
-    :class:`kvflow.segments.SegmentSpaceError` when the cache does not fit in the free shared
-    memory (the message gives both sizes and the flags that lower the first).
+    """A :class:`PagedKVCache` laid over a shared-memory segment: ``role`` (lowercase letters, else
+    ValueError) is part of the segment name ``name``; ``cache.buffer`` is the mapping (fp8 scales,
+    1.0 at first, lie in it). :class:`kvflow.segments.SegmentSpaceError` when the cache does not fit
+    in the free shared memory (naming both sizes and the flags that lower the first).
     """
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, role: str = "prefill") -> None:
