@@ -85,10 +85,9 @@ class Pair(WireMsg):
 
 
 class Unpair(WireMsg):
-    """Router -> P: forget decode instance ``peer_id`` (it died or left); links to other D's
-    stay. Router -> D: prefill instance ``peer_id`` died; ``exited``: the router saw its
-    process exit (D frees what it kept for it at once, else ``kv_lease_s`` later);
-    ``stopped``: it left by a clean stop (:class:`Leaving`)."""
+    """Router -> P: forget decode instance ``peer_id`` (it died or left; other links stay). Router
+    -> D: prefill instance ``peer_id`` died; ``exited``: its process exited (D frees what it kept
+    for it at once, else ``kv_lease_s`` later); ``stopped``: a clean stop (:class:`Leaving`)."""
     peer_id: str
     reason: str = ""
     exited: bool = False
@@ -135,8 +134,7 @@ class Rejected(WireMsg):
 class Prefill(WireMsg):
     """Router -> P (disagg) or colocated: prefill ``token_ids``, send the first token at once
     (:class:`Tokens`, ``index`` 0) and hand the KV to ``decode_id`` (which allocated
-    ``decode_block_ids``). P refuses (:class:`Rejected`) a ``decode_id`` it is not paired with
-    and a ``req_id`` it already has queued or pending."""
+    ``decode_block_ids``); P refuses a ``decode_id`` it is not paired with or a live ``req_id``."""
     req_id: str
     token_ids: list[TokenId]
     temperature: float = 0.0
@@ -149,10 +147,9 @@ class Prefill(WireMsg):
 
 
 class Tokens(WireMsg):
-    """P (the first token), D (the rest) or colocated -> router: new tokens of a request.
-    ``index``: the output position of ``token_ids[0]``. ``kvflow`` rides on each instance's
-    first message; its ``clock`` holds that instance's ``time.monotonic()`` stamps
-    (:mod:`kvflow.serve.timings`)."""
+    """P (the first token), D (the rest) or colocated -> router: new tokens, ``token_ids[0]`` at
+    output position ``index``; ``kvflow`` rides on each instance's first message, its ``clock`` the
+    instance's ``time.monotonic()`` stamps (:mod:`kvflow.serve.timings`)."""
     req_id: str
     token_ids: list[int]
     finished: bool = False
@@ -163,12 +160,10 @@ class Tokens(WireMsg):
 
 
 class Abort(WireMsg):
-    """Router -> P and D: drop the request and give its blocks back. ``peer_dead``: the
-    request's other instance, declared dead; ``peer_exited``: its process exited (only then
-    does P free sent blocks at once). ``prefill_sent``: P got the Prefill, so with ipc push
-    it may still write D's blocks: D keeps them until P's ``KVPushed``, P's exit, or
-    ``kv_lease_s`` after P was declared dead (docs/reliability.md, "Failure kinds and
-    policies")."""
+    """Router -> P and D: drop the request and give its blocks back. ``peer_dead``: its other
+    instance, declared dead; ``peer_exited``: that process exited (only then does P free sent blocks
+    at once); ``prefill_sent``: P got the Prefill (with ipc-push D keeps the blocks lent:
+    docs/reliability.md, "Failure kinds and policies")."""
     req_id: str
     reason: str = ""
     peer_dead: str = ""

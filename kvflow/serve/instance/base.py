@@ -141,9 +141,9 @@ class Instance(EventLoop):
 
     def make_connector(self, make: Any, **kw: Any) -> Any:
         """P's sender or D's receiver (``make``: :func:`kvflow.connector.make_sender` or
-        ``make_receiver``), bound to ``--host``, with ``--kv-verify``; then its cache, the engine
-        and the allocator. Raises :class:`StartupError` for an unknown connector or option, or
-        ``--kv-verify`` on one that cannot verify."""
+        ``make_receiver``) bound to ``--host``, with ``--kv-verify``; then its cache, the engine and
+        the allocator. :class:`StartupError` for an unknown connector or option, or ``--kv-verify``
+        on one that cannot verify."""
         from kvflow.blocks import BlockAllocator
         from kvflow.connector import bind_to_host, kinds
         from kvflow.engine import Engine

@@ -27,10 +27,9 @@ log = logging.getLogger("kvflow.serve.router")
 
 
 class Controller:
-    """Bound to ``host``:``port`` (0: a free port; :attr:`addr` names ``advertise_host``
-    instead, :mod:`~kvflow.serve.advertise`); ``proc_alive(pid)`` for processes this server
-    spawned (None: heartbeats only); ``dead_after_s``, ``hung_after_s`` as
-    :func:`~kvflow.serve.router.liveness.judge`."""
+    """Bound to ``host``:``port`` (0: a free port; :attr:`addr` names ``advertise_host`` instead);
+    ``proc_alive(pid)`` for processes this server spawned (None: heartbeats only); ``dead_after_s``,
+    ``hung_after_s``: as :func:`~kvflow.serve.router.liveness.judge`."""
 
     MONITOR_S = 0.1  # how often liveness is judged (seconds)
 
