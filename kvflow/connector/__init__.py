@@ -17,7 +17,7 @@ from .kinds import KINDS, Kind, Option, check_options, register_kind
 __all__ = ["Arrival", "CONNECTORS", "DATA_MESSAGES", "Freed", "KINDS", "KVReceiver", "KVSender",
            "KVVerifyError", "Kept", "Kind", "LeaseLinks", "LentBlocks", "Option", "Peer",
            "PrefillJob", "Renewals", "SlotsTaken", "TransferError", "TransferStats", "bind_to_host",
-           "check_connector_config", "is_data_message", "lease_socket", "make_receiver",
+           "check_options", "is_data_message", "lease_socket", "make_receiver",
            "make_sender", "register_kind", "resolve_connector", "scales_refusal"]
 
 _LAZY = {"Arrival": "arrival", "is_data_message": "arrival", "DATA_MESSAGES": "messages",
@@ -61,11 +61,6 @@ def scales_refusal(kind: str | None, spec: Any, who: str = "spec") -> str:
     movers = " or ".join(_kinds.with_capability("block_scales"))
     return (f"scales='block_head' ({who}): the {kind} connector moves block bytes only, not an "
             f"fp8 cache's per-block scales; use {movers}, or scales='tensor'")
-
-
-def check_connector_config(name: str, config: dict[str, Any] | None) -> dict[str, Any]:
-    """:func:`kvflow.connector.kinds.check_options` for ``name`` (a kind or ``auto``)."""
-    return check_options(resolve_connector(name), config)
 
 
 def _checked(name: str, spec: Any, device: Any, config: Any) -> tuple[Kind, dict[str, Any]]:

@@ -71,11 +71,10 @@ class ArrivalSide:
     def on_message(self, msg: Any, frames: list[Any], peer: str | None,
                    dst_ids: list[int] | None, *, delay_s: float = 0.0,
                    fault: str = "") -> Arrival:
-        """Handle one data-plane message (decoded ``msg`` and the raw ``frames`` after it) from
-        P ``peer`` (None: unknown). ``dst_ids``: D's block ids of the prompt after its prefix
-        hit, None when D cannot receive it now (acked with an error, ignored). Test faults:
-        ``delay_s`` holds the message (:meth:`due`), ``fault`` fails it after the lease check.
-        """
+        """Handle one data-plane message (``msg``, decoded, and the raw ``frames`` after it) from P
+        ``peer`` (None: unknown). ``dst_ids``: D's block ids of the prompt after its prefix hit,
+        None when D cannot receive it now (acked with an error, ignored). Test faults: ``delay_s``
+        holds the message (:meth:`due`), ``fault`` fails it after the lease check."""
         if not isinstance(msg, _TO_D):
             log.error("unexpected %s on D's data socket from %s; dropped", type(msg).__name__, peer)
             return Arrival(getattr(msg, "req_id", ""), IGNORED, peer)
@@ -105,10 +104,9 @@ class ArrivalSide:
         return out
 
     def end(self, req_id: str, blocks: list[int], error: str, *, may_write: bool) -> bool:
-        """D ended ``req_id`` (D's ``blocks``): drop a message held for it (acked with
-        ``error``) and a partly received transfer. Returns True when its blocks stay lent
-        (``may_write``, the kind's P writes D's blocks and P's ``KVPushed`` did not come);
-        the caller frees them otherwise."""
+        """D ended ``req_id`` (D's ``blocks``): drop a message held for it (acked with ``error``)
+        and a partly received transfer. True when its blocks stay lent (``may_write``, P writes D's
+        blocks and its ``KVPushed`` did not come); else the caller frees them."""
         held = self.inflight.pop(req_id, None)
         if held is not None and isinstance(held.keep[0], KVPushed):
             may_write = False  # P's KVPushed already came: it writes nothing more

@@ -93,11 +93,10 @@ class KVSender(HeldSide, abc.ABC):
         return {}
 
     def attach(self, peer: Peer, ctx: Any = None, link: Any = None) -> Any:
-        """Meet D ``peer`` (replaces an earlier attachment of that D only): open the link to its
+        """Meet D ``peer``, replacing an earlier attachment of that D only: open the link to its
         data socket (a DEALER of ``ctx``, or ``link`` as given) and what the kind needs
-        (:meth:`_attach`). Returns the link (P polls it for D's acks and renewals).
-
-        Raises TransferError: D's cache cannot be mapped (nothing stays attached)."""
+        (:meth:`_attach`). Returns the link (P polls it for D's acks and renewals); TransferError
+        (nothing stays attached): D's cache cannot be mapped."""
         self.detach(peer.id)
         if link is None:
             import zmq
@@ -123,12 +122,11 @@ class KVSender(HeldSide, abc.ABC):
 
     def begin(self, job: PrefillJob) -> ChunkHook | None:
         """Before ``job``'s prefill: the ``on_chunk`` hook for :meth:`Engine.prefill
-        <kvflow.engine.Engine.prefill>`, or None (it moves after the prefill). Layer by layer
-        when the kind can (:attr:`layerwise_ready`), D's spec is P's (not :meth:`reblocks`)
-        and :meth:`goes_layerwise`, or at any length inside a dummy run.
-
-        Raises TransferError (before any compute, nothing kept): ``job`` cannot go to D (not
-        attached, bad block tables, no staging slot...) or is begun already."""
+        <kvflow.engine.Engine.prefill>`, or None (it moves after the prefill). Layer by layer when
+        the kind can (:attr:`layerwise_ready`), D's spec is P's (not :meth:`reblocks`) and
+        :meth:`goes_layerwise`, or at any length inside a dummy run. TransferError (before any
+        compute, nothing kept): ``job`` cannot go to D (not attached, bad block tables, no staging
+        slot...) or is begun already."""
         if job.req_id in self.prefilling:
             raise TransferError(f"request {job.req_id!r} was begun already and is not "
                                 f"finished or failed")
@@ -144,12 +142,11 @@ class KVSender(HeldSide, abc.ABC):
             raise
 
     def finish(self, job: PrefillJob, first_token: int) -> Kept | None:
-        """After ``job``'s prefill: send its KV (:meth:`send_prefilled`) or end its layerwise
-        move (:meth:`send_layerwise`). Returns what P keeps until D's ack (:class:`Kept`, for
+        """After ``job``'s prefill: send its KV (:meth:`send_prefilled`) or end its layerwise move
+        (:meth:`send_layerwise`). Returns what P keeps until D's ack (:class:`Kept`, for
         :meth:`hold`), or None (D sends no ack, or a dummy run): P's blocks are free then.
-
-        Raises TransferError: ``job`` was not begun (or failed), or the send failed (the caller
-        frees P's blocks and calls :meth:`fail`)."""
+        TransferError: ``job`` was not begun (or failed), or the send failed (the caller frees P's
+        blocks and calls :meth:`fail`)."""
         rec = self.prefilling.pop(job.req_id, None)
         if rec is None:
             raise TransferError(f"finish of request {job.req_id!r}, which was not begun or "

@@ -98,12 +98,11 @@ class LayerwiseSender:
             self._failed(req_id, ConnectionError(f"decode instance {peer_id} was unpaired"))
 
     def begin(self, job: PrefillJob) -> Callable[[int, int], Callable[[int], None]]:
-        """Register ``job`` and return the ``on_chunk`` hook of its prefill
-        (:meth:`Engine.prefill <kvflow.engine.Engine.prefill>`); inside a dummy run nothing is
-        registered, signalled or sent. The parts go to D ``job.decode_id``, except the
-        ``job.num_cached_blocks`` logical blocks D already holds. A failed prefill calls
-        :meth:`abort`. Raises RuntimeError outside a dummy run before :meth:`open` or for a D
-        not opened; ValueError as :meth:`LayerwiseScheduler.add_request`."""
+        """Register ``job`` and return the ``on_chunk`` hook of its prefill (:meth:`Engine.prefill
+        <kvflow.engine.Engine.prefill>`; nothing is registered, signalled or sent inside a dummy
+        run). The parts go to D ``job.decode_id``, less the ``job.num_cached_blocks`` blocks D
+        holds; a failed prefill calls :meth:`abort`. RuntimeError outside a dummy run before
+        :meth:`open` or for a D not opened; ValueError as :meth:`LayerwiseScheduler.add_request`."""
         req_id, n = job.req_id, len(job.token_ids)
         real = sends_allowed()
         if real:

@@ -61,10 +61,9 @@ class SharedCache:
 
 def map_peer_cache(name: str, spec: KVCacheSpec, num_blocks: int, *,
                    writable: bool = False) -> PagedKVCache:
-    """Map a peer's segment as a :class:`PagedKVCache`, read-only or ``writable``; fp8 scales
-    are the segment's. TransferError when the segment is missing or smaller than
-    :func:`kvflow.scales.shared_nbytes` (naming both sizes).
-    """
+    """Map a peer's segment as a :class:`PagedKVCache`, read-only or ``writable`` (fp8 scales: the
+    segment's). TransferError: the segment is missing or smaller than
+    :func:`kvflow.scales.shared_nbytes` (naming both sizes)."""
     path = segment_path(name)
     need = shared_nbytes(spec, num_blocks)
     try:
@@ -91,11 +90,10 @@ def map_peer_cache(name: str, spec: KVCacheSpec, num_blocks: int, *,
 
 def export_new_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device,
                      role: str) -> tuple[PagedKVCache, str]:
-    """A new cache that another process on this host can map, and the name it finds it by
-    (CUDA: a published IPC export ``kvflow-<role>cuda-...``; CPU: a :class:`SharedCache`,
-    after removing stale segments); the owner unlinks it (:func:`kvflow.segments.unlink`).
-    Raises :class:`kvflow.segments.SegmentSpaceError` when it does not fit (CPU).
-    """
+    """A new cache that another process on this host can map, and the name it finds it by (CUDA: a
+    published IPC export ``kvflow-<role>cuda-...``; CPU: a :class:`SharedCache`, after removing
+    stale segments); the owner unlinks it. :class:`kvflow.segments.SegmentSpaceError` when it does
+    not fit (CPU)."""
     if device.type == "cuda":
         from .cuda_ipc import export_cache, publish_export
         cache = PagedKVCache(spec, num_blocks, device=device, scales_in_buffer=True)
@@ -107,10 +105,9 @@ def export_new_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device,
 
 
 def map_decode_cache(shm_name: str, spec, num_blocks: int, device: torch.device) -> PagedKVCache:
-    """Map D's exported cache ``shm_name`` (segment, or CUDA IPC export mapped into
-    ``device``'s context) writable in P's process. TransferError: missing segment or export,
-    size or spec mismatch, a GPU this process cannot see.
-    """
+    """Map D's exported cache ``shm_name`` (segment, or CUDA IPC export mapped into ``device``'s
+    context) writable in P's process. TransferError: missing segment or export, size or spec
+    mismatch, a GPU this process cannot see."""
     if device.type == "cuda":
         from .cuda_ipc import import_cache, read_export
         return import_cache(read_export(shm_name), spec, num_blocks, map_on=device)
