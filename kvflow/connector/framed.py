@@ -35,11 +35,10 @@ class FramedSender(KVSender):
     @abc.abstractmethod
     def send(self, link: Any, req_id: str, cache: Any, src_ids: list[int], *, first_token: int,
              num_prompt_tokens: int, corrupt: bool = False) -> Any:
-        """Send the request's KV (or a pointer to it) over ``link`` (a zmq socket). Returns
-        what P keeps alive until D's ack (a staging buffer ZMQ sends zero-copy), or None. With
-        :attr:`verify` the message carries the blocks' digests; ``corrupt`` (test fault
-        ``KVFLOW_FAULT_KV_CORRUPT``) flips a byte of the last block after its digest.
-        RuntimeError inside a dummy/profile run."""
+        """Send the request's KV (or a pointer to it) over ``link``; returns what P keeps alive
+        until D's ack (a staging buffer ZMQ sends zero-copy), or None. With :attr:`verify` it
+        carries the blocks' digests; ``corrupt`` (``KVFLOW_FAULT_KV_CORRUPT``) flips a byte of the
+        last block after its digest. RuntimeError inside a dummy/profile run."""
 
     @abc.abstractmethod
     def send_part(self, link: Any, cache: Any, src_ids: list[int], layers: range,

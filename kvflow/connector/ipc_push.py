@@ -29,11 +29,9 @@ log = logging.getLogger("kvflow.connector.ipc_push")
 
 
 class PushSender(KVSender):
-    """P's half: maps each paired D's cache and writes each request into the cache of the D
-    that allocated its blocks (``job.decode_id``). Parameters as
-    :class:`~kvflow.connector.base.KVSender`, and ``max_ctas`` (grid cap of the layerwise
-    copies that overlap compute), ``layers_per_copy`` (layers per layerwise copy launch):
-    ValueError when either is not an int >= 1."""
+    """P's half: maps each paired D's cache and writes each request into the one of the D that
+    allocated its blocks. Arguments: as :class:`~kvflow.connector.base.KVSender`, plus ``max_ctas``
+    (grid cap of the layerwise copies) and ``layers_per_copy`` (ValueError unless ints >= 1)."""
 
     name = "ipc-push"
     layerwise_ready = True
@@ -151,11 +149,9 @@ class PushSender(KVSender):
                           req_id)
 
     def plan(self, job: PrefillJob) -> PushStats:
-        """``job``'s :class:`PushStats` (``dst``: D's mapped cache, None inside a dummy run;
-        ``blocks``, ``payload_bytes``: what will be written, in D's spec).
-
-        Raises TransferError: ``job.decode_id`` is not attached, or a block table is shorter than
-        the prompt."""
+        """``job``'s :class:`PushStats`: ``dst`` (D's mapped cache, None inside a dummy run),
+        ``blocks`` and ``payload_bytes`` to write, in D's spec. TransferError: ``job.decode_id`` is
+        not attached, or a block table is shorter than the prompt."""
         n, dst = len(job.token_ids), self.peers.get(job.decode_id)
         if sends_allowed() and dst is None:
             raise TransferError(f"push to decode instance {job.decode_id!r}, which is not paired "
@@ -170,10 +166,9 @@ class PushSender(KVSender):
         return PushStats(dst=dst, blocks=m, payload_bytes=payload_bytes(spec, m))
 
     def chunk_hook(self, job: PrefillJob, stats: PushStats) -> Any:
-        """The ``on_chunk`` hook of ``job``'s prefill: each layer group of each chunk is copied
-        into D's ``job.decode_block_ids`` (logical blocks from ``job.num_cached_blocks`` on) as
-        soon as it is computed (None inside a dummy run). The hook raises TransferError for a
-        chunk's block ids outside a cache (:meth:`LayerCopier.pairs`)."""
+        """The ``on_chunk`` hook of ``job``'s prefill (None inside a dummy run): each layer group of
+        each chunk is copied into D's ``job.decode_block_ids`` (from ``job.num_cached_blocks`` on)
+        once computed; TransferError for block ids outside a cache (:meth:`LayerCopier.pairs`)."""
         if not sends_allowed():  # dummy / profile run: compute only
             return None
         copier, n, bs = self.copier, len(job.token_ids), self.spec.block_size

@@ -44,10 +44,9 @@ def block_pairs(blocks, dst_ids, first: int, stop: int, skip: int, p_blocks: int
 
 @dataclasses.dataclass
 class PushStats:
-    """One request's push as seen by P: ``blocks`` and ``payload_bytes`` written into D's
-    cache; ``t_start`` (``time.time()`` of the first copy, 0 if nothing moved); ``copy_ms``
-    (wall time of the copy calls on P: on CUDA, issuing them); ``exposed_ms`` (from the first
-    token until every copy was done); ``prefill_ms`` (P's prefill until the first token);
+    """One request's push as seen by P: ``blocks`` and ``payload_bytes`` written into D's cache,
+    ``t_start`` (``time.time()`` of the first copy; 0: nothing moved), ``copy_ms`` (the copy calls;
+    on CUDA, issuing them), ``exposed_ms`` (first token to every copy done), ``prefill_ms``,
     ``layerwise`` (copied during the prefill)."""
 
     blocks: int = 0

@@ -14,11 +14,10 @@ from kvflow.connector.messages import LeaseRenew, encode
 
 
 class Renewals:
-    """D's lease renewals: the loop says what to renew (:meth:`want`), the heartbeat thread
-    sends it (:meth:`send`) and records what left; :meth:`renewed_since` tells the loop whether
-    P's lease still holds. Thread-safe. ``sock``: D's bound lease socket (once the thread runs,
-    only the thread uses it); ``gap_s``: the longest gap between renewals that keeps a lease
-    alive as D judges it, 0.8 x ``--kv-lease-s`` (settable)."""
+    """D's lease renewals, thread-safe: the loop says what to renew (:meth:`want`), the heartbeat
+    thread sends it on ``sock`` (:meth:`send`, then only the thread uses it) and records what left;
+    :meth:`renewed_since` tells the loop whether P's lease still holds, with gaps under ``gap_s``
+    (0.8 x ``--kv-lease-s``, settable)."""
 
     def __init__(self, sock: zmq.Socket | None, gap_s: float) -> None:
         self.sock, self.gap_s = sock, gap_s

@@ -18,10 +18,9 @@ log = logging.getLogger("kvflow.connector.lent")
 
 
 class LentBlocks(dict):
-    """``req_id -> Kept`` (blocks of an ended request its ``peer``, "" until the router's Abort
-    names it, may still write) of one D, with the paired P's it judges; lent blocks go back to
-    D's ``allocator``, those of an unjudgeable P at ``due``: ``kv_lease_s`` after it was declared
-    dead."""
+    """``req_id -> Kept`` of one D: blocks of an ended request that its ``peer`` ("" until the
+    router's Abort names it) may still write, with the paired P's it judges; the blocks go back to
+    ``allocator`` (an unjudgeable P's at ``due``)."""
 
     def __init__(self, allocator: Any, kv_lease_s: float) -> None:
         super().__init__()

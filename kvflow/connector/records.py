@@ -33,10 +33,9 @@ class TransferStats:
 
 @dataclasses.dataclass
 class Peer:
-    """The other instance of a pairing (from :class:`~kvflow.serve.protocol.Pair`): its id, cache
-    spec and ``num_blocks``; ``shm_name`` (its exported cache, '' if none); ``data_addr`` (D's
-    data socket, '' for a P); ``connector_md`` (what its connector published: nixl's encoded
-    :class:`~kvflow.connector.messages.NixlAgentInfo`, else b'')."""
+    """The other instance of a pairing (from :class:`~kvflow.serve.protocol.Pair`): id, cache spec,
+    ``num_blocks``, ``shm_name`` (its exported cache, or ''), ``data_addr`` (D's data socket; '' for
+    a P), ``connector_md`` (nixl's encoded :class:`~kvflow.connector.messages.NixlAgentInfo`)."""
     id: str
     spec: KVCacheSpec
     num_blocks: int
@@ -47,10 +46,9 @@ class Peer:
 
 @dataclasses.dataclass
 class PrefillJob:
-    """One request as P's connector sees it: the prompt ``token_ids``, P's block table
-    ``blocks``, the D that allocated ``decode_block_ids`` (logical block ``i`` is
-    ``decode_block_ids[i]`` there) and D's prefix hit ``num_cached_blocks`` (logical blocks
-    ``0..num_cached_blocks-1``, not sent)."""
+    """One request as P's connector sees it: the prompt ``token_ids``, P's block table ``blocks``,
+    the D that allocated ``decode_block_ids`` (logical block ``i`` is ``decode_block_ids[i]``) and
+    D's prefix hit ``num_cached_blocks`` (logical blocks ``0..k-1``, not sent)."""
     req_id: str
     token_ids: list[int]
     blocks: list[int]

@@ -21,11 +21,10 @@ SendFn = Callable[[str, range, list[int], list[int]], None]
 
 @dataclasses.dataclass
 class LayerwiseStats:
-    """Counters. ``sends``: send calls; ``block_layers``: blocks x layers sent; ``signals``:
-    signals accepted; ``duplicate`` / ``stale`` / ``unmatched``: signals dropped (same step
-    again / an older step / no live request ran that step); ``buffered``: signals that readied
-    blocks of a request without D's ids yet; ``replayed``: sends made when D's ids arrived;
-    ``suppressed``: signals refused inside a profile/dummy run; ``errors``: failed sends."""
+    """Counters: ``sends``, ``block_layers`` (blocks x layers sent), ``signals`` accepted; dropped:
+    ``duplicate`` (same step again), ``stale`` (older), ``unmatched`` (no live request ran it),
+    ``suppressed`` (in a profile/dummy run); ``buffered`` (readied blocks before D's ids),
+    ``replayed`` (sends when they came), ``errors`` (failed sends)."""
 
     sends: int = 0
     block_layers: int = 0
@@ -106,10 +105,10 @@ class LayerwiseScheduler:
                                               [0] * self.num_layers, time.perf_counter())
 
     def add_chunk(self, request_id: str, step: int, end_token: int) -> None:
-        """Step ``step`` computes the request's prompt up to ``end_token`` (exclusive); register
-        it before, or at the latest right after, the step runs (a step already signalled counts
-        as complete at once). Raises KeyError: unknown (or finished) request; ValueError:
-        ``step`` or ``end_token`` not after the previous chunk's, or ``end_token > num_tokens``."""
+        """Step ``step`` computes the prompt up to ``end_token`` (exclusive); register it before, or
+        right after, the step runs (a step already signalled counts as complete). KeyError: unknown
+        or finished request; ValueError: not after the previous chunk, or ``end_token >
+        num_tokens``."""
         with self._lock:
             r = self._get(request_id)
             prev_step, prev_end = r.chunks[-1] if r.chunks else (-1, 0)
