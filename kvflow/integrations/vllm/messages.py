@@ -47,10 +47,9 @@ class NixlHello(WireMsg):
 
 
 class NixlInfo(WireMsg):
-    """P -> D: P's NIXL agent (``metadata``: what ``add_remote_agent`` loads) and cache. Block
-    ``b`` of tensor ``t`` (``PagedKVCache.tensors()`` order) is ``block_bytes`` bytes at
-    ``addrs[t] + b * block_bytes`` of memory type ``mem`` (``DRAM`` / ``VRAM``) on
-    ``device_id``; or ``error`` says why not (different spec)."""
+    """P -> D: P's NIXL agent (``metadata``: what ``add_remote_agent`` loads) and cache: block ``b``
+    of tensor ``t`` (``PagedKVCache.tensors()`` order) is ``block_bytes`` bytes at ``addrs[t] + b *
+    block_bytes`` of ``mem`` (``DRAM`` / ``VRAM``) on ``device_id``; or ``error``."""
     ok: bool
     error: str = ""
     agent: str = ""

@@ -56,9 +56,9 @@ class _Peer(NamedTuple):
 
 
 class NixlPuller(Puller):
-    """D's end of transport ``nixl``: a check with P, one READ, a bounded wait, ``Release``; a
-    P that does not answer or whose READ fails is forgotten (arguments: as
-    :class:`.link.Puller`; raises as :func:`export`)."""
+    """D's end of transport ``nixl``: a check with P, one READ, a bounded wait, ``Release``; a P
+    that does not answer or whose READ fails is forgotten. Arguments as :class:`.link.Puller`;
+    raises as :func:`export`."""
 
     def __init__(self, cache: PagedKVCache, *, timeout_s: float = 30.0,
                  corrupt: bool = False) -> None:

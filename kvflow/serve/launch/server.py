@@ -71,10 +71,8 @@ def stop_on_signals(server, children=None) -> None:
                 children.hurry = True
             return
         server.should_exit = True
-        try:  # os.write: a print here could re-enter a print the signal interrupted
+        with contextlib.suppress(OSError):  # os.write: a print could re-enter an interrupted one
             os.write(2, f"kvflow.serve: stopping ({signal.Signals(signum).name})\n".encode())
-        except OSError:
-            pass
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
