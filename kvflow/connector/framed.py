@@ -44,7 +44,7 @@ class FramedSender(KVSender):
     def send_part(self, link: Any, cache: Any, src_ids: list[int], layers: range,
                   **fields: Any) -> tuple[Any, float]:
         """Send layers ``layers`` of P's blocks ``src_ids`` as a
-        :class:`~kvflow.connector.messages.KVLayer` (``fields`` fill the header). Returns ``(keep,
+        :class:`~kvflow.connector.messages.KVLayer` (``fields``: the header's); returns ``(keep,
         gather_ms)``. RuntimeError inside a dummy/profile run."""
 
     def warmup(self, engine: Any, chunk_size: int) -> None:
@@ -130,9 +130,9 @@ class FramedSender(KVSender):
 
 
 class FramedReceiver(KVReceiver):
-    """Base of D's halves (ipc-pull, tcp): ``peers`` (paired P -> what the kind keeps of it;
-    ``peer_id``: the last one paired) and the layerwise ``parts``. ``head_start``: D holds P's
-    KV heads ``[head_start, head_start + spec.num_kv_heads)``."""
+    """Base of D's halves (ipc-pull, tcp): ``peers`` (paired P -> what the kind keeps of it),
+    ``peer_id`` (the last one paired), the layerwise ``parts``; ``head_start``: as
+    :func:`kvflow.connector.make_receiver`."""
 
     verify = False  # --kv-verify: check P's digests after the copy (set by the instance)
 

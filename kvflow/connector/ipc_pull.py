@@ -165,9 +165,8 @@ class IpcPullReceiver(FramedReceiver):
 
 class CudaIpcPullReceiver(IpcPullReceiver):
     """D's half on CUDA: open P's handle at pairing; copies run where ``direction`` says
-    (``"pull"``: D's GPU, ``"push"``: P's, the default) and are waited for once per request.
-
-    Raises ValueError: ``direction`` is neither ``"pull"`` nor ``"push"``."""
+    (``"pull"``: D's GPU, ``"push"``: P's, the default; ValueError otherwise) and are waited for
+    once per request."""
 
     def __init__(self, spec=None, device: Any = "cuda", *, backend: str = "auto",
                  direction: str = "push", head_start: int | None = None,

@@ -67,12 +67,10 @@ class Kind:
     """One connector kind: ``module`` holds ``sender`` (P's half) and ``receiver`` (D's;
     ``receiver_cuda`` instead on CUDA when set); ``receiver_args``: factory arguments D's class
     takes besides spec, device and backend; ``bind_host``: ``"module:function"`` called with
-    ``--host`` (:func:`kvflow.connector.bind_to_host`), or "". Capabilities: ``reblocks`` (P and
-    D may differ in block_size, layout, dtype), ``reblocks_fp8`` (an fp8 P may re-block),
-    ``block_scales`` (moves an fp8 cache's per-block scales; False: block bytes only),
-    ``head_slices`` (``head_start``), ``layerwise_min_tokens`` (the default, tokens),
-    ``reads_peer_memory`` / ``writes_peer_memory`` (D reads P's cache / P writes D's),
-    ``cross_host``, ``kv_verify``, ``extra`` (the pip extra it needs)."""
+    ``--host``, or "". Capabilities (docs/design.md, "Connectors"): ``reblocks``, ``reblocks_fp8``
+    (an fp8 P may re-block), ``block_scales``, ``head_slices``, ``layerwise_min_tokens`` (the
+    default, tokens), ``reads_peer_memory`` / ``writes_peer_memory``, ``cross_host``, ``kv_verify``;
+    ``extra``: the pip extra it needs."""
 
     name: str
     module: str

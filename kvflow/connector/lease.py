@@ -50,9 +50,9 @@ class Renewals:
                 self._runs[(peer_id, r)] = (first, wall) if wall - last < self.gap_s else (wall, wall)
 
     def renewed_since(self, req_id: str, peer_id: str | None, t_start: float) -> float:
-        """``time.time()`` of the last renewal of ``req_id`` that kept P ``peer_id``'s lease
-        (started at ``t_start``) alive with no gap of ``gap_s``; 0.0 if none did (a gap ends
-        the lease). ``peer_id`` None: the best of any P."""
+        """``time.time()`` of the last renewal of ``req_id`` that kept P ``peer_id``'s lease (from
+        ``t_start``) alive with no gap of ``gap_s``, else 0.0; ``peer_id`` None: the best of any P.
+        """
         with self._lock:
             runs = [v for (p, r), v in self._runs.items()
                     if r == req_id and (peer_id is None or p == peer_id)]
@@ -88,9 +88,8 @@ def lease_socket(ctx: zmq.Context, host: str) -> tuple[zmq.Socket, int]:
 
 
 class LeaseLinks:
-    """P's links to its paired D's lease sockets: one DEALER per D, named by P's id, polled with
-    P's other sockets and read before P judges a lease (:meth:`drain`). Iterating gives the D
-    ids."""
+    """P's links to its paired D's lease sockets: one DEALER per D, named by P's id, polled with P's
+    other sockets and read before P judges a lease (:meth:`drain`); iterating gives D ids."""
 
     def __init__(self, instance_id: str) -> None:
         self.identity = instance_id.encode()

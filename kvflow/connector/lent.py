@@ -67,9 +67,8 @@ class LentBlocks(dict):
         self.settle()
 
     def settle(self) -> None:
-        """Give back lent blocks whose writer can write no more: its process is gone, or D
-        cannot judge it and their ``due`` (``kv_lease_s`` after the router declared it dead)
-        has passed."""
+        """Give back lent blocks whose writer can write no more: its process is gone, or D cannot
+        judge it and their ``due`` has passed."""
         now = time.monotonic()
         done = []
         for req_id, e in self.items():

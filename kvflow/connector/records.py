@@ -22,9 +22,9 @@ class SlotsTaken(TransferError):
 
 @dataclasses.dataclass
 class TransferStats:
-    """What one request's transfer moved, as D saw it: ``blocks`` (prompt blocks written into
-    D's cache, a prefix hit's excluded), ``payload_bytes``, ``copy_ms`` (D's copy for ipc-pull
-    / tcp, P's copy calls for ipc-push) and ``layerwise`` (moved during the prefill)."""
+    """What one request's transfer moved, as D saw it: ``blocks`` (written into D's cache, a prefix
+    hit's excluded), ``payload_bytes``, ``copy_ms`` (D's copy; P's copy calls for ipc-push),
+    ``layerwise``."""
     blocks: int
     payload_bytes: int
     copy_ms: float
@@ -65,9 +65,8 @@ ChunkHook = Callable[[int, int], Callable[[int], None] | None]
 
 @dataclasses.dataclass
 class Prefilling:
-    """A request between ``KVSender.begin`` and ``finish`` or ``fail``: ``layerwise`` (its KV
-    moves during the prefill), ``t_begin`` (``time.perf_counter()`` at ``begin``) and
-    ``state`` (what the kind's ``prepare`` returned)."""
+    """A request between ``KVSender.begin`` and ``finish`` or ``fail``: ``layerwise``, ``t_begin``
+    (``time.perf_counter()`` at ``begin``), ``state`` (what the kind's ``prepare`` returned)."""
     layerwise: bool
     t_begin: float
     state: Any = None
