@@ -104,9 +104,7 @@ class Kind:
 
 
 _LAYERS_PER_COPY = 4  # kvflow.connector.layer_copy.LAYERS_PER_COPY
-#: kvflow.connector.receiver.RECEIVE_MAX_CTAS: a capped grid for D's copies beside its decode (the
-#: interference study, docs/benchmarks.md: 4, 16 or 64 CTAs cost decode TPOT p50 1.01-1.16x at
-#: 25-100 GB/s of KV landing, the full grid 1.01-1.25x)
+#: kvflow.connector.receiver.RECEIVE_MAX_CTAS (capped: the interference study, docs/benchmarks.md)
 _RECEIVE_MAX_CTAS = Option("receive_max_ctas", int, 16, "programs (CTAs) of each of D's receive "
                            "copies on CUDA (its scatter, or its copy from P's cache): D's decode "
                            "keeps the other SMs", minimum=1, sender=False, receiver=True)

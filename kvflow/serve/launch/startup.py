@@ -69,9 +69,9 @@ class StartupError(SystemExit):
 
 
 def check_model(model: str):
-    """Check ``--model`` without loading weights; return its
-    :class:`~kvflow.model.config.ModelConfig`. Raises :class:`StartupError` when it is neither a built-in name nor a checkpoint directory
-    (naming what it lacks), or its config.json is unreadable or unsupported."""
+    """``--model``'s :class:`~kvflow.model.config.ModelConfig`, read without loading weights.
+    :class:`StartupError` when it is neither a built-in name nor a checkpoint directory (naming what
+    it lacks), or its config.json is unreadable or unsupported."""
     from kvflow.model.config import PRESETS, ModelConfig
     if model in PRESETS:
         return PRESETS[model]
