@@ -36,9 +36,8 @@ def __getattr__(name: str) -> Any:  # the contract loads torch: import it on fir
 
 
 def bind_to_host(kind: str, host: str) -> None:
-    """Make connector ``kind``'s own listeners (nixl: UCX's) bind to ``host`` (``--host``) before
-    its halves open them, by its ``bind_host`` hook. ValueError (naming ``--host``): ``host`` is
-    an address of no interface of this machine."""
+    """Bind connector ``kind``'s own listeners (nixl: UCX's) to ``host`` by its ``bind_host`` hook,
+    before its halves open them; ValueError names ``--host`` when no interface here has it."""
     hook = _kinds.resolve(kind).bind_host
     if hook:
         module, func = hook.split(":")
@@ -52,9 +51,8 @@ def resolve_connector(name: str, device: str = "cpu") -> str:
 
 
 def scales_refusal(kind: str | None, spec: Any, who: str = "spec") -> str:
-    """'' when connector ``kind`` (None: no connector) can move caches of ``spec`` (a
-    KVCacheSpec or None), else why not: a kind without ``block_scales`` and an fp8 spec with
-    ``scales="block_head"`` (``who`` names the side in the text)."""
+    """Why connector ``kind`` (None: none) cannot move caches of ``spec`` ('' when it can): an fp8
+    ``scales="block_head"`` spec and a kind without ``block_scales`` (``who`` names the side)."""
     if kind not in KINDS or KINDS[kind].block_scales or not getattr(spec, "is_fp8", False) \
             or spec.scales != "block_head":
         return ""
@@ -89,11 +87,10 @@ def make_sender(name: str, spec: Any, device: Any = "cpu", *, config: dict[str, 
 def make_receiver(name: str, spec: Any = None, device: Any = "cpu", *,
                   backend: str = "auto", config: dict[str, Any] | None = None,
                   max_model_len: int = 2048, head_start: int | None = None) -> Any:
-    """D's half of connector ``name`` (a kind or ``auto``) for a cache of ``spec`` on ``device``
-    (``config``: ``kv_connector_config``; ``max_model_len``: tokens, sizes nixl's staging;
-    ``head_start``: D's cache holds P's KV heads ``[head_start, head_start +
-    spec.num_kv_heads)``, every transfer re-blocks with it). Raises ValueError as
-    :func:`make_sender`, and for ``head_start`` with a kind without ``head_slices``."""
+    """D's half of connector ``name`` for a cache of ``spec`` on ``device`` (``config``:
+    ``kv_connector_config``; ``max_model_len``: tokens, sizes nixl's staging; ``head_start``: D
+    holds P's KV heads ``[head_start, head_start + spec.num_kv_heads)``, every transfer re-blocked).
+    ValueError as :func:`make_sender`, or ``head_start`` for a kind without ``head_slices``."""
     kind, options = _checked(name, spec, device, config)
     if head_start is not None and not kind.head_slices:
         takers = " and ".join(_kinds.with_capability("head_slices"))

@@ -31,9 +31,8 @@ __all__ = ["ChunkHook", "KVReceiver", "KVSender", "Kept", "Peer", "Prefilling", 
 
 class KVSender(HeldSide, abc.ABC):
     """P's half of a connector for P's cache ``spec``: ``instance_id`` (D acks layerwise parts to
-    it), ``backend`` (of the block copies), ``layerwise_min_tokens`` (prompts of at least this many
-    tokens move layer by layer; None: kind :attr:`name`'s default), ``max_model_len`` (tokens; a
-    threshold above it creates nothing layerwise)."""
+    it), ``backend`` (of the copies), ``layerwise_min_tokens`` (None: the kind's default) and
+    ``max_model_len`` (tokens; a threshold above it creates nothing layerwise)."""
 
     name: str = ""
     #: The kind moves layers during the prefill (:meth:`chunk_hook`, :meth:`send_layerwise`).
@@ -173,9 +172,8 @@ class KVSender(HeldSide, abc.ABC):
         return []
 
     def prepare(self, job: PrefillJob, layerwise: bool) -> Any:
-        """Check ``job`` before any compute (TransferError if it cannot go to D); returns the
-        kind's per-request state (:attr:`Prefilling.state`). Default: ``job.decode_id`` is
-        attached (not checked inside a dummy run)."""
+        """Check ``job`` before any compute (TransferError: it cannot go to D; by default, D is not
+        attached, unchecked in a dummy run); returns the kind's per-request state."""
         if sends_allowed():
             self.link_to(job.decode_id)
         return None

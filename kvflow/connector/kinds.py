@@ -15,9 +15,8 @@ AUTO = {"cuda": "ipc-push", "cpu": "ipc-pull"}
 
 @dataclass(frozen=True)
 class Option:
-    """One key of ``kv_connector_config``: ``type`` ``int`` / ``float`` (never a bool) or
-    ``str``; ``choices`` or a ``minimum`` (inclusive unless ``exclusive``); ``sender`` /
-    ``receiver``: which half takes it (the other ignores it, so P and D take one config)."""
+    """One key of ``kv_connector_config``: ``type`` int, float (no bool) or str; ``choices`` or a
+    ``minimum`` (inclusive unless ``exclusive``); ``sender`` / ``receiver``: which half takes it."""
 
     name: str
     type: type

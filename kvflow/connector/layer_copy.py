@@ -26,9 +26,8 @@ LAYERS_PER_COPY = 4
 
 def block_pairs(blocks, dst_ids, first: int, stop: int, skip: int, p_blocks: int,
                 d_blocks: int) -> tuple[list[int], list[int]] | None:
-    """P's and D's ids (lists) of logical blocks ``[max(first, skip), stop)``, None when empty.
-    TransferError for an id outside its cache (of ``p_blocks`` / ``d_blocks`` blocks) or
-    ``dst_ids`` repeating a block."""
+    """P's and D's ids of logical blocks ``[max(first, skip), stop)`` (None when empty);
+    TransferError for an id outside its cache (``p_blocks`` / ``d_blocks``) or a repeated D id."""
     lo = max(first, skip)
     if lo >= stop:
         return None
@@ -61,9 +60,8 @@ class PushStats:
 
 
 class LayerCopier:
-    """Copies from P's ``cache`` into mapped peer caches (``backend`` of
-    :func:`~kvflow.kernels.copy_blocks`; ``max_ctas``: grid cap of copies that overlap compute;
-    ``layers_per_copy``: layers per launch)."""
+    """Copies from P's ``cache`` into mapped peer caches (``backend``, ``max_ctas``,
+    ``layers_per_copy``: as :class:`~kvflow.connector.ipc_push.PushSender`'s)."""
 
     def __init__(self, cache: PagedKVCache, backend: str, max_ctas: int,
                  layers_per_copy: int) -> None:

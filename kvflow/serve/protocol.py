@@ -122,9 +122,8 @@ class Allocated(WireMsg):
 
 
 class Rejected(WireMsg):
-    """Any instance -> router: the request cannot be served; ``kind`` is "capacity" (never
-    fits: HTTP 400, ``param`` names the request field to blame), "busy" (no free blocks now:
-    retry), "transfer" (the KV could not move to D: HTTP 502) or "error" (HTTP 500)."""
+    """Any instance -> router: the request cannot be served; ``kind``: "capacity" (HTTP 400,
+    ``param`` the field to blame), "busy" (retry), "transfer" (HTTP 502) or "error" (HTTP 500)."""
     req_id: str
     kind: str
     error: str

@@ -89,9 +89,8 @@ class LayerwiseScheduler:
         self.stats = LayerwiseStats()
 
     def add_request(self, request_id: str, num_tokens: int, src_block_ids: Sequence[int]) -> None:
-        """Register a prefill request with P's block table. Raises ValueError: a duplicate
-        ``request_id``, ``num_tokens < 1``, or ``len(src_block_ids) != ceil(num_tokens /
-        block_size)``."""
+        """Register a prefill request with P's block table; ValueError: a duplicate ``request_id``,
+        ``num_tokens < 1``, or not ``ceil(num_tokens / block_size)`` blocks."""
         _positive("num_tokens", num_tokens)
         src = _ids("src_block_ids", src_block_ids)
         need = -(-num_tokens // self.block_size)

@@ -66,9 +66,8 @@ class LayerwiseSender:
         self._errors: queue.SimpleQueue[tuple[str, BaseException]] = queue.SimpleQueue()
 
     def open(self, ctx: zmq.Context, data_addr: str, peer_id: str) -> bool:
-        """Create the signal channel and start the worker (first call), and the part socket
-        of D ``peer_id`` (connected to its ``data_addr``; replaces an earlier socket of that D
-        only); False (nothing created) inside a profile/dummy run."""
+        """Start the signal channel and worker (first call) and D ``peer_id``'s part socket to
+        ``data_addr``, replacing its earlier one; False, nothing made, inside a dummy run."""
         if not sends_allowed():
             self.signaller.init()  # counted as a refused set-up
             return False

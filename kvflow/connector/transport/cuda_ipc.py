@@ -23,9 +23,8 @@ EXPORT_VERSION = 2  # 2: nbytes counts the fp8 scales after the blocks
 
 
 class CudaIpcExport(msgspec.Struct, forbid_unknown_fields=True):
-    """Everything a peer needs to map the exporter's cache (MessagePack: :func:`encode_export`);
-    the fields after ``pci_bus_id`` up to ``event_sync_required`` are torch's
-    ``UntypedStorage._share_cuda_()``."""
+    """Everything a peer needs to map the exporter's cache (:func:`encode_export`); ``handle`` ..
+    ``event_sync_required`` are torch's ``UntypedStorage._share_cuda_()``."""
 
     uuid: str  # of the GPU holding the allocation (:func:`device_uuid` form)
     pci_bus_id: str  # of that GPU (for messages)

@@ -79,9 +79,8 @@ def stop_on_signals(server, children=None) -> None:
 
 
 async def serve_router(cfg: ServeConfig, http_sock, children, serving: list[bool]) -> int:
-    """Serve HTTP on ``http_sock`` until stopped; return the exit status. ``serving`` gets True
-    once the router listens (``children``: :class:`~.procs.Children` or None). Raises
-    :class:`StartupError` when the tokenizer, the control socket or a child cannot start."""
+    """Serve HTTP on ``http_sock`` until stopped; returns the exit status (``serving`` gets True
+    when it listens). :class:`StartupError`: tokenizer, control socket or a child cannot start."""
     import uvicorn
     from kvflow.segments import clean_stale
     from ..router.app import create_app

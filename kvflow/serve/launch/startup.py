@@ -106,9 +106,8 @@ def check_model(model: str):
 
 
 def check_device(device: str, gpus: dict[str, int] | None = None) -> None:
-    """Check that ``--device`` ("cpu" or "cuda") can run here, before any child starts;
-    ``gpus``: ``{flag: ordinal}`` of the GPUs this process hands out. Raises
-    :class:`StartupError` without CUDA, or for an ordinal past the visible GPUs."""
+    """Check that ``--device`` can run here, before any child starts (``gpus``: ``{flag: ordinal}``
+    handed out); :class:`StartupError` without CUDA, or for an ordinal past the visible GPUs."""
     if device == "cpu":
         return
     import torch
