@@ -20,10 +20,9 @@ class PeerTimeout(PullError):
 
 
 class Puller:
-    """D's end of a transport over D's ``cache``, called from D's loader thread. ``timeout_s``:
-    longest wait for one answer of P or a NIXL READ (seconds, > 0, else ValueError; then
-    :class:`PeerTimeout` and the socket is dropped); ``corrupt``: test hook, noise instead of the
-    KV."""
+    """D's end of a transport over D's ``cache``, from D's loader thread. ``timeout_s``: longest
+    wait for an answer of P or a NIXL READ (seconds, > 0; then :class:`PeerTimeout`, socket
+    dropped); ``corrupt``: test hook, noise instead of the KV."""
 
     def __init__(self, cache: Any, *, timeout_s: float = 30.0, corrupt: bool = False) -> None:
         if not timeout_s > 0:
@@ -65,9 +64,9 @@ class Puller:
         self._sock(addr).send(encode(Release(req_id)))
 
     def pull(self, addr: str, req_id: str, remote_ids: list[int], local_ids: list[int]) -> int:
-        """Copy P's blocks ``remote_ids`` into D's ``local_ids`` (logical order); returns the bytes
-        written. :class:`PullError`: lengths differ, P refused, no answer in time, or transport
-        failed."""
+        """Copy P's blocks ``remote_ids`` into D's ``local_ids`` (same length, logical order);
+        returns the bytes written. :class:`PullError`: different lengths, P refused, no answer
+        within ``timeout_s``, or the transport failed."""
         if len(remote_ids) != len(local_ids):
             raise PullError(f"request {req_id}: {len(remote_ids)} remote blocks for "
                             f"{len(local_ids)} local blocks")

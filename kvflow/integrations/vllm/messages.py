@@ -31,9 +31,8 @@ class Release(WireMsg):
 
 
 class PullReply(WireMsg):
-    """P -> D: ``ok`` and ``num_layers`` raw frames follow (frame ``l`` is
-    ``staging[l]`` of ``staging_shape(spec, len(block_ids))``), or ``error`` says why not;
-    ``agent``: P's NIXL agent name (D meets P anew when it changed)."""
+    """P -> D: ``ok`` and ``num_layers`` raw frames (``staging[l]`` of ``staging_shape``) follow, or
+    ``error``; ``agent``: P's NIXL agent name (D meets P anew when it changed)."""
     req_id: str
     ok: bool
     num_layers: int = 0

@@ -203,9 +203,8 @@ class KVPuller(Puller):
 def open_puller(transport: str, cache: PagedKVCache, *, timeout_s: float = 30.0,
                 backend: str = "auto", corrupt: bool = False,
                 staging_blocks: int | None = None) -> Puller:
-    """D's end of ``transport`` over D's ``cache`` (``staging_blocks``: ipc-push's staging cache;
-    the rest as :class:`.link.Puller`); ValueError as :class:`.ipc_push.IpcPuller` or for an unknown
-    ``transport``."""
+    """D's end of ``transport`` over D's ``cache`` (``staging_blocks``: ipc-push's; the rest as
+    :class:`.link.Puller`); ValueError for an unknown ``transport`` or bad ``staging_blocks``."""
     if check_transport(transport) == "nixl":
         from .nixl_pull import NixlPuller
         return NixlPuller(cache, timeout_s=timeout_s, corrupt=corrupt)
