@@ -105,8 +105,7 @@ class ArrivalSide:
 
     def end(self, req_id: str, blocks: list[int], error: str, *, may_write: bool) -> bool:
         """D ended ``req_id`` (D's ``blocks``): drop a message held for it (acked with ``error``)
-        and a partly received transfer. True when its blocks stay lent (``may_write``, P writes D's
-        blocks and its ``KVPushed`` did not come); else the caller frees them."""
+        and a partial transfer. True when the blocks stay lent (``may_write``: P may write them)."""
         held = self.inflight.pop(req_id, None)
         if held is not None and isinstance(held.keep[0], KVPushed):
             may_write = False  # P's KVPushed already came: it writes nothing more

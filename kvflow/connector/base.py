@@ -192,9 +192,8 @@ class KVSender(HeldSide, abc.ABC):
     @abc.abstractmethod
     def send_prefilled(self, job: PrefillJob, first_token: int, *,
                        prefill_ms: float = 0.0) -> Kept | None:
-        """Send ``job``'s KV, in P's blocks ``job.blocks``, to D ``job.decode_id`` with its first
-        token (a transfer benchmark calls it alone; ``prefill_ms``: P's prefill, ms, for kinds
-        whose message carries it). Returns and raises as :meth:`finish`."""
+        """Send ``job``'s KV to D ``job.decode_id`` with its first token (``prefill_ms``: P's, for
+        kinds whose message carries it). Returns and raises as :meth:`finish`."""
 
     def cancel(self, req_id: str, rec: Prefilling) -> None:
         """A begun prefill ends without :meth:`finish`: its hooks send nothing more; copies

@@ -43,9 +43,8 @@ class FramedSender(KVSender):
     @abc.abstractmethod
     def send_part(self, link: Any, cache: Any, src_ids: list[int], layers: range,
                   **fields: Any) -> tuple[Any, float]:
-        """Send layers ``layers`` of P's blocks ``src_ids`` as a
-        :class:`~kvflow.connector.messages.KVLayer` (``fields``: the header's); returns ``(keep,
-        gather_ms)``. RuntimeError inside a dummy/profile run."""
+        """Send layers ``layers`` of P's blocks ``src_ids`` as a ``KVLayer`` (``fields``: the
+        header's); returns ``(keep, gather_ms)``. RuntimeError inside a dummy/profile run."""
 
     def warmup(self, engine: Any, chunk_size: int) -> None:
         """Create the layerwise sender (only when some prompt can go layerwise) and run a
@@ -131,8 +130,7 @@ class FramedSender(KVSender):
 
 class FramedReceiver(KVReceiver):
     """Base of D's halves (ipc-pull, tcp): ``peers`` (paired P -> what the kind keeps of it),
-    ``peer_id`` (the last one paired), the layerwise ``parts``; ``head_start``: as
-    :func:`kvflow.connector.make_receiver`."""
+    ``peer_id`` (the last paired), ``parts``; ``head_start``: as :func:`~.make_receiver`'s."""
 
     verify = False  # --kv-verify: check P's digests after the copy (set by the instance)
 

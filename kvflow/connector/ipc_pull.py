@@ -164,9 +164,8 @@ class IpcPullReceiver(FramedReceiver):
 
 
 class CudaIpcPullReceiver(IpcPullReceiver):
-    """D's half on CUDA: open P's handle at pairing; copies run where ``direction`` says
-    (``"pull"``: D's GPU, ``"push"``: P's, the default; ValueError otherwise) and are waited for
-    once per request."""
+    """D's half on CUDA: open P's handle at pairing; copies run on D's GPU (``direction`` "pull") or
+    P's ("push", the default; ValueError for another) and are waited for once per request."""
 
     def __init__(self, spec=None, device: Any = "cuda", *, backend: str = "auto",
                  direction: str = "push", head_start: int | None = None,

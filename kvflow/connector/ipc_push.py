@@ -29,9 +29,8 @@ log = logging.getLogger("kvflow.connector.ipc_push")
 
 
 class PushSender(KVSender):
-    """P's half: maps each paired D's cache and writes each request into the one of the D that
-    allocated its blocks. Arguments: as :class:`~kvflow.connector.base.KVSender`, plus ``max_ctas``
-    (grid cap of the layerwise copies) and ``layers_per_copy`` (ValueError unless ints >= 1)."""
+    """P's half: maps each paired D's cache and writes each request into its D's. Arguments: as
+    :class:`~kvflow.connector.base.KVSender`, and ``max_ctas``, ``layers_per_copy`` (ints >= 1)."""
 
     name = "ipc-push"
     layerwise_ready = True
@@ -149,9 +148,8 @@ class PushSender(KVSender):
                           req_id)
 
     def plan(self, job: PrefillJob) -> PushStats:
-        """``job``'s :class:`PushStats`: ``dst`` (D's mapped cache, None inside a dummy run),
-        ``blocks`` and ``payload_bytes`` to write, in D's spec. TransferError: ``job.decode_id`` is
-        not attached, or a block table is shorter than the prompt."""
+        """``job``'s :class:`PushStats` (``dst``: D's mapped cache, None in a dummy run; what will
+        be written, in D's spec). TransferError: D not attached, or a table short of the prompt."""
         n, dst = len(job.token_ids), self.peers.get(job.decode_id)
         if sends_allowed() and dst is None:
             raise TransferError(f"push to decode instance {job.decode_id!r}, which is not paired "
@@ -166,9 +164,8 @@ class PushSender(KVSender):
         return PushStats(dst=dst, blocks=m, payload_bytes=payload_bytes(spec, m))
 
     def chunk_hook(self, job: PrefillJob, stats: PushStats) -> Any:
-        """The ``on_chunk`` hook of ``job``'s prefill (None inside a dummy run): each layer group of
-        each chunk is copied into D's ``job.decode_block_ids`` (from ``job.num_cached_blocks`` on)
-        once computed; TransferError for block ids outside a cache (:meth:`LayerCopier.pairs`)."""
+        """The ``on_chunk`` hook of ``job``'s prefill (None in a dummy run): each layer group of a
+        chunk is copied into D's blocks once computed; TransferError for ids outside a cache."""
         if not sends_allowed():  # dummy / profile run: compute only
             return None
         copier, n, bs = self.copier, len(job.token_ids), self.spec.block_size

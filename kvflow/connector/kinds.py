@@ -196,8 +196,7 @@ def resolve(name: str, device: Any = "cpu") -> Kind:
 
 def check_options(kind: str, config: Any, where: str = "kv_connector_config") -> dict[str, Any]:
     """``config`` (a dict or None) checked against kind ``kind``'s options; returns a copy.
-    ValueError (naming ``where``, the config): not a dict, a key ``kind`` does not take, or a
-    bad value."""
+    ValueError (naming ``where``): not a dict, a key ``kind`` does not take, or a bad value."""
     config = {} if config is None else config
     if not isinstance(config, dict):
         raise ValueError(f"{where} must be a JSON object, got {config!r}")

@@ -50,9 +50,8 @@ class Renewals:
                 self._runs[(peer_id, r)] = (first, wall) if wall - last < self.gap_s else (wall, wall)
 
     def renewed_since(self, req_id: str, peer_id: str | None, t_start: float) -> float:
-        """``time.time()`` of the last renewal of ``req_id`` that kept P ``peer_id``'s lease (from
-        ``t_start``) alive with no gap of ``gap_s``, else 0.0; ``peer_id`` None: the best of any P.
-        """
+        """``time.time()`` of the last renewal of ``req_id`` keeping P ``peer_id``'s lease (from
+        ``t_start``) with no gap of ``gap_s``, else 0.0; ``peer_id`` None: any P's."""
         with self._lock:
             runs = [v for (p, r), v in self._runs.items()
                     if r == req_id and (peer_id is None or p == peer_id)]

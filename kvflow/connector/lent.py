@@ -18,9 +18,8 @@ log = logging.getLogger("kvflow.connector.lent")
 
 
 class LentBlocks(dict):
-    """``req_id -> Kept`` of one D: blocks of an ended request that its ``peer`` ("" until the
-    router's Abort names it) may still write, with the paired P's it judges; the blocks go back to
-    ``allocator`` (an unjudgeable P's at ``due``)."""
+    """``req_id -> Kept`` of one D: blocks of ended requests their ``peer`` may still write, with
+    the paired P's it judges; they go back to ``allocator`` (an unjudgeable P's at ``due``)."""
 
     def __init__(self, allocator: Any, kv_lease_s: float) -> None:
         super().__init__()

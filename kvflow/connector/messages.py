@@ -101,9 +101,8 @@ encode, decode, decode_or_log = CODEC.encode, CODEC.decode, CODEC.decode_or_log
 
 
 class NixlAgentInfo(msgspec.Struct, forbid_unknown_fields=True):
-    """What a ``nixl`` instance tells its peers at pairing, msgpack in ``Register.connector_md``:
-    D's cache is one registered allocation laid out as :class:`~kvflow.cache.PagedKVCache`; staged,
-    D also registers a staging buffer of one slot per paired P."""
+    """What a ``nixl`` instance tells its peers at pairing (``Register.connector_md``): D's one
+    registered cache allocation and, staged, its staging buffer of one slot per paired P."""
     agent: str                      # the NIXL agent's name (unique per instance)
     metadata: bytes                 # get_agent_metadata(): what a peer's add_remote_agent loads
     cache_addr: NonNeg = 0          # D: address of its registered KV cache; 0 for P

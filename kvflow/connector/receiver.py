@@ -16,9 +16,8 @@ RECEIVE_MAX_CTAS = 16
 
 
 class KVReceiver(ArrivalSide, abc.ABC):
-    """D's half of a connector for D's cache ``spec`` on ``device`` (``backend``: of the copies):
-    serve hands it every data-plane message (:meth:`~.arrival.ArrivalSide.on_message`); the kind's
-    :meth:`receive` does the copy."""
+    """D's half of a connector for D's cache ``spec`` on ``device`` (``backend``: of the copies);
+    serve hands it every data-plane message, the kind's :meth:`receive` does the copy."""
 
     name: str = ""
     #: D acks each transfer (P keeps blocks or buffers until then).

@@ -22,9 +22,8 @@ class SlotsTaken(TransferError):
 
 @dataclasses.dataclass
 class TransferStats:
-    """What one request's transfer moved, as D saw it: ``blocks`` (written into D's cache, a prefix
-    hit's excluded), ``payload_bytes``, ``copy_ms`` (D's copy; P's copy calls for ipc-push),
-    ``layerwise``."""
+    """What a request's transfer moved, as D saw it: ``blocks`` (written into D's cache, past a
+    prefix hit), ``payload_bytes``, ``copy_ms`` (D's copy; ipc-push: P's calls), ``layerwise``."""
     blocks: int
     payload_bytes: int
     copy_ms: float
@@ -33,9 +32,8 @@ class TransferStats:
 
 @dataclasses.dataclass
 class Peer:
-    """The other instance of a pairing (from :class:`~kvflow.serve.protocol.Pair`): id, cache spec,
-    ``num_blocks``, ``shm_name`` (its exported cache, or ''), ``data_addr`` (D's data socket; '' for
-    a P), ``connector_md`` (nixl's encoded :class:`~kvflow.connector.messages.NixlAgentInfo`)."""
+    """The other instance of a pairing (from ``Pair``): id, cache spec, ``num_blocks``, ``shm_name``
+    (its export, or ''), ``data_addr`` (D's; '' for P), ``connector_md`` (nixl's info)."""
     id: str
     spec: KVCacheSpec
     num_blocks: int
@@ -46,9 +44,8 @@ class Peer:
 
 @dataclasses.dataclass
 class PrefillJob:
-    """One request as P's connector sees it: the prompt ``token_ids``, P's block table ``blocks``,
-    the D that allocated ``decode_block_ids`` (logical block ``i`` is ``decode_block_ids[i]``) and
-    D's prefix hit ``num_cached_blocks`` (logical blocks ``0..k-1``, not sent)."""
+    """One request as P's connector sees it: prompt ``token_ids``, P's table ``blocks``, D
+    ``decode_id``'s ``decode_block_ids`` by logical block, D's prefix hit ``num_cached_blocks``."""
     req_id: str
     token_ids: list[int]
     blocks: list[int]
