@@ -131,9 +131,8 @@ class Rejected(WireMsg):
 
 
 class Prefill(WireMsg):
-    """Router -> P (disagg) or colocated: prefill ``token_ids``, send the first token at once
-    (:class:`Tokens`, ``index`` 0) and hand the KV to ``decode_id`` (which allocated
-    ``decode_block_ids``); P refuses a ``decode_id`` it is not paired with or a live ``req_id``."""
+    """Router -> P (disagg) or colocated: prefill ``token_ids``, send the first token at once and
+    hand the KV to ``decode_id`` at ``decode_block_ids``; refused for an unpaired D or a live id."""
     req_id: str
     token_ids: list[TokenId]
     temperature: float = 0.0
@@ -146,9 +145,8 @@ class Prefill(WireMsg):
 
 
 class Tokens(WireMsg):
-    """P (the first token), D (the rest) or colocated -> router: new tokens, ``token_ids[0]`` at
-    output position ``index``; ``kvflow`` rides on each instance's first message, its ``clock`` the
-    instance's ``time.monotonic()`` stamps (:mod:`kvflow.serve.timings`)."""
+    """P (the first token), D (the rest) or colocated -> router: ``token_ids[0]`` at output position
+    ``index``; ``kvflow`` rides on each instance's first message (:mod:`.timings`)."""
     req_id: str
     token_ids: list[int]
     finished: bool = False

@@ -18,9 +18,8 @@ IDLE_S = 0.01  # ... while none is
 
 
 class ProgressDriver:
-    """Calls ``step`` (one progress of the agent; an exception is logged once) from a daemon
-    thread named ``name``: every ``busy_s`` seconds while any key is held, every ``idle_s``
-    seconds otherwise (ValueError unless both > 0)."""
+    """Calls ``step`` (one progress of the agent; an exception is logged once) from daemon thread
+    ``name``: every ``busy_s`` seconds while any key is held, else every ``idle_s`` (both > 0)."""
 
     def __init__(self, step: Callable[[], Any], name: str, *, busy_s: float = BUSY_S,
                  idle_s: float = IDLE_S) -> None:

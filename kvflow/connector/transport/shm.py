@@ -62,8 +62,7 @@ class SharedCache:
 def map_peer_cache(name: str, spec: KVCacheSpec, num_blocks: int, *,
                    writable: bool = False) -> PagedKVCache:
     """Map a peer's segment as a :class:`PagedKVCache`, read-only or ``writable`` (fp8 scales: the
-    segment's). TransferError: the segment is missing or smaller than
-    :func:`kvflow.scales.shared_nbytes` (naming both sizes)."""
+    segment's); TransferError when it is missing or smaller than ``shared_nbytes`` (both named)."""
     path = segment_path(name)
     need = shared_nbytes(spec, num_blocks)
     try:
@@ -105,9 +104,8 @@ def export_new_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device,
 
 
 def map_decode_cache(shm_name: str, spec, num_blocks: int, device: torch.device) -> PagedKVCache:
-    """Map D's exported cache ``shm_name`` (segment, or CUDA IPC export mapped into ``device``'s
-    context) writable in P's process. TransferError: missing segment or export, size or spec
-    mismatch, a GPU this process cannot see."""
+    """Map D's exported cache ``shm_name`` writable in P's process (a CUDA export into ``device``'s
+    context); TransferError: missing, size or spec mismatch, a GPU this process cannot see."""
     if device.type == "cuda":
         from .cuda_ipc import import_cache, read_export
         return import_cache(read_export(shm_name), spec, num_blocks, map_on=device)
