@@ -30,12 +30,11 @@ FRAME_SIZE = "request {req_id}: layer {layer} frame holds {nbytes} bytes, expect
 
 
 class KVServer:
-    """P's end: a ROUTER socket bound at ``addr`` (``tcp://host:port``) over P's ``cache``, served
-    by one thread, for ``transport`` ``tcp`` (always served), ``nixl`` (``cache`` registered with
-    agent :attr:`agent`) or ``ipc-push`` (copies into D's mapped staging cache). ``hold_wait_s``: a
-    pull's wait for its request to be held, ``delay_s``: a test hook's sleep before each answer
-    (seconds). ValueError for an unknown ``transport``; for ``nixl``, as :func:`.nixl_pull.export`.
-    """
+    """P's end: a ROUTER socket bound at ``addr`` over P's ``cache``, served by one thread, for
+    ``transport`` ``tcp`` (always served), ``nixl`` (``cache`` registered with :attr:`agent`) or
+    ``ipc-push`` (copies into D's staging cache); ``hold_wait_s``: a pull's wait for its request to
+    be held, ``delay_s``: test hook, sleep before answering (s). ValueError: unknown ``transport``;
+    ``nixl``: as :func:`.nixl_pull.export`."""
 
     def __init__(self, cache: PagedKVCache, addr: str, *, transport: str = "tcp",
                  backend: str = "auto", hold_wait_s: float = 5.0, delay_s: float = 0.0) -> None:

@@ -22,10 +22,9 @@ def spec_diff(mine: KVCacheSpec, theirs: KVCacheSpec) -> dict[str, tuple[Any, An
 
 def check_pairing(mine: KVCacheSpec, my_id: str, peer: dict[str, Any], peer_id: str,
                   connector: str | None = None, my_role: str | None = None) -> str:
-    """The refusal of the peer's KV cache spec, naming every differing field with both values; ''
-    when it equals ours or differs only in what ``connector`` (a kind; None: none) maps. Refused
-    too: scales the connector cannot move (:func:`kvflow.connector.scales_refusal`) and, with
-    ``my_role`` known, an fp8 P re-blocked by a kind without ``reblocks_fp8``."""
+    """The refusal naming every field of the peer's KV cache spec that differs from ours, with both
+    values; '' when equal or when ``connector`` maps the difference. Also refused: scales it cannot
+    move (:func:`kvflow.connector.scales_refusal`), an fp8 P re-blocked without ``reblocks_fp8``."""
     try:
         theirs = KVCacheSpec.from_dict(peer)
     except (TypeError, ValueError) as exc:

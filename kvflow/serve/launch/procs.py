@@ -137,10 +137,9 @@ def _tee(pipe, tail: deque, fatal: dict[int, str], pid: int) -> None:
 
 
 def instance_env(role: str, device: str, prefill_device: int, decode_device: int) -> dict[str, str] | None:
-    """Environment of one instance child. CUDA: ``CUDA_VISIBLE_DEVICES`` makes ``cuda:0`` its GPU
-    (``prefill_device`` or ``decode_device``), P and D seeing the other's too (CUDA IPC; ValueError
-    for an ordinal this process cannot see). CPU: the inherited one with :data:`CPU_ENV` unless one
-    of :data:`OPENMP_WAIT_VARS` is set (docs/gpu_serving.md, "Measuring")."""
+    """Environment of one instance child: on CUDA ``CUDA_VISIBLE_DEVICES`` makes ``cuda:0`` its GPU,
+    P and D seeing each other's too (ValueError for an ordinal not visible here); on CPU the
+    inherited one with :data:`CPU_ENV` unless one of :data:`OPENMP_WAIT_VARS` is set."""
     if not str(device).startswith("cuda"):
         mine = any(name in os.environ for name in OPENMP_WAIT_VARS)  # the user chose a wait
         return dict(os.environ) if mine else {**CPU_ENV, **os.environ}
