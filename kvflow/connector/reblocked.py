@@ -41,10 +41,8 @@ def push_prompt(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, 
                 num_cached_blocks: int, num_tokens: int, req_id: str, backend: str) -> int:
     """ipc-push between different specs: write a ``num_tokens``-token prompt from P's ``src_cache``
     (table ``src_ids``) into D's ``dst_cache`` mapped on P's GPU (table ``dst_ids``, its first
-    ``num_cached_blocks`` D's prefix hit, left untouched) with one
-    :func:`~kvflow.kernels.copy_sequence`, and wait for it. Returns D's blocks written,
-    ``ceil(num_tokens / bs_D) - num_cached_blocks``; TransferError for a table shorter than the
-    prompt or ``num_cached_blocks`` past it."""
+    ``num_cached_blocks`` untouched) with one ``copy_sequence``, and wait. Returns D's blocks
+    written; TransferError for a table short of the prompt or ``num_cached_blocks`` past it."""
     need_s = src_cache.spec.num_blocks_for(num_tokens)
     need_d = dst_cache.spec.num_blocks_for(num_tokens)
     if len(src_ids) < need_s or len(dst_ids) < need_d or not 0 <= num_cached_blocks <= need_d:

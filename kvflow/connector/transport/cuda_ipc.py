@@ -151,12 +151,11 @@ def read_export(name: str) -> CudaIpcExport:
 
 def import_cache(exp: CudaIpcExport, spec: KVCacheSpec, num_blocks: int | None = None, *,
                  map_on: torch.device | None = None) -> PagedKVCache:
-    """Open a peer's exported cache in this process (once, at pairing) as a :class:`PagedKVCache`
-    over the mapped memory (fp8 scales: the exporter's). ``spec`` (this side's) must equal the
-    exported one; ``num_blocks``: the blocks ``Pair`` said; ``map_on``: the GPU whose kernels will
-    access the memory (CUDA maps a handle into the current device's context only; default the
-    owner's). TransferError for a UUID this process cannot see, a spec or size mismatch, an export
-    of this very process, or a failed open.
+    """Open a peer's exported cache here (once, at pairing) as a :class:`PagedKVCache` over the
+    mapped memory (fp8 scales: the exporter's). ``spec`` must equal the exported one, ``num_blocks``
+    what ``Pair`` said; ``map_on``: the GPU whose kernels will use it (default the owner's).
+    TransferError: a UUID not visible here, a spec or size mismatch, an export of this process, or a
+    failed open.
     """
     theirs = KVCacheSpec.from_dict(exp.spec)
     if theirs != spec:

@@ -66,14 +66,12 @@ def scatter_frames(frames: Sequence[Any], cache, dst_ids: Any, layers: range, *,
                    backend: str = "auto", on_layer: Callable[[], None] | None = None,
                    src_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
                    **scatter_kw: Any) -> int:
-    """Check every frame (:func:`check_frames`, same arguments), then scatter each layer into
-    D's ``cache`` at ``dst_ids`` (int64 tensor [n]; -1 skips a slot).
-
-    ``spec``: the frames' spec (P's, when re-blocked; default ``cache.spec``); ``num_blocks``:
-    blocks per frame (default ``len(dst_ids)``); ``on_layer`` is called after each layer,
-    ``src_fn`` maps each layer's tensor first (a test fault); ``scatter_kw`` goes to
-    ``scatter_blocks`` (``digest``, ``src_spec``, ``num_tokens``, ``head_start``). Returns the
-    bytes scattered (0 when no id is >= 0); raises as :func:`check_frames`, before any write.
+    """Check every frame (:func:`check_frames`, same arguments), then scatter each layer into D's
+    ``cache`` at ``dst_ids`` (int64 tensor [n]; -1 skips a slot). ``spec``: the frames' (P's when
+    re-blocked; default ``cache.spec``); ``num_blocks``: per frame (default ``len(dst_ids)``);
+    ``on_layer()`` after each layer; ``src_fn`` maps each layer's tensor first (a test fault);
+    ``scatter_kw`` to ``scatter_blocks``. Returns the bytes scattered (0 when no id is >= 0); raises
+    as :func:`check_frames`, before any write.
     """
     spec = cache.spec if spec is None else spec
     n = len(dst_ids) if num_blocks is None else num_blocks
