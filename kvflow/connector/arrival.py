@@ -29,14 +29,12 @@ def is_data_message(msg: Any) -> bool:
 
 @dataclasses.dataclass
 class Arrival:
-    """What one data-plane message from P ``peer`` (None: not known) did on D, for serve.
-    ``status``: ``"done"`` (the KV is complete in D's blocks: ``stats``, P's ``first_token``,
-    ``t_done`` on ``time.monotonic()``), ``"part"`` (more to come, or held by a test fault),
-    ``"failed"`` (``error``, ``exc``; ``reusable``: P writes nothing more, D may reuse the blocks)
-    or ``"ignored"`` (late, aborted, unknown, or lent blocks given back). ``transfer_ms``: P's send
-    to D's completion, ``gather_ms``: P's gather (tcp), ms to 3 places; ``pushed``: a push's
-    ``exposed_ms`` (P's wait for its copies after the first token, plus the message's way) and
-    ``prefill_ms``."""
+    """What one data-plane message from P ``peer`` (None: not known) did on D, for serve: ``status``
+    ``"done"`` (the KV is in D's blocks: ``stats``, P's ``first_token``, ``t_done`` on
+    ``time.monotonic()``), ``"part"`` (more to come, or held by a test fault), ``"failed"``
+    (``error``, ``exc``; ``reusable``: P writes nothing more) or ``"ignored"``. ``transfer_ms``: P's
+    send to D's completion, ``gather_ms``: P's gather (tcp), ms; ``pushed``: a push's ``exposed_ms``
+    (with the message's way) and ``prefill_ms``."""
     req_id: str
     status: str
     peer: str | None = None

@@ -39,13 +39,12 @@ class _Live:
 
 
 class LayerwiseSender:
-    """Signal segment, scheduler and worker thread of one prefill instance, and one send-only part
+    """Signal segment, scheduler and worker thread of one prefill instance, and a send-only part
     socket per paired D (used by the worker and :meth:`finish`, under one lock). ``sender``: the
-    connector (ipc-pull or tcp) whose :meth:`send_part` moves each part; ``cache``: P's;
-    ``instance_id``: P's (D acks to it; it also names the signal segment); ``signal_timeout_s``: a
-    registered chunk whose layers go unsignalled this long fails the request; ``poll_s``: the
-    worker's longest wait (bounds :meth:`close`); ``send_timeout_ms``: ZMQ send timeout of the part
-    sockets (a dead D fails the request, never a hang)."""
+    connector whose :meth:`send_part` moves each part; ``instance_id``: P's (D acks to it; names the
+    signal segment); ``signal_timeout_s``: a chunk's layers unsignalled this long fail the request;
+    ``poll_s``: the worker's longest wait (bounds :meth:`close`); ``send_timeout_ms``: of the part
+    sockets (a dead D fails the request, never hangs it)."""
 
     def __init__(self, sender: Any, cache: PagedKVCache, instance_id: str, *,
                  signal_timeout_s: float = 30.0, poll_s: float = 0.05,

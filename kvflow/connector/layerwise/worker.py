@@ -16,14 +16,12 @@ log = logging.getLogger(__name__)
 
 
 class LayerwiseWorker:
-    """Signal-driven sender thread: reads ``reader`` (a SignalReader or SignalChannel: anything with
-    ``num_layers``, ``wait_change(last, timeout_s)`` and ``name``) and hands each change to
-    ``scheduler`` (whose sends run in this thread). ``poll_s``: longest single wait (seconds, bounds
-    :meth:`stop`); ``signal_timeout_s``: a request whose awaited layer is not signalled for this
-    long is aborted; ``on_error(request_id, exc)``: timeouts and send errors, always kept in
-    :attr:`errors` (logged without ``on_error``); ``spin_s``, ``max_sleep_s``: of
-    :meth:`SignalReader.wait_change`. ValueError for a non-positive time or layer counts that
-    differ."""
+    """Signal-driven sender thread: reads ``reader`` (anything with ``num_layers``,
+    ``wait_change(last, timeout_s)`` and ``name``) and hands each change to ``scheduler``, whose
+    sends run here. ``poll_s``: longest wait (bounds :meth:`stop`); ``signal_timeout_s``: a request
+    whose awaited layer stays unsignalled this long is aborted; ``on_error(request_id, exc)``:
+    timeouts and send errors, kept in :attr:`errors` (logged without it); ``spin_s``,
+    ``max_sleep_s``: of ``wait_change``. ValueError: a time not > 0, or layer counts differ."""
 
     def __init__(self, scheduler: LayerwiseScheduler, reader, *, poll_s: float = 0.05,
                  signal_timeout_s: float = 30.0,
