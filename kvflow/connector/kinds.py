@@ -64,12 +64,11 @@ class Option:
 @dataclass(frozen=True)
 class Kind:
     """One connector kind: ``module`` holds ``sender`` (P's half) and ``receiver`` (D's;
-    ``receiver_cuda`` instead on CUDA when set); ``receiver_args``: factory arguments D's class
-    takes besides spec, device and backend; ``bind_host``: ``"module:function"`` called with
-    ``--host``, or "". Capabilities (docs/design.md, "Connectors"): ``reblocks``, ``reblocks_fp8``
-    (an fp8 P may re-block), ``block_scales``, ``head_slices``, ``layerwise_min_tokens`` (the
-    default, tokens), ``reads_peer_memory`` / ``writes_peer_memory``, ``cross_host``, ``kv_verify``;
-    ``extra``: the pip extra it needs."""
+    ``receiver_cuda`` on CUDA when set); ``receiver_args``: factory arguments D's class takes
+    besides spec, device and backend; ``bind_host``: ``"module:function"`` called with ``--host``,
+    or "". Capabilities (docs/design.md, "Connectors"): ``reblocks``, ``reblocks_fp8``,
+    ``block_scales``, ``head_slices``, ``layerwise_min_tokens`` (tokens), ``reads_peer_memory`` /
+    ``writes_peer_memory``, ``cross_host``, ``kv_verify``; ``extra``: the pip extra it needs."""
 
     name: str
     module: str
