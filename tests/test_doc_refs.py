@@ -172,7 +172,7 @@ def test_section_and_module_checks_catch_what_is_gone(tmp_path):
 
 @pytest.mark.parametrize("page", PAGES)
 def test_named_sections_modules_and_kinds_exist(page):
-    from kvflow.connector import KINDS, check_connector_config
+    from kvflow.connector import KINDS, check_options
 
     text, path = (ROOT / page).read_text(), ROOT / page
     missing = [f"{page}:{hit}" for hit in missing_sections(path)]
@@ -195,7 +195,7 @@ def test_named_sections_modules_and_kinds_exist(page):
                 if not takers:
                     raise ValueError(f"{key!r} is an option of no connector kind")
                 if value is not None:
-                    check_connector_config(takers[0], {key: value})
+                    check_options(takers[0], {key: value})
             except ValueError as exc:
                 missing.append(f"{page}:{text.count(chr(10), 0, m.start()) + 1}: {exc}")
     assert not missing, "sections, modules or kinds named by the docs that do not exist:\n" + \

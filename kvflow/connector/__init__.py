@@ -17,7 +17,7 @@ from .kinds import KINDS, Kind, Option, check_options, register_kind
 __all__ = ["Arrival", "CONNECTORS", "DATA_MESSAGES", "Freed", "KINDS", "KVReceiver", "KVSender",
            "KVVerifyError", "Kept", "Kind", "LeaseLinks", "LentBlocks", "Option", "Peer",
            "PrefillJob", "Renewals", "SlotsTaken", "TransferError", "TransferStats", "bind_to_host",
-           "check_connector_config", "get_kind", "is_data_message", "lease_socket", "make_receiver",
+           "check_options", "is_data_message", "lease_socket", "make_receiver",
            "make_sender", "register_kind", "resolve_connector", "scales_refusal"]
 
 _LAZY = {"Arrival": "arrival", "is_data_message": "arrival", "DATA_MESSAGES": "messages",
@@ -35,18 +35,9 @@ def __getattr__(name: str) -> Any:  # the contract loads torch: import it on fir
     raise AttributeError(f"module 'kvflow.connector' has no attribute {name!r}")
 
 
-def get_kind(name: str, device: Any = "cpu") -> Kind:
-    """The registry entry of ``name`` (a kind or ``auto``) on ``device`` (ValueError for an
-    unknown name)."""
-    return _kinds.resolve(name, device)
-
-
 def bind_to_host(kind: str, host: str) -> None:
-    """Make connector ``kind``'s own listeners bind to ``host`` (``--host``) before its halves
-    open them: the kind's ``bind_host`` hook (nixl: UCX's TCP listeners).
-
-    Raises ValueError: ``host`` is an address of no interface of this machine (naming
-    ``--host``)."""
+    """Bind connector ``kind``'s own listeners (nixl: UCX's) to ``host`` by its ``bind_host`` hook,
+    before its halves open them; ValueError names ``--host`` when no interface here has it."""
     hook = _kinds.resolve(kind).bind_host
     if hook:
         module, func = hook.split(":")
@@ -60,9 +51,8 @@ def resolve_connector(name: str, device: str = "cpu") -> str:
 
 
 def scales_refusal(kind: str | None, spec: Any, who: str = "spec") -> str:
-    """'' when connector ``kind`` (None: no connector) can move caches of ``spec`` (a
-    KVCacheSpec or None), else why not: a kind without ``block_scales`` and an fp8 spec with
-    ``scales="block_head"`` (``who`` names the side in the text)."""
+    """Why connector ``kind`` (None: none) cannot move caches of ``spec`` ('' when it can): an fp8
+    ``scales="block_head"`` spec and a kind without ``block_scales`` (``who`` names the side)."""
     if kind not in KINDS or KINDS[kind].block_scales or not getattr(spec, "is_fp8", False) \
             or spec.scales != "block_head":
         return ""
@@ -71,17 +61,8 @@ def scales_refusal(kind: str | None, spec: Any, who: str = "spec") -> str:
             f"fp8 cache's per-block scales; use {movers}, or scales='tensor'")
 
 
-def check_connector_config(name: str, config: dict[str, Any] | None) -> dict[str, Any]:
-    """``config`` checked against the options of connector ``name`` (a kind or ``auto``);
-    returns a copy (:func:`kvflow.connector.kinds.check_options`).
-
-    Raises ValueError: ``config`` is not a dict, holds a key ``name`` does not accept, or a bad
-    value."""
-    return check_options(resolve_connector(name), config)
-
-
 def _checked(name: str, spec: Any, device: Any, config: Any) -> tuple[Kind, dict[str, Any]]:
-    kind = get_kind(name, device)
+    kind = _kinds.resolve(name, device)
     options = check_options(kind.name, config)
     if why := scales_refusal(kind.name, spec):
         raise ValueError(why)
@@ -95,11 +76,9 @@ def _build(kind: Kind, class_name: str, *args: Any, **kw: Any) -> Any:
 def make_sender(name: str, spec: Any, device: Any = "cpu", *, config: dict[str, Any] | None = None,
                 **kw: Any) -> Any:
     """P's half of connector ``name`` (a kind or ``auto``) for P's cache ``spec`` on ``device``
-    (``config``: ``kv_connector_config``; ``kw``: ``instance_id``, ``backend``,
-    ``layerwise_min_tokens``, ``max_model_len`` of :class:`~kvflow.connector.base.KVSender`).
-
-    Raises ValueError: unknown name or config key; a bad config value; an fp8 ``block_head`` spec
-    for tcp or nixl (:func:`scales_refusal`)."""
+    (``config``: ``kv_connector_config``; ``kw``: as :class:`~kvflow.connector.base.KVSender`).
+    Raises ValueError: unknown name or config key, a bad config value, or
+    :func:`scales_refusal`'s refusal."""
     kind, options = _checked(name, spec, device, config)
     return _build(kind, kind.sender, spec, device, **_kinds.half_options(kind.name, options,
                                                                           "sender"), **kw)
@@ -108,13 +87,10 @@ def make_sender(name: str, spec: Any, device: Any = "cpu", *, config: dict[str, 
 def make_receiver(name: str, spec: Any = None, device: Any = "cpu", *,
                   backend: str = "auto", config: dict[str, Any] | None = None,
                   max_model_len: int = 2048, head_start: int | None = None) -> Any:
-    """D's half of connector ``name`` (a kind or ``auto``) for a cache of ``spec`` on ``device``
-    (``config``: ``kv_connector_config``; ``max_model_len``: tokens, sizes nixl's staging;
-    ``head_start``: D's cache holds P's KV heads ``[head_start, head_start +
-    spec.num_kv_heads)``, every transfer re-blocks with it).
-
-    Raises ValueError: unknown name or config key; a bad config value; ``head_start`` for another
-    kind; an fp8 ``block_head`` spec for tcp or nixl (:func:`scales_refusal`)."""
+    """D's half of connector ``name`` for a cache of ``spec`` on ``device`` (``config``:
+    ``kv_connector_config``; ``max_model_len``: tokens, sizes nixl's staging; ``head_start``: D
+    holds P's KV heads ``[head_start, head_start + spec.num_kv_heads)``, every transfer re-blocked).
+    ValueError as :func:`make_sender`, or ``head_start`` for a kind without ``head_slices``."""
     kind, options = _checked(name, spec, device, config)
     if head_start is not None and not kind.head_slices:
         takers = " and ".join(_kinds.with_capability("head_slices"))

@@ -1,8 +1,6 @@
-"""D's half of the data plane: every message P's connector sends D goes to
-:meth:`KVReceiver.on_message <kvflow.connector.KVReceiver.on_message>`, which answers an
-:class:`Arrival` that serve reacts to without naming a data-plane message: it gives lent
-blocks back (:mod:`.lent`), checks P's lease (:mod:`.lease`), lets the kind's ``receive`` copy
-and acks P when the kind acks.
+"""D's half of the data plane: :meth:`~ArrivalSide.on_message` takes every message P's connector
+sends D and answers an :class:`Arrival` for serve: lent blocks given back (:mod:`.lent`), P's
+lease checked (:mod:`.lease`), the kind's ``receive``, P acked when the kind acks.
 """
 
 from __future__ import annotations
@@ -31,16 +29,12 @@ def is_data_message(msg: Any) -> bool:
 
 @dataclasses.dataclass
 class Arrival:
-    """What one data-plane message from P ``peer`` (None: not known) did on D, for serve.
-
-    ``status``: ``"done"`` (the KV is complete in D's blocks: ``stats``, P's ``first_token``,
-    ``t_done`` on ``time.monotonic()``), ``"part"`` (more to come, or held by a test fault),
-    ``"failed"`` (``error``, ``exc``; ``reusable``: P writes nothing more, D may reuse the
-    blocks now) or ``"ignored"`` (late, aborted, unknown, or lent blocks given back).
-    ``transfer_ms``: P's send to D's completion, ``gather_ms``: P's gather (tcp), ms rounded to
-    3 places; ``pushed``: for a push, ``exposed_ms`` (P's wait for its copies after the first
-    token plus the message's way) and ``prefill_ms``.
-    """
+    """What one data-plane message from P ``peer`` (None: not known) did on D, for serve: ``status``
+    ``"done"`` (the KV is in D's blocks: ``stats``, P's ``first_token``, ``t_done`` on
+    ``time.monotonic()``), ``"part"`` (more to come, or held by a test fault), ``"failed"``
+    (``error``, ``exc``; ``reusable``: P writes nothing more) or ``"ignored"``. ``transfer_ms``: P's
+    send to D's completion, ``gather_ms``: P's gather (tcp), ms; ``pushed``: a push's ``exposed_ms``
+    (with the message's way) and ``prefill_ms``."""
     req_id: str
     status: str
     peer: str | None = None
@@ -75,11 +69,10 @@ class ArrivalSide:
     def on_message(self, msg: Any, frames: list[Any], peer: str | None,
                    dst_ids: list[int] | None, *, delay_s: float = 0.0,
                    fault: str = "") -> Arrival:
-        """Handle one data-plane message (decoded ``msg`` and the raw ``frames`` after it) from
-        P ``peer`` (None: unknown). ``dst_ids``: D's block ids of the prompt after its prefix
-        hit, None when D cannot receive it now (acked with an error, ignored). Test faults:
-        ``delay_s`` holds the message (:meth:`due`), ``fault`` fails it after the lease check.
-        """
+        """Handle one data-plane message (``msg``, decoded, and the raw ``frames`` after it) from P
+        ``peer`` (None: unknown). ``dst_ids``: D's block ids of the prompt after its prefix hit,
+        None when D cannot receive it now (acked with an error, ignored). Test faults: ``delay_s``
+        holds the message (:meth:`due`), ``fault`` fails it after the lease check."""
         if not isinstance(msg, _TO_D):
             log.error("unexpected %s on D's data socket from %s; dropped", type(msg).__name__, peer)
             return Arrival(getattr(msg, "req_id", ""), IGNORED, peer)
@@ -109,10 +102,8 @@ class ArrivalSide:
         return out
 
     def end(self, req_id: str, blocks: list[int], error: str, *, may_write: bool) -> bool:
-        """D ended ``req_id`` (D's ``blocks``): drop a message held for it (acked with
-        ``error``) and a partly received transfer. Returns True when its blocks stay lent
-        (``may_write``, the kind's P writes D's blocks and P's ``KVPushed`` did not come);
-        the caller frees them otherwise."""
+        """D ended ``req_id`` (D's ``blocks``): drop a message held for it (acked with ``error``)
+        and a partial transfer. True when the blocks stay lent (``may_write``: P may write them)."""
         held = self.inflight.pop(req_id, None)
         if held is not None and isinstance(held.keep[0], KVPushed):
             may_write = False  # P's KVPushed already came: it writes nothing more

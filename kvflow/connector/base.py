@@ -1,13 +1,10 @@
-"""The connector contract: how a request's KV blocks get from P's paged cache into D's.
-
-Two halves over one ZMQ link per (P, D) pair (P's DEALER to D's data socket): P's
-:class:`KVSender` (serve calls ``make_cache``, ``warmup``, ``attach``; per request ``begin`` ->
-``engine.prefill(on_chunk=hook)`` -> ``finish`` or ``fail``, then ``hold`` and, from D's
-messages, ``on_message`` / ``expire`` / ``drop``: :mod:`.held`) and D's
-:class:`~kvflow.connector.receiver.KVReceiver` (:mod:`.arrival`). A kind implements
-:meth:`~KVSender.send_prefilled` and, to move layers during the prefill,
-:meth:`~KVSender.chunk_hook` and :meth:`~KVSender.send_layerwise`. The flow is docs/design.md,
-"One request, from the router to D's cache"; the records are in :mod:`.records`.
+"""The connector contract: P's :class:`KVSender` and D's
+:class:`~kvflow.connector.receiver.KVReceiver` (:mod:`.arrival`), over one ZMQ link per (P, D)
+pair (P's DEALER to D's data socket). Serve calls ``make_cache``, ``warmup``, ``attach``; per
+request ``begin`` -> ``engine.prefill(on_chunk=hook)`` -> ``finish`` or ``fail``, then ``hold``
+and D's messages (:mod:`.held`). A kind implements :meth:`~KVSender.send_prefilled` and, to move
+layers during the prefill, :meth:`~KVSender.chunk_hook` and :meth:`~KVSender.send_layerwise`.
+The flow: docs/design.md, "One request, from the router to D's cache"; records: :mod:`.records`.
 """
 
 from __future__ import annotations
@@ -33,14 +30,9 @@ __all__ = ["ChunkHook", "KVReceiver", "KVSender", "Kept", "Peer", "Prefilling", 
 
 
 class KVSender(HeldSide, abc.ABC):
-    """P's half of a connector.
-
-    ``spec``: P's cache spec; ``instance_id``: P's id (D acks layerwise parts to it);
-    ``backend``: of the block copies; ``layerwise_min_tokens``: prompts of at least this many
-    tokens move layer by layer (None: the default of kind :attr:`name` in :data:`.kinds.KINDS`);
-    ``max_model_len``: longest prompt + output (tokens), a threshold above it creates nothing
-    layerwise.
-    """
+    """P's half of a connector for P's cache ``spec``: ``instance_id`` (D acks layerwise parts to
+    it), ``backend`` (of the copies), ``layerwise_min_tokens`` (None: the kind's default) and
+    ``max_model_len`` (tokens; a threshold above it creates nothing layerwise)."""
 
     name: str = ""
     #: The kind moves layers during the prefill (:meth:`chunk_hook`, :meth:`send_layerwise`).
@@ -100,11 +92,10 @@ class KVSender(HeldSide, abc.ABC):
         return {}
 
     def attach(self, peer: Peer, ctx: Any = None, link: Any = None) -> Any:
-        """Meet D ``peer`` (replaces an earlier attachment of that D only): open the link to its
+        """Meet D ``peer``, replacing an earlier attachment of that D only: open the link to its
         data socket (a DEALER of ``ctx``, or ``link`` as given) and what the kind needs
-        (:meth:`_attach`). Returns the link (P polls it for D's acks and renewals).
-
-        Raises TransferError: D's cache cannot be mapped (nothing stays attached)."""
+        (:meth:`_attach`). Returns the link (P polls it for D's acks and renewals); TransferError
+        (nothing stays attached): D's cache cannot be mapped."""
         self.detach(peer.id)
         if link is None:
             import zmq
@@ -130,13 +121,11 @@ class KVSender(HeldSide, abc.ABC):
 
     def begin(self, job: PrefillJob) -> ChunkHook | None:
         """Before ``job``'s prefill: the ``on_chunk`` hook for :meth:`Engine.prefill
-        <kvflow.engine.Engine.prefill>`, or None (it moves after the prefill). Layer by layer
-        when the kind can (:attr:`layerwise_ready`), D's spec is P's (not :meth:`reblocks`)
-        and :meth:`goes_layerwise`, or at any length inside a dummy run.
-
-        Raises TransferError: before any compute, nothing kept: ``job`` cannot go to D (not
-        attached, bad block tables, no staging slot...), or ``job.req_id`` is begun and not
-        finished."""
+        <kvflow.engine.Engine.prefill>`, or None (it moves after the prefill). Layer by layer when
+        the kind can (:attr:`layerwise_ready`), D's spec is P's (not :meth:`reblocks`) and
+        :meth:`goes_layerwise`, or at any length inside a dummy run. TransferError (before any
+        compute, nothing kept): ``job`` cannot go to D (not attached, bad block tables, no staging
+        slot...) or is begun already."""
         if job.req_id in self.prefilling:
             raise TransferError(f"request {job.req_id!r} was begun already and is not "
                                 f"finished or failed")
@@ -152,12 +141,11 @@ class KVSender(HeldSide, abc.ABC):
             raise
 
     def finish(self, job: PrefillJob, first_token: int) -> Kept | None:
-        """After ``job``'s prefill: send its KV (:meth:`send_prefilled`) or end its layerwise
-        move (:meth:`send_layerwise`). Returns what P keeps until D's ack (:class:`Kept`, for
+        """After ``job``'s prefill: send its KV (:meth:`send_prefilled`) or end its layerwise move
+        (:meth:`send_layerwise`). Returns what P keeps until D's ack (:class:`Kept`, for
         :meth:`hold`), or None (D sends no ack, or a dummy run): P's blocks are free then.
-
-        Raises TransferError: ``job`` was not begun (or failed), or a failed send: the caller frees
-        P's blocks and calls :meth:`fail`."""
+        TransferError: ``job`` was not begun (or failed), or the send failed (the caller frees P's
+        blocks and calls :meth:`fail`)."""
         rec = self.prefilling.pop(job.req_id, None)
         if rec is None:
             raise TransferError(f"finish of request {job.req_id!r}, which was not begun or "
@@ -184,9 +172,8 @@ class KVSender(HeldSide, abc.ABC):
         return []
 
     def prepare(self, job: PrefillJob, layerwise: bool) -> Any:
-        """Check ``job`` before any compute (TransferError if it cannot go to D); returns the
-        kind's per-request state (:attr:`Prefilling.state`). Default: ``job.decode_id`` is
-        attached (not checked inside a dummy run)."""
+        """Check ``job`` before any compute (TransferError: it cannot go to D; by default, D is not
+        attached, unchecked in a dummy run); returns the kind's per-request state."""
         if sends_allowed():
             self.link_to(job.decode_id)
         return None
@@ -205,10 +192,8 @@ class KVSender(HeldSide, abc.ABC):
     @abc.abstractmethod
     def send_prefilled(self, job: PrefillJob, first_token: int, *,
                        prefill_ms: float = 0.0) -> Kept | None:
-        """Send ``job``'s KV, already in P's blocks ``job.blocks``, to D ``job.decode_id`` with
-        its first token (a transfer benchmark calls it alone). ``prefill_ms``: P's prefill
-        (ms), reported by kinds whose message carries it. Returns and raises as
-        :meth:`finish`."""
+        """Send ``job``'s KV to D ``job.decode_id`` with its first token (``prefill_ms``: P's, for
+        kinds whose message carries it). Returns and raises as :meth:`finish`."""
 
     def cancel(self, req_id: str, rec: Prefilling) -> None:
         """A begun prefill ends without :meth:`finish`: its hooks send nothing more; copies

@@ -1,10 +1,7 @@
-"""The halves of the connectors whose KV (or a pointer to it) goes to D as messages on the link:
-``ipc-pull`` (a :class:`~kvflow.connector.messages.KVReady` naming P's blocks) and ``tcp`` (a
-:class:`~kvflow.connector.messages.KVData` carrying them).
-
-A prompt moves after its prefill in one message (:meth:`FramedSender.send`) or layer by layer
+"""The halves of ``ipc-pull`` and ``tcp``, whose KV (or a pointer to it) goes to D as messages on
+the link: after the prefill in one message (:meth:`FramedSender.send`), or layer by layer
 through :class:`~kvflow.connector.layerwise.LayerwiseSender` (:meth:`FramedSender.send_part`),
-which exists only when some prompt can go layerwise (``layerwise_min_tokens <= max_model_len``).
+made only when some prompt can go layerwise (``layerwise_min_tokens <= max_model_len``).
 """
 
 from __future__ import annotations
@@ -16,7 +13,6 @@ from kvflow.context import sends_allowed
 
 from .base import Kept, KVReceiver, KVSender, Peer, PrefillJob, Prefilling, TransferError
 from .layerwise.parts import LayerParts
-from .reblocked import differs
 from .receiver import RECEIVE_MAX_CTAS
 
 
@@ -39,18 +35,16 @@ class FramedSender(KVSender):
     @abc.abstractmethod
     def send(self, link: Any, req_id: str, cache: Any, src_ids: list[int], *, first_token: int,
              num_prompt_tokens: int, corrupt: bool = False) -> Any:
-        """Send the request's KV (or a pointer to it) over ``link`` (a zmq socket). Returns
-        what P keeps alive until D's ack (a staging buffer ZMQ sends zero-copy), or None. With
-        :attr:`verify` the message carries the blocks' digests; ``corrupt`` (test fault
-        ``KVFLOW_FAULT_KV_CORRUPT``) flips a byte of the last block after its digest.
-        RuntimeError inside a dummy/profile run."""
+        """Send the request's KV (or a pointer to it) over ``link``; returns what P keeps alive
+        until D's ack (a staging buffer ZMQ sends zero-copy), or None. With :attr:`verify` it
+        carries the blocks' digests; ``corrupt`` (``KVFLOW_FAULT_KV_CORRUPT``) flips a byte of the
+        last block after its digest. RuntimeError inside a dummy/profile run."""
 
     @abc.abstractmethod
     def send_part(self, link: Any, cache: Any, src_ids: list[int], layers: range,
                   **fields: Any) -> tuple[Any, float]:
-        """Send layers ``layers`` of P's blocks ``src_ids`` as a
-        :class:`~kvflow.connector.messages.KVLayer` (``fields`` fill the header). Returns ``(keep,
-        gather_ms)``. RuntimeError inside a dummy/profile run."""
+        """Send layers ``layers`` of P's blocks ``src_ids`` as a ``KVLayer`` (``fields``: the
+        header's); returns ``(keep, gather_ms)``. RuntimeError inside a dummy/profile run."""
 
     def warmup(self, engine: Any, chunk_size: int) -> None:
         """Create the layerwise sender (only when some prompt can go layerwise) and run a
@@ -101,7 +95,7 @@ class FramedSender(KVSender):
             self.layerwise.abort(req_id)
 
     def reblocks(self, decode_id: str) -> bool:
-        return differs(self.peer_specs.get(decode_id, self.spec), self.spec)
+        return self.peer_specs.get(decode_id, self.spec) != self.spec
 
     def send_prefilled(self, job: PrefillJob, first_token: int, *,
                        prefill_ms: float = 0.0) -> Kept:
@@ -135,9 +129,8 @@ class FramedSender(KVSender):
 
 
 class FramedReceiver(KVReceiver):
-    """Base of D's halves (ipc-pull, tcp): ``peers`` (paired P -> what the kind keeps of it;
-    ``peer_id``: the last one paired) and the layerwise ``parts``. ``head_start``: D holds P's
-    KV heads ``[head_start, head_start + spec.num_kv_heads)``."""
+    """Base of D's halves (ipc-pull, tcp): ``peers`` (paired P -> what the kind keeps of it),
+    ``peer_id`` (the last paired), ``parts``; ``head_start``: as :func:`~.make_receiver`'s."""
 
     verify = False  # --kv-verify: check P's digests after the copy (set by the instance)
 

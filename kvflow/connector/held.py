@@ -15,9 +15,8 @@ from kvflow.connector.messages import KVAck, LeaseRenew
 
 @dataclasses.dataclass
 class Freed:
-    """One request P no longer keeps: ``blocks`` (P's block ids serve frees, [] when none were
-    held), ``note`` (a line for P's log, '' for none) at ``level`` (``"warning"``: D dropped
-    the request, ``"error"``: a lease ended)."""
+    """One request P no longer keeps: ``blocks`` (P's ids serve frees, maybe []), ``note`` for P's
+    log ('' for none) at ``level`` (``"warning"``: D dropped it; ``"error"``: a lease ended)."""
     req_id: str
     blocks: list[int]
     note: str = ""
@@ -40,9 +39,8 @@ class HeldSide:
             return self._held
 
     def hold(self, req_id: str, blocks: list[int], kept: Kept | None) -> list[int]:
-        """After ``finish`` returned ``kept`` (None: D sends no ack) for ``req_id`` prefilled
-        in ``blocks``: keep it, its lease counted from now; returns the block ids serve frees
-        now (all of ``blocks`` when ``kept`` is None or keeps none of them)."""
+        """After ``finish`` returned ``kept`` for ``req_id`` (prefilled in ``blocks``): keep it, its
+        lease from now; returns the ids serve frees now (all, when ``kept`` keeps none)."""
         if kept is None:  # D sends no ack: nothing is held
             return list(blocks)
         kept.since = time.monotonic()

@@ -1,11 +1,8 @@
-"""``ipc-pull`` (one host): P's paged cache is exported (CPU: POSIX shared memory; CUDA: one
-allocation's IPC handle, :mod:`.transport.shm`, :mod:`.transport.cuda_ipc`); D maps it at
-pairing and pulls each request's blocks with :func:`kvflow.kernels.copy_blocks` into the block
-ids D allocated. P sends a :class:`~kvflow.connector.messages.KVReady` naming its blocks and keeps them
-until D's ack or the lease ends; layerwise, a :class:`~kvflow.connector.messages.KVLayer` per part
-(:mod:`.framed`). A P of another spec names its whole table and D pulls re-blocked
-(:mod:`.reblocked`); an fp8 P's scales are read from its exported memory (:mod:`kvflow.scales`).
-On CUDA: :class:`CudaIpcPullReceiver` (docs/gpu_serving.md, "How the GPUs are paired").
+"""``ipc-pull`` (one host): D maps P's exported cache at pairing (:mod:`.transport.shm`; on CUDA
+:class:`CudaIpcPullReceiver`, docs/gpu_serving.md, "How the GPUs are paired") and pulls the
+blocks P names in ``KVReady`` / ``KVLayer`` with :func:`kvflow.kernels.copy_blocks`; the flow is
+docs/design.md, "One request, from the router to D's cache", step 4. A P of another spec is
+pulled re-blocked (:mod:`.reblocked`); an fp8 P's scales are read from its export.
 """
 
 from __future__ import annotations
@@ -19,31 +16,21 @@ from kvflow.cache import PagedKVCache
 from kvflow.kernels import copy_blocks, copy_sequence, payload_bytes
 from kvflow.kernels.digest import digest_blocks
 from kvflow.connector.messages import KVLayer, KVReady, encode
-from kvflow.segments import unlink
 
 from .base import Peer, TransferError, TransferStats, as_ids, check_send_allowed
 from .framed import RECEIVE_MAX_CTAS, FramedReceiver, FramedSender
-from .reblocked import differs, tables
-from .records import warm_copy
-from .transport.shm import export_new_cache, map_peer_cache
+from .reblocked import tables
+from .records import ExportedCache, warm_copy
+from .transport.shm import map_peer_cache
 from .verify import check, expect, new_digest
 
 
-class IpcPullSender(FramedSender):
+class IpcPullSender(ExportedCache, FramedSender):
     """P's half: the cache is exported at start-up; send D the ids to pull."""
 
     name = "ipc-pull"
     holds_blocks = True
-    export_name = ""  # the shm segment (CPU) or published CUDA IPC export
-
-    def make_cache(self, num_blocks: int) -> PagedKVCache:
-        """P's cache, exported: one CUDA allocation's IPC handle, or a shared-memory segment."""
-        self.cache, self.export_name = export_new_cache(self.spec, num_blocks, self.device,
-                                                        "prefill")
-        return self.cache
-
-    def export(self) -> dict[str, str]:
-        return {"shm_name": self.export_name}
+    export_role = "prefill"
 
     def send(self, link, req_id, cache, src_ids, *, first_token, num_prompt_tokens,
              corrupt=False):
@@ -69,9 +56,7 @@ class IpcPullSender(FramedSender):
 
     def close(self) -> None:
         super().close()
-        if self.export_name:  # the router also removes it if P dies
-            unlink(self.export_name)
-        self.export_name = ""
+        self.unexport()
 
 
 class IpcPullReceiver(FramedReceiver):
@@ -129,7 +114,7 @@ class IpcPullReceiver(FramedReceiver):
                                 f"{type(header).__name__}")
         if frames:
             raise TransferError(f"ipc KVReady carries no payload frames, got {len(frames)}")
-        if differs(src_cache.spec, cache.spec):
+        if src_cache.spec != cache.spec:
             self._unverified(header, reblocked=True)
             return self.pull_reblocked(src_cache, header, cache, dst_ids)
         src = as_ids(header.src_block_ids)
@@ -166,7 +151,7 @@ class IpcPullReceiver(FramedReceiver):
     def _pull_part(self, src_cache, header, frames, cache, dst_ids, layers) -> int:
         if frames:
             raise TransferError(f"ipc KVLayer carries no payload frames, got {len(frames)}")
-        if differs(src_cache.spec, cache.spec):
+        if src_cache.spec != cache.spec:
             raise TransferError(f"KVLayer for {header.req_id} from a P of another KV cache "
                                 f"spec: such a P sends after the prefill, never by layer")
         if len(header.src_block_ids) != len(dst_ids):
@@ -179,10 +164,8 @@ class IpcPullReceiver(FramedReceiver):
 
 
 class CudaIpcPullReceiver(IpcPullReceiver):
-    """D's half on CUDA: open P's handle at pairing; copies run where ``direction`` says
-    (``"pull"``: D's GPU, ``"push"``: P's, the default) and are waited for once per request.
-
-    Raises ValueError: ``direction`` is neither ``"pull"`` nor ``"push"``."""
+    """D's half on CUDA: open P's handle at pairing; copies run on D's GPU (``direction`` "pull") or
+    P's ("push", the default; ValueError for another) and are waited for once per request."""
 
     def __init__(self, spec=None, device: Any = "cuda", *, backend: str = "auto",
                  direction: str = "push", head_start: int | None = None,

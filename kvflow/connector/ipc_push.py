@@ -1,9 +1,7 @@
-"""``ipc-push``: P writes each request's KV straight into the blocks D allocated (one host).
-
-D exports its cache (:mod:`.transport.shm`); P maps it at pairing and copies its blocks into
-D's, per layer group (:mod:`.layer_copy`) or after the prefill (:func:`.reblocked.push_prompt`
-for a D of another spec); then one ``KVPushed``, until which D keeps the blocks lent
-(:mod:`.lent`). See docs/gpu_serving.md, "`ipc-push` (the default on CUDA): P writes into D's
+"""``ipc-push`` (one host): P maps D's exported cache and copies each request's blocks into the
+ones D allocated, per layer group (:mod:`.layer_copy`) or after the prefill (re-blocked:
+:func:`.reblocked.push_prompt`), then one ``KVPushed``; D keeps the blocks lent until then
+(:mod:`.lent`). docs/gpu_serving.md, "`ipc-push` (the default on CUDA): P writes into D's
 cache, layer by layer".
 """
 
@@ -19,24 +17,20 @@ from kvflow.cache import PagedKVCache
 from kvflow.context import sends_allowed
 from kvflow.kernels import payload_bytes
 from kvflow.connector.messages import KVPushed, encode
-from kvflow.segments import unlink
 
 from .base import (KVReceiver, KVSender, Peer, PrefillJob, Prefilling, TransferError,
                    TransferStats, check_send_allowed)
 from .layer_copy import LAYERS_PER_COPY, LAYERWISE_MAX_CTAS, LayerCopier, PushStats
-from .reblocked import differs, push_prompt, warm
-from .records import warm_copy
-from .transport.shm import export_new_cache, map_decode_cache
+from .reblocked import push_prompt, warm
+from .records import ExportedCache, warm_copy
+from .transport.shm import map_decode_cache
 
 log = logging.getLogger("kvflow.connector.ipc_push")
 
 
 class PushSender(KVSender):
-    """P's half: maps each paired D's cache and writes each request into the cache of the D
-    that allocated its blocks (``job.decode_id``). Parameters as
-    :class:`~kvflow.connector.base.KVSender`, and ``max_ctas`` (grid cap of the layerwise
-    copies that overlap compute), ``layers_per_copy`` (layers per layerwise copy launch):
-    ValueError when either is not an int >= 1."""
+    """P's half: maps each paired D's cache and writes each request into its D's. Arguments: as
+    :class:`~kvflow.connector.base.KVSender`, and ``max_ctas``, ``layers_per_copy`` (ints >= 1)."""
 
     name = "ipc-push"
     layerwise_ready = True
@@ -70,12 +64,12 @@ class PushSender(KVSender):
                                 f"(is it running with --kv-connector ipc-push?)")
         self.peers[peer.id] = map_decode_cache(peer.shm_name, peer.spec, peer.num_blocks,
                                                self.device)
-        if differs(peer.spec, self.spec):
+        if peer.spec != self.spec:
             warm(self.spec, peer.spec, self.device, self.backend)
 
     def reblocks(self, decode_id: str) -> bool:
         dst = self.peers.get(decode_id)
-        return dst is not None and differs(dst.spec, self.spec)
+        return dst is not None and dst.spec != self.spec
 
     def detach(self, peer_id: str) -> None:
         super().detach(peer_id)
@@ -154,16 +148,13 @@ class PushSender(KVSender):
                           req_id)
 
     def plan(self, job: PrefillJob) -> PushStats:
-        """``job``'s :class:`PushStats` (``dst``: D's mapped cache, None inside a dummy run;
-        ``blocks``, ``payload_bytes``: what will be written, in D's spec).
-
-        Raises TransferError: ``job.decode_id`` is not attached, or a block table is shorter than
-        the prompt."""
+        """``job``'s :class:`PushStats` (``dst``: D's mapped cache, None in a dummy run; what will
+        be written, in D's spec). TransferError: D not attached, or a table short of the prompt."""
         n, dst = len(job.token_ids), self.peers.get(job.decode_id)
         if sends_allowed() and dst is None:
             raise TransferError(f"push to decode instance {job.decode_id!r}, which is not paired "
                                 f"with this prefill instance (paired: {sorted(self.peers)})")
-        spec = dst.spec if dst is not None and differs(dst.spec, self.spec) else self.spec
+        spec = dst.spec if dst is not None and dst.spec != self.spec else self.spec
         nb = spec.num_blocks_for(n)
         # re-blocked: push_prompt checks the tables
         if spec is self.spec and (len(job.decode_block_ids) < nb or len(job.blocks) < nb):
@@ -173,10 +164,8 @@ class PushSender(KVSender):
         return PushStats(dst=dst, blocks=m, payload_bytes=payload_bytes(spec, m))
 
     def chunk_hook(self, job: PrefillJob, stats: PushStats) -> Any:
-        """The ``on_chunk`` hook of ``job``'s prefill: each layer group of each chunk is copied
-        into D's ``job.decode_block_ids`` (logical blocks from ``job.num_cached_blocks`` on) as
-        soon as it is computed (None inside a dummy run). The hook raises TransferError for a
-        chunk's block ids outside a cache (:meth:`LayerCopier.pairs`)."""
+        """The ``on_chunk`` hook of ``job``'s prefill (None in a dummy run): each layer group of a
+        chunk is copied into D's blocks once computed; TransferError for ids outside a cache."""
         if not sends_allowed():  # dummy / profile run: compute only
             return None
         copier, n, bs = self.copier, len(job.token_ids), self.spec.block_size
@@ -220,25 +209,16 @@ def pushed_stats(header: KVPushed, frames, dst_ids, failed: str) -> TransferStat
                          copy_ms=header.copy_ms, layerwise=header.layerwise)
 
 
-class PushReceiver(KVReceiver):
+class PushReceiver(ExportedCache, KVReceiver):
     """D's half: exports D's cache; a ``KVPushed`` says the KV is in D's blocks already."""
 
     name = "ipc-push"
     acks = False
     peer_writes = True
-    export_name = ""  # the shm segment (CPU) or published CUDA IPC export
-
-    def make_cache(self, num_blocks: int) -> PagedKVCache:
-        """D's cache, exported: one CUDA allocation's IPC handle, or a shared-memory segment."""
-        self.cache, self.export_name = export_new_cache(self.spec, num_blocks, self.device,
-                                                        "decode")
-        return self.cache
+    export_role = "decode"
 
     def warmup(self) -> None:
         warm_copy(self.spec, self.device, self.backend)
-
-    def export(self) -> dict[str, str]:
-        return {"shm_name": self.export_name}
 
     def receive(self, header: Any, frames, cache, dst_ids, peer_id=None) -> TransferStats:
         if not isinstance(header, KVPushed):
@@ -246,6 +226,4 @@ class PushReceiver(KVReceiver):
         return pushed_stats(header, frames, dst_ids, "prefill could not push the KV")
 
     def close(self) -> None:
-        if self.export_name:  # the router also removes it if D dies
-            unlink(self.export_name)
-            self.export_name = ""
+        self.unexport()

@@ -10,17 +10,14 @@ from typing import Any
 
 @dataclasses.dataclass
 class Kept:
-    """What is kept for one request, and for which peer: P's sent blocks until D's ack or the
-    lease's end (``KVSender.finish`` returns it), D's blocks lent to a P that may still write
-    them, or a data message D holds back under a test fault.
-
-    ``blocks``: the block ids kept (P: those D still reads, [] when D reads a copy; D: those the
-    P may write, or a held message's). ``keep``: memory ZMQ still reads (P's staging buffer), a
-    held message's ``(msg, frames, fault)``, or None. ``peer``: the instance it is kept for ("" or
-    None: not known yet). ``since``: ``time.monotonic()`` when kept or of D's last lease renewal
-    (not compared). ``due``: a ``time.monotonic()`` deadline, 0.0 for none (a held message is
-    taken then; blocks lent to a P that D cannot judge go back then). ``warned``: an overdue
-    warning was logged; ``exited``: the router saw ``peer``'s process exit.
+    """What one request keeps, for which peer: P's sent blocks until D's ack or the lease's end
+    (``KVSender.finish`` returns it), D's blocks lent to a P that may still write them, or a data
+    message D holds back under a test fault. ``blocks``: the ids kept (P: those D still reads, []
+    when D reads a copy; D: those the P may write); ``keep``: memory ZMQ still reads (P's staging
+    buffer) or a held message's ``(msg, frames, fault)``; ``peer``: "" or None until known;
+    ``since``: ``time.monotonic()`` when kept or last renewed (not compared); ``due``: a
+    ``time.monotonic()`` deadline (0.0: none) for a held message, or for blocks lent to a P that D
+    cannot judge; ``warned``: an overdue warning was logged; ``exited``: ``peer``'s process exited.
     """
     blocks: list[int]
     keep: Any = None

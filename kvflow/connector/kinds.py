@@ -1,9 +1,7 @@
-"""The connector kinds: one :class:`Kind` per ``--kv-connector`` value, in :data:`KINDS`.
-
-The factory (:func:`kvflow.connector.make_sender` / ``make_receiver``), the option check
-(:func:`check_options`), the pairing rules, the flags' ``--help`` and docs/design.md's connector
-table (:func:`kinds_table`) are generated from the entries (docs/design.md, "Connectors"). This
-module imports neither torch nor a kind's module: serve's flag checks use it first.
+"""The connector kinds: one :class:`Kind` per ``--kv-connector`` value, in :data:`KINDS`, from
+which the factory, :func:`check_options`, the pairing rules, ``--help`` and docs/design.md's
+table (:func:`kinds_table`) are generated (docs/design.md, "Connectors"). Imports neither torch
+nor a kind's module: serve's flag checks use it first.
 """
 
 from __future__ import annotations
@@ -17,9 +15,8 @@ AUTO = {"cuda": "ipc-push", "cpu": "ipc-pull"}
 
 @dataclass(frozen=True)
 class Option:
-    """One key of ``kv_connector_config``: ``type`` ``int`` / ``float`` (never a bool) or
-    ``str``; ``choices`` or a ``minimum`` (inclusive unless ``exclusive``); ``sender`` /
-    ``receiver``: which half takes it (the other ignores it, so P and D take one config)."""
+    """One key of ``kv_connector_config``: ``type`` int, float (no bool) or str; ``choices`` or a
+    ``minimum`` (inclusive unless ``exclusive``); ``sender`` / ``receiver``: which half takes it."""
 
     name: str
     type: type
@@ -67,14 +64,11 @@ class Option:
 @dataclass(frozen=True)
 class Kind:
     """One connector kind: ``module`` holds ``sender`` (P's half) and ``receiver`` (D's;
-    ``receiver_cuda`` instead on CUDA when set); ``receiver_args``: factory arguments D's class
-    takes besides spec, device and backend; ``bind_host``: ``"module:function"`` called with
-    ``--host`` (:func:`kvflow.connector.bind_to_host`), or "". Capabilities: ``reblocks`` (P and
-    D may differ in block_size, layout, dtype), ``reblocks_fp8`` (an fp8 P may re-block),
-    ``block_scales`` (moves an fp8 cache's per-block scales; False: block bytes only),
-    ``head_slices`` (``head_start``), ``layerwise_min_tokens`` (the default, tokens),
-    ``reads_peer_memory`` / ``writes_peer_memory`` (D reads P's cache / P writes D's),
-    ``cross_host``, ``kv_verify``, ``extra`` (the pip extra it needs)."""
+    ``receiver_cuda`` on CUDA when set); ``receiver_args``: factory arguments D's class takes
+    besides spec, device and backend; ``bind_host``: ``"module:function"`` called with ``--host``,
+    or "". Capabilities (docs/design.md, "Connectors"): ``reblocks``, ``reblocks_fp8``,
+    ``block_scales``, ``head_slices``, ``layerwise_min_tokens`` (tokens), ``reads_peer_memory`` /
+    ``writes_peer_memory``, ``cross_host``, ``kv_verify``; ``extra``: the pip extra it needs."""
 
     name: str
     module: str
@@ -108,9 +102,7 @@ class Kind:
 
 
 _LAYERS_PER_COPY = 4  # kvflow.connector.layer_copy.LAYERS_PER_COPY
-#: kvflow.connector.receiver.RECEIVE_MAX_CTAS: a capped grid for D's copies beside its decode (the
-#: interference study, docs/benchmarks.md: 4, 16 or 64 CTAs cost decode TPOT p50 1.01-1.16x at
-#: 25-100 GB/s of KV landing, the full grid 1.01-1.25x)
+#: kvflow.connector.receiver.RECEIVE_MAX_CTAS (capped: the interference study, docs/benchmarks.md)
 _RECEIVE_MAX_CTAS = Option("receive_max_ctas", int, 16, "programs (CTAs) of each of D's receive "
                            "copies on CUDA (its scatter, or its copy from P's cache): D's decode "
                            "keeps the other SMs", minimum=1, sender=False, receiver=True)
@@ -167,9 +159,8 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
 
 
 def register_kind(kind: Kind) -> Kind:
-    """Add (or replace) ``kind`` in :data:`KINDS`; returns it.
-
-    Raises ValueError: ``kind.name`` is ``auto`` or empty, or two of its options share a name."""
+    """Add (or replace) ``kind`` in :data:`KINDS`; returns it. ValueError: ``kind.name`` is
+    ``auto`` or empty, or two of its options share a name."""
     names = [o.name for o in kind.options]
     if kind.name in ("", "auto") or len(set(names)) != len(names):
         raise ValueError(f"connector kind {kind.name!r}: the name must be non-empty and not "
@@ -205,10 +196,7 @@ def resolve(name: str, device: Any = "cpu") -> Kind:
 
 def check_options(kind: str, config: Any, where: str = "kv_connector_config") -> dict[str, Any]:
     """``config`` (a dict or None) checked against kind ``kind``'s options; returns a copy.
-    ``where`` names the config in the error (``--kv-connector-config`` for the flag).
-
-    Raises ValueError: ``config`` is not a dict, holds a key ``kind`` does not take, or a bad
-    value."""
+    ValueError (naming ``where``): not a dict, a key ``kind`` does not take, or a bad value."""
     config = {} if config is None else config
     if not isinstance(config, dict):
         raise ValueError(f"{where} must be a JSON object, got {config!r}")

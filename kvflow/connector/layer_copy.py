@@ -1,10 +1,7 @@
 """P's copies of a request's blocks into a peer's mapped cache (ipc-push), one launch per group
-of ``layers_per_copy`` layers, ordered on the device behind P's compute.
-
-On CUDA each group's copy waits on an event recorded on P's compute stream and runs on a copy
-stream (no host round trip), on a grid capped at ``max_ctas`` while it overlaps compute; the
-last group of the last chunk and the copy after the prefill take the whole GPU. On CPU each copy
-runs at once. Block ids are checked once per chunk (:meth:`LayerCopier.pairs`).
+of ``layers_per_copy`` layers, ordered behind P's compute: on CUDA each waits on an event of the
+compute stream and runs on a copy stream, capped at ``max_ctas`` while it overlaps compute (the
+last group and the copy after the prefill take the whole GPU); on CPU each runs at once.
 """
 
 from __future__ import annotations
@@ -29,9 +26,8 @@ LAYERS_PER_COPY = 4
 
 def block_pairs(blocks, dst_ids, first: int, stop: int, skip: int, p_blocks: int,
                 d_blocks: int) -> tuple[list[int], list[int]] | None:
-    """P's and D's ids (lists) of logical blocks ``[max(first, skip), stop)``, None when empty.
-    TransferError for an id outside its cache (of ``p_blocks`` / ``d_blocks`` blocks) or
-    ``dst_ids`` repeating a block."""
+    """P's and D's ids of logical blocks ``[max(first, skip), stop)`` (None when empty);
+    TransferError for an id outside its cache (``p_blocks`` / ``d_blocks``) or a repeated D id."""
     lo = max(first, skip)
     if lo >= stop:
         return None
@@ -47,10 +43,9 @@ def block_pairs(blocks, dst_ids, first: int, stop: int, skip: int, p_blocks: int
 
 @dataclasses.dataclass
 class PushStats:
-    """One request's push as seen by P: ``blocks`` and ``payload_bytes`` written into D's
-    cache; ``t_start`` (``time.time()`` of the first copy, 0 if nothing moved); ``copy_ms``
-    (wall time of the copy calls on P: on CUDA, issuing them); ``exposed_ms`` (from the first
-    token until every copy was done); ``prefill_ms`` (P's prefill until the first token);
+    """One request's push as seen by P: ``blocks`` and ``payload_bytes`` written into D's cache,
+    ``t_start`` (``time.time()`` of the first copy; 0: nothing moved), ``copy_ms`` (the copy calls;
+    on CUDA, issuing them), ``exposed_ms`` (first token to every copy done), ``prefill_ms``,
     ``layerwise`` (copied during the prefill)."""
 
     blocks: int = 0
@@ -65,9 +60,8 @@ class PushStats:
 
 
 class LayerCopier:
-    """Copies from P's ``cache`` into mapped peer caches (``backend`` of
-    :func:`~kvflow.kernels.copy_blocks`; ``max_ctas``: grid cap of copies that overlap compute;
-    ``layers_per_copy``: layers per launch)."""
+    """Copies from P's ``cache`` into mapped peer caches (``backend``, ``max_ctas``,
+    ``layers_per_copy``: as :class:`~kvflow.connector.ipc_push.PushSender`'s)."""
 
     def __init__(self, cache: PagedKVCache, backend: str, max_ctas: int,
                  layers_per_copy: int) -> None:

@@ -1,7 +1,6 @@
-"""The lease on sent blocks between P and D: D's renewals (:class:`Renewals`, sent by its
-heartbeat thread on D's lease socket, :func:`lease_socket`) and its judgement of whether a lease
-still holds when the KV arrives; P's links on which those renewals come (:class:`LeaseLinks`).
-P's side of the lease is :mod:`.held`; see docs/reliability.md, "Liveness".
+"""The lease on sent blocks: D's renewals (:class:`Renewals`, sent from its lease socket,
+:func:`lease_socket`) and P's links that receive them (:class:`LeaseLinks`); P's side is
+:mod:`.held`. docs/reliability.md, "Liveness".
 """
 
 from __future__ import annotations
@@ -15,11 +14,10 @@ from kvflow.connector.messages import LeaseRenew, encode
 
 
 class Renewals:
-    """D's lease renewals: the loop says what to renew (:meth:`want`), the heartbeat thread
-    sends it (:meth:`send`) and records what left; :meth:`renewed_since` tells the loop whether
-    P's lease still holds. Thread-safe. ``sock``: D's bound lease socket (once the thread runs,
-    only the thread uses it); ``gap_s``: the longest gap between renewals that keeps a lease
-    alive as D judges it, 0.8 x ``--kv-lease-s`` (settable)."""
+    """D's lease renewals, thread-safe: the loop says what to renew (:meth:`want`), the heartbeat
+    thread sends it on ``sock`` (:meth:`send`, then only the thread uses it) and records what left;
+    :meth:`renewed_since` tells the loop whether P's lease still holds, with gaps under ``gap_s``
+    (0.8 x ``--kv-lease-s``, settable)."""
 
     def __init__(self, sock: zmq.Socket | None, gap_s: float) -> None:
         self.sock, self.gap_s = sock, gap_s
@@ -52,9 +50,8 @@ class Renewals:
                 self._runs[(peer_id, r)] = (first, wall) if wall - last < self.gap_s else (wall, wall)
 
     def renewed_since(self, req_id: str, peer_id: str | None, t_start: float) -> float:
-        """``time.time()`` of the last renewal of ``req_id`` that kept P ``peer_id``'s lease
-        (started at ``t_start``) alive with no gap of ``gap_s``; 0.0 if none did (a gap ends
-        the lease). ``peer_id`` None: the best of any P."""
+        """``time.time()`` of the last renewal of ``req_id`` keeping P ``peer_id``'s lease (from
+        ``t_start``) with no gap of ``gap_s``, else 0.0; ``peer_id`` None: any P's."""
         with self._lock:
             runs = [v for (p, r), v in self._runs.items()
                     if r == req_id and (peer_id is None or p == peer_id)]
@@ -90,9 +87,8 @@ def lease_socket(ctx: zmq.Context, host: str) -> tuple[zmq.Socket, int]:
 
 
 class LeaseLinks:
-    """P's links to its paired D's lease sockets: one DEALER per D, named by P's id, polled with
-    P's other sockets and read before P judges a lease (:meth:`drain`). Iterating gives the D
-    ids."""
+    """P's links to its paired D's lease sockets: one DEALER per D, named by P's id, polled with P's
+    other sockets and read before P judges a lease (:meth:`drain`); iterating gives D ids."""
 
     def __init__(self, instance_id: str) -> None:
         self.identity = instance_id.encode()

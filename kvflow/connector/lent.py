@@ -1,9 +1,7 @@
-"""D's blocks that a P may still write (kinds whose P writes D's cache: ipc-push), and the
-liveness of D's paired P's: a request that ends on D before its P's ``KVPushed`` leaves its
-blocks *lent* until that ``KVPushed``, until P's process is gone (its pid on D's host,
-:mod:`kvflow.segments`, or the router saw it exit), or, for a P that D cannot judge,
-``kv_lease_s`` after the router declared it dead. See docs/reliability.md, "Failure kinds and
-policies".
+"""D's blocks a P may still write (ipc-push), and the liveness of D's paired P's: the blocks of a
+request that ends on D before its P's ``KVPushed`` stay lent until then, until P's process is
+gone, or ``kv_lease_s`` after the router declared an unjudgeable P dead (docs/reliability.md,
+"Failure kinds and policies").
 """
 
 from __future__ import annotations
@@ -20,10 +18,8 @@ log = logging.getLogger("kvflow.connector.lent")
 
 
 class LentBlocks(dict):
-    """``req_id -> Kept`` (blocks of an ended request its ``peer``, "" until the router's Abort
-    names it, may still write) of one D, with the paired P's it judges; lent blocks go back to
-    D's ``allocator``, those of an unjudgeable P at ``due``: ``kv_lease_s`` after it was declared
-    dead."""
+    """``req_id -> Kept`` of one D: blocks of ended requests their ``peer`` may still write, with
+    the paired P's it judges; they go back to ``allocator`` (an unjudgeable P's at ``due``)."""
 
     def __init__(self, allocator: Any, kv_lease_s: float) -> None:
         super().__init__()
@@ -70,9 +66,8 @@ class LentBlocks(dict):
         self.settle()
 
     def settle(self) -> None:
-        """Give back lent blocks whose writer can write no more: its process is gone, or D
-        cannot judge it and their ``due`` (``kv_lease_s`` after the router declared it dead)
-        has passed."""
+        """Give back lent blocks whose writer can write no more: its process is gone, or D cannot
+        judge it and their ``due`` has passed."""
         now = time.monotonic()
         done = []
         for req_id, e in self.items():

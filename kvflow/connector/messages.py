@@ -1,12 +1,7 @@
-"""The connector's data plane: the messages P's and D's connector halves send each other.
-
-``KVReady`` (ipc-pull), ``KVData`` + raw payload frames (tcp), ``KVLayer`` parts (layerwise),
-``KVPushed`` (ipc-push, nixl) go P -> D; ``KVAck`` and ``LeaseRenew`` go D -> P (one request's
-path: docs/design.md, "One request, from the router to D's cache"). Each is a
-:class:`kvflow.wire.WireMsg` encoded by :data:`CODEC`; KV payload bytes travel as raw frames
-after a header message, never msgpack-encoded. :class:`NixlAgentInfo` is not a message: it
-rides as bytes in serve's ``Register.connector_md`` / ``Pair.peer_connector_md``, and lives here
-with its sender, the nixl connector. Serve's control plane is :mod:`kvflow.serve.protocol`.
+"""The connector's data plane: the messages P's and D's halves send each other (which kind sends
+which, and when: docs/design.md, "One request, from the router to D's cache"), encoded by
+:data:`CODEC`; KV payload bytes travel as raw frames after a header, never msgpack-encoded.
+:class:`NixlAgentInfo` is no message: it rides in serve's ``Register.connector_md``.
 """
 
 from __future__ import annotations
@@ -46,9 +41,8 @@ class KVData(WireMsg):
 
 class KVLayer(WireMsg):
     """P -> D (layerwise): layers ``[layer_start, layer_stop)`` of the prompt's logical blocks
-    ``[block_offset, block_offset + num_blocks)``, written into D's table at those positions.
-    ipc: D pulls P's ``src_block_ids``; tcp: one raw frame per layer follows
-    ([tensors_per_layer, num_blocks, *block_shape]). The last message has ``last`` set, no
+    ``[block_offset, block_offset + num_blocks)`` (ipc: D pulls P's ``src_block_ids``; tcp: one raw
+    frame per layer follows, as after :class:`KVData`). The last message has ``last`` set, no
     layers, and the first token; D acks to ``reply_to`` (P's control link)."""
     req_id: str
     reply_to: str
@@ -65,12 +59,11 @@ class KVLayer(WireMsg):
 
 
 class KVPushed(WireMsg):
-    """P -> D (ipc-push, nixl): P is done writing ``req_id``'s KV into D's blocks. ``ok``: all
-    ``num_blocks`` prompt blocks (``payload_bytes``) are there and ``first_token`` follows; not
-    ``ok``: nothing more will be written (``error`` says why) and D may free the blocks.
-    ``t_start`` / ``t_done``: P's ``time.time()`` at the first copy and at the send;
-    ``copy_ms``: P issuing copies; ``exposed_ms``: P's wait for them after the first token;
-    ``prefill_ms``: P's prefill until the first token was sampled."""
+    """P -> D (ipc-push, nixl): P is done writing ``req_id``'s KV into D's blocks: ``ok``, all
+    ``num_blocks`` prompt blocks (``payload_bytes``) are there and ``first_token`` follows; else
+    nothing more will be written (``error`` says why) and D may free the blocks. P's times:
+    ``t_start`` / ``t_done`` (``time.time()`` at the first copy, at the send), ``copy_ms`` (issuing
+    copies), ``exposed_ms`` (its wait for them after the first token), ``prefill_ms``."""
     req_id: str
     ok: bool
     error: str = ""
@@ -94,10 +87,8 @@ class KVAck(WireMsg):
 
 
 class LeaseRenew(WireMsg):
-    """D -> P, every heartbeat, on D's lease socket (``Register.lease_addr``): D still means to
-    read the blocks P sent (or will send) for ``req_ids``; P ignores ids it does not hold and
-    frees a sent request's blocks when neither a renewal nor an ack came within
-    ``--kv-lease-s``."""
+    """D -> P, every heartbeat, on D's lease socket (``Register.lease_addr``): D still means to read
+    the blocks P sent (or will send) for ``req_ids`` (docs/reliability.md, "Liveness")."""
     req_ids: list[str]
 
 
@@ -110,10 +101,8 @@ encode, decode, decode_or_log = CODEC.encode, CODEC.decode, CODEC.decode_or_log
 
 
 class NixlAgentInfo(msgspec.Struct, forbid_unknown_fields=True):
-    """What a ``nixl`` instance tells its peers at pairing (msgpack in
-    ``Register.connector_md`` / ``Pair.peer_connector_md``; not a message). D's cache is one
-    registered allocation laid out as :class:`~kvflow.cache.PagedKVCache`; in staged mode D
-    also registers a staging buffer of one slot per paired P."""
+    """What a ``nixl`` instance tells its peers at pairing (``Register.connector_md``): D's one
+    registered cache allocation and, staged, its staging buffer of one slot per paired P."""
     agent: str                      # the NIXL agent's name (unique per instance)
     metadata: bytes                 # get_agent_metadata(): what a peer's add_remote_agent loads
     cache_addr: NonNeg = 0          # D: address of its registered KV cache; 0 for P
@@ -136,13 +125,8 @@ def encode_agent_info(info: NixlAgentInfo) -> bytes:
 
 
 def decode_agent_info(data: bytes) -> NixlAgentInfo:
-    """The :class:`NixlAgentInfo` a peer sent.
-
-    Raises
-    ------
-    ProtocolError
-        ``data`` is empty or not a well-formed NixlAgentInfo.
-    """
+    """The :class:`NixlAgentInfo` a peer sent; ProtocolError when ``data`` is empty or not a
+    well-formed NixlAgentInfo."""
     if not data:
         raise ProtocolError("no nixl agent info (connector_md is empty: is the peer running "
                             "with --kv-connector nixl?)")

@@ -17,18 +17,12 @@ from kvflow.kernels import copy_sequence
 from .base import TransferError
 
 
-def differs(a: Any, b: Any) -> bool:
-    """The two :class:`~kvflow.layout.KVCacheSpec` differ (the transfer re-blocks)."""
-    return a != b
-
-
 def tables(src_ids: Any, src_spec: Any, dst_ids: Any, dst_spec: Any, num_tokens: int,
            req_id: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(P's table, D's table)`` of a ``num_tokens``-token prompt, two int64 CPU tensors: P's
-    ``src_ids`` as sent and D's ``dst_ids`` (past its prefix hit) after one -1 per hit block.
-
-    Raises TransferError: ``src_ids`` does not cover the prompt, or ``dst_ids`` holds more blocks
-    than it needs."""
+    """``(P's table, D's table)`` of a ``num_tokens``-token prompt, int64 CPU tensors: P's
+    ``src_ids`` as sent, D's ``dst_ids`` (past its prefix hit) after one -1 per hit block.
+    TransferError: ``src_ids`` does not cover the prompt, or ``dst_ids`` has more blocks than it
+    needs."""
     need_s = -(-num_tokens // src_spec.block_size)
     need_d = -(-num_tokens // dst_spec.block_size)
     if len(src_ids) != need_s:
@@ -45,13 +39,10 @@ def tables(src_ids: Any, src_spec: Any, dst_ids: Any, dst_spec: Any, num_tokens:
 
 def push_prompt(src_cache: PagedKVCache, dst_cache: PagedKVCache, src_ids: Any, dst_ids: Any,
                 num_cached_blocks: int, num_tokens: int, req_id: str, backend: str) -> int:
-    """ipc-push between different specs: write a ``num_tokens``-token prompt from P's
-    ``src_cache`` (table ``src_ids``) into D's ``dst_cache`` mapped on P's GPU (table
-    ``dst_ids``, its first ``num_cached_blocks`` D's prefix hit, left untouched) with one
-    :func:`~kvflow.kernels.copy_sequence` over all layers, and wait for it. Returns D's blocks
-    written, ``ceil(num_tokens / bs_D) - num_cached_blocks``.
-
-    Raises TransferError: a table shorter than the prompt, or ``num_cached_blocks`` past it."""
+    """ipc-push between different specs: write a ``num_tokens``-token prompt from P's ``src_cache``
+    (table ``src_ids``) into D's ``dst_cache`` mapped on P's GPU (table ``dst_ids``, its first
+    ``num_cached_blocks`` untouched) with one ``copy_sequence``, and wait. Returns D's blocks
+    written; TransferError for a table short of the prompt or ``num_cached_blocks`` past it."""
     need_s = src_cache.spec.num_blocks_for(num_tokens)
     need_d = dst_cache.spec.num_blocks_for(num_tokens)
     if len(src_ids) < need_s or len(dst_ids) < need_d or not 0 <= num_cached_blocks <= need_d:

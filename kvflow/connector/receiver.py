@@ -16,10 +16,8 @@ RECEIVE_MAX_CTAS = 16
 
 
 class KVReceiver(ArrivalSide, abc.ABC):
-    """D's half of a connector for D's cache ``spec`` on ``device`` (``backend``: of the block
-    copies): serve hands it every data-plane message
-    (:meth:`~kvflow.connector.arrival.ArrivalSide.on_message`); the kind's :meth:`receive` does
-    the copy."""
+    """D's half of a connector for D's cache ``spec`` on ``device`` (``backend``: of the copies);
+    serve hands it every data-plane message, the kind's :meth:`receive` does the copy."""
 
     name: str = ""
     #: D acks each transfer (P keeps blocks or buffers until then).
@@ -61,11 +59,10 @@ class KVReceiver(ArrivalSide, abc.ABC):
     @abc.abstractmethod
     def receive(self, header: Any, frames: list[Any], cache: PagedKVCache,
                 dst_ids: list[int], peer_id: str | None = None) -> TransferStats | None:
-        """Put the KV of ``header`` (+ raw ``frames``) into ``cache`` at ``dst_ids`` (D's block
-        ids past its prefix hit); ``peer_id``: the P that sent it (None: the last paired one).
-        Returns None while layerwise parts are missing, else the request's totals. Raises
-        TransferError for frames that match neither the header nor the spec, or an unattached
-        peer."""
+        """Put the KV of ``header`` (+ raw ``frames``) into ``cache`` at ``dst_ids`` (D's ids past
+        its prefix hit) from P ``peer_id`` (None: the last paired); None while layerwise parts are
+        missing, else the totals. TransferError: frames that fit neither header nor spec, or an
+        unattached peer."""
 
     def _unverified(self, header: Any, reblocked: bool = False) -> None:
         """Under ``--kv-verify`` refuse a move it does not check (a layerwise part or, with

@@ -22,9 +22,8 @@ class SlotsTaken(TransferError):
 
 @dataclasses.dataclass
 class TransferStats:
-    """What one request's transfer moved, as D saw it: ``blocks`` (prompt blocks written into
-    D's cache, a prefix hit's excluded), ``payload_bytes``, ``copy_ms`` (D's copy for ipc-pull
-    / tcp, P's copy calls for ipc-push) and ``layerwise`` (moved during the prefill)."""
+    """What a request's transfer moved, as D saw it: ``blocks`` (written into D's cache, past a
+    prefix hit), ``payload_bytes``, ``copy_ms`` (D's copy; ipc-push: P's calls), ``layerwise``."""
     blocks: int
     payload_bytes: int
     copy_ms: float
@@ -33,10 +32,8 @@ class TransferStats:
 
 @dataclasses.dataclass
 class Peer:
-    """The other instance of a pairing (from :class:`~kvflow.serve.protocol.Pair`): its id, cache
-    spec and ``num_blocks``; ``shm_name`` (its exported cache, '' if none); ``data_addr`` (D's
-    data socket, '' for a P); ``connector_md`` (what its connector published: nixl's encoded
-    :class:`~kvflow.connector.messages.NixlAgentInfo`, else b'')."""
+    """The other instance of a pairing (from ``Pair``): id, cache spec, ``num_blocks``, ``shm_name``
+    (its export, or ''), ``data_addr`` (D's; '' for P), ``connector_md`` (nixl's info)."""
     id: str
     spec: KVCacheSpec
     num_blocks: int
@@ -47,10 +44,8 @@ class Peer:
 
 @dataclasses.dataclass
 class PrefillJob:
-    """One request as P's connector sees it: the prompt ``token_ids``, P's block table
-    ``blocks``, the D that allocated ``decode_block_ids`` (logical block ``i`` is
-    ``decode_block_ids[i]`` there) and D's prefix hit ``num_cached_blocks`` (logical blocks
-    ``0..num_cached_blocks-1``, not sent)."""
+    """One request as P's connector sees it: prompt ``token_ids``, P's table ``blocks``, D
+    ``decode_id``'s ``decode_block_ids`` by logical block, D's prefix hit ``num_cached_blocks``."""
     req_id: str
     token_ids: list[int]
     blocks: list[int]
@@ -67,9 +62,8 @@ ChunkHook = Callable[[int, int], Callable[[int], None] | None]
 
 @dataclasses.dataclass
 class Prefilling:
-    """A request between ``KVSender.begin`` and ``finish`` or ``fail``: ``layerwise`` (its KV
-    moves during the prefill), ``t_begin`` (``time.perf_counter()`` at ``begin``) and
-    ``state`` (what the kind's ``prepare`` returned)."""
+    """A request between ``KVSender.begin`` and ``finish`` or ``fail``: ``layerwise``, ``t_begin``
+    (``time.perf_counter()`` at ``begin``), ``state`` (what the kind's ``prepare`` returned)."""
     layerwise: bool
     t_begin: float
     state: Any = None
@@ -104,3 +98,26 @@ def warm_copy(spec: KVCacheSpec, device: Any, backend: str, *caps: int | None) -
     a, b = PagedKVCache(spec, 2, device=device), PagedKVCache(spec, 2, device=device)
     for cap in caps or (None,):
         copy_blocks(a, b, [0], [1], backend=backend, max_ctas=cap)
+
+
+class ExportedCache:
+    """A half whose cache another process of this host maps (ipc-pull's P, ipc-push's D):
+    :func:`~.transport.shm.export_new_cache`, named in ``Register.shm_name``."""
+
+    export_role = ""
+    export_name = ""  # the shm segment (CPU) or published CUDA IPC export
+
+    def make_cache(self, num_blocks: int) -> PagedKVCache:
+        from .transport.shm import export_new_cache
+        self.cache, self.export_name = export_new_cache(self.spec, num_blocks, self.device,
+                                                        self.export_role)
+        return self.cache
+
+    def export(self) -> dict[str, str]:
+        return {"shm_name": self.export_name}
+
+    def unexport(self) -> None:
+        if self.export_name:  # the router also removes it if its owner dies
+            from kvflow.segments import unlink
+            unlink(self.export_name)
+        self.export_name = ""

@@ -1,13 +1,8 @@
-"""``tcp``: P gathers a request's blocks into a staging buffer
-(:func:`kvflow.kernels.gather_blocks`) and sends it over ZMQ as zero-copy frames, one per layer,
-kept alive until D's ack; D :func:`kvflow.kernels.scatter_blocks` each layer into the block ids
-it allocated. Works between hosts.
-
-Frames: ``[KVData header (msgpack), layer 0, layer 1, ...]``; layer ``l`` is ``staging[l]`` =
-``[tensors_per_layer, num_blocks, *block_shape]`` of ``spec.dtype`` (docs/layouts.md, "The
-staging buffer"); zero blocks is a transfer too (empty frames). Layerwise (:mod:`.framed`):
-``[KVLayer header, one frame per layer of the part]``. A P of another spec sends its whole
-table in its own spec and D scatters re-blocked (:mod:`.reblocked`).
+"""``tcp`` (any hosts): P gathers a request's blocks into a staging buffer and sends it as
+``[KVData header, one zero-copy frame per layer]`` (:mod:`.transport.frames`; layerwise parts:
+``KVLayer``, :mod:`.framed`), kept alive until D's ack; D scatters each frame into its blocks.
+Zero blocks is a transfer too (empty frames); a P of another spec sends its whole table and D
+scatters re-blocked (:mod:`.reblocked`).
 """
 
 from __future__ import annotations
@@ -24,7 +19,7 @@ from kvflow.connector.messages import KVData, KVLayer, encode
 
 from .base import TransferError, TransferStats, as_ids, check_send_allowed
 from .framed import FramedReceiver, FramedSender
-from .reblocked import differs, tables
+from .reblocked import tables
 from .transport.frames import (check_frames, layer_bytes, layer_frames, scatter_frames,
                                warm_staging)
 from .verify import check, expect, new_digest
@@ -111,7 +106,7 @@ class TcpReceiver(FramedReceiver):
             raise TransferError(f"tcp expects a KVData or KVLayer header, got "
                                 f"{type(header).__name__}")
         src_spec = self.peers.get(self.peer_id if peer_id is None else peer_id, spec)
-        if differs(src_spec, spec):
+        if src_spec != spec:
             self._unverified(header, reblocked=True)
             return self._scatter_reblocked(header, frames, cache, dst_ids, src_spec)
         n = header.num_blocks

@@ -22,6 +22,7 @@ if __name__ == "__main__":  # before the other imports: a Ctrl-C meanwhile is on
         signal.signal(signal.SIGTERM, record_interrupt)
 
 import asyncio  # noqa: E402
+import contextlib  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 
@@ -76,10 +77,8 @@ def run_instance(cfg: ServeConfig) -> int:
             except SegmentSpaceError as exc:  # /dev/shm too small: the sizes and the flags
                 raise StartupError(exc.strerror) from None
             inst.wait_registered(cfg.register_timeout_s)
-        try:
+        with contextlib.suppress(KeyboardInterrupt):
             inst.serve_forever()
-        except KeyboardInterrupt:
-            pass
     finally:
         inst.close()
         unlink_own()  # whatever close left: the process leaves by os._exit (no finalizers)
@@ -172,8 +171,6 @@ if __name__ == "__main__":
     # docs/reliability.md, "Stop")
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):  # a reader gone (closed pipe)
             stream.flush()
-        except (OSError, ValueError):  # a reader gone (closed pipe)
-            pass
     os._exit(status)

@@ -3,6 +3,7 @@ as ``0.0.0.0``."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 
 WILDCARDS = ("0.0.0.0", "")  # bind addresses that mean "every interface"
@@ -12,13 +13,11 @@ def default_route_address() -> str:
     """This host's IPv4 address on its default route (no packet sent), else its hostname's, else
     127.0.0.1."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
+        with contextlib.suppress(OSError):
             s.connect(("192.0.2.1", 9))  # TEST-NET-1: routed like any remote address
             addr = s.getsockname()[0]
             if addr not in WILDCARDS:
                 return addr
-        except OSError:
-            pass
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:

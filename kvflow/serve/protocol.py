@@ -1,15 +1,8 @@
-"""Serve's control plane: the messages between the router and the prefill (P), decode (D) and
-colocated instances.
-
-Each is a :class:`kvflow.wire.WireMsg`; one request's path through them is in docs/design.md,
-"One request, from the router to D's cache". An instance's sockets carry these and the
-connector's data-plane messages (:mod:`kvflow.connector.messages`, which serve hands to its
-connector unnamed), so :data:`CODEC` (:func:`encode`, :func:`decode`, :func:`decode_or_log`)
-covers both families: an unknown tag, a missing field or a wrong type is a
-:class:`ProtocolError`, logged by the receiver and never executed.
-
-Prefix hit on D: ``Allocated.num_cached_blocks = k`` (D holds logical blocks ``0..k-1``) is
-passed on as ``Prefill.num_cached_blocks = k``; P sends only its logical blocks ``k..``.
+"""Serve's control plane: the :class:`kvflow.wire.WireMsg` messages between the router and the
+P, D and colocated instances (one request's path: docs/design.md, "One request, from the router
+to D's cache"). :data:`CODEC` also decodes the connector's data plane
+(:mod:`kvflow.connector.messages`), which serve hands on unnamed; a bad frame is a
+:class:`ProtocolError`, logged and never executed.
 """
 
 from __future__ import annotations
@@ -92,10 +85,9 @@ class Pair(WireMsg):
 
 
 class Unpair(WireMsg):
-    """Router -> P: forget decode instance ``peer_id`` (it died or left); links to other D's
-    stay. Router -> D: prefill instance ``peer_id`` died; ``exited``: the router saw its
-    process exit (D frees what it kept for it at once, else ``kv_lease_s`` later);
-    ``stopped``: it left by a clean stop (:class:`Leaving`)."""
+    """Router -> P: forget decode instance ``peer_id`` (it died or left; other links stay). Router
+    -> D: prefill instance ``peer_id`` died; ``exited``: its process exited (D frees what it kept
+    for it at once, else ``kv_lease_s`` later); ``stopped``: a clean stop (:class:`Leaving`)."""
     peer_id: str
     reason: str = ""
     exited: bool = False
@@ -130,9 +122,8 @@ class Allocated(WireMsg):
 
 
 class Rejected(WireMsg):
-    """Any instance -> router: the request cannot be served; ``kind`` is "capacity" (never
-    fits: HTTP 400, ``param`` names the request field to blame), "busy" (no free blocks now:
-    retry), "transfer" (the KV could not move to D: HTTP 502) or "error" (HTTP 500)."""
+    """Any instance -> router: the request cannot be served; ``kind``: "capacity" (HTTP 400,
+    ``param`` the field to blame), "busy" (retry), "transfer" (HTTP 502) or "error" (HTTP 500)."""
     req_id: str
     kind: str
     error: str
@@ -140,10 +131,8 @@ class Rejected(WireMsg):
 
 
 class Prefill(WireMsg):
-    """Router -> P (disagg) or colocated: prefill ``token_ids``, send the first token at once
-    (:class:`Tokens`, ``index`` 0) and hand the KV to ``decode_id`` (which allocated
-    ``decode_block_ids``). P refuses (:class:`Rejected`) a ``decode_id`` it is not paired with
-    and a ``req_id`` it already has queued or pending."""
+    """Router -> P (disagg) or colocated: prefill ``token_ids``, send the first token at once and
+    hand the KV to ``decode_id`` at ``decode_block_ids``; refused for an unpaired D or a live id."""
     req_id: str
     token_ids: list[TokenId]
     temperature: float = 0.0
@@ -156,10 +145,8 @@ class Prefill(WireMsg):
 
 
 class Tokens(WireMsg):
-    """P (the first token), D (the rest) or colocated -> router: new tokens of a request.
-    ``index``: the output position of ``token_ids[0]``. ``kvflow`` rides on each instance's
-    first message; its ``clock`` holds that instance's ``time.monotonic()`` stamps
-    (:mod:`kvflow.serve.timings`)."""
+    """P (the first token), D (the rest) or colocated -> router: ``token_ids[0]`` at output position
+    ``index``; ``kvflow`` rides on each instance's first message (:mod:`.timings`)."""
     req_id: str
     token_ids: list[int]
     finished: bool = False
@@ -170,12 +157,10 @@ class Tokens(WireMsg):
 
 
 class Abort(WireMsg):
-    """Router -> P and D: drop the request and give its blocks back. ``peer_dead``: the
-    request's other instance, declared dead; ``peer_exited``: its process exited (only then
-    does P free sent blocks at once). ``prefill_sent``: P got the Prefill, so with ipc push
-    it may still write D's blocks: D keeps them until P's ``KVPushed``, P's exit, or
-    ``kv_lease_s`` after P was declared dead (docs/reliability.md, "Failure kinds and
-    policies")."""
+    """Router -> P and D: drop the request and give its blocks back. ``peer_dead``: its other
+    instance, declared dead; ``peer_exited``: that process exited (only then does P free sent blocks
+    at once); ``prefill_sent``: P got the Prefill (with ipc-push D keeps the blocks lent:
+    docs/reliability.md, "Failure kinds and policies")."""
     req_id: str
     reason: str = ""
     peer_dead: str = ""

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kvflow import KVCacheSpec
-from kvflow.connector import (CONNECTORS, KVReceiver, KVSender, check_connector_config,
-                              make_receiver, make_sender, resolve_connector)
+from kvflow.connector import (CONNECTORS, KVReceiver, KVSender, check_options, make_receiver,
+                              make_sender, resolve_connector)
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=8, block_size=4, dtype=torch.float32)
 SERVE = pathlib.Path(__file__).resolve().parents[2] / "kvflow" / "serve"
@@ -46,7 +46,7 @@ def test_layerwise_threshold_defaults_and_the_max_model_len_cutoff():
 def test_connector_config_keys():
     tx = make_sender("ipc-push", SPEC, config={"layers_per_copy": 2, "max_ctas": 8})
     assert (tx.layers_per_copy, tx.max_ctas) == (2, 8)
-    assert check_connector_config("ipc-push", None) == {}
+    assert check_options("ipc-push", None) == {}
     with pytest.raises(ValueError) as e:
         make_sender("ipc-push", SPEC, config={"layers_per_copy": 2, "max_cta": 8})
     assert str(e.value) == ("kv_connector_config key 'max_cta' is not an option of connector "

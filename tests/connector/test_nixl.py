@@ -16,7 +16,7 @@ import torch
 from kvflow import KVCacheSpec
 from kvflow.connector import Peer, PrefillJob, TransferError, make_receiver, make_sender
 from kvflow.connector.transport.nixl_agent import nixl_available, tcp_tls
-from kvflow.connector.transport.nixl_plan import coalesce, desc_indices, num_descriptors
+from kvflow.connector.transport.nixl_plan import coalesce, desc_indices
 from kvflow.connector.messages import (NixlAgentInfo, ProtocolError, decode, decode_agent_info,
                                        encode_agent_info)
 from kvflow.serve.advertise import advertised_host
@@ -41,7 +41,7 @@ def test_coalesce_merges_pairs_consecutive_on_both_sides():
 def test_desc_indices_are_tensor_major_and_count_runs_per_tensor():
     assert desc_indices([3, 4], range(2, 4), 10).tolist() == [23, 24, 33, 34]
     assert desc_indices([], range(0, 2), 10).tolist() == []
-    assert num_descriptors([0, 1, 2, 5], [8, 9, 10, 11], 8) == 2 * 8
+    assert len(coalesce([0, 1, 2, 5], [8, 9, 10, 11])) * 8 == 2 * 8
 
 
 def test_agent_info_round_trips_and_bad_bytes_are_refused():
@@ -156,7 +156,7 @@ def test_consecutive_ids_move_as_one_descriptor_per_tensor():
         while a.agent.check_xfer_state(h) == "PROC":
             pass
         tel = a.telemetry(h)
-        assert tel.descCount == num_descriptors(s_ids, d_ids, SPEC.num_tensors) == 16
+        assert tel.descCount == len(coalesce(s_ids, d_ids)) * SPEC.num_tensors == 16
         assert tel.totalBytes == len(s_ids) * SPEC.num_tensors * 64
         assert a.descs_posted == len(s_ids) * SPEC.num_tensors and a.post_ms > 0
         h.release()

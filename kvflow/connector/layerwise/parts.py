@@ -38,18 +38,11 @@ class LayerParts:
 
     def receive(self, header: Any, frames: list, cache: PagedKVCache, dst_ids: list[int],
                 move: MoveFn) -> TransferStats | None:
-        """Apply one ``header`` (a :class:`~kvflow.connector.messages.KVLayer`) with its raw ``frames``
-        (tcp: one per layer; ipc: none) into D's ``cache`` at ``dst_ids`` (D's block ids of the
-        prompt's ``ceil(num_prompt_tokens / block_size)`` blocks) through ``move``
-        (:data:`MoveFn`); None while parts are missing, the request's totals at its last part.
-
-        Raises
-        ------
-        TransferError
-            A layer or block range outside the prompt, a block-layer received twice, or a last
-            part that arrives while block-layers are missing (the count and the first missing
-            one named). The request's state is dropped on the last part and on any error.
-        """
+        """Apply one ``KVLayer`` ``header`` with its raw ``frames`` (tcp: one per layer; ipc: none)
+        to D's ``cache`` at ``dst_ids`` (the prompt's blocks) through ``move``; None while parts are
+        missing, the totals at the last. TransferError (the request dropped): a range outside the
+        prompt, a block-layer twice, or block-layers missing at the last part (counted, first
+        named)."""
         rid, L, n = header.req_id, cache.spec.num_layers, len(dst_ids)
         asm = self._reqs.get(rid)
         if asm is None:

@@ -1,13 +1,10 @@
-"""Which blocks of which layers go to the decode side, and when (transport-agnostic).
-
-A layer signal ``(l, s)`` means "layer ``l`` is complete through engine step ``s``" (a
-:mod:`kvflow.signal` slot keeps the latest step, so steps may be skipped); it sends the
-request's newly full blocks of layer ``l``, and after its last chunk the partial last block.
-Every block of every layer is sent exactly once, in any layer order; blocks ready before D's ids
-arrive are replayed when they do. A stale, duplicate or unmatched (no live request ran that
-step) signal sends nothing, and nothing is sent inside a profile/dummy run
-(:func:`kvflow.context.sends_allowed`). ``send`` gets a ``range`` of consecutive layers
-standing at the same blocks.
+"""Which blocks of which layers go to the decode side, and when (transport-agnostic). A layer signal
+``(l, s)`` means "layer ``l`` is complete through engine step ``s``" (a :mod:`kvflow.signal` slot
+keeps the latest step, so steps may be skipped): it sends the request's newly full blocks of layer
+``l``, after its last chunk the partial last block too, as ``range``s of consecutive layers standing
+at the same blocks. Every block of every layer goes exactly once; blocks ready before D's ids arrive
+are replayed then. A stale, duplicate or unmatched signal sends nothing, nor does anything inside a
+profile/dummy run (:func:`kvflow.context.sends_allowed`).
 """
 
 from __future__ import annotations
@@ -24,11 +21,10 @@ SendFn = Callable[[str, range, list[int], list[int]], None]
 
 @dataclasses.dataclass
 class LayerwiseStats:
-    """Counters. ``sends``: send calls; ``block_layers``: blocks x layers sent; ``signals``:
-    signals accepted; ``duplicate`` / ``stale`` / ``unmatched``: signals dropped (same step
-    again / an older step / no live request ran that step); ``buffered``: signals that readied
-    blocks of a request without D's ids yet; ``replayed``: sends made when D's ids arrived;
-    ``suppressed``: signals refused inside a profile/dummy run; ``errors``: failed sends."""
+    """Counters: ``sends``, ``block_layers`` (blocks x layers sent), ``signals`` accepted; dropped:
+    ``duplicate`` (same step again), ``stale`` (older), ``unmatched`` (no live request ran it),
+    ``suppressed`` (in a profile/dummy run); ``buffered`` (readied blocks before D's ids),
+    ``replayed`` (sends when they came), ``errors`` (failed sends)."""
 
     sends: int = 0
     block_layers: int = 0
@@ -71,24 +67,12 @@ def _ids(name: str, ids: Sequence[int]) -> list[int]:
 
 
 class LayerwiseScheduler:
-    """Per-request block bookkeeping that turns layer signals into sends.
-
-    Parameters
-    ----------
-    num_layers : int
-        Layers of the KV cache.
-    block_size : int
-        Tokens per block.
-    send : callable
-        ``send(request_id, layers: range, src_block_ids: list[int], dst_block_ids: list[int])``.
-    on_done : callable, optional
-        ``on_done(request_id)`` after the last send of a request (its state is then gone).
-    on_error : callable, optional
-        ``on_error(request_id, exc)`` when a send raises (the request is aborted); without it
-        the exception propagates.
-
-    Thread-safe; sends run outside the lock, in the calling thread.
-    """
+    """Per-request block bookkeeping that turns layer signals into sends, for a cache of
+    ``num_layers`` layers and ``block_size``-token blocks (ValueError unless positive ints):
+    ``send(request_id, layers: range, src_block_ids, dst_block_ids)`` (TypeError unless callable);
+    ``on_done(request_id)`` after a request's last send (its state is then gone);
+    ``on_error(request_id, exc)`` when a send raises (the request is aborted; without it the
+    exception propagates). Thread-safe; sends run outside the lock, in the calling thread."""
 
     def __init__(self, num_layers: int, block_size: int, send: SendFn, *,
                  on_done: Callable[[str], None] | None = None,
@@ -105,9 +89,8 @@ class LayerwiseScheduler:
         self.stats = LayerwiseStats()
 
     def add_request(self, request_id: str, num_tokens: int, src_block_ids: Sequence[int]) -> None:
-        """Register a prefill request with P's block table. Raises ValueError: a duplicate
-        ``request_id``, ``num_tokens < 1``, or ``len(src_block_ids) != ceil(num_tokens /
-        block_size)``."""
+        """Register a prefill request with P's block table; ValueError: a duplicate ``request_id``,
+        ``num_tokens < 1``, or not ``ceil(num_tokens / block_size)`` blocks."""
         _positive("num_tokens", num_tokens)
         src = _ids("src_block_ids", src_block_ids)
         need = -(-num_tokens // self.block_size)
@@ -121,10 +104,10 @@ class LayerwiseScheduler:
                                               [0] * self.num_layers, time.perf_counter())
 
     def add_chunk(self, request_id: str, step: int, end_token: int) -> None:
-        """Step ``step`` computes the request's prompt up to ``end_token`` (exclusive); register
-        it before, or at the latest right after, the step runs (a step already signalled counts
-        as complete at once). Raises KeyError: unknown (or finished) request; ValueError:
-        ``step`` or ``end_token`` not after the previous chunk's, or ``end_token > num_tokens``."""
+        """Step ``step`` computes the prompt up to ``end_token`` (exclusive); register it before, or
+        right after, the step runs (a step already signalled counts as complete). KeyError: unknown
+        or finished request; ValueError: not after the previous chunk, or ``end_token >
+        num_tokens``."""
         with self._lock:
             r = self._get(request_id)
             prev_step, prev_end = r.chunks[-1] if r.chunks else (-1, 0)

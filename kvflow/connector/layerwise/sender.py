@@ -1,9 +1,8 @@
-"""P's side of the layerwise transfer: each layer's blocks leave as soon as the prefill has
-written them (signalled through a :class:`~kvflow.signal.LayerSignaller` segment, read by a
-:class:`.LayerwiseWorker`), each part a :class:`~kvflow.connector.messages.KVLayer` at logical
-prompt positions (``block_offset``); a last ``KVLayer(last=True)`` carries the first token.
-Failures go to :meth:`LayerwiseSender.pop_errors`. See docs/design.md, sections "One request,
-from the router to D's cache" and "Nothing is signalled or sent during a profile run".
+"""P's side of the layerwise transfer: each layer's blocks leave as a
+:class:`~kvflow.connector.messages.KVLayer` as soon as the prefill signals them (a
+:class:`~kvflow.signal.LayerSignaller` segment read by a :class:`.LayerwiseWorker`); the last
+part carries the first token, failures go to :meth:`LayerwiseSender.pop_errors`. docs/design.md,
+"Nothing is signalled or sent during a profile run".
 """
 
 from __future__ import annotations
@@ -40,24 +39,12 @@ class _Live:
 
 
 class LayerwiseSender:
-    """Signal segment, scheduler and worker thread of one prefill instance, and one send-only
-    part socket per paired D (used by the worker and :meth:`finish`, under one lock).
-
-    Parameters
-    ----------
-    sender : FramedSender
-        The connector (ipc-pull or tcp); its :meth:`send_part` moves each part.
-    cache : PagedKVCache
-        P's cache.
-    instance_id : str
-        P's id: D acks to it (P's control-link identity); also names the signal segment.
-    signal_timeout_s : float
-        A registered chunk whose layers go unsignalled this long fails the request.
-    poll_s : float
-        Longest wait of the worker between checks (bounds :meth:`close`).
-    send_timeout_ms : int
-        ZMQ send timeout of the part socket (a dead D fails the request, never a hang).
-    """
+    """Signal segment, scheduler and worker thread of one prefill instance, and a send-only part
+    socket per paired D (used by the worker and :meth:`finish`, under one lock). ``sender``: the
+    connector whose :meth:`send_part` moves each part; ``instance_id``: P's (D acks to it; names the
+    signal segment); ``signal_timeout_s``: a chunk's layers unsignalled this long fail the request;
+    ``poll_s``: the worker's longest wait (bounds :meth:`close`); ``send_timeout_ms``: of the part
+    sockets (a dead D fails the request, never hangs it)."""
 
     def __init__(self, sender: Any, cache: PagedKVCache, instance_id: str, *,
                  signal_timeout_s: float = 30.0, poll_s: float = 0.05,
@@ -78,9 +65,8 @@ class LayerwiseSender:
         self._errors: queue.SimpleQueue[tuple[str, BaseException]] = queue.SimpleQueue()
 
     def open(self, ctx: zmq.Context, data_addr: str, peer_id: str) -> bool:
-        """Create the signal channel and start the worker (first call), and the part socket
-        of D ``peer_id`` (connected to its ``data_addr``; replaces an earlier socket of that D
-        only); False (nothing created) inside a profile/dummy run."""
+        """Start the signal channel and worker (first call) and D ``peer_id``'s part socket to
+        ``data_addr``, replacing its earlier one; False, nothing made, inside a dummy run."""
         if not sends_allowed():
             self.signaller.init()  # counted as a refused set-up
             return False
@@ -110,12 +96,11 @@ class LayerwiseSender:
             self._failed(req_id, ConnectionError(f"decode instance {peer_id} was unpaired"))
 
     def begin(self, job: PrefillJob) -> Callable[[int, int], Callable[[int], None]]:
-        """Register ``job`` and return the ``on_chunk`` hook of its prefill
-        (:meth:`Engine.prefill <kvflow.engine.Engine.prefill>`); inside a dummy run nothing is
-        registered, signalled or sent. The parts go to D ``job.decode_id``, except the
-        ``job.num_cached_blocks`` logical blocks D already holds. A failed prefill calls
-        :meth:`abort`. Raises RuntimeError outside a dummy run before :meth:`open` or for a D
-        not opened; ValueError as :meth:`LayerwiseScheduler.add_request`."""
+        """Register ``job`` and return the ``on_chunk`` hook of its prefill (:meth:`Engine.prefill
+        <kvflow.engine.Engine.prefill>`; nothing is registered, signalled or sent inside a dummy
+        run). The parts go to D ``job.decode_id``, less the ``job.num_cached_blocks`` blocks D
+        holds; a failed prefill calls :meth:`abort`. RuntimeError outside a dummy run before
+        :meth:`open` or for a D not opened; ValueError as :meth:`LayerwiseScheduler.add_request`."""
         req_id, n = job.req_id, len(job.token_ids)
         real = sends_allowed()
         if real:

@@ -16,24 +16,12 @@ log = logging.getLogger(__name__)
 
 
 class LayerwiseWorker:
-    """Signal-driven sender thread.
-
-    Parameters
-    ----------
-    scheduler : LayerwiseScheduler
-        Receives the layer signals; its ``send`` runs in this thread.
-    reader : SignalReader or SignalChannel
-        Anything with ``num_layers``, ``wait_change(last, timeout_s)`` and ``name``.
-    poll_s : float
-        Longest single wait (seconds); bounds how long :meth:`stop` takes.
-    signal_timeout_s : float
-        A request whose awaited layer is not signalled for this long is aborted.
-    on_error : callable, optional
-        ``on_error(request_id, exc)`` for timeouts (and send errors the scheduler raises); they
-        are always kept in :attr:`errors`, and logged without ``on_error``.
-    spin_s, max_sleep_s : float
-        Passed to :meth:`SignalReader.wait_change` (spin, then sleep up to ``max_sleep_s``).
-    """
+    """Signal-driven sender thread: reads ``reader`` (anything with ``num_layers``,
+    ``wait_change(last, timeout_s)`` and ``name``) and hands each change to ``scheduler``, whose
+    sends run here. ``poll_s``: longest wait (bounds :meth:`stop`); ``signal_timeout_s``: a request
+    whose awaited layer stays unsignalled this long is aborted; ``on_error(request_id, exc)``:
+    timeouts and send errors, kept in :attr:`errors` (logged without it); ``spin_s``,
+    ``max_sleep_s``: of ``wait_change``. ValueError: a time not > 0, or layer counts differ."""
 
     def __init__(self, scheduler: LayerwiseScheduler, reader, *, poll_s: float = 0.05,
                  signal_timeout_s: float = 30.0,

@@ -1,12 +1,7 @@
-"""CUDA IPC export and import of a paged cache: P's cache for ipc-pull on GPU (D copies from
-it), D's for ipc-push (P writes into it).
-
-The exporter's cache is one CUDA allocation, exported once (:func:`export_cache`) as a
-:class:`CudaIpcExport` (MessagePack, nothing pickled) with its GPU's **UUID**, and published in
-a 0600 shared-memory file (:func:`publish_export`) named in ``Register`` / ``Pair``
-(``shm_name``). The importer maps the UUID to its own ordinal and opens the handle once, at
-pairing (:func:`import_cache`). The exporter orders its writes before the importer reads.
-See docs/gpu_serving.md, "How the GPUs are paired".
+"""CUDA IPC export and import of a paged cache (P's for ipc-pull on GPU, D's for ipc-push): one
+allocation exported once (:func:`export_cache`) with its GPU's UUID, published in a 0600 file
+(:func:`publish_export`) named in ``Register`` / ``Pair``, opened once at pairing
+(:func:`import_cache`). docs/gpu_serving.md, "How the GPUs are paired".
 """
 
 from __future__ import annotations
@@ -28,9 +23,8 @@ EXPORT_VERSION = 2  # 2: nbytes counts the fp8 scales after the blocks
 
 
 class CudaIpcExport(msgspec.Struct, forbid_unknown_fields=True):
-    """Everything a peer needs to map the exporter's cache (MessagePack: :func:`encode_export`);
-    the fields after ``pci_bus_id`` up to ``event_sync_required`` are torch's
-    ``UntypedStorage._share_cuda_()``."""
+    """Everything a peer needs to map the exporter's cache (:func:`encode_export`); ``handle`` ..
+    ``event_sync_required`` are torch's ``UntypedStorage._share_cuda_()``."""
 
     uuid: str  # of the GPU holding the allocation (:func:`device_uuid` form)
     pci_bus_id: str  # of that GPU (for messages)
@@ -157,14 +151,11 @@ def read_export(name: str) -> CudaIpcExport:
 
 def import_cache(exp: CudaIpcExport, spec: KVCacheSpec, num_blocks: int | None = None, *,
                  map_on: torch.device | None = None) -> PagedKVCache:
-    """Open a peer's exported cache in this process (once, at pairing) as a
-    :class:`PagedKVCache` over the mapped memory (fp8 scales: the exporter's).
-
-    ``spec`` (this side's) must equal the exported one; ``num_blocks``: the blocks the ``Pair``
-    message said. ``map_on``: the GPU whose kernels will access the memory (CUDA maps a handle
-    into the current device's context only; docs/gpu_serving.md, "How the GPUs are paired");
-    default the owner's. TransferError for a UUID this process cannot see, a spec or size
-    mismatch, an export made in this very process, or a failed open.
+    """Open a peer's exported cache here (once, at pairing) as a :class:`PagedKVCache` over the
+    mapped memory (fp8 scales: the exporter's). ``spec`` must equal the exported one, ``num_blocks``
+    what ``Pair`` said; ``map_on``: the GPU whose kernels will use it (default the owner's).
+    TransferError: a UUID not visible here, a spec or size mismatch, an export of this process, or a
+    failed open.
     """
     theirs = KVCacheSpec.from_dict(exp.spec)
     if theirs != spec:

@@ -1,7 +1,7 @@
 """Layer frames: a staging buffer sent as one zero-copy frame per layer (:func:`layer_frames`;
-frame ``l`` is ``staging[l]`` of :func:`kvflow.cache.staging_shape`, :func:`layer_bytes`
-bytes), the receiver's one "check every frame, then scatter" (:func:`scatter_frames`), and
-the compile of both ends' kernels (:func:`warm_staging`). Used by the ``tcp`` kind and by the vLLM connector's ``tcp`` transport.
+frame ``l`` is ``staging[l]`` of :func:`kvflow.cache.staging_shape`, :func:`layer_bytes` bytes),
+the receiver's "check every frame, then scatter" (:func:`scatter_frames`) and the compile of
+both ends' kernels (:func:`warm_staging`); for the ``tcp`` kind and the vLLM ``tcp`` transport.
 """
 
 from __future__ import annotations
@@ -41,27 +41,13 @@ def layer_bytes(spec, num_blocks: int) -> int:
 def check_frames(frames: Sequence[Any], layers: range, nbytes: int, *, req_id: str,
                  error: type[Exception], count_msg: str, size_msg: str,
                  num_frames: int | None = None) -> list[memoryview]:
-    """Check that there is one frame per layer of ``layers``, each of ``nbytes`` bytes.
+    """Check that there is one frame per layer of ``layers``, each of ``nbytes`` bytes
+    (:func:`layer_bytes`); returns one memoryview per layer.
 
-    Parameters
-    ----------
-    frames : sequence of zmq.Frame, memoryview or bytes
-        The received layer frames, in layer order, of ``layers``.
-    nbytes : int
-        The size every frame must have (:func:`layer_bytes`), bytes.
-    req_id, error : str, exception class
-        The request (for the messages), and the error raised on a mismatch.
-    count_msg : str
-        Template (``str.format``) of a wrong count's message; fields ``req_id``, ``start`` and
-        ``stop`` (of ``layers``), ``expected`` (``len(layers)``), ``header`` (``num_frames``)
-        and ``got`` (``len(frames)``).
-    size_msg : str
-        Template of a wrong frame size's message; fields ``req_id``, ``layer``, ``nbytes`` (the
-        frame's) and ``expected`` (``nbytes``).
-    num_frames : int, optional
-        The count a header announced; it must equal ``len(layers)`` too.
-
-    Returns the frames' bytes, one memoryview per layer.
+    ``frames``: zmq.Frame, memoryview or bytes, in layer order. On a mismatch raises ``error``
+    with ``count_msg`` (``str.format`` fields ``req_id``, ``start``, ``stop``, ``expected``,
+    ``header`` (``num_frames``, the count a header announced, which must match too), ``got``)
+    or ``size_msg`` (fields ``req_id``, ``layer``, ``nbytes``, ``expected``).
     """
     if len(frames) != len(layers) or (num_frames is not None and num_frames != len(layers)):
         raise error(count_msg.format(req_id=req_id, start=layers.start, stop=layers.stop,
@@ -80,30 +66,12 @@ def scatter_frames(frames: Sequence[Any], cache, dst_ids: Any, layers: range, *,
                    backend: str = "auto", on_layer: Callable[[], None] | None = None,
                    src_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
                    **scatter_kw: Any) -> int:
-    """Check every frame (:func:`check_frames`), then scatter each layer into ``cache``.
-
-    Parameters
-    ----------
-    frames, layers, req_id, error, count_msg, size_msg, num_frames
-        As :func:`check_frames`.
-    cache : PagedKVCache
-        D's cache, written at ``dst_ids``.
-    dst_ids : torch.Tensor, int64, shape [n]
-        Destination block ids (-1 skips a slot; with none >= 0 nothing is written).
-    spec : KVCacheSpec, optional
-        The frames' spec (P's, for a re-blocked move); ``cache.spec`` when None.
-    num_blocks : int, optional
-        Blocks per frame; ``len(dst_ids)`` when None.
-    backend : str
-        kvflow backend of ``scatter_blocks``.
-    on_layer, src_fn : callable, optional
-        Called after each layer's scatter; maps each layer's tensor before it (a test fault).
-    **scatter_kw
-        Passed on to ``scatter_blocks`` (``digest``, ``src_spec``, ``num_tokens``,
-        ``head_start``).
-
-    Returns the bytes of the frames scattered (0 when nothing is written); raises ``error``
-    for a wrong frame count or size, before anything is written.
+    """Check every frame (:func:`check_frames`, same arguments), then scatter each layer into D's
+    ``cache`` at ``dst_ids`` (int64 tensor [n]; -1 skips a slot). ``spec``: the frames' (P's when
+    re-blocked; default ``cache.spec``); ``num_blocks``: per frame (default ``len(dst_ids)``);
+    ``on_layer()`` after each layer; ``src_fn`` maps each layer's tensor first (a test fault);
+    ``scatter_kw`` to ``scatter_blocks``. Returns the bytes scattered (0 when no id is >= 0); raises
+    as :func:`check_frames`, before any write.
     """
     spec = cache.spec if spec is None else spec
     n = len(dst_ids) if num_blocks is None else num_blocks

@@ -54,9 +54,8 @@ def address_of(host: str):
 
 
 def interface_of(host: str) -> str | None:
-    """The network interface owning ``host``'s address (any loopback address is ``lo``'s);
-    None for a wildcard host. ValueError (naming ``--host`` and the value) when it resolves
-    to no address or no interface of this host has it."""
+    """The interface owning ``host``'s address (any loopback address is ``lo``'s), None for a
+    wildcard; ValueError (naming ``--host``) when no interface has it or it resolves to none."""
     ip = address_of(host)
     if ip is None:
         return None
@@ -80,10 +79,9 @@ def rdma_ports(root: str = "/sys/class/infiniband") -> list[str]:
 
 
 def bind_ucx_to_host(host: str, env: MutableMapping[str, str] = os.environ) -> str | None:
-    """Set ``env["UCX_NET_DEVICES"]`` so that UCX listens only on ``host``'s interface (plus
-    the RDMA ports unless it is loopback), before the NIXL agent is created. Returns the value
-    set, or None where ``env`` has one already or ``host`` is a wildcard. ValueError as
-    :func:`interface_of`."""
+    """Set ``env["UCX_NET_DEVICES"]`` to ``host``'s interface (plus the RDMA ports unless it is
+    loopback) before the NIXL agent is made; returns it, or None where ``env`` has one or ``host``
+    is a wildcard. ValueError as :func:`interface_of`."""
     if env.get("UCX_NET_DEVICES"):
         return None
     name = interface_of(host)

@@ -47,8 +47,3 @@ def desc_indices(ids: Sequence[int], tensors: range, num_blocks: int) -> np.ndar
     t = np.arange(tensors.start, tensors.stop, dtype=np.int64)[:, None]
     return (t * num_blocks + ids[None, :]).reshape(-1).astype(np.int32)
 
-
-def num_descriptors(src_ids: Sequence[int], dst_ids: Sequence[int], num_tensors: int) -> int:
-    """Descriptors a WRITE of these pairs over ``num_tensors`` tensors moves after merging:
-    ``len(coalesce(src_ids, dst_ids)) * num_tensors``."""
-    return len(coalesce(src_ids, dst_ids)) * num_tensors

@@ -1,8 +1,7 @@
-"""A progress driver for a NIXL agent created without NIXL's busy progress thread: without
-it UCX moves data only inside the agent's own calls, and a WRITE's target must progress too.
-:class:`ProgressDriver` progresses the agent every :data:`BUSY_S` while a transfer is held (P:
-posted until waited for; D: a request's blocks allocated until its KV came or it ended), every
-:data:`IDLE_S` otherwise. Measurements: docs/nixl.md, "Progress without a busy thread".
+"""A progress driver for a NIXL agent made without NIXL's busy progress thread (UCX moves data
+only inside the agent's calls, on both ends): :class:`ProgressDriver` progresses it every
+:data:`BUSY_S` while a transfer is held, every :data:`IDLE_S` otherwise. Why and the
+measurements: docs/nixl.md, "Progress without a busy thread".
 """
 
 from __future__ import annotations
@@ -19,9 +18,8 @@ IDLE_S = 0.01  # ... while none is
 
 
 class ProgressDriver:
-    """Calls ``step`` (one progress of the agent; an exception is logged once) from a daemon
-    thread named ``name``: every ``busy_s`` seconds while any key is held, every ``idle_s``
-    seconds otherwise (ValueError unless both > 0)."""
+    """Calls ``step`` (one progress of the agent; an exception is logged once) from daemon thread
+    ``name``: every ``busy_s`` seconds while any key is held, else every ``idle_s`` (both > 0)."""
 
     def __init__(self, step: Callable[[], Any], name: str, *, busy_s: float = BUSY_S,
                  idle_s: float = IDLE_S) -> None:

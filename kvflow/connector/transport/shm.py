@@ -25,12 +25,10 @@ __all__ = ["SharedCache", "export_new_cache", "map_peer_cache"]
 
 
 class SharedCache:
-    """A :class:`PagedKVCache` laid over a shared-memory segment.
-
-    ``role`` (lowercase letters, else ValueError) is part of the segment name ``name``;
-    ``cache.buffer`` is the mapping (fp8 scales, 1.0 at first, lie in it). Raises
-    :class:`kvflow.segments.SegmentSpaceError` when the cache does not fit in the free shared
-    memory (the message gives both sizes and the flags that lower the first).
+    """A :class:`PagedKVCache` laid over a shared-memory segment: ``role`` (lowercase letters, else
+    ValueError) is part of the segment name ``name``; ``cache.buffer`` is the mapping (fp8 scales,
+    1.0 at first, lie in it). :class:`kvflow.segments.SegmentSpaceError` when the cache does not fit
+    in the free shared memory (naming both sizes and the flags that lower the first).
     """
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, role: str = "prefill") -> None:
@@ -63,10 +61,8 @@ class SharedCache:
 
 def map_peer_cache(name: str, spec: KVCacheSpec, num_blocks: int, *,
                    writable: bool = False) -> PagedKVCache:
-    """Map a peer's segment as a :class:`PagedKVCache`, read-only or ``writable``; fp8 scales
-    are the segment's. TransferError when the segment is missing or smaller than
-    :func:`kvflow.scales.shared_nbytes` (naming both sizes).
-    """
+    """Map a peer's segment as a :class:`PagedKVCache`, read-only or ``writable`` (fp8 scales: the
+    segment's); TransferError when it is missing or smaller than ``shared_nbytes`` (both named)."""
     path = segment_path(name)
     need = shared_nbytes(spec, num_blocks)
     try:
@@ -93,11 +89,10 @@ def map_peer_cache(name: str, spec: KVCacheSpec, num_blocks: int, *,
 
 def export_new_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device,
                      role: str) -> tuple[PagedKVCache, str]:
-    """A new cache that another process on this host can map, and the name it finds it by
-    (CUDA: a published IPC export ``kvflow-<role>cuda-...``; CPU: a :class:`SharedCache`,
-    after removing stale segments); the owner unlinks it (:func:`kvflow.segments.unlink`).
-    Raises :class:`kvflow.segments.SegmentSpaceError` when it does not fit (CPU).
-    """
+    """A new cache that another process on this host can map, and the name it finds it by (CUDA: a
+    published IPC export ``kvflow-<role>cuda-...``; CPU: a :class:`SharedCache`, after removing
+    stale segments); the owner unlinks it. :class:`kvflow.segments.SegmentSpaceError` when it does
+    not fit (CPU)."""
     if device.type == "cuda":
         from .cuda_ipc import export_cache, publish_export
         cache = PagedKVCache(spec, num_blocks, device=device, scales_in_buffer=True)
@@ -109,10 +104,8 @@ def export_new_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device,
 
 
 def map_decode_cache(shm_name: str, spec, num_blocks: int, device: torch.device) -> PagedKVCache:
-    """Map D's exported cache ``shm_name`` (segment, or CUDA IPC export mapped into
-    ``device``'s context) writable in P's process. TransferError: missing segment or export,
-    size or spec mismatch, a GPU this process cannot see.
-    """
+    """Map D's exported cache ``shm_name`` writable in P's process (a CUDA export into ``device``'s
+    context); TransferError: missing, size or spec mismatch, a GPU this process cannot see."""
     if device.type == "cuda":
         from .cuda_ipc import import_cache, read_export
         return import_cache(read_export(shm_name), spec, num_blocks, map_on=device)

@@ -28,9 +28,8 @@ def check_transport(transport: Any) -> str:
 
 
 def check_config(extra: dict[str, Any]) -> dict[str, Any]:
-    """``kv_connector_extra_config`` with the defaults filled in. ValueError names the key and
-    value of: an unknown key, a bad ``transport``, a number setting that is not a number,
-    ``timeout_s`` or ``staging_mb`` not > 0, ``lease_s`` not > ``timeout_s``, a bad ``backend``."""
+    """``kv_connector_extra_config`` with the defaults filled in; ValueError names the key and value
+    of an unknown key or a bad value (``lease_s`` must exceed ``timeout_s``)."""
     unknown = sorted(set(extra) - set(DEFAULTS))
     if unknown:
         raise ValueError(f"kv_connector_extra_config has unknown keys {unknown}; "

@@ -60,9 +60,8 @@ class StagingMaps(dict):
 
 
 class IpcPuller(Puller):
-    """D's end of transport ``ipc-push``: a staging cache of ``staging_blocks`` blocks
-    (ValueError unless an int >= 1; CPU: SegmentSpaceError when it does not fit the free shared
-    memory); each chunk P wrote there is copied on into D's blocks (the rest: as Puller)."""
+    """D's end of transport ``ipc-push``: a staging cache of ``staging_blocks`` blocks (ValueError
+    unless an int >= 1; CPU: SegmentSpaceError), each chunk P wrote there copied on into D's."""
 
     def __init__(self, cache: PagedKVCache, *, staging_blocks: int, timeout_s: float = 30.0,
                  backend: str = "auto", corrupt: bool = False) -> None:

@@ -20,10 +20,9 @@ class PeerTimeout(PullError):
 
 
 class Puller:
-    """D's end of a transport over D's ``cache``, called from D's loader thread.
-    ``timeout_s``: longest wait for one answer of P, and for a NIXL READ (seconds, > 0, else
-    ValueError); a P that does not answer in time gets :class:`PeerTimeout` and its socket is
-    dropped. ``corrupt``: test hook, noise instead of the moved KV."""
+    """D's end of a transport over D's ``cache``, from D's loader thread. ``timeout_s``: longest
+    wait for an answer of P or a NIXL READ (seconds, > 0; then :class:`PeerTimeout`, socket
+    dropped); ``corrupt``: test hook, noise instead of the KV."""
 
     def __init__(self, cache: Any, *, timeout_s: float = 30.0, corrupt: bool = False) -> None:
         if not timeout_s > 0:

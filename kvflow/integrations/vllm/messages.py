@@ -31,9 +31,8 @@ class Release(WireMsg):
 
 
 class PullReply(WireMsg):
-    """P -> D: ``ok`` and ``num_layers`` raw frames follow (frame ``l`` is
-    ``staging[l]`` of ``staging_shape(spec, len(block_ids))``), or ``error`` says why not;
-    ``agent``: P's NIXL agent name (D meets P anew when it changed)."""
+    """P -> D: ``ok`` and ``num_layers`` raw frames (``staging[l]`` of ``staging_shape``) follow, or
+    ``error``; ``agent``: P's NIXL agent name (D meets P anew when it changed)."""
     req_id: str
     ok: bool
     num_layers: int = 0
@@ -47,10 +46,9 @@ class NixlHello(WireMsg):
 
 
 class NixlInfo(WireMsg):
-    """P -> D: P's NIXL agent (``metadata``: what ``add_remote_agent`` loads) and cache. Block
-    ``b`` of tensor ``t`` (``PagedKVCache.tensors()`` order) is ``block_bytes`` bytes at
-    ``addrs[t] + b * block_bytes`` of memory type ``mem`` (``DRAM`` / ``VRAM``) on
-    ``device_id``; or ``error`` says why not (different spec)."""
+    """P -> D: P's NIXL agent (``metadata``: what ``add_remote_agent`` loads) and cache: block ``b``
+    of tensor ``t`` (``PagedKVCache.tensors()`` order) is ``block_bytes`` bytes at ``addrs[t] + b *
+    block_bytes`` of ``mem`` (``DRAM`` / ``VRAM``) on ``device_id``; or ``error``."""
     ok: bool
     error: str = ""
     agent: str = ""

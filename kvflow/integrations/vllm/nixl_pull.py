@@ -37,9 +37,8 @@ def cache_descs(info: NixlInfo) -> np.ndarray:
 
 
 def export(cache: PagedKVCache, role: str = "vllm-prefill") -> tuple[Agent, NixlInfo]:
-    """A new NIXL agent (no progress thread) with ``cache`` registered, and its
-    :class:`NixlInfo`. ImportError without NIXL; TransferError without its UCX backend, or for
-    a cache neither host nor CUDA memory."""
+    """A new NIXL agent (no progress thread) with ``cache`` registered, and its :class:`NixlInfo`.
+    ImportError without NIXL; TransferError without UCX, or for memory neither host nor CUDA."""
     agent = Agent(role, progress_thread=False)
     register(agent, cache)
     mem, dev = mem_type(cache.tensors()[0])
@@ -56,9 +55,8 @@ class _Peer(NamedTuple):
 
 
 class NixlPuller(Puller):
-    """D's end of transport ``nixl``: a check with P, one READ, a bounded wait, ``Release``; a
-    P that does not answer or whose READ fails is forgotten (arguments: as
-    :class:`.link.Puller`; raises as :func:`export`)."""
+    """D's end of transport ``nixl``: a check with P, one READ, a bounded wait, ``Release``; a P
+    that does not answer or whose READ fails is forgotten. Arguments as :class:`.link.Puller`."""
 
     def __init__(self, cache: PagedKVCache, *, timeout_s: float = 30.0,
                  corrupt: bool = False) -> None:

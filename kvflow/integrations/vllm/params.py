@@ -21,9 +21,8 @@ def prompt_hash(token_ids: Sequence[int]) -> str:
 
 
 def check_params(params: dict[str, Any], token_ids: Sequence[int], block_size: int) -> str:
-    """'' when ``params`` (a request's ``kv_transfer_params``) are P's for exactly the prompt
-    ``token_ids`` of ``block_size``-token blocks, else a message naming the field and its value,
-    e.g. ``remote_block_ids holds 1 block ids; a 36-token prompt fills 2 blocks of 32``."""
+    """'' when ``params`` (``kv_transfer_params``) are P's for exactly the prompt ``token_ids`` of
+    ``block_size``-token blocks, else a message naming the field and its value."""
     addr = params.get("remote_addr")
     if not isinstance(addr, str) or not _ADDR.match(addr):
         return f"remote_addr must be 'tcp://host:port', got {addr!r}"

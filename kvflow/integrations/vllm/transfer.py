@@ -30,12 +30,11 @@ FRAME_SIZE = "request {req_id}: layer {layer} frame holds {nbytes} bytes, expect
 
 
 class KVServer:
-    """P's end: a ROUTER socket bound at ``addr`` (``tcp://host:port``) over P's ``cache``,
-    served by one thread. ``transport``: ``tcp`` (always served too), ``nixl`` (the cache
-    registered with NIXL agent :attr:`agent`) or ``ipc-push`` (copies into D's mapped staging
-    cache); ``backend``: the kernels'; ``hold_wait_s``: a pull's wait for its request to be held
-    (seconds); ``delay_s``: test hook, sleep before answering a pull. ValueError for an unknown
-    ``transport``; ImportError / TransferError for ``nixl`` without NIXL or its UCX backend."""
+    """P's end: a ROUTER socket bound at ``addr`` over P's ``cache``, served by one thread, for
+    ``transport`` ``tcp`` (always served), ``nixl`` (``cache`` registered with :attr:`agent`) or
+    ``ipc-push`` (copies into D's staging cache); ``hold_wait_s``: a pull's wait for its request to
+    be held, ``delay_s``: test hook, sleep before answering (s). ValueError: unknown ``transport``;
+    ``nixl``: as :func:`.nixl_pull.export`."""
 
     def __init__(self, cache: PagedKVCache, addr: str, *, transport: str = "tcp",
                  backend: str = "auto", hold_wait_s: float = 5.0, delay_s: float = 0.0) -> None:
@@ -203,9 +202,8 @@ class KVPuller(Puller):
 def open_puller(transport: str, cache: PagedKVCache, *, timeout_s: float = 30.0,
                 backend: str = "auto", corrupt: bool = False,
                 staging_blocks: int | None = None) -> Puller:
-    """D's end of ``transport`` over D's ``cache`` (``staging_blocks``: ipc-push's staging
-    cache; the rest as :class:`.link.Puller`). ValueError for an unknown ``transport``, or
-    ipc-push without ``staging_blocks`` >= 1."""
+    """D's end of ``transport`` over D's ``cache`` (``staging_blocks``: ipc-push's; the rest as
+    :class:`.link.Puller`); ValueError for an unknown ``transport`` or bad ``staging_blocks``."""
     if check_transport(transport) == "nixl":
         from .nixl_pull import NixlPuller
         return NixlPuller(cache, timeout_s=timeout_s, corrupt=corrupt)

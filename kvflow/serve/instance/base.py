@@ -77,9 +77,9 @@ class Instance(EventLoop):
                                 **self.register_extra()))
 
     def wait_registered(self, timeout_s: float, note_every_s: float = 3.0) -> None:
-        """Wait until the router answers :class:`Register`, handling what arrives meanwhile (a
-        warning after 1 s, then every ``note_every_s``). Raises :class:`StartupError` when the
-        router refused this instance, or did not answer within ``timeout_s``."""
+        """Wait for the router's answer to :class:`Register`, handling what arrives meanwhile (warns
+        every ``note_every_s``); :class:`StartupError`: refused, or no answer within ``timeout_s``.
+        """
         t0 = time.monotonic()
         next_note = t0 + min(1.0, note_every_s)
         while not self.registered and not self.fatal:
@@ -118,15 +118,12 @@ class Instance(EventLoop):
         self.registered, self._reregistered_at = False, now
         self.register()
 
-    def profile(self, budget=None) -> int:
-        """``num_blocks`` from a profile run (nothing sent) in ``budget`` (default from the
-        config). Raises :class:`StartupError` when it leaves no room for one block."""
+    def profile(self, budget) -> int:
+        """``num_blocks`` from a profile run (nothing sent) in ``budget`` (a ``MemoryBudget``);
+        :class:`StartupError` when it leaves no room for one block."""
         from kvflow.engine import MemoryBudgetError, determine_num_blocks
-        from ..launch.budget import memory_budget, too_small_message
+        from ..launch.budget import too_small_message
         assert self.ctrl is None, "profile run must happen before any channel exists"
-        if budget is None:
-            budget = memory_budget(self.cfg.device, self.cfg.memory_budget_mb,
-                                   self.cfg.gpu_memory_utilization)
         try:
             n = determine_num_blocks(self.model, self.spec, memory_budget_bytes=budget.bytes,
                                      max_num_batched_tokens=min(self.cfg.max_num_batched_tokens,
@@ -143,9 +140,8 @@ class Instance(EventLoop):
 
     def make_connector(self, make: Any, **kw: Any) -> Any:
         """P's sender or D's receiver (``make``: :func:`kvflow.connector.make_sender` or
-        ``make_receiver``), bound to ``--host``, with ``--kv-verify``; then its cache, the engine
-        and the allocator. Raises :class:`StartupError` for an unknown connector or option, or
-        ``--kv-verify`` on one that cannot verify."""
+        ``make_receiver``) bound to ``--host``, with ``--kv-verify``; then its cache, the engine and
+        the allocator. :class:`StartupError`: unknown connector or option, or unverifiable kind."""
         from kvflow.blocks import BlockAllocator
         from kvflow.connector import bind_to_host, kinds
         from kvflow.engine import Engine
@@ -178,9 +174,8 @@ class Instance(EventLoop):
 
 
 def role_spec(model: Any, cfg: Any, role: str) -> Any:
-    """The :class:`~kvflow.layout.KVCacheSpec` of ``role`` for ``model`` and ``cfg``: P's and
-    colocated's from ``--block-size``, ``--kv-layout``, ``--kv-dtype``; D's from the
-    ``--decode-*`` flags where given, else P's."""
+    """The KV cache spec of ``role``: from ``--block-size``, ``--kv-layout``, ``--kv-dtype``, for D
+    with the ``--decode-*`` flags where given."""
     from kvflow.layout import as_torch_dtype
     bs, layout, dtype = cfg.block_size, cfg.kv_layout, cfg.kv_dtype
     if role == "decode":

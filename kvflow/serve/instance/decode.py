@@ -161,11 +161,10 @@ class DecodeInstance(Arrivals, DecodesWithLoop, Instance):
         """Forget P's whose process is gone (connectors whose P's share this host only)."""
         if not self.receiver.host_local:  # their P's may live on other hosts
             return
-        gone = False
-        for peer, pid in self.lent.gone():
+        gone = self.lent.gone()
+        for peer, pid in gone:
             self.receiver.detach(peer)
             log.warning("%s: prefill instance %s (pid %d) is gone", self.instance_id, peer, pid)
-            gone = True
         if gone:
             self._pair_waiting()
 

@@ -1,12 +1,5 @@
-"""Fault injection for the reliability tests (docs/reliability.md, "Fault injection (tests
-only)"); each fault is off unless its environment variable is set. Delays (seconds):
-``KVFLOW_FAULT_PREFILL_DELAY_S`` (P, before a prefill), ``_CHUNK_DELAY_S`` (P, in each chunk: no
-heartbeat), ``_STEP_DELAY_S`` (D, in a decode step), ``_RECEIVE_DELAY_S`` (D holds an arrived
-transfer), ``_WRITE_DELAY_S`` (nixl P, after each WRITE); ``KVFLOW_FAULT_MATCH`` limits them to
-prompts holding that run of token ids. Failures (a run of token ids): ``_RECEIVE_FAIL`` (D fails
-the transfer), ``_WRITE_FAIL`` (nixl P posts only the first WRITE, then fails), ``_KV_CORRUPT``
-(P flips a byte of the last block it sends, after its digest). ``KVFLOW_DEBUG_KV_DIGEST``: D and
-colocated add ``kv_digest`` to the ``kvflow`` object (it syncs the device)."""
+"""Fault injection for the reliability tests: each fault is off unless its environment variable
+is set; the variables are listed in docs/reliability.md, "Fault injection (tests only)"."""
 
 from __future__ import annotations
 

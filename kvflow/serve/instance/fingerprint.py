@@ -37,8 +37,7 @@ def weights_digest(model: torch.nn.Module, *, workers: int | None = None) -> str
 
 
 def model_fingerprint(model: Any, max_model_len: int) -> dict[str, Any]:
-    """The fingerprint of a loaded model (with ``config`` and ``dtype``) served with
-    ``max_model_len`` tokens: ``ModelConfig`` fields but ``name``, ``dtype``, ``max_model_len``,
+    """``model``'s fingerprint: its ``ModelConfig`` but ``name``, its dtype, ``max_model_len`` and
     ``weights`` (:func:`weights_digest`), as the peer sees it after msgpack."""
     fp = {k: v for k, v in dataclasses.asdict(model.config).items() if k != "name"}
     fp["dtype"] = str(model.dtype).removeprefix("torch.")
@@ -54,9 +53,8 @@ def _shown(key: str, value: Any) -> str:
 
 
 def check_fingerprint(mine: dict[str, Any], my_id: str, peer: dict[str, Any], peer_id: str) -> str:
-    """'' when the peer's model fingerprint equals ours, else the refusal naming every
-    differing field with both values (``max_model_len: 256 (p-1) vs 128 (d-2)``); a peer that
-    sent none is refused too."""
+    """The refusal naming every field of the peer's fingerprint that differs from ours, with both
+    values (``max_model_len: 256 (p-1) vs 128 (d-2)``), or of none sent; '' when equal."""
     if not peer:
         return (f"model fingerprint missing, pairing refused: {peer_id} sent none (a kvflow "
                 f"older than this {my_id}?)")

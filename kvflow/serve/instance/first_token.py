@@ -13,9 +13,8 @@ from .sampling import sample_token, stop_reason
 
 def first_token_sampler(inst: Any, msg: Prefill, t_received: float,
                         t_started: float) -> Callable[[Any], int]:
-    """``sample(logits) -> int`` for the prefill of ``msg`` on P ``inst``: sample the first
-    token and send it to the router with P's stamps (``t_received``, ``t_started``:
-    ``time.monotonic()`` s). ``msg.max_tokens`` 0: P does not judge the stop."""
+    """``sample(logits) -> int`` for ``msg``'s prefill on P ``inst``: sample the first token, send
+    it with P's ``time.monotonic()`` stamps; ``msg.max_tokens`` 0: P does not judge the stop."""
     def sample(logits: Any) -> int:
         token = sample_token(logits, msg.temperature, msg.seed, 0)
         t = time.monotonic()

@@ -27,9 +27,8 @@ def next_seq() -> int:
 
 
 class HeartbeatThread(threading.Thread):
-    """Send ``beat()`` (a :class:`~kvflow.serve.protocol.Heartbeat`) to the router at ``router_url``
-    every ``period_s`` seconds, then ``renewals`` (D's, or None), until :meth:`stop`;
-    ``parent_pid`` (nonzero): call ``on_orphan()`` once that process is no longer the parent."""
+    """Send ``beat()`` to the router at ``router_url``, then D's ``renewals``, every ``period_s``
+    seconds until :meth:`stop`; ``on_orphan()`` once ``parent_pid`` (nonzero) is gone."""
 
     def __init__(self, ctx: zmq.Context, instance_id: str, router_url: str,
                  beat: Callable[[], Heartbeat], period_s: float, *, parent_pid: int = 0,

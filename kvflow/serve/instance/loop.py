@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -180,11 +181,9 @@ class EventLoop:
             self.beats.stop()
             self.beats = None
         name = signal.Signals(self.stop_signal[0]).name
-        try:
+        with contextlib.suppress(zmq.ZMQError):  # the router gone or its queue full: it judges
             self.ctrl.send(encode(Leaving(instance_id=self.instance_id, reason=name)), zmq.NOBLOCK)
             self._ctrl_linger_ms = self.LEAVE_LINGER_MS
-        except zmq.ZMQError:  # the router is gone or its queue is full: it judges the exit
-            pass
 
     def _on_stop_signal(self, signum: int, frame) -> None:
         """SIGINT / SIGTERM while serving: stop after the current unit of work."""

@@ -22,11 +22,9 @@ def spec_diff(mine: KVCacheSpec, theirs: KVCacheSpec) -> dict[str, tuple[Any, An
 
 def check_pairing(mine: KVCacheSpec, my_id: str, peer: dict[str, Any], peer_id: str,
                   connector: str | None = None, my_role: str | None = None) -> str:
-    """'' when the peer's KV cache spec equals ours or differs only in what ``connector`` (a
-    kind; None: none maps) can map; else the refusal naming every differing field with both
-    values. Also refused: scales the connector cannot move
-    (:func:`kvflow.connector.scales_refusal`), and with ``my_role`` known, an fp8 P re-blocked
-    by a kind without ``reblocks_fp8``."""
+    """The refusal naming every field of the peer's KV cache spec that differs from ours, with both
+    values; '' when equal or when ``connector`` maps the difference. Also refused: scales it cannot
+    move (:func:`kvflow.connector.scales_refusal`), an fp8 P re-blocked without ``reblocks_fp8``."""
     try:
         theirs = KVCacheSpec.from_dict(peer)
     except (TypeError, ValueError) as exc:

@@ -6,10 +6,9 @@ import torch
 
 
 def sample_token(logits: torch.Tensor, temperature: float, seed: int, index: int) -> int:
-    """Sample generated token number ``index`` of a request from float32 ``logits``
-    [vocab_size]: greedy at temperature 0, else a draw from a generator seeded by
-    ``(seed, index)``, so P (the first token) and D (the rest) draw exactly what one colocated
-    instance would."""
+    """Sample generated token ``index`` from float32 ``logits`` [vocab_size]: greedy at temperature
+    0, else drawn with a generator seeded by ``(seed, index)``, so that P and D draw exactly what
+    one colocated instance would."""
     from kvflow.engine import sample
     gen = None
     if temperature > 0:

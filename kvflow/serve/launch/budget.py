@@ -45,9 +45,8 @@ def _size(n: int | None) -> str:
 
 def check_budget_flags(device: str, memory_budget_mb: int | None,
                        gpu_memory_utilization: float | None) -> None:
-    """Check the budget flags together. Raises :class:`StartupError` for
-    ``--gpu-memory-utilization`` outside (0, 1], without ``--device cuda``, or with
-    ``--memory-budget-mb``."""
+    """:class:`StartupError` for ``--gpu-memory-utilization`` outside (0, 1], without ``--device
+    cuda``, or with ``--memory-budget-mb``."""
     util = gpu_memory_utilization
     if util is None:
         return
@@ -64,9 +63,8 @@ def check_budget_flags(device: str, memory_budget_mb: int | None,
 def memory_budget(device: str, memory_budget_mb: int | None = None,
                   gpu_memory_utilization: float | None = None,
                   mem_info: tuple[int, int] | None = None) -> MemoryBudget:
-    """The budget of an instance on ``device`` ("cpu", "cuda", "cuda:0") from the flags given;
-    ``mem_info``: ``(free, total)`` bytes of the CUDA device (default: torch's). Raises
-    :class:`StartupError` for a ``--memory-budget-mb`` above the device's free memory."""
+    """The budget of an instance on ``device`` from the flags; ``mem_info``: the CUDA device's
+    ``(free, total)`` bytes (default: torch's). :class:`StartupError`: more MiB than are free."""
     if not str(device).startswith("cuda"):
         mb = memory_budget_mb or CPU_DEFAULT_MB
         return MemoryBudget(mb * MIB, "--memory-budget-mb", mb)
@@ -84,12 +82,6 @@ def memory_budget(device: str, memory_budget_mb: int | None = None,
                             str(device), free, total)
     util = GPU_DEFAULT_UTILIZATION if gpu_memory_utilization is None else gpu_memory_utilization
     return MemoryBudget(int(util * free), "--gpu-memory-utilization", util, str(device), free, total)
-
-
-def shared_gpu_utilization(utilization: float | None, instances: int) -> float:
-    """Each instance's ``--gpu-memory-utilization`` when ``instances`` of them share one GPU."""
-    util = GPU_DEFAULT_UTILIZATION if utilization is None else utilization
-    return util / instances
 
 
 def too_small_message(budget: MemoryBudget, err, model: str) -> str:

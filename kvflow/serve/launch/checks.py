@@ -79,7 +79,8 @@ def check_config(cfg: ServeConfig, given: set[str]) -> None:
                 raise StartupError(f"{flag_name(name)} {getattr(cfg, name)} needs --device cuda "
                                    f"(on cpu there is one device); leave it out or add "
                                    f"--device cuda")
-    limit = check_model(cfg.model)
+    model = check_model(cfg.model)
+    limit = model.max_position_embeddings
     if cfg.max_model_len is not None and cfg.max_model_len > limit:
         raise StartupError(f"--max-model-len {cfg.max_model_len} exceeds the model's "
                            f"max_position_embeddings={limit} ({cfg.model}); use at most {limit}")
@@ -89,7 +90,7 @@ def check_config(cfg: ServeConfig, given: set[str]) -> None:
         raise StartupError(f"--backend {cfg.backend} is unknown; use auto or one of "
                            f"{', '.join(BACKEND_NAMES)}")
     if cfg.num_blocks is not None and cfg.device == "cpu":
-        _check_cache_fits(cfg)
+        _check_cache_fits(cfg, model)
 
 
 def _check_ranges(cfg: ServeConfig) -> None:
@@ -190,14 +191,9 @@ def _check_roles(cfg: ServeConfig) -> None:
                            f"own router: leave --router-url out")
 
 
-def _check_cache_fits(cfg: ServeConfig) -> None:
-    """``--num-blocks`` on CPU: one instance's KV cache must fit in this machine's memory."""
-    from kvflow.model.config import PRESETS, ModelConfig
-    if cfg.model in PRESETS:
-        mc = PRESETS[cfg.model]
-    else:
-        with open(os.path.join(cfg.model, "config.json"), encoding="utf-8") as f:
-            mc = ModelConfig.from_hf(json.load(f), name=cfg.model)
+def _check_cache_fits(cfg: ServeConfig, mc) -> None:
+    """``--num-blocks`` on CPU: one instance's KV cache (of model config ``mc``) must fit in
+    this machine's memory."""
     # KVCacheSpec.bytes_per_block of an NHD cache, without torch: K and V per layer
     per_block = (2 * mc.num_layers * cfg.block_size * mc.num_kv_heads * mc.head_dim
                  * _ITEMSIZE[cfg.dtype])

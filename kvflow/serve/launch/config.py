@@ -32,11 +32,6 @@ def meta(f: dataclasses.Field, key: str) -> Any:
     return value() if callable(value) else value
 
 
-def kv_connectors() -> tuple[str, ...]:
-    """The values of ``--kv-connector``: ``auto`` and every registered kind."""
-    return ("auto", *kinds.kind_names())
-
-
 def _reblocking(what: str) -> typing.Callable[[], str]:
     return lambda: f"{what}: {', '.join(kinds.with_capability('reblocks'))})"
 
@@ -48,9 +43,9 @@ def _internal(help: str) -> dict[str, Any]:
 
 @dataclass
 class ServeConfig:
-    """The settings of a router, P, D or colocated instance; field names are the flags'
-    (``kv_lease_s`` is ``--kv-lease-s``); times are seconds, memory MiB, lengths tokens. Built by
-    :func:`kvflow.serve.launch.checks.parse_config` or :meth:`from_json`."""
+    """The settings of a router, P, D or colocated instance, a field per flag (``kv_lease_s``:
+    ``--kv-lease-s``); seconds, MiB, tokens. Built by :func:`~.checks.parse_config`,
+    :meth:`from_json`."""
 
     host: str = field(default="127.0.0.1", metadata=_flag(
         "address the router (HTTP and control socket) and D's data socket bind to "
@@ -68,7 +63,7 @@ class ServeConfig:
         "built-in model name (kvflow-tiny: seeded weights, byte tokenizer, no download) or a "
         "local Hugging Face Llama/Qwen2 checkpoint directory"))
     kv_connector: str = field(default="auto", metadata=_flag(
-        kinds.help_kinds, choices=kv_connectors))
+        kinds.help_kinds, choices=lambda: ("auto", *kinds.kind_names())))
     kv_connector_config: dict = field(default_factory=dict, metadata=_flag(
         kinds.help_options, default_text="{}", metavar="JSON"))
     layerwise_min_tokens: int | None = field(default=None, metadata=_flag(
@@ -204,9 +199,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser(description: str = "") -> argparse.ArgumentParser:
-    """The parser of ``python -m kvflow.serve``, one flag per field of :class:`ServeConfig`; its
-    namespace holds only the flags given (``argparse.SUPPRESS``). ``--config-json`` (hidden):
-    a parent's whole config for its child."""
+    """The parser of ``python -m kvflow.serve``, a flag per :class:`ServeConfig` field; the
+    namespace holds the flags given only. ``--config-json`` (hidden): a parent's config for its
+    child."""
     p = _Parser(prog="python -m kvflow.serve", description=description,
                 formatter_class=argparse.RawDescriptionHelpFormatter,
                 argument_default=argparse.SUPPRESS)

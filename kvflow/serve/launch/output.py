@@ -4,6 +4,7 @@ of its stdout or stderr goes away (``... | head -3``, :func:`watch_output`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import select
 import stat
@@ -24,13 +25,11 @@ def say(line: str, stream=None) -> bool:
 
 def silence(stream) -> None:
     """Point ``stream``'s file descriptor at /dev/null: later writes neither fail nor warn."""
-    try:
+    with contextlib.suppress(OSError, ValueError, AttributeError):
         fd = stream.fileno()
         null = os.open(os.devnull, os.O_WRONLY)
         os.dup2(null, fd)
         os.close(null)
-    except (OSError, ValueError, AttributeError):
-        pass
 
 
 def output_closed(fds: tuple[int, ...] = (1, 2)) -> int | None:
@@ -57,11 +56,9 @@ def _stream_fds() -> tuple[int, ...]:
     """Of fds 1 and 2, those that are sys.stdout / sys.stderr (not a reused number)."""
     out = []
     for fd, stream in ((1, sys.stdout), (2, sys.stderr)):
-        try:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
             if stream is not None and stream.fileno() == fd:
                 out.append(fd)
-        except (OSError, ValueError, AttributeError):
-            pass
     return tuple(out)
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -104,10 +105,8 @@ class Children:
                             ", ".join(f"the {self.roles[p.pid]} instance (pid {p.pid})"
                                       for p in running), now - t0, timeout_s)
                 next_note += note_every_s
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 running[0].wait(min(0.05, max(0.0, deadline - now)))
-            except subprocess.TimeoutExpired:
-                pass
         for proc in running:
             if self.hurry:
                 log.warning("instance pid %d: a second interrupt; killing it", proc.pid)
@@ -130,21 +129,17 @@ def _tee(pipe, tail: deque, fatal: dict[int, str], pid: int) -> None:
             if line.startswith(PREFIX):
                 fatal[pid] = line[len(PREFIX):].strip()
                 continue
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 sys.stderr.write(line)
                 sys.stderr.flush()
-            except (OSError, ValueError):
-                pass
     finally:
         pipe.close()
 
 
 def instance_env(role: str, device: str, prefill_device: int, decode_device: int) -> dict[str, str] | None:
-    """Environment of one instance child. CUDA: ``CUDA_VISIBLE_DEVICES`` makes its ``cuda:0``
-    its GPU (``prefill_device`` or ``decode_device``), P and D also seeing the other's (CUDA
-    IPC); raises ValueError for an ordinal this process cannot see. Else the inherited one with
-    :data:`CPU_ENV` unless one of :data:`OPENMP_WAIT_VARS` is set (docs/gpu_serving.md,
-    "Measuring")."""
+    """Environment of one instance child: on CUDA ``CUDA_VISIBLE_DEVICES`` makes ``cuda:0`` its GPU,
+    P and D seeing each other's too (ValueError for an ordinal not visible here); on CPU the
+    inherited one with :data:`CPU_ENV` unless one of :data:`OPENMP_WAIT_VARS` is set."""
     if not str(device).startswith("cuda"):
         mine = any(name in os.environ for name in OPENMP_WAIT_VARS)  # the user chose a wait
         return dict(os.environ) if mine else {**CPU_ENV, **os.environ}
@@ -163,10 +158,8 @@ OPENMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
 def _exit_text(code: int) -> str:
     if code < 0:
-        try:
+        with contextlib.suppress(ValueError):
             return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            pass
     return f"exited with code {code}"
 
 

@@ -20,12 +20,12 @@ from .startup import StartupError, check_interrupted, one_line_errors
 def instance_config(cfg: ServeConfig, role: str, router_url: str) -> ServeConfig:
     """The config of child instance ``role``: the parent's, with the role, the router's address,
     this process as parent, no API key, and half the GPU each when P and D share one."""
-    from .budget import shared_gpu_utilization
+    from .budget import GPU_DEFAULT_UTILIZATION
     child = dataclasses.replace(cfg, role=role, router_url=router_url, api_key=None,
                                 parent_pid=os.getpid())
     if (cfg.device == "cuda" and cfg.mode == "disagg" and cfg.memory_budget_mb is None
             and cfg.num_blocks is None and cfg.prefill_device == cfg.decode_device):
-        child.gpu_memory_utilization = shared_gpu_utilization(cfg.gpu_memory_utilization, 2)
+        child.gpu_memory_utilization = (cfg.gpu_memory_utilization or GPU_DEFAULT_UTILIZATION) / 2
     return child
 
 
@@ -71,19 +71,16 @@ def stop_on_signals(server, children=None) -> None:
                 children.hurry = True
             return
         server.should_exit = True
-        try:  # os.write: a print here could re-enter a print the signal interrupted
+        with contextlib.suppress(OSError):  # os.write: a print could re-enter an interrupted one
             os.write(2, f"kvflow.serve: stopping ({signal.Signals(signum).name})\n".encode())
-        except OSError:
-            pass
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
 
 
 async def serve_router(cfg: ServeConfig, http_sock, children, serving: list[bool]) -> int:
-    """Serve HTTP on ``http_sock`` until stopped; return the exit status. ``serving`` gets True
-    once the router listens (``children``: :class:`~.procs.Children` or None). Raises
-    :class:`StartupError` when the tokenizer, the control socket or a child cannot start."""
+    """Serve HTTP on ``http_sock`` until stopped; returns the exit status (``serving`` gets True
+    when it listens). :class:`StartupError`: tokenizer, control socket or a child cannot start."""
     import uvicorn
     from kvflow.segments import clean_stale
     from ..router.app import create_app

@@ -68,13 +68,13 @@ class StartupError(SystemExit):
         return PREFIX + self.message
 
 
-def check_model(model: str) -> int:
-    """Check ``--model`` without loading weights; return its ``max_position_embeddings``.
-    Raises :class:`StartupError` when it is neither a built-in name nor a checkpoint directory
-    (naming what it lacks), or its config.json is unreadable or unsupported."""
+def check_model(model: str):
+    """``--model``'s :class:`~kvflow.model.config.ModelConfig`, read without loading weights.
+    :class:`StartupError` when it is neither a built-in name nor a checkpoint directory (naming what
+    it lacks), or its config.json is unreadable or unsupported."""
     from kvflow.model.config import PRESETS, ModelConfig
     if model in PRESETS:
-        return PRESETS[model].max_position_embeddings
+        return PRESETS[model]
     names = ", ".join(PRESETS)
     if not os.path.exists(model):
         raise StartupError(f"--model {model!r} is neither a built-in model ({names}) nor a "
@@ -102,13 +102,12 @@ def check_model(model: str) -> int:
         raise StartupError(f"--model {model!r}: config.json has no {exc.args[0]!r}") from None
     except (ValueError, TypeError, AttributeError) as exc:
         raise StartupError(f"--model {model!r}: {exc}") from None
-    return config.max_position_embeddings
+    return config
 
 
 def check_device(device: str, gpus: dict[str, int] | None = None) -> None:
-    """Check that ``--device`` ("cpu" or "cuda") can run here, before any child starts;
-    ``gpus``: ``{flag: ordinal}`` of the GPUs this process hands out. Raises
-    :class:`StartupError` without CUDA, or for an ordinal past the visible GPUs."""
+    """Check that ``--device`` can run here, before any child starts (``gpus``: ``{flag: ordinal}``
+    handed out); :class:`StartupError` without CUDA, or for an ordinal past the visible GPUs."""
     if device == "cpu":
         return
     import torch

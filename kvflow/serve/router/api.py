@@ -50,12 +50,9 @@ class StreamOptions(BaseModel):
 
 
 class CompletionRequest(BaseModel):
-    """Body of ``POST /v1/completions`` (docs/tutorials/quickstart.md, "Request fields").
-
-    ``prompt``: text or token ids, not empty; ``temperature`` 0 (the default) is greedy;
-    ``seed`` None draws one per request; ``ignore_eos`` is vLLM's. null means the default. The
-    fields of :data:`UNSUPPORTED` are accepted only at their no-op values; types are strict
-    (``"3"``, ``true`` or ``2.0`` is no integer); another value is HTTP 400 naming the field.
+    """Body of ``POST /v1/completions`` (docs/tutorials/quickstart.md, "Request fields"): null means
+    the default; the fields of :data:`UNSUPPORTED` are taken at their no-op values only; types are
+    strict (``"3"``, ``true`` or ``2.0`` is no integer); another value is HTTP 400 naming the field.
     """
 
     model_config = ConfigDict(extra="forbid", strict=True)

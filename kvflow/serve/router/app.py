@@ -5,6 +5,7 @@ of a request whose client disconnected (HTTP 499)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -182,9 +183,7 @@ async def _next_unless_gone(events: AsyncIterator[Tokens], request: Request) -> 
                 return task.result()
             continue
         task.cancel()
-        try:
+        with contextlib.suppress(asyncio.CancelledError, RequestError, StopAsyncIteration):
             await task
-        except (asyncio.CancelledError, RequestError, StopAsyncIteration):
-            pass
         await events.aclose()
         raise RequestError(499, "client disconnected")

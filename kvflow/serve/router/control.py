@@ -27,10 +27,8 @@ log = logging.getLogger("kvflow.serve.router")
 
 
 class Controller:
-    """Bound to ``host``:``port`` (0: a free port; :attr:`addr` names ``advertise_host``
-    instead, :mod:`~kvflow.serve.advertise`); ``proc_alive(pid)`` for processes this server
-    spawned (None: heartbeats only); ``dead_after_s``, ``hung_after_s`` as
-    :func:`~kvflow.serve.router.liveness.judge`."""
+    """Bound to ``host``:``port`` (0: a free port; :attr:`addr` names ``advertise_host``);
+    ``proc_alive(pid)``: for processes this server spawned (None: heartbeats only)."""
 
     MONITOR_S = 0.1  # how often liveness is judged (seconds)
 
@@ -220,9 +218,8 @@ class Controller:
 
     def instance_died(self, info: InstanceInfo, why: str, *, exited: bool = False,
                       stopped: bool = False) -> None:
-        """Forget a dead instance, fail the requests that still need it, unlink its segment.
-        ``exited``: its process was seen to exit (else it may still run); ``stopped``: a clean
-        stop (:class:`~kvflow.serve.protocol.Leaving`), logged at INFO, judged as a silent one."""
+        """Forget a dead instance, fail the requests that need it, unlink its segment. ``exited``:
+        its process was seen to exit; ``stopped``: a clean stop (``Leaving``), logged at INFO."""
         self.instances.pop(info.id, None)
         if exited:
             self.exited.add(info.id)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -45,10 +47,8 @@ class Metrics:
 
     def forget(self, instance: str, role: str) -> None:
         for g in (self.free_blocks, self.num_blocks):
-            try:
+            with contextlib.suppress(KeyError):
                 g.remove(instance, role)
-            except KeyError:
-                pass
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -78,11 +78,10 @@ class Router:
 
     async def run(self, body: CompletionRequest, token_ids: list[int],
                   t_received: float | None = None) -> AsyncIterator[Tokens]:
-        """Yield the :class:`Tokens` of one request in output order (P's first, ``index`` 0;
-        then D's); the finishing one carries the ``kvflow`` object (:meth:`RequestClock.report`,
-        since ``t_received``, ``time.monotonic()`` s, default now). A request P's token
-        finished is followed in the background (:meth:`_follow`). Raises :class:`RequestError`
-        (the HTTP status and message that end the request)."""
+        """Yield the :class:`Tokens` of one request in output order (P's first, ``index`` 0; then
+        D's); the finishing one carries the ``kvflow`` object (:meth:`RequestClock.report`, from
+        ``t_received``, default now). A request P's token finished is followed in the background
+        (:meth:`_follow`). Raises :class:`RequestError` (the HTTP status and message)."""
         clock = RequestClock(time.monotonic() if t_received is None else t_received)
         pair = self.ctl.pick()
         if pair is None:
