@@ -137,8 +137,7 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
                  "hosts",
          p_half="one NIXL WRITE per layer group into D's registered cache (or D's staging), "
                 "`KVPushed`",
-         d_half="registers its cache with a NIXL agent; staged: scatters each layer group on "
-                "its notification",
+         d_half="registers its cache with a NIXL agent; staged: scatters on `KVPushed`",
          options=(Option("mode", str, "direct", "direct WRITEs P's blocks into D's, "
                          "consecutive ids coalesced, staged gathers into a registered staging "
                          "buffer, one WRITE per layer group, and D scatters",

@@ -18,7 +18,7 @@ from .base import KVSender, Peer, PrefillJob, TransferError
 from .ipc_push import PushSender
 from .layer_copy import LAYERS_PER_COPY
 from .nixl_receiver import NixlReceiver, check_mode, peer_info, staging_blocks  # noqa: F401
-from .nixl_writer import PIPELINE_SLOTS, NixlPeer, NixlWriter
+from .nixl_writer import NixlPeer, NixlWriter
 from .transport.frames import warm_staging
 from .transport.nixl_agent import Agent, block_descs, mem_type
 
@@ -47,23 +47,20 @@ class NixlSender(PushSender):
         self.peers: dict[str, NixlPeer] = {}
 
     def make_cache(self, num_blocks: int) -> PagedKVCache:
-        """P's cache, registered with a new agent (and, staged, a staging buffer of
-        :data:`~.nixl_writer.PIPELINE_SLOTS` layer groups of the longest request)."""
+        """P's cache, registered with a new agent (and, staged, a staging buffer)."""
         cache, spec = KVSender.make_cache(self, num_blocks), self.spec
         self.agent = Agent("prefill", progress_thread=False, driven=True)
         mem, dev = mem_type(cache.buffer)
         local = self.agent.register(cache.buffer, block_descs(
             cache.buffer.data_ptr(), spec.num_tensors, num_blocks, spec.block_bytes, dev), mem)
         staging = local_staging = None
-        group = min(self.layers_per_copy, spec.num_layers) * spec.tensors_per_layer
-        slot = staging_blocks(spec, num_blocks, self.max_model_len) * group  # descriptors
-        if self.mode == "staged":  # PIPELINE_SLOTS slots of one layer group each
-            n = PIPELINE_SLOTS * slot
+        if self.mode == "staged":
+            n = staging_blocks(spec, num_blocks, self.max_model_len) * spec.num_tensors
             staging = torch.zeros(n * spec.block_bytes, dtype=torch.uint8, device=self.device)
             local_staging = self.agent.register(staging, block_descs(
                 staging.data_ptr(), 1, n, spec.block_bytes, dev), mem)
         self.copier = NixlWriter(self.agent, cache, local, self.mode, self.layers_per_copy,
-                                 staging=staging, local_staging=local_staging, slot_descs=slot,
+                                 staging=staging, local_staging=local_staging,
                                  backend=self.backend, timeout_s=self.timeout_s)
         return cache
 

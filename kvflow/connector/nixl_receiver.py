@@ -1,17 +1,11 @@
 """D's half of the ``nixl`` kind (:class:`NixlReceiver`, loaded through
 :mod:`kvflow.connector.nixl`), and what both halves share: the modes, the size of a staging
 slot, the check of a peer's agent info. D publishes its registered memory in
-``Register.connector_md``; P WRITEs into it. Staged, a P's slot holds a whole request, each
-layer group at its own place, and D scatters a group when its ``kv`` notification comes (on a
-thread of its own). See docs/nixl.md, "How it works".
+``Register.connector_md``; P WRITEs into it. See docs/nixl.md, "How it works".
 """
 
 from __future__ import annotations
 
-import contextlib
-import queue
-import threading
-import time
 from typing import Any
 
 import torch
@@ -30,8 +24,6 @@ from .transport.nixl_agent import Agent, mem_type
 
 MODES = ("direct", "staged")
 STAGING_SLOTS = 4  # of a staged D: the paired P's it can serve
-GROUP_TIMEOUT_S = 10.0  # staged: seconds D waits after KVPushed for a group's notification
-ENDED = 4096  # staged: requests ended here whose late notifications are dropped
 
 
 def check_mode(mode: Any, device: torch.device) -> None:
@@ -63,8 +55,7 @@ def peer_info(peer: Peer, role: str, mode: str, me: str) -> NixlAgentInfo:
 
 class NixlReceiver(KVReceiver):
     """D's half: registers its cache (and, staged, ``staging_slots`` slots) with an agent;
-    staged, scatters each layer group from the sender's slot on its notification, and
-    ``KVPushed`` waits until every layer is in."""
+    staged, scatters the sender's slot on ``KVPushed``."""
 
     name = "nixl"
     acks = False
@@ -83,11 +74,9 @@ class NixlReceiver(KVReceiver):
         self.staging: torch.Tensor | None = None
         self.slot_bytes = 0
         self.slots: dict[str, int] = {}  # paired P -> its staging slot
+        self.received: set[str] = set()  # staged: requests scattered (their slot is freed)
         self.freed: dict[str, str] = {}  # staged: paired P -> the last request freed by receive
         self.expected: set[str] = set()  # requests whose KV may come (the agent polls fast)
-        self.groups: dict[str, list] = {}  # staged: req -> [layers in, D's ids, error]
-        self.ended: dict[str, None] = {}  # staged: received or forgotten (slot freed), oldest first
-        self._mu = threading.Lock()  # groups / ended, between the agent's threads
 
     def make_cache(self, num_blocks: int) -> PagedKVCache:
         cache = super().make_cache(num_blocks)
@@ -99,10 +88,6 @@ class NixlReceiver(KVReceiver):
             self.staging = torch.zeros(self.staging_slots * self.slot_bytes, dtype=torch.uint8,
                                        device=self.device)
             self.agent.register(self.staging)
-            # groups scatter on a thread of their own: the progress thread stays free to progress
-            self._todo: queue.SimpleQueue = queue.SimpleQueue()  # (peer, notice); None: stop
-            self.agent.on_notif = (b"kv ", lambda *notice: self._todo.put(notice))
-            threading.Thread(target=self._scatter_loop, name="nixl-scatter", daemon=True).start()
         return cache
 
     def warmup(self) -> None:
@@ -145,8 +130,6 @@ class NixlReceiver(KVReceiver):
 
     def expect(self, req_id: str) -> None:
         """D allocated ``req_id``'s blocks: progress fast until its ``KVPushed`` or end."""
-        with self._mu:  # an id used again (the bench's): its notifications count again
-            self.ended.pop(req_id, None)
         if req_id not in self.expected:
             self.expected.add(req_id)
             self.agent.hold(req_id)
@@ -165,10 +148,10 @@ class NixlReceiver(KVReceiver):
             stats = pushed_stats(header, frames, dst_ids,
                                  "prefill could not write the KV over NIXL")
             if self.mode == "staged" and dst_ids:
-                self._await_groups(header.req_id, list(dst_ids))
+                self._scatter(peer_id, dst_ids, cache)
         finally:
             if self.mode == "staged":
-                self._end(header.req_id)
+                self.received.add(header.req_id)
                 if not header.ok:
                     self._resend_slot(pid)
                 self._free(pid, header.req_id)
@@ -188,76 +171,32 @@ class NixlReceiver(KVReceiver):
         if peer_id in self.freed:
             self._free(peer_id, self.freed[peer_id])
 
-    def _scatter_loop(self) -> None:
-        for notice in iter(self._todo.get, None):
-            self._on_group(*notice)
-
-    def _on_group(self, peer_id: str, msg: bytes) -> None:
-        """``kv LO HI D-IDS REQ``: scatter layers [LO, HI) of ``REQ`` from ``peer_id``'s slot
-        into D's ids, unless ``REQ`` ended here (its blocks may be another's by now)."""
-        _, lo, hi, ids, req = (msg.split(b" ", 4) + [b""] * 5)[:5]
-        with self._mu:
-            if not req or req.decode() in self.ended:
-                return  # not a group's notice, or too late
-            got = self.groups.setdefault(req.decode(), [0, None, ""])
-            try:
-                got[1] = [int(x) for x in ids.split(b",")]
-                self._scatter(peer_id, got[1], range(int(lo), int(hi)))
-                got[0] += int(hi) - int(lo)
-            except Exception as exc:  # noqa: BLE001 - the request fails at its KVPushed
-                got[2] = got[2] or f"staged scatter of {req.decode()} failed: {exc}"
-
-    def _await_groups(self, req_id: str, dst_ids: list[int]) -> None:
-        """After ``KVPushed``: until every layer of ``req_id`` was scattered into ``dst_ids``
-        (TransferError: a scatter failed, P named other blocks, or a group's notification did
-        not come within :data:`GROUP_TIMEOUT_S`)."""
-        deadline, L = time.monotonic() + GROUP_TIMEOUT_S, self.spec.num_layers
-        while (got := self.groups.get(req_id, [0, None, ""]))[0] < L and not got[2]:
-            if time.monotonic() > deadline:
-                raise TransferError(f"staged KV of {req_id}: {got[0]} of {L} layers were "
-                                    f"notified within {GROUP_TIMEOUT_S:g} s of its KVPushed")
-            self.agent.progress()
-            time.sleep(20e-6)
-        if got[2] or got[1] != dst_ids:
-            raise TransferError(got[2] or f"staged KV of {req_id} went into D's blocks "
-                                          f"{got[1]}; D expects {dst_ids}")
-
-    def _end(self, req_id: str) -> bool:
-        """``req_id``'s slot is done with; False when it was already."""
-        with self._mu:
-            self.groups.pop(req_id, None)
-            fresh, self.ended[req_id] = req_id not in self.ended, None
-            if len(self.ended) > ENDED:
-                del self.ended[next(iter(self.ended))]
-            return fresh
-
-    def _scatter(self, peer_id: str, dst_ids: list[int], layers: range) -> None:
-        slot = self.slots.get(peer_id)
+    def _scatter(self, peer_id: str | None, dst_ids, cache: PagedKVCache) -> None:
+        slot = self.slots.get(peer_id or "")
         if slot is None:
             raise TransferError(f"staged KV from {peer_id!r}, which holds no staging slot here "
                                 f"(slots: {self.slots})")
-        spec, n = self.spec, len(dst_ids)
-        lo = slot * self.slot_bytes + layers.start * spec.tensors_per_layer * n * spec.block_bytes
-        src = self.staging[lo:lo + len(layers) * spec.tensors_per_layer * n * spec.block_bytes]
-        src = src.view(spec.dtype).view(staging_shape(spec, n, layers))
-        with torch.cuda.device(src.device) if src.is_cuda else contextlib.nullcontext():
-            scatter_blocks(src, self.cache, dst_ids, layers, backend=self.backend,
-                           max_ctas=self.receive_max_ctas)
-            if src.is_cuda:  # the slot is read until the scatter ran: only then may P reuse it
-                torch.cuda.current_stream(src.device).synchronize()
+        spec, n, lo = self.spec, len(dst_ids), slot * self.slot_bytes
+        src = self.staging[lo:lo + n * spec.bytes_per_block]
+        src = src.view(spec.dtype).view(staging_shape(spec, n))
+        scatter_blocks(src, cache, list(dst_ids), backend=self.backend,
+                       max_ctas=self.receive_max_ctas)
+        if src.is_cuda:  # the slot is read until the scatter ran: only then may P reuse it
+            torch.cuda.current_stream(src.device).synchronize()
 
     def forget(self, req_id: str) -> None:
-        """``req_id`` ended: stop progressing fast for it; staged and not received, drop its
-        later notifications and tell every paired P its slot is free (D does not know which
-        one prefills it)."""
+        """``req_id`` ended: stop progressing fast for it; staged and not scattered, tell
+        every paired P its slot is free (D does not know which one prefills it)."""
         self._arrived(req_id)
-        if self.mode == "staged" and self._end(req_id):
-            for peer_id in self.slots:
-                self._free(peer_id, req_id)
+        if self.mode != "staged":
+            return
+        if req_id in self.received:
+            self.received.discard(req_id)
+            return
+        for peer_id in self.slots:
+            self._free(peer_id, req_id)
 
     def close(self) -> None:
-        if self.staging is not None:
-            self._todo.put(None)
         if self.agent is not None:
             self.agent.close()
             self.agent = None

@@ -2,9 +2,7 @@
 :class:`~kvflow.connector.layer_copy.LayerCopier` (``start``, ``pairs``, ``layer_hook``,
 ``finish``), so :class:`~kvflow.connector.ipc_push.PushSender`'s prefill drives it. The modes
 (``direct``, ``staged``): docs/nixl.md, "How it works"; ``staged`` writes in the last chunk
-only, one layer group at a time through :data:`PIPELINE_SLOTS` slots of P's staging buffer
-(group g's WRITE in flight while group g + 1 is gathered). Every WRITE is waited for in
-:meth:`NixlWriter.finish`, before ``KVPushed``.
+only. Every WRITE is waited for in :meth:`NixlWriter.finish`, before ``KVPushed``.
 """
 
 from __future__ import annotations
@@ -27,8 +25,6 @@ from .transport.nixl_plan import desc_indices
 SLOT_TIMEOUT_S = 10.0
 #: ``free`` notices a staged P keeps for requests it has not written (yet) into D's slot.
 EARLY_FREES = 256
-#: Slots of a staged P's staging buffer, each one layer group of the longest request.
-PIPELINE_SLOTS = 2
 
 
 @dataclasses.dataclass
@@ -50,21 +46,17 @@ class NixlWriter:
     """Posts and waits for WRITEs from P's ``cache``, registered with ``agent`` (``local``: its
     prepared descriptor list), and, staged, from P's flat uint8 ``staging`` buffer
     (``local_staging``: its ``block_bytes`` descriptors). ``backend``: the gather's kernels;
-    ``timeout_s``: seconds to wait for a request's WRITEs. Staged, ``staging`` holds
-    :data:`PIPELINE_SLOTS` slots of ``slot_descs`` descriptors each."""
+    ``timeout_s``: seconds to wait for a request's WRITEs."""
 
     def __init__(self, agent: Any, cache: Any, local: Any, mode: str, layers_per_copy: int, *,
-                 staging: Any = None, local_staging: Any = None, slot_descs: int = 0,
-                 backend: str = "auto", timeout_s: float = 30.0) -> None:
+                 staging: Any = None, local_staging: Any = None, backend: str = "auto",
+                 timeout_s: float = 30.0) -> None:
         self.agent, self.cache, self.local, self.mode = agent, cache, local, mode
         self.layers_per_copy, self.backend, self.timeout_s = layers_per_copy, backend, timeout_s
-        self.staging, self.local_staging, self.slot_descs = staging, local_staging, slot_descs
+        self.staging, self.local_staging = staging, local_staging
         self.handles: list[Any] = []
         self.job: Any = None  # the request being written (staged)
-        self._ids: tuple[Any, Any, bytes] | None = None  # (job, P's ids, D's ids) of its gathers
-        self.group = 0  # staged: layer groups of the request gathered so far
-        self.slot_h: list[Any] = [None] * PIPELINE_SLOTS  # staged: each slot's last WRITE
-        self.ready: tuple | None = None  # staged, CUDA: (event, slot, WRITE) gathered, not posted
+        self._ids: tuple[Any, Any] | None = None  # (job, its ids) of the staged gathers
         self.fault_delay_s, self.fault_fail, self.dropped = 0.0, False, ""  # test faults
         self.posted = 0  # WRITEs posted for the request
 
@@ -99,20 +91,17 @@ class NixlWriter:
         from kvflow.serve.instance import faults
         self.fault_delay_s = faults.delay_s("write", job.token_ids)
         self.fault_fail, self.dropped = faults.fails("write", job.token_ids), ""
-        self.posted = self.group = 0
+        self.posted = 0
         if self.mode != "staged":
             return
         spec = self.cache.spec
         nb = spec.num_blocks_for(len(job.token_ids))
         n = nb - min(job.num_cached_blocks, nb)
-        mine = self.slot_descs // spec.tensors_per_layer // min(self.layers_per_copy,
-                                                                spec.num_layers)
-        for fits, whose in ((peer.slot_descs // spec.num_tensors, f"decode instance {peer.id}"),
-                            (mine, "this prefill instance")):
-            if n > fits:
-                raise TransferError(f"request {job.req_id} moves {n} blocks "
-                                    f"({len(job.token_ids)} tokens, {job.num_cached_blocks} "
-                                    f"cached on D); a staging slot of {whose} holds {fits}")
+        fits = peer.slot_descs // spec.num_tensors
+        if n > fits:
+            raise TransferError(f"request {job.req_id} moves {n} blocks ({len(job.token_ids)} "
+                                f"tokens, {job.num_cached_blocks} cached on D); a staging slot "
+                                f"of decode instance {peer.id} holds {fits}")
 
     def _drain_free(self, peer: NixlPeer) -> bool:
         """Take D's ``free`` notices (others' are kept in ``peer.early``); True while the slot
@@ -159,12 +148,11 @@ class NixlWriter:
             if stats is not None and stats.pending is not None:
                 pending, stats.pending = stats.pending, None
                 L = self.cache.spec.num_layers
-                step = self.layers_per_copy if self.mode == "staged" else L
+                on_host = not self.cache.buffer.is_cuda
+                step = self.layers_per_copy if self.mode == "staged" and on_host else L
                 for lo in range(0, L, step):
                     self._write(pending, range(lo, min(lo + step, L)), stats)
-            if stats is not None:
-                self._post_ready()
-            handles, self.handles = handles + self.handles, []
+                handles, self.handles = handles + self.handles, []
             if handles:
                 self.agent.wait(handles, self.timeout_s, f"{len(handles)} layer groups")
             if self.dropped:  # KVFLOW_FAULT_WRITE_FAIL: the later groups were never posted
@@ -177,9 +165,9 @@ class NixlWriter:
             stats.exposed_ms = (time.perf_counter() - t0) * 1e3
 
     def close(self) -> None:
-        """Release the handles of WRITEs never waited for (and forget one never posted)."""
+        """Release the handles of WRITEs never waited for."""
         self.agent.drop(self.handles)
-        self.handles, self.ready, self.slot_h = [], None, [None] * PIPELINE_SLOTS
+        self.handles = []
 
     def _write(self, pairs, layers: range, stats: Any) -> None:
         t0 = time.perf_counter()
@@ -194,69 +182,50 @@ class NixlWriter:
             return
         if self.mode == "direct":
             src, dst = pairs
-            if self.cache.buffer.is_cuda:  # NIXL reads memory outside P's stream
-                torch.cuda.current_stream(self.cache.buffer.device).synchronize()
-            self.handles.append(self.agent.write(
+            self._settle()
+            handle = self.agent.write(
                 self.local, desc_indices(src, tensors, self.cache.num_blocks), peer.remote,
-                desc_indices(dst, tensors, peer.num_blocks), what))
-            self.posted += 1
-        else:  # False: no block to move (D's prefix cache holds them all)
-            self.posted += self._write_staged(peer, layers, tensors, what)
+                desc_indices(dst, tensors, peer.num_blocks), what)
+        else:  # None: no block to move (D's prefix cache holds them all)
+            handle = self._write_staged(peer, layers, tensors, what)
             peer.last_req = self.job.req_id
+        if handle is not None:
+            self.handles.append(handle)
+            self.posted += 1
         stats.copy_ms += (time.perf_counter() - t0) * 1e3
         if self.fault_delay_s:  # KVFLOW_FAULT_WRITE_DELAY_S: kill or abort D meanwhile
             time.sleep(self.fault_delay_s)
 
-    def _ids_of(self, job: Any) -> tuple[Any, bytes]:
-        """P's ids of the blocks ``job`` moves (on a GPU a device tensor) and D's (the text of
-        the notifications), once per request."""
+    def _ids_of(self, job: Any) -> Any:
+        """P's ids of the blocks ``job`` moves, once per request (on a GPU a device tensor)."""
         if self._ids is not None and self._ids[0] is job:
-            return self._ids[1:]
+            return self._ids[1]
         nb = self.cache.spec.num_blocks_for(len(job.token_ids))
-        lo = min(job.num_cached_blocks, nb)
-        ids: Any = list(job.blocks[lo:nb])
+        ids: Any = list(job.blocks[min(job.num_cached_blocks, nb):nb])
         if self.cache.buffer.is_cuda and ids:
             ids = torch.tensor(ids, dtype=torch.int32).to(self.cache.buffer.device)
-        self._ids = (job, ids, ",".join(map(str, job.decode_block_ids[lo:nb])).encode())
-        return self._ids[1:]
+        self._ids = (job, ids)
+        return ids
 
-    def _write_staged(self, peer: NixlPeer, layers: range, tensors: range, what: str) -> bool:
-        """Gather ``layers`` of the request's blocks into the next slot of P's staging (once
-        that slot's last WRITE is done) and WRITE them to their place in D's slot, notifying
-        ``kv LO HI D-IDS REQ``. On a GPU the WRITE is posted after the next group's gather is
-        queued (or in :meth:`finish`). False when the request moves no block."""
+    def _settle(self) -> None:
+        """On a GPU, wait for P's stream (NIXL reads memory outside it)."""
+        if self.cache.buffer.is_cuda:
+            torch.cuda.current_stream(self.cache.buffer.device).synchronize()
+
+    def _write_staged(self, peer: NixlPeer, layers: range, tensors: range, what: str):
+        """Gather ``layers`` of the request's blocks into staging and WRITE them into D's slot;
+        None when the request moves no block."""
         spec, job = self.cache.spec, self.job
-        ids, dst = self._ids_of(job)
+        ids = self._ids_of(job)
         n = len(ids)
         if n == 0:
-            return False
-        s, self.group = self.group % PIPELINE_SLOTS, self.group + 1
-        if self.slot_h[s] is not None:  # the slot's WRITE, two groups ago, must be done
-            h, self.slot_h[s] = self.slot_h[s], None
-            self.handles = [x for x in self.handles if x is not h]
-            self.agent.wait([h], self.timeout_s, f"a staging slot's WRITE to {peer.id}")
-        k, lo = len(tensors) * n, s * self.slot_descs  # descriptors of block_bytes
-        out = self.staging[lo * spec.block_bytes:(lo + k) * spec.block_bytes]
+            return None
+        lo, hi = tensors.start * n, tensors.stop * n  # in block_bytes units
+        out = self.staging[lo * spec.block_bytes:hi * spec.block_bytes]
         out = out.view(spec.dtype).view(staging_shape(spec, n, layers))
         gather_blocks(self.cache, ids, out, layers, backend=self.backend)
-        idx = np.arange(k, dtype=np.int32)
-        base = peer.slot * peer.slot_descs + tensors.start * n  # the group's place in D's slot
-        notif = b"kv %d %d %s %s" % (layers.start, layers.stop, dst, job.req_id.encode())
-        ev = torch.cuda.Event() if out.is_cuda else None
-        if ev is not None:
-            ev.record(torch.cuda.current_stream(out.device))
-        self._post_ready()
-        self.ready = (ev, s, (self.local_staging, lo + idx, peer.remote, base + idx, what, notif))
-        if ev is None:
-            self._post_ready()
-        return True
+        self._settle()
+        base = peer.slot * peer.slot_descs
+        idx = np.arange(lo, hi, dtype=np.int32)
+        return self.agent.write(self.local_staging, idx, peer.remote, base + idx, what)
 
-    def _post_ready(self) -> None:
-        """Post the gathered group's WRITE, once its gather ran."""
-        if self.ready is None:
-            return
-        (ev, s, args), self.ready = self.ready, None
-        if ev is not None:
-            ev.synchronize()
-        self.handles.append(self.agent.write(*args))
-        self.slot_h[s] = self.handles[-1]

@@ -106,9 +106,6 @@ class Agent:
         self.notifs: dict[str, list[bytes]] = {}  # agent name -> notifications not taken yet
         self.descs_posted = 0  # descriptors posted in WRITEs/READs (issue 28's descs column)
         self.post_ms = 0.0  # ms spent in NIXL's make_prepped_xfer + transfer calls
-        #: ``(prefix, fn)``: :meth:`progress` hands notifications starting with ``prefix`` to
-        #: ``fn(peer_id, message)`` (outside the lock), not to :meth:`take`
-        self.on_notif: tuple[bytes, Any] | None = None
         self.driver = ProgressDriver(self.progress, self.name) if driven else None
 
     def _quietly(self, fn: Any, *args: Any) -> None:
@@ -171,11 +168,10 @@ class Agent:
             return self.agent.prep_xfer_dlist(agent or "NIXL_INIT_AGENT", descs, mem)
 
     def write(self, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray,
-              what: str, notif: bytes = b"") -> Any:
-        """Post one WRITE of prepared descriptors ``local_idx`` into ``remote_idx`` (``notif``:
-        a notification the peer gets after the data); returns its handle (:meth:`wait`).
-        TransferError, naming ``what``, when NIXL refuses or fails it."""
-        return self._post("WRITE", local, local_idx, remote, remote_idx, what, notif)
+              what: str) -> Any:
+        """Post one WRITE of prepared descriptors ``local_idx`` into ``remote_idx``; returns its
+        handle (:meth:`wait`). TransferError, naming ``what``, when NIXL refuses or fails it."""
+        return self._post("WRITE", local, local_idx, remote, remote_idx, what)
 
     def read(self, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray,
              what: str) -> Any:
@@ -184,12 +180,12 @@ class Agent:
         return self._post("READ", local, local_idx, remote, remote_idx, what)
 
     def _post(self, op: str, local: Any, local_idx: np.ndarray, remote: Any,
-              remote_idx: np.ndarray, what: str, notif: bytes = b"") -> Any:
+              remote_idx: np.ndarray, what: str) -> Any:
         try:
             with self._lock:
                 t0 = time.perf_counter()
                 handle = self.agent.make_prepped_xfer(op, local, local_idx.astype(np.int32),
-                                                      remote, remote_idx.astype(np.int32), notif)
+                                                      remote, remote_idx.astype(np.int32))
                 state = self.agent.transfer(handle)
                 self.post_ms += (time.perf_counter() - t0) * 1e3
                 self.descs_posted += len(local_idx)
@@ -246,19 +242,11 @@ class Agent:
             self._quietly(self.agent.send_notif, name, message)
 
     def progress(self) -> None:
-        """Let UCX progress once, keeping new notifications for :meth:`take` (or handing them
-        to :attr:`on_notif`)."""
-        hook, hooked = self.on_notif, []
+        """Let UCX progress once, keeping new notifications for :meth:`take`."""
         with self._lock:
             for name, msgs in self.agent.get_new_notifs().items():
-                name = name.decode() if isinstance(name, bytes) else name
-                if hook is not None:
-                    peer = next((p for p, n in self.peers.items() if n == name), name)
-                    hooked += [(peer, m) for m in msgs if m.startswith(hook[0])]
-                    msgs = [m for m in msgs if not m.startswith(hook[0])]
-                self.notifs.setdefault(name, []).extend(msgs)
-        for peer, m in hooked:
-            hook[1](peer, m)
+                self.notifs.setdefault(name.decode() if isinstance(name, bytes) else name,
+                                       []).extend(msgs)
 
     def take(self, peer_id: str, prefix: bytes) -> bytes | None:
         """The oldest notification from ``peer_id`` starting with ``prefix`` (removed), or None."""
