@@ -115,6 +115,8 @@ def test_cli_help_names_every_flag():
 @pytest.mark.parametrize("argv, message", [
     (["--role", "decode"], "--role decode needs --router-url tcp://HOST:PORT"),
     (["--block-size", "0"], "--block-size must be positive"),
+    (["--block-size", "100000", "--max-model-len", "2048"], "--block-size 100000 exceeds the "
+     "longest request (2048 tokens): no request fills one block; use at most 2048"),
     (["--router-url", "http://x"], "--router-url must look like tcp://HOST:PORT, got 'http://x'"),
     (["--kv-connector", "rdma"], "invalid choice: 'rdma'"),
 ])

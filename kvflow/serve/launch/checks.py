@@ -84,6 +84,12 @@ def check_config(cfg: ServeConfig, given: set[str]) -> None:
     if cfg.max_model_len is not None and cfg.max_model_len > limit:
         raise StartupError(f"--max-model-len {cfg.max_model_len} exceeds the model's "
                            f"max_position_embeddings={limit} ({cfg.model}); use at most {limit}")
+    longest = cfg.max_model_len or limit
+    for name in ("block_size", "decode_block_size"):
+        if (getattr(cfg, name) or 0) > longest:
+            raise StartupError(f"{flag_name(name)} {getattr(cfg, name)} exceeds the longest "
+                               f"request ({longest} tokens): no request fills one block; use at "
+                               f"most {longest}")
     _check_verify(cfg, limit)
     _check_roles(cfg)
     if cfg.backend != "auto" and cfg.backend not in BACKEND_NAMES:
