@@ -108,10 +108,10 @@ class DecodeBench:
         self.tokens = self.engine.decode(batch).argmax(-1).tolist()
 
     def measure(self, cfg: Config, rate_gbps: float | None, steps: int | None = None) -> dict:
-        """TPOT of ``steps`` (default ``s.steps``) steps (after ``s.warmup``) with units arriving at ``rate_gbps``
-        GB/s (0 or ``cfg.backend == "none"``: none). Returns seconds per step (``tpot_s``),
-        units landed, the window's seconds (first step's start to the last unit's end or the
-        last step's end, whichever is later) and whether the last unit landed intact."""
+        """TPOT of ``steps`` (default ``s.steps``) steps after ``s.warmup``, with units arriving
+        at ``rate_gbps`` GB/s (0 or ``cfg.backend == "none"``: none). Returns seconds per step
+        (``tpot_s``), units landed, the window's seconds (first step's start to the last unit's
+        end or the last step's end, whichever is later) and whether the last unit landed intact."""
         lane = Lane(self.dev) if cfg.backend != NONE and rate_gbps != 0 else None
         try:
             return self._measure(lane, cfg, rate_gbps, steps or self.s.steps)

@@ -80,13 +80,12 @@ class PrefillBench:
         logits = self.engine.prefill(self.ids, self.table, on_chunk=on_chunk)
         logits.argmax().item()  # the first token on the host: the model's stream only
         t1 = time.perf_counter()
-        landed = None
         if copier is not None:
             copier.finish()
         t2 = time.perf_counter()
-        if copier is not None:
-            landed = all(torch.equal(td[self.dst], tp[self.src])
-                         for tp, td in zip(self.p.tensors(), self.d.tensors()))
+        landed = None if copier is None else all(
+            torch.equal(td[self.dst], tp[self.src])
+            for tp, td in zip(self.p.tensors(), self.d.tensors()))
         return {"prefill_s": t1 - t0, "total_s": t2 - t0, "landed": landed}
 
     def copies_alone(self, cfg: Config, reps: int) -> list[float]:
