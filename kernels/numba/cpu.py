@@ -24,7 +24,7 @@ from ..registry import register_backend
 try:
     import numba
 
-    from .pointers import PARALLEL_MIN_BYTES, as_ptr
+    from .pointers import PARALLEL_MIN_BYTES, as_ptr, serial_and_parallel
     _IMPORT_ERROR = None
 except ImportError as exc:  # pragma: no cover - numba is a core dependency
     numba = None
@@ -96,8 +96,7 @@ if numba is not None:
                 for k in range(run):
                     dst8[k] = src8[k]
 
-    _serial = numba.njit(cache=True, nogil=True)(_copy_runs)
-    _parallel = numba.njit(parallel=True, cache=True, nogil=True)(_copy_runs)
+    _serial, _parallel = serial_and_parallel(_copy_runs)
 
 _NONE = np.zeros(0, dtype=np.int64)  # the unused side's table or ids
 

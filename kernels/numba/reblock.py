@@ -18,7 +18,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .pointers import PARALLEL_MIN_BYTES, as_ptr
+from .pointers import PARALLEL_MIN_BYTES, as_ptr, serial_and_parallel
 from .floats import KINDS, decode, encode
 
 _FP8_MAX = {3: 448.0, 4: 57344.0}
@@ -138,8 +138,7 @@ def _reblock(src_ptrs, dst_ptrs, src_ids, dst_ids, geo, fmt, src_sc, dst_sc, con
 
 # numba's on-disk cache keys on this file alone: an edit of floats.py (inlined here) needs an
 # edit of this file too, or a stale compiled kernel stays in use (2026-12-01: NaN encoding).
-_serial = numba.njit(cache=True, nogil=True)(_reblock)
-_parallel = numba.njit(parallel=True, cache=True, nogil=True)(_reblock)
+_serial, _parallel = serial_and_parallel(_reblock)
 
 _SM = {None: 0, "tensor": 1, "block_head": 2}
 _NO_SCALES = np.ones(1, dtype=np.float32)
