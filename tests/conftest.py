@@ -19,6 +19,10 @@ if not torch.cuda.is_available():
 # tests/bench/test_bench_load.py tests the rule itself without this.
 os.environ["KVFLOW_BUSY_LOAD_PER_CPU"] = "1e9"
 
+from kvflow.shadow import unshadow_kernels  # noqa: E402
+
+unshadow_kernels()  # before any test imports transformers (python -m pytest puts the root first)
+
 import dataclasses  # noqa: E402
 
 import pytest  # noqa: E402

@@ -57,6 +57,8 @@ def gguf_to_checkpoint(gguf_path: str, out_dir: str) -> str:
         if importlib.util.find_spec(mod) is None:
             raise ImportError(f"{mod} is needed to read GGUF files: pip install -e \".[gguf]\"")
     import torch
+    from kvflow.shadow import unshadow_kernels
+    unshadow_kernels()  # transformers imports the PyPI package kernels
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = os.path.split(os.path.abspath(gguf_path))

@@ -17,6 +17,8 @@ SPECIAL = ["<pad>", "<s>", "</s>", "<unk>", "<r0>", "<r1>", "<r2>", "<r3>"]
 def build(path: str | pathlib.Path, seed: int = 0) -> pathlib.Path:
     """Write the checkpoint (config.json, model.safetensors, tokenizer files) into ``path``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from kvflow.shadow import unshadow_kernels
+    unshadow_kernels()  # transformers imports the PyPI package kernels
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     path = pathlib.Path(path)
