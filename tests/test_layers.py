@@ -2,7 +2,7 @@
 below the kinds and their contract; the vLLM connector stands on the connector's face
 (``kvflow.connector``), the transport layer (``kvflow.connector.transport.*``) and the wire
 codec (``kvflow.wire``), plus the modules below the connector (cache, layout, kernels,
-segments, vllm_layout); never on a kind's module (``kvflow.connector.tcp``, ``ipc_push``, ...,
+segments, vllm_layout, shadow); never on a kind's module (``kvflow.connector.tcp``, ``ipc_push``, ...,
 ``base``) nor on serving's protocol (``kvflow.serve.protocol``).
 
 Imports are read with ``ast`` as in :mod:`tests.test_import_graph` (every import in the file,
@@ -18,7 +18,7 @@ from tests.test_import_graph import REPO, ROOTS, imports, modules
 # what kvflow/integrations/vllm may import: these modules and their submodules
 VLLM_MAY_IMPORT = ("kvflow.integrations.vllm", "kvflow.connector.transport", "kvflow.wire",
                    "kvflow.cache", "kvflow.layout", "kvflow.kernels", "kvflow.segments",
-                   "kvflow.vllm_layout")
+                   "kvflow.vllm_layout", "kvflow.shadow")
 VLLM_MAY_IMPORT_EXACTLY = ("kvflow.connector",)  # the face, not its other modules
 # the transport layer is below the kinds: nothing of kvflow.connector outside it, no protocol
 TRANSPORT_MAY_IMPORT = ("kvflow.connector.transport", "kvflow.cache", "kvflow.layout",
