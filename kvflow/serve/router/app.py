@@ -172,7 +172,13 @@ async def _next_unless_gone(events: AsyncIterator[Tokens], request: Request) -> 
     (which aborts the request on P and D) and raise RequestError 499."""
     task = asyncio.ensure_future(events.__anext__())
     while True:
-        done, _ = await asyncio.wait({task}, timeout=0.1)
+        try:
+            done, _ = await asyncio.wait({task}, timeout=0.1)
+        except asyncio.CancelledError:  # the server is stopping: end the pending read first,
+            task.cancel()  # so the caller's events.aclose() does not meet a running generator
+            with contextlib.suppress(asyncio.CancelledError, RequestError, StopAsyncIteration):
+                await task
+            raise
         # check the client at least every 0.1 s, even while tokens keep coming
         now = time.monotonic()
         if done and now - getattr(request.state, "kvflow_checked", 0.0) < 0.1:
