@@ -175,9 +175,7 @@ async def _next_unless_gone(events: AsyncIterator[Tokens], request: Request) -> 
         try:
             done, _ = await asyncio.wait({task}, timeout=0.1)
         except asyncio.CancelledError:  # the server is stopping: end the pending read first,
-            task.cancel()  # so the caller's events.aclose() does not meet a running generator
-            with contextlib.suppress(asyncio.CancelledError, RequestError, StopAsyncIteration):
-                await task
+            await _cancel(task)  # so the caller's events.aclose() meets no running generator
             raise
         # check the client at least every 0.1 s, even while tokens keep coming
         now = time.monotonic()
@@ -188,8 +186,13 @@ async def _next_unless_gone(events: AsyncIterator[Tokens], request: Request) -> 
             if done:
                 return task.result()
             continue
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, RequestError, StopAsyncIteration):
-            await task
+        await _cancel(task)
         await events.aclose()
         raise RequestError(499, "client disconnected")
+
+
+async def _cancel(task: asyncio.Future) -> None:
+    """Cancel a pending read of a request's events and wait until it has ended."""
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, RequestError, StopAsyncIteration):
+        await task
