@@ -45,15 +45,32 @@ def _controller(cfg: ServeConfig, metrics, children, tokenizer):
                          exc.errno, zmq.strerror(exc.errno)) from None
 
 
+#: seconds a stop waits for the running requests to end (each is answered 503 at once) and
+#: their Aborts to be sent, before uvicorn closes the connections
+END_REQUESTS_S = 2.0
+
+
 def _uvicorn_server_class():
     import uvicorn
 
     class Server(uvicorn.Server):
-        """uvicorn's server without its own signal handlers (:func:`stop_on_signals` owns them)."""
+        """uvicorn's server without its own signal handlers (:func:`stop_on_signals` owns them);
+        at a stop, ``router`` (when set) ends its requests before uvicorn shuts down."""
+
+        router = None
 
         @contextlib.contextmanager
         def capture_signals(self):
             yield
+
+        async def shutdown(self, sockets=None):
+            if self.router is not None:  # still listening: a new request gets 503 too
+                self.router.stop()
+                deadline = asyncio.get_running_loop().time() + END_REQUESTS_S
+                while (not self.router.ended and not self.force_exit
+                       and asyncio.get_running_loop().time() < deadline):
+                    await asyncio.sleep(0.01)
+            await super().shutdown(sockets=sockets)
 
     return Server
 
@@ -109,6 +126,7 @@ async def serve_router(cfg: ServeConfig, http_sock, children, serving: list[bool
         server = _uvicorn_server_class()(uvicorn.Config(create_app(router), log_level=cfg.log_level,
                                                access_log=False, lifespan="off",
                                                timeout_graceful_shutdown=3))
+        server.router = router
         host, port = http_sock.getsockname()[:2]
         pids = (", ".join(f"{children.roles[pid]} pid {pid}" for pid in children.procs)
                 if children else "none")

@@ -24,6 +24,8 @@ from ..timings import RequestClock
 
 log = logging.getLogger("kvflow.serve.router")
 
+STOPPING = "the server is stopping"  # HTTP 503: a request running or arriving at a stop
+
 
 def load_tokenizer(model: str) -> Any:
     """The tokenizer of ``model`` without loading its weights."""
@@ -45,6 +47,21 @@ class Router:
         self.created = int(time.time())  # /v1/models "created": when this router started
         self.admit_timeout_s = admit_timeout_s  # retry "busy" (no free blocks now) this long
         self.api_key = api_key.encode() if api_key else None
+        self.stopping = False  # set by :meth:`stop`: every request from then on is refused
+        self._sends: set[asyncio.Future] = set()  # Aborts not yet handed to the control socket
+
+    def stop(self) -> None:
+        """Refuse new requests and end every running one with HTTP 503 :data:`STOPPING` (each
+        then sends its :class:`Abort`); :attr:`ended` tells when all have (docs/reliability.md,
+        "Stop")."""
+        self.stopping = True
+        for st in list(self.ctl.requests.values()):
+            st.queue.put_nowait(RequestError(503, STOPPING))
+
+    @property
+    def ended(self) -> bool:
+        """No request is running and every :class:`Abort` has been handed to the socket."""
+        return not self.ctl.requests and not self._sends
 
     def authorized(self, header: str | None) -> bool:
         """True without an API key, else when ``header`` is ``Bearer <key>`` (constant time)."""
@@ -72,9 +89,12 @@ class Router:
 
     async def _wait(self, st: ReqState, timeout: float, what: str) -> Any:
         try:
-            return await asyncio.wait_for(st.queue.get(), timeout)
+            msg = await asyncio.wait_for(st.queue.get(), timeout)
         except asyncio.TimeoutError:
             raise RequestError(504, f"timed out after {timeout:.0f} s waiting for {what}") from None
+        if isinstance(msg, RequestError):  # put there by :meth:`stop`
+            raise msg
+        return msg
 
     async def run(self, body: CompletionRequest, token_ids: list[int],
                   t_received: float | None = None) -> AsyncIterator[Tokens]:
@@ -83,6 +103,8 @@ class Router:
         ``t_received``, default now). A request P's token finished is followed in the background
         (:meth:`_follow`). Raises :class:`RequestError` (the HTTP status and message)."""
         clock = RequestClock(time.monotonic() if t_received is None else t_received)
+        if self.stopping:
+            raise RequestError(503, STOPPING)
         pair = self.ctl.pick()
         if pair is None:
             raise RequestError(503, "no prefill/decode pair is ready (see GET /health)")
@@ -194,11 +216,13 @@ class Router:
         ids = {st.prefill_id, st.decode_id} - {""}
         dead = sorted(i for i in ids if i not in self.ctl.instances)
         for inst_id in ids - set(dead):
-            asyncio.ensure_future(self.ctl.send(self.ctl.instances[inst_id], Abort(
+            sent = asyncio.ensure_future(self.ctl.send(self.ctl.instances[inst_id], Abort(
                 req_id=req_id, reason="router ended the request",
                 peer_dead=dead[0] if dead else "", prefill_sent=bool(st.prefill_id),
                 prefill_id=st.prefill_id,
                 peer_exited=bool(dead) and dead[0] in getattr(self.ctl, "exited", ()))))
+            self._sends.add(sent)
+            sent.add_done_callback(self._sends.discard)
 
     @staticmethod
     def _error(msg: Any) -> RequestError:
