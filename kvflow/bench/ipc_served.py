@@ -62,6 +62,11 @@ SERVE_MODES = {
     "nixl-request": ("disagg", ["--kv-connector", "nixl", *NO_LAYERWISE]),
     "nixl-staged": ("disagg", ["--kv-connector", "nixl", "--kv-connector-config",
                                '{"mode": "staged"}']),
+    # block-major caches (BM_NHD): one NIXL descriptor per block (per layer group, layerwise)
+    "nixl-bm-layerwise": ("disagg", ["--kv-connector", "nixl", "--kv-layout", "BM_NHD",
+                                     "--layerwise-min-tokens", "0"]),
+    "nixl-bm-request": ("disagg", ["--kv-connector", "nixl", "--kv-layout", "BM_NHD",
+                                   *NO_LAYERWISE]),
     "colocated": ("colocated", []),
     "colocated-again": ("colocated", []),  # is the reference itself repeatable?
 }
@@ -190,7 +195,8 @@ def run_serve(a, env, rows) -> None:
             m = hops.hop_medians(kvs)
             client, tpot = median([r["ttft"] for r in rs]), median([r["tpot"] for r in rs])
             xfer = med("transfer_ms")
-            exposed = med("exposed_ms") if name.startswith("push") else xfer
+            # P writes (push, nixl): its wait after the first token; D pulls: the whole transfer
+            exposed = med("exposed_ms") if name.startswith(("push", "nixl")) else xfer
             ttft = m.get("ttft") or med("ttft_ms")
             summary.append(make_row(env, op="serve_ipc_gpu", backend=name, spec=None, tokens=T, blocks=0,
                                  payload_bytes=int(kvs[0].get("payload_bytes") or 0),

@@ -19,7 +19,10 @@ from .timing import median, time_calls
 
 #: bench kind -> (connector, kv_connector_config)
 KINDS = {"nixl": ("nixl", {"mode": "direct"}),
-         "nixl-staged": ("nixl", {"mode": "staged", "staging_slots": 1})}  # one P: one slot
+         "nixl-staged": ("nixl", {"mode": "staged", "staging_slots": 1}),  # one P: one slot
+         # D's scatter on every SM (receive_max_ctas above any grid) instead of the default cap
+         "nixl-staged-uncapped": ("nixl", {"mode": "staged", "staging_slots": 1,
+                                           "receive_max_ctas": 1 << 20})}
 #: Descriptor sizes (bytes) the bulk WRITE ceiling tries; 0 is the whole payload as one.
 CHUNK_BYTES = (0, 64 << 20, 8 << 20, 1 << 20, 128 << 10)
 
@@ -108,3 +111,26 @@ def write_ceiling(nbytes: int, *, warmup: int, reps: int,
                               warmup=warmup, reps=reps)
     finally:
         b.close()
+
+
+def descs_ceiling(pair: Any, src_ids: list[int], dst_ids: list[int], *, warmup: int,
+                  reps: int) -> tuple[list[float], int]:
+    """Seconds per WRITE, straight through NIXL, of the descriptor list a ``direct`` request of
+    every layer posts (P's prepared lists, the plan's indices of ``src_ids`` / ``dst_ids``),
+    with D progressing as for a request; and its number of descriptors. What the connector
+    adds over NIXL's per-descriptor cost is its time over this one (issue 28's direct goal)."""
+    sender = pair.sender
+    writer, peer = sender.copier, next(iter(sender.peers.values()))
+    layers = range(0, sender.spec.num_layers)
+    local, remote = writer.plan.indices(src_ids, layers), peer.plan.indices(dst_ids, layers)
+    agent = sender.agent
+
+    def once() -> None:
+        writer._settle()
+        agent.wait([agent.write(writer.local, local, peer.remote, remote, "the ceiling")],
+                   60.0, "the ceiling")
+    pair.hold(True)
+    try:
+        return time_calls([once], warmup=warmup, reps=reps), len(local)
+    finally:
+        pair.hold(False)

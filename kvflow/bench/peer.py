@@ -74,6 +74,12 @@ class _Peer:
             torch.cuda.synchronize(self.cache.buffer.device)
         return {"copy_ms": stats.copy_ms, "receive_ms": (time.perf_counter() - t0) * 1e3}
 
+    def hold(self, on: bool) -> dict:
+        """Progress D's agent fast (``on``) or not, as between a request's allocation and end
+        (the same-descriptor ceiling's WRITEs come with no request)."""
+        (self.receiver.expect if on else self.receiver.forget)("bench-hold")
+        return {}
+
     def zero(self) -> dict:
         self.cache.buffer.zero_()
         return {}
@@ -101,7 +107,8 @@ class _Peer:
         return {}
 
     def serve(self) -> None:
-        ops = {"make": self.make, "attach": self.attach, "recv": self.recv, "zero": self.zero,
+        ops = {"make": self.make, "attach": self.attach, "recv": self.recv, "hold": self.hold,
+               "zero": self.zero,
                "digest": self.digest, "buffer": self.buffer_, "free": self.free}
         while True:
             cmd = msgspec.msgpack.decode(self.ctl.recv())

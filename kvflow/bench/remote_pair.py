@@ -129,6 +129,10 @@ class RemotePair:
         del handoff
         return _Stats(out["copy_ms"], out["receive_ms"])
 
+    def hold(self, on: bool) -> None:
+        """D's receiver progresses fast (``on``) or not, as while a request's KV may come."""
+        self.d.call("hold", on=on)
+
     def check(self, src_ids: list[int], dst_ids: list[int]) -> bool:
         """One request into zeroed D blocks; D's blocks equal P's byte for byte (SHA-256)."""
         from .cases import blocks_digest

@@ -28,8 +28,10 @@ def contention_table(rows: list[dict]) -> list[str]:
 
 
 def transfer_table(rows: list[dict]) -> list[str]:
-    """Connector rows beside their ceilings; a NIXL ceiling names its descriptor size, and a
-    file whose D ran in its own process gives D's receive time and device."""
+    """Connector rows beside their ceilings; a NIXL ceiling names its descriptor size, a file
+    whose D ran in its own process gives D's receive time and device, and nixl rows their
+    layout, descriptors and post ms per request and (direct) the ratio of NIXL's own WRITE of
+    that descriptor list to the request."""
     def ceiling(r: dict) -> str:
         if "chunk_bytes" in r:
             return f"fastest bulk WRITE: {r['chunk_bytes'] // 1024} KiB descriptors"
@@ -42,6 +44,11 @@ def transfer_table(rows: list[dict]) -> list[str]:
         head += ["D receive ms", "D device"]
         for line, r in zip(body, rows):
             line += [r.get("d_receive_ms", "-"), r.get("d_device", "-")]
+    if any("descs_per_request" in r for r in rows):
+        head += ["layout", "descs", "post ms", "NIXL's own / request"]
+        for line, r in zip(body, rows):
+            line += [r.get("layout", "-"), r.get("descs_per_request", "-"), r.get("post_ms", "-"),
+                     r.get("ratio_to_descs", "-")]
     return _md_table(head, body)
 
 

@@ -32,7 +32,7 @@ from kvflow.connector import CONNECTORS
 
 from . import cli
 from .nixl import KINDS as NIXL_KINDS
-from .nixl import connector_of, write_ceiling
+from .nixl import connector_of, descs_ceiling, write_ceiling
 from .remote_pair import RemotePair, bench_job, remote_write_ceiling
 from .cases import LLAMA3_8B, blocks_equal, disjoint_ids, make_spec, scramble
 from .timing import copy_ceiling, median, percentile, time_calls
@@ -42,7 +42,8 @@ CEILINGS = {"ipc-pull": ("copy_", "copy_ of the payload"),
             "ipc-push": ("copy_", "copy_ of the payload"),
             "tcp": ("zmq-loopback", "zmq loopback send"),
             "nixl": ("nixl-write", "bulk NIXL WRITE of the payload"),
-            "nixl-staged": ("nixl-write", "bulk NIXL WRITE of the payload")}
+            "nixl-staged": ("nixl-write", "bulk NIXL WRITE of the payload"),
+            "nixl-staged-uncapped": ("nixl-write", "bulk NIXL WRITE of the payload")}
 #: what --connectors accepts
 KINDS = (*CONNECTORS, *[k for k in NIXL_KINDS if k not in CONNECTORS])
 
@@ -113,6 +114,10 @@ class _Pair:
         del handoff  # D is done: P may drop its staging buffer
         return stats
 
+    def hold(self, on: bool) -> None:
+        """D's receiver progresses fast (``on``) or not, as while a request's KV may come."""
+        (self.receiver.expect if on else self.receiver.forget)("bench-hold")
+
     def check(self, src_ids: list[int], dst_ids: list[int]) -> bool:
         """One request into zeroed D blocks; D's blocks equal P's byte for byte."""
         self.d_cache.buffer.zero_()
@@ -138,7 +143,7 @@ def run_transfer(opts: dict[str, Any], env: dict[str, Any],
     """
     import torch
     _peer_opts(opts)
-    spec = make_spec(LLAMA3_8B, "NHD", "bfloat16")
+    spec = make_spec(LLAMA3_8B, opts.get("layout") or "NHD", "bfloat16")
     g = torch.Generator().manual_seed(opts["seed"])
     rows, skipped = cli.rows(env, opts), []
     sizes = [t for t in opts["tokens"] if 2 * spec.num_blocks_for(t) <= opts["num_blocks"]]
@@ -220,6 +225,10 @@ def _measure(pair: _Pair, c: str, spec, tokens: int, src: list[int], dst: list[i
     if before is not None:  # per request, warm-up included
         extra["descs_per_request"] = (agent.descs_posted - before[0]) / len(stats)
         extra["post_ms"] = (agent.post_ms - before[1]) / len(stats)
+    if connector_of(c)[1] == {"mode": "direct"}:  # NIXL's own WRITE of the same descriptors
+        ts, descs = descs_ceiling(pair, src, dst, warmup=opts["warmup"], reps=opts["reps"])
+        extra.update(descs_ceiling_ms=median(ts) * 1e3, descs_ceiling_descs=descs,
+                     ratio_to_descs=median(ts) / median(times))
     if hasattr(stats[-1], "receive_ms"):  # D in its own process: its receive's wall time
         extra["d_receive_ms"] = median([s.receive_ms for s in stats[-len(times):]])
     return make_row(
@@ -236,9 +245,10 @@ def _measure(pair: _Pair, c: str, spec, tokens: int, src: list[int], dst: list[i
 
 def format_table(rows: list[dict]) -> str:
     """Text table: connector, tokens, MiB, GB/s, ratio to its ceiling, latency p50/p99 (ms),
-    and for nixl the descriptors P posts per request and its ms in NIXL's post calls."""
+    and for nixl the descriptors P posts per request, its ms in NIXL's post calls and (direct)
+    the ratio to NIXL's own WRITE of that descriptor list."""
     head = (f"{'connector':13} {'tokens':>7} {'MiB':>8} {'GB/s':>8} {'ratio':>6} {'p50 ms':>8} "
-            f"{'p99 ms':>8} {'descs':>7} {'post ms':>8}")
+            f"{'p99 ms':>8} {'descs':>7} {'post ms':>8} {'/descs':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
         p50 = r.get("latency_ms_p50", r["time_s"] * 1e3)
@@ -247,6 +257,7 @@ def format_table(rows: list[dict]) -> str:
                      f"{r['gbps']:>8.2f} {r['ratio'] or 0:>6.2f} {p50:>8.2f} {p99:>8.2f}"
                      + (f" {r['descs_per_request']:>7.0f} {r['post_ms']:>8.3f}"
                         if "post_ms" in r else "")
+                     + (f" {r['ratio_to_descs']:>6.2f}" if "ratio_to_descs" in r else "")
                      + ("" if r.get("verified", True) else "  MISMATCH"))
     return "\n".join(lines)
 
@@ -257,6 +268,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma list of {','.join(KINDS)} (default: the preset's)")
     p.add_argument("--tokens", type=cli.tokens, help="request sizes in tokens")
     p.add_argument("--num-blocks", type=int, help="blocks per cache (quick 16, full 2048)")
+    p.add_argument("--layout", choices=("NHD", "HND", "BM_NHD"), default="NHD",
+                   help="cache layout of P and D (BM_NHD: block-major, one NIXL descriptor per "
+                        "block; default NHD)")
     p.add_argument("--warmup", type=int, help="untimed requests per size")
     p.add_argument("--reps", type=int, help="timed requests per size")
     p.add_argument("--peer-process", action=argparse.BooleanOptionalAction, default=None,

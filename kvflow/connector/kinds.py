@@ -138,8 +138,9 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
          p_half="one NIXL WRITE per layer group into D's registered cache (or D's staging), "
                 "`KVPushed`",
          d_half="registers its cache with a NIXL agent; staged: scatters on `KVPushed`",
-         options=(Option("mode", str, "direct", "direct WRITEs P's blocks into D's, "
-                         "consecutive ids coalesced, staged gathers into a registered staging "
+         options=(Option("mode", str, "direct", "direct WRITEs P's blocks into D's "
+                         "(one descriptor per block and tensor, or per block with --kv-layout "
+                         "BM_NHD), staged gathers into a registered staging "
                          "buffer, one WRITE per layer group, and D scatters",
                          choices=("direct", "staged"), receiver=True),
                   Option("layers_per_copy", int, _LAYERS_PER_COPY,

@@ -21,6 +21,7 @@ from .nixl_receiver import NixlReceiver, check_mode, peer_info, staging_blocks  
 from .nixl_writer import NixlPeer, NixlWriter
 from .transport.frames import warm_staging
 from .transport.nixl_agent import Agent, block_descs, mem_type
+from .transport.nixl_plan import DescPlan
 
 WRITE_TIMEOUT_S = 30.0  # default bound (seconds) on P's wait for a request's WRITEs
 
@@ -51,8 +52,8 @@ class NixlSender(PushSender):
         cache, spec = KVSender.make_cache(self, num_blocks), self.spec
         self.agent = Agent("prefill", progress_thread=False, driven=True)
         mem, dev = mem_type(cache.buffer)
-        local = self.agent.register(cache.buffer, block_descs(
-            cache.buffer.data_ptr(), spec.num_tensors, num_blocks, spec.block_bytes, dev), mem)
+        plan = DescPlan(spec, num_blocks, self.layers_per_copy)
+        local = self.agent.register(cache.buffer, plan.rows(cache.buffer.data_ptr(), dev), mem)
         staging = local_staging = None
         if self.mode == "staged":
             n = staging_blocks(spec, num_blocks, self.max_model_len) * spec.num_tensors
@@ -60,7 +61,7 @@ class NixlSender(PushSender):
             local_staging = self.agent.register(staging, block_descs(
                 staging.data_ptr(), 1, n, spec.block_bytes, dev), mem)
         self.copier = NixlWriter(self.agent, cache, local, self.mode, self.layers_per_copy,
-                                 staging=staging, local_staging=local_staging,
+                                 plan=plan, staging=staging, local_staging=local_staging,
                                  backend=self.backend, timeout_s=self.timeout_s)
         return cache
 
@@ -85,13 +86,14 @@ class NixlSender(PushSender):
                                 f"{peer.num_blocks * spec.bytes_per_block}")
         agent = self.agent.add_peer(peer.id, info.metadata)
         p = NixlPeer(peer.id, agent, peer.num_blocks, spec=peer.spec)
-        if self.mode == "direct":
-            addr, tensors, n = info.cache_addr, spec.num_tensors, info.num_blocks
+        if self.mode == "direct":  # D's cache, laid out as P's (one spec)
+            p.plan = DescPlan(spec, info.num_blocks, self.layers_per_copy)
+            descs = p.plan.rows(info.cache_addr, info.device_id)
         else:
             p.slot_descs = info.slot_bytes // spec.block_bytes
-            addr, tensors, n = info.staging_addr, 1, info.staging_slots * p.slot_descs
-        p.remote = self.agent.prep(agent, block_descs(addr, tensors, n, spec.block_bytes,
-                                                      info.device_id), info.mem_type)
+            descs = block_descs(info.staging_addr, 1, info.staging_slots * p.slot_descs,
+                                spec.block_bytes, info.device_id)
+        p.remote = self.agent.prep(agent, descs, info.mem_type)
         self.peers[peer.id] = p
 
     def detach(self, peer_id: str) -> None:
@@ -104,6 +106,7 @@ class NixlSender(PushSender):
     def close(self) -> None:
         if self.copier is not None:
             self.copier.close()
+            self.copier.stop()
         KVSender.close(self)
         self.peers.clear()
         if self.agent is not None:

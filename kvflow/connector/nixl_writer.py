@@ -19,7 +19,7 @@ from kvflow.kernels import gather_blocks
 
 from .base import TransferError
 from .layer_copy import block_pairs
-from .transport.nixl_plan import desc_indices
+from .transport.event_poster import EventPoster
 
 #: Seconds P waits for a D's staging slot (its ``slot`` or ``free`` notification).
 SLOT_TIMEOUT_S = 10.0
@@ -34,6 +34,7 @@ class NixlPeer:
     agent: str
     num_blocks: int
     remote: Any = None  # D's prepared descriptor list (direct: its cache; staged: its staging)
+    plan: Any = None  # direct: the DescPlan of D's cache (``remote``'s rows)
     slot: int | None = None  # staged: D's slot for this P (None until D's ``slot`` notice)
     slot_descs: int = 0  # staged: descriptors per slot
     last_req: str = ""  # staged: the request last written into the slot ('' : none)
@@ -44,14 +45,18 @@ class NixlPeer:
 
 class NixlWriter:
     """Posts and waits for WRITEs from P's ``cache``, registered with ``agent`` (``local``: its
-    prepared descriptor list), and, staged, from P's flat uint8 ``staging`` buffer
+    prepared descriptor list, laid out by ``plan``, a :class:`~.transport.nixl_plan.DescPlan`),
+    and, staged, from P's flat uint8 ``staging`` buffer
     (``local_staging``: its ``block_bytes`` descriptors). ``backend``: the gather's kernels;
-    ``timeout_s``: seconds to wait for a request's WRITEs."""
+    ``timeout_s``: seconds to wait for a request's WRITEs. On a GPU a direct layer group's
+    WRITE is posted by an :class:`~.transport.event_poster.EventPoster` once a CUDA event
+    recorded after the group is done: the compute thread never synchronizes its stream."""
 
     def __init__(self, agent: Any, cache: Any, local: Any, mode: str, layers_per_copy: int, *,
-                 staging: Any = None, local_staging: Any = None, backend: str = "auto",
-                 timeout_s: float = 30.0) -> None:
+                 plan: Any = None, staging: Any = None, local_staging: Any = None,
+                 backend: str = "auto", timeout_s: float = 30.0) -> None:
         self.agent, self.cache, self.local, self.mode = agent, cache, local, mode
+        self.plan = plan
         self.layers_per_copy, self.backend, self.timeout_s = layers_per_copy, backend, timeout_s
         self.staging, self.local_staging = staging, local_staging
         self.handles: list[Any] = []
@@ -59,6 +64,8 @@ class NixlWriter:
         self._ids: tuple[Any, Any] | None = None  # (job, its ids) of the staged gathers
         self.fault_delay_s, self.fault_fail, self.dropped = 0.0, False, ""  # test faults
         self.posted = 0  # WRITEs posted for the request
+        on_gpu = cache is not None and cache.buffer.is_cuda and mode == "direct"
+        self.poster = EventPoster("kvflow-nixl-poster") if on_gpu else None
 
     def start(self) -> None:
         """Nothing to order (LayerCopier interface)."""
@@ -143,17 +150,21 @@ class NixlWriter:
         WRITE posted (``stats.exposed_ms``: the time spent here). TransferError when a WRITE
         failed or did not finish within ``timeout_s``."""
         t0 = time.perf_counter()
-        handles, self.handles = self.handles, []
         try:
+            if self.poster is not None:  # the layer groups' WRITEs, posted in its thread
+                posted, error = self.poster.drain()
+                self.handles += posted
+                if error is not None:
+                    raise error
             if stats is not None and stats.pending is not None:
                 pending, stats.pending = stats.pending, None
                 L = self.cache.spec.num_layers
                 on_host = not self.cache.buffer.is_cuda
                 step = self.layers_per_copy if self.mode == "staged" and on_host else L
                 for lo in range(0, L, step):
-                    self._write(pending, range(lo, min(lo + step, L)), stats)
-                handles, self.handles = handles + self.handles, []
-            if handles:
+                    self._write(pending, range(lo, min(lo + step, L)), stats, now=True)
+            handles, self.handles = self.handles, []
+            if handles:  # wait releases them, done or not
                 self.agent.wait(handles, self.timeout_s, f"{len(handles)} layer groups")
             if self.dropped:  # KVFLOW_FAULT_WRITE_FAIL: the later groups were never posted
                 raise TransferError(f"NIXL WRITE of {self.dropped} failed: injected by "
@@ -169,7 +180,15 @@ class NixlWriter:
         self.agent.drop(self.handles)
         self.handles = []
 
-    def _write(self, pairs, layers: range, stats: Any) -> None:
+    def stop(self) -> None:
+        """Stop the poster's thread (the sender closes)."""
+        if self.poster is not None:
+            self.poster.drain()
+            self.poster.close()
+
+    def _write(self, pairs, layers: range, stats: Any, now: bool = False) -> None:
+        """Post the WRITE of ``layers`` of ``pairs`` (direct on a GPU and not ``now``: through
+        the poster, after the GPU computed them; else here, after a stream sync)."""
         t0 = time.perf_counter()
         if not stats.t_start:
             stats.t_start = time.time()
@@ -180,12 +199,21 @@ class NixlWriter:
         if self.fault_fail and self.posted:  # KVFLOW_FAULT_WRITE_FAIL: only the first goes
             self.dropped = self.dropped or what
             return
+        handle = None
         if self.mode == "direct":
             src, dst = pairs
-            self._settle()
-            handle = self.agent.write(
-                self.local, desc_indices(src, tensors, self.cache.num_blocks), peer.remote,
-                desc_indices(dst, tensors, peer.num_blocks), what)
+            local, remote = self.plan.indices(src, layers), peer.plan.indices(dst, layers)
+
+            def post():
+                return self.agent.write(self.local, local, peer.remote, remote, what)
+            if self.poster is not None and not now:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(self.cache.buffer.device))
+                self.poster.submit(event, post)
+                self.posted += 1
+            else:
+                self._settle()
+                handle = post()
         else:  # None: no block to move (D's prefix cache holds them all)
             handle = self._write_staged(peer, layers, tensors, what)
             peer.last_req = self.job.req_id

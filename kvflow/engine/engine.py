@@ -68,8 +68,8 @@ class Engine:
                  (("num_layers", c.num_layers, s.num_layers),
                   ("num_kv_heads", c.num_kv_heads, s.num_kv_heads),
                   ("head_dim", c.head_dim, s.head_dim)) if a != b]
-        if s.layout not in ("NHD", "HND"):
-            diffs.append(f"layout: model needs NHD or HND, cache has {s.layout}")
+        if s.view_layout not in ("NHD", "HND"):  # block-major BM_NHD: NHD views
+            diffs.append(f"layout: model needs NHD, HND or BM_NHD, cache has {s.layout}")
         if cache.device != model.device:
             diffs.append(f"device: model {model.device} vs cache {cache.device}")
         if diffs:
@@ -158,7 +158,7 @@ class Engine:
         # exactly the bytes of a one-shot prefill (measured on CPU; BLAS does not promise it).
         n = ids.numel()
         end, pad = start + n, -n % ROW_TILE
-        bs, layout, dev = self.spec.block_size, self.spec.layout, self.device
+        bs, layout, dev = self.spec.block_size, self.spec.view_layout, self.device
         pos = torch.arange(start, end, device=dev)
         blocks, slots = table[pos // bs], pos % bs
         pos = torch.cat((pos, torch.full((pad,), start, device=dev)))
@@ -210,7 +210,7 @@ class Engine:
             table[i, :t.numel()] = t
         ids = torch.tensor(toks, dtype=torch.long, device=self.device)
         pos = torch.tensor(poss, dtype=torch.long, device=self.device)
-        bs, layout = self.spec.block_size, self.spec.layout
+        bs, layout = self.spec.block_size, self.spec.view_layout
         rows = torch.arange(len(batch), device=self.device)
         blocks, slots = table[rows, pos // bs], pos % bs
         mask = (torch.arange(nb * bs, device=self.device)[None, :] <= pos[:, None])[:, None, :]

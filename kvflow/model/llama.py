@@ -203,9 +203,11 @@ class LlamaForCausalLM(nn.Module):
     def kv_spec(self, block_size: int, *, dtype: torch.dtype | None = None,
                 layout: str = "NHD") -> KVCacheSpec:
         """The :class:`KVCacheSpec` of this model's cache (layers, KV heads, head_dim from the
-        config; ``dtype`` defaults to the model's). ``layout`` is "NHD" or "HND"."""
-        if layout not in ("NHD", "HND"):
-            raise ValueError(f"layout must be 'NHD' or 'HND' for a K/V model, got {layout!r}")
+        config; ``dtype`` defaults to the model's). ``layout`` is "NHD", "HND" or "BM_NHD"
+        (block-major NHD)."""
+        if layout not in ("NHD", "HND", "BM_NHD"):
+            raise ValueError(f"layout must be 'NHD', 'HND' or 'BM_NHD' for a K/V model, got "
+                             f"{layout!r}")
         c = self.config
         return KVCacheSpec(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
                            head_dim=c.head_dim, block_size=block_size,

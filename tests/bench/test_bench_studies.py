@@ -191,8 +191,9 @@ def test_transfer_pair_writes_only_d_blocks(connector):
 
 def test_transfer_nixl_rows_carry_descriptors_and_post_time(tmp_path, capsys, monkeypatch):
     """nixl rows report the descriptors P posts per request and its ms in NIXL's post calls
-    (staged: one WRITE per layer group of 4 of 32 layers, 2 tensors, 1 block: 64); other
-    connectors leave the columns out."""
+    (staged: one WRITE per layer group of 4 of 32 layers, 2 tensors, 1 block: 64), direct the
+    ratio of NIXL's own WRITE of its descriptor list; other connectors leave the columns out.
+    On a block-major cache (--layout BM_NHD) direct posts one descriptor for the one block."""
     from kvflow.bench.__main__ import main
     from kvflow.connector.transport.nixl_agent import nixl_available, tcp_tls
     if not nixl_available():
@@ -202,10 +203,20 @@ def test_transfer_nixl_rows_carry_descriptors_and_post_time(tmp_path, capsys, mo
                  "--tokens", "64", "--out-dir", str(tmp_path), "--no-progress", "--threads",
                  "1"]) == 0
     (head,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("connector ")]
-    assert head.split()[-3:] == ["descs", "post", "ms"]
+    assert head.split()[-4:] == ["descs", "post", "ms", "/descs"]
     (result,) = tmp_path.glob("transfer-cpu-*.json")
     moved = {r["backend"]: r for r in json.loads(result.read_text())["rows"]
              if r["op"] == "transfer"}
     assert moved["nixl-staged"]["descs_per_request"] == moved["nixl"]["descs_per_request"] == 64
     assert all(moved[c]["post_ms"] > 0 and moved[c]["verified"] for c in ("nixl", "nixl-staged"))
     assert "post_ms" not in moved["tcp"]
+    assert moved["nixl"]["descs_ceiling_descs"] == 64 and moved["nixl"]["ratio_to_descs"] > 0
+    assert "ratio_to_descs" not in moved["nixl-staged"]
+    bm = tmp_path / "bm"
+    assert main(["transfer", "--quick", "--device", "cpu", "--connectors", "nixl", "--layout",
+                 "BM_NHD", "--tokens", "64", "--out-dir", str(bm), "--no-progress", "--threads",
+                 "1"]) == 0
+    (result,) = bm.glob("transfer-cpu-*.json")
+    (row,) = [r for r in json.loads(result.read_text())["rows"] if r["op"] == "transfer"]
+    assert (row["layout"], row["descs_per_request"], row["descs_ceiling_descs"]) == ("BM_NHD", 1, 1)
+    assert row["verified"]

@@ -35,7 +35,7 @@ def generate(engine, ids, table, steps):
     return seq[len(ids):], logits
 
 
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("layout", ["NHD", "HND", "BM_NHD"])
 def test_paged_greedy_equals_dense_reference(tiny, layout):
     model, tok = tiny
     ids = tok.encode(PROMPT)
@@ -68,6 +68,17 @@ def test_cache_holds_dense_kv(tiny):
     torch.testing.assert_close(K[5], k[:16].detach(), atol=1e-6, rtol=0)
     torch.testing.assert_close(K[2, :6], k[16:].detach(), atol=1e-6, rtol=0)
     assert K[2, 6:].abs().sum() == 0 and K[0].abs().sum() == 0  # nothing else written
+
+
+def test_block_major_cache_holds_the_bytes_of_the_layer_major_one(tiny):
+    """The same prefill into an NHD and a BM_NHD cache: every layer's K and V are equal bit for
+    bit, block by block (only where the bytes lie differs)."""
+    model, tok = tiny
+    ids, table = tok.encode(PROMPT), [7, 3, 11, 0, 5, 9]
+    (e1, c1), (e2, c2) = fresh(model), fresh(model, layout="BM_NHD")
+    assert torch.equal(e1.prefill(ids, table), e2.prefill(ids, table))
+    for a, b in zip(c1.tensors(), c2.tensors()):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("chunk", [16, 32, 48])

@@ -29,7 +29,7 @@ def test_tiny_shape_and_kv_spec():
             spec.layout) == (4, 2, 32, 16, torch.float32, "NHD")
     assert spec.bytes_per_token == 4 * 2 * 2 * 32 * 4
     assert model.kv_spec(8, dtype=torch.bfloat16, layout="HND").bytes_per_block == 8 * 4 * 2 * 2 * 32 * 2
-    with pytest.raises(ValueError, match=r"^layout must be 'NHD' or 'HND' for a K/V model, got 'MLA'$"):
+    with pytest.raises(ValueError, match=r"^layout must be 'NHD', 'HND' or 'BM_NHD' for a K/V model, got 'MLA'$"):
         model.kv_spec(16, layout="MLA")
     assert tok.vocab_size == c.vocab_size
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from kvflow.connector import kinds
 
-KV_LAYOUTS = ("NHD", "HND")  # --kv-layout, --decode-kv-layout
+KV_LAYOUTS = ("NHD", "HND", "BM_NHD")  # --kv-layout, --decode-kv-layout
 KV_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")  # --kv-dtype
 
 Text = typing.Union[str, typing.Callable[[], str]]
@@ -84,8 +84,9 @@ class ServeConfig:
         "model weights and KV cache dtype", choices=("float32", "bfloat16", "float16")))
     block_size: int = field(default=16, metadata=_flag("tokens per KV block"))
     kv_layout: str = field(default="NHD", metadata=_flag(
-        "KV cache layout: NHD [blocks, block_size, heads, head_dim] or HND [blocks, heads, "
-        "block_size, head_dim]", choices=KV_LAYOUTS))
+        "KV cache layout: NHD [blocks, block_size, heads, head_dim], HND [blocks, heads, "
+        "block_size, head_dim] or BM_NHD (block-major NHD: all layers of a block contiguous, "
+        "one NIXL descriptor per block)", choices=KV_LAYOUTS))
     kv_dtype: str | None = field(default=None, metadata=_flag(
         "KV cache dtype (fp8: per-tensor scales, 1.0)", choices=KV_DTYPES,
         default_text="--dtype"))
