@@ -33,6 +33,7 @@ from kvflow.connector import CONNECTORS
 from . import cli
 from .nixl import KINDS as NIXL_KINDS
 from .nixl import connector_of, descs_ceiling, write_ceiling
+from .loopback import link as _link, loopback_ceiling
 from .remote_pair import RemotePair, bench_job, remote_write_ceiling
 from .cases import LLAMA3_8B, blocks_equal, disjoint_ids, make_spec, scramble
 from .timing import copy_ceiling, median, percentile, time_calls
@@ -46,35 +47,6 @@ CEILINGS = {"ipc-pull": ("copy_", "copy_ of the payload"),
             "nixl-staged-uncapped": ("nixl-write", "bulk NIXL WRITE of the payload")}
 #: what --connectors accepts
 KINDS = (*CONNECTORS, *[k for k in NIXL_KINDS if k not in CONNECTORS])
-
-
-def _link():
-    import zmq
-    ctx = zmq.Context.instance()
-    d = ctx.socket(zmq.ROUTER)
-    port = d.bind_to_random_port("tcp://127.0.0.1")
-    p = ctx.socket(zmq.DEALER)
-    p.connect(f"tcp://127.0.0.1:{port}")
-    for s in (p, d):
-        s.setsockopt(zmq.LINGER, 0)
-    return p, d
-
-
-def loopback_ceiling(nbytes: int, *, warmup: int, reps: int) -> list[float]:
-    """Seconds per plain ZMQ send+receive of ``nbytes`` (one frame, zero-copy) over loopback TCP."""
-    import torch
-    p, d = _link()
-    payload = torch.ones(nbytes, dtype=torch.uint8).numpy()
-
-    def once():
-        p.send(memoryview(payload), copy=False)
-        _, frame = d.recv_multipart(copy=False)
-        assert len(frame.buffer) == nbytes
-    try:
-        return time_calls([once], warmup=warmup, reps=reps)
-    finally:
-        p.close()
-        d.close()
 
 
 class _Pair:
