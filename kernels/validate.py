@@ -46,7 +46,8 @@ def _as_tensor(name: str, ids: Any, num_blocks: int) -> torch.Tensor:
                 raise out_of_range(name, i, int(v), num_blocks)
         ids = torch.tensor([int(v) for v in ids], dtype=torch.int64)
     if not isinstance(ids, torch.Tensor):
-        raise TypeError(f"{name} must be a 1-D int32 or int64 tensor, got {type(ids).__name__}")
+        raise TypeError(f"{name} must be a 1-D int32 or int64 tensor, a numpy array or a list "
+                        f"of ints, got {type(ids).__name__}")
     return ids
 
 

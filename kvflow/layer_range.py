@@ -41,7 +41,10 @@ def normalize_layers(layers: Any, num_layers: int) -> tuple[int, int]:
         start, stop = int(layers[0]), int(layers[1])
     else:
         raise TypeError(f"layers must be None, an int, a range, a slice or (start, stop), got {layers!r}")
-    if not (0 <= start < stop <= num_layers):
+    if not start < stop:
+        raise ValueError(f"layers={layers!r} is empty or reversed: start {start} must be below "
+                         f"stop {stop}")
+    if not (0 <= start and stop <= num_layers):
         raise ValueError(f"layers={layers!r} is outside the cache's {num_layers} layers "
                          f"(need 0 <= start < stop <= {num_layers})")
     return start, stop
