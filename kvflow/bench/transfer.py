@@ -115,14 +115,15 @@ def run_transfer(opts: dict[str, Any], env: dict[str, Any],
     """
     import torch
     _peer_opts(opts)
-    spec = make_spec(LLAMA3_8B, opts.get("layout") or "NHD", "bfloat16")
+    geometry = {**LLAMA3_8B, "block_size": opts.get("block_size") or LLAMA3_8B["block_size"]}
+    spec = make_spec(geometry, opts.get("layout") or "NHD", "bfloat16")
     g = torch.Generator().manual_seed(opts["seed"])
     rows, skipped = cli.rows(env, opts), []
     sizes = [t for t in opts["tokens"] if 2 * spec.num_blocks_for(t) <= opts["num_blocks"]]
     for t in sorted(set(opts["tokens"]) - set(sizes)):
         skipped.append({"connector": "*", "reason": f"{t} tokens need more than --num-blocks "
                                                     f"{opts['num_blocks']} / 2 blocks"})
-    ids = {t: [i.tolist() for i in disjoint_ids(opts["num_blocks"], spec.num_blocks_for(t), g)]
+    ids = {t: _ids(opts.get("ids") or "random", opts["num_blocks"], spec.num_blocks_for(t), g)
            for t in sizes}  # the same blocks for every connector
     ceil_s: dict[tuple[str, int], float] = {}
     bar = cli.progress(len(sizes) * len(opts["connectors"]), "transfer", progress)
@@ -136,7 +137,7 @@ def run_transfer(opts: dict[str, Any], env: dict[str, Any],
                     rows.append(_ceiling(name, spec, tokens, opts, env))
                     ceil_s[name, tokens] = rows[-1]["time_s"]
             try:
-                pair = (RemotePair(c, spec, LLAMA3_8B, opts["num_blocks"], opts["device"],
+                pair = (RemotePair(c, spec, geometry, opts["num_blocks"], opts["device"],
                                    opts["d_device"], max(sizes, default=1))
                         if opts["peer_process"] else
                         _Pair(c, spec, opts["num_blocks"], opts["device"], max(sizes, default=1)))
@@ -154,6 +155,15 @@ def run_transfer(opts: dict[str, Any], env: dict[str, Any],
     finally:
         bar.close()
     return rows, skipped
+
+
+def _ids(kind: str, num_blocks: int, n: int, g) -> tuple[list[int], list[int]]:
+    """P's and D's ids of an ``n``-block request: ``random`` (disjoint, seeded: every block its
+    own run) or ``contiguous`` (P's ``0..n-1`` into D's ``n..2n-1``: one run)."""
+    if kind == "contiguous":
+        return list(range(n)), list(range(n, 2 * n))
+    src, dst = disjoint_ids(num_blocks, n, g)
+    return src.tolist(), dst.tolist()
 
 
 def _ceiling(name: str, spec, tokens: int, opts: dict[str, Any], env: dict[str, Any]) -> dict:
@@ -212,6 +222,7 @@ def _measure(pair: _Pair, c: str, spec, tokens: int, src: list[int], dst: list[i
         d_copy_ms=median([s.copy_ms for s in stats[-len(times):]]), verified=ok,
         ceiling=CEILINGS[c][1],
         config={"num_blocks": opts["num_blocks"], "reps": opts["reps"],
+                "ids": opts.get("ids") or "random",
                 "device": opts["device"], "preset": opts.get("preset")}, **extra)
 
 
@@ -240,6 +251,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma list of {','.join(KINDS)} (default: the preset's)")
     p.add_argument("--tokens", type=cli.tokens, help="request sizes in tokens")
     p.add_argument("--num-blocks", type=int, help="blocks per cache (quick 16, full 2048)")
+    p.add_argument("--block-size", type=int, default=64,
+                   help="tokens per block of the Llama-3-8B geometry (default 64)")
+    p.add_argument("--ids", choices=("random", "contiguous"), default="random",
+                   help="block ids of a request: random (fragmented, every block its own run) "
+                        "or contiguous (one run on P and on D)")
     p.add_argument("--layout", choices=("NHD", "HND", "BM_NHD"), default="NHD",
                    help="cache layout of P and D (BM_NHD: block-major, one NIXL descriptor per "
                         "block; default NHD)")

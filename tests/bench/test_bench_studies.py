@@ -193,7 +193,8 @@ def test_transfer_nixl_rows_carry_descriptors_and_post_time(tmp_path, capsys, mo
     """nixl rows report the descriptors P posts per request and its ms in NIXL's post calls
     (staged: one WRITE per layer group of 4 of 32 layers, 2 tensors, 1 block: 64), direct the
     ratio of NIXL's own WRITE of its descriptor list; other connectors leave the columns out.
-    On a block-major cache (--layout BM_NHD) direct posts one descriptor for the one block."""
+    On a block-major cache (--layout BM_NHD) of 16-token blocks with contiguous ids, direct
+    posts one descriptor per block of the 64 tokens: 4."""
     from kvflow.bench.__main__ import main
     from kvflow.connector.transport.nixl_agent import nixl_available, tcp_tls
     if not nixl_available():
@@ -214,9 +215,10 @@ def test_transfer_nixl_rows_carry_descriptors_and_post_time(tmp_path, capsys, mo
     assert "ratio_to_descs" not in moved["nixl-staged"]
     bm = tmp_path / "bm"
     assert main(["transfer", "--quick", "--device", "cpu", "--connectors", "nixl", "--layout",
-                 "BM_NHD", "--tokens", "64", "--out-dir", str(bm), "--no-progress", "--threads",
-                 "1"]) == 0
+                 "BM_NHD", "--block-size", "16", "--ids", "contiguous", "--tokens", "64",
+                 "--out-dir", str(bm), "--no-progress", "--threads", "1"]) == 0
     (result,) = bm.glob("transfer-cpu-*.json")
     (row,) = [r for r in json.loads(result.read_text())["rows"] if r["op"] == "transfer"]
-    assert (row["layout"], row["descs_per_request"], row["descs_ceiling_descs"]) == ("BM_NHD", 1, 1)
+    assert (row["layout"], row["descs_per_request"], row["descs_ceiling_descs"]) == ("BM_NHD", 4, 4)
+    assert row["geometry"].endswith("B16") and row["config"]["ids"] == "contiguous"
     assert row["verified"]
