@@ -63,6 +63,17 @@ def tokens(text: str) -> list[int]:
     return out
 
 
+def positive_int(text: str) -> int:
+    """Parser of an int >= 1 (``--block-size``)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int >= 1")
+    return n
+
+
 def add_common(p: argparse.ArgumentParser, *, device: bool = True, presets: bool = True) -> None:
     """``--quick``/``--full``, ``--device``, ``--threads``, ``--seed``, ``--out-dir``,
     ``--name``, ``--no-progress``."""

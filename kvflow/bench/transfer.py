@@ -251,7 +251,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma list of {','.join(KINDS)} (default: the preset's)")
     p.add_argument("--tokens", type=cli.tokens, help="request sizes in tokens")
     p.add_argument("--num-blocks", type=int, help="blocks per cache (quick 16, full 2048)")
-    p.add_argument("--block-size", type=int, default=64,
+    p.add_argument("--block-size", type=cli.positive_int, default=64,
                    help="tokens per block of the Llama-3-8B geometry (default 64)")
     p.add_argument("--ids", choices=("random", "contiguous"), default="random",
                    help="block ids of a request: random (fragmented, every block its own run) "

@@ -149,6 +149,10 @@ def test_bad_flags_fail_before_work(workdir, capsys):
     with pytest.raises(SystemExit):
         main(["kernels", "--tokens", "lots"])
     assert "argument --tokens: 'lots' is not a token count >= 1 (e.g. 16,1K,64K)" in capsys.readouterr().err
+    for value in ("0", "-4"):
+        with pytest.raises(SystemExit):
+            main(["transfer", "--block-size", value])
+        assert f"argument --block-size: '{value}' is not an int >= 1" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"backend='nosuch' is unknown"):
         main(["kernels", "--quick", "--backends", "nosuch", "--no-progress"])
     with pytest.raises(SystemExit, match="--plugin 'missing.py': no such file"):
