@@ -181,9 +181,11 @@ def staged_reblocked(cache: PagedKVCache, block_ids: Any, buf: Any, layers: Any,
     name = "out" if to_stage else "src"
     dev, spec = cache.device, cache.spec
     start, stop = normalize_layers(layers, spec.num_layers)
-    src_spec, dst_spec = (spec, stage_spec) if to_stage else (stage_spec, spec)
     if not hasattr(stage_spec, "num_layers"):
         raise TypeError(f"{name}_spec must be a KVCacheSpec, got {type(stage_spec).__name__}")
+    if stage_spec.block_major:  # a staging buffer is packed per tensor whatever the cache's
+        stage_spec = stage_spec.with_(layout=stage_spec.view_layout)  # layout: BM_NHD's is NHD's
+    src_spec, dst_spec = (spec, stage_spec) if to_stage else (stage_spec, spec)
     mp = make_mapping(src_spec.with_(num_layers=spec.num_layers),
                       dst_spec.with_(num_layers=spec.num_layers), head_start,
                       src_name="cache" if to_stage else f"{name}_spec",

@@ -106,6 +106,10 @@ def resolve(args: argparse.Namespace, study: str) -> dict[str, Any]:
         if val is not None or key not in opts:
             opts[key] = val
     opts["preset"] = getattr(args, "preset", None) or "quick"
+    for key, least in (("reps", 1), ("warmup", 0), ("num_blocks", 1)):
+        if isinstance(opts.get(key), int) and opts[key] < least:
+            raise SystemExit(f"{study}: --{key.replace('_', '-')} must be >= {least}, got "
+                             f"{opts[key]}")
     if "device" in opts and opts["device"] is not None:
         check_device(study, opts["device"])
     if "device" in opts and opts["device"] is None:

@@ -121,8 +121,9 @@ def run_transfer(opts: dict[str, Any], env: dict[str, Any],
     rows, skipped = cli.rows(env, opts), []
     sizes = [t for t in opts["tokens"] if 2 * spec.num_blocks_for(t) <= opts["num_blocks"]]
     for t in sorted(set(opts["tokens"]) - set(sizes)):
-        skipped.append({"connector": "*", "reason": f"{t} tokens need more than --num-blocks "
-                                                    f"{opts['num_blocks']} / 2 blocks"})
+        n = opts["num_blocks"]
+        skipped.append({"connector": "*", "reason": f"{t} tokens need 2 x {spec.num_blocks_for(t)} "
+                        f"block ids (P's and D's disjoint), more than --num-blocks {n}"})
     ids = {t: _ids(opts.get("ids") or "random", opts["num_blocks"], spec.num_blocks_for(t), g)
            for t in sizes}  # the same blocks for every connector
     ceil_s: dict[tuple[str, int], float] = {}
@@ -296,4 +297,4 @@ def run(args) -> int:
     for s in skipped:
         print(f"transfer: skipped {s['connector']}: {s['reason']}", file=sys.stderr)
     cli.finish(args, opts, env, rows, {"skipped": skipped}, t0=t0)
-    return 0
+    return 0 if any(r["op"] == "transfer" for r in rows) else 1  # nothing measured: a failure

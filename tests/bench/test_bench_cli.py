@@ -153,6 +153,9 @@ def test_bad_flags_fail_before_work(workdir, capsys):
         with pytest.raises(SystemExit):
             main(["transfer", "--block-size", value])
         assert f"argument --block-size: '{value}' is not an int >= 1" in capsys.readouterr().err
+    for flag, value, least in (("--reps", "0", 1), ("--warmup", "-1", 0), ("--num-blocks", "0", 1)):
+        with pytest.raises(SystemExit, match=f"^transfer: {flag} must be >= {least}, got {value}$"):
+            main(["transfer", flag, value, "--no-progress"])
     with pytest.raises(ValueError, match=r"backend='nosuch' is unknown"):
         main(["kernels", "--quick", "--backends", "nosuch", "--no-progress"])
     with pytest.raises(SystemExit, match="--plugin 'missing.py': no such file"):

@@ -1,7 +1,9 @@
 """End to end on CPU: P and D on a block-major KV cache (``--kv-layout BM_NHD``: all layers of a
 block contiguous, one NIXL descriptor per block) with ``--kv-connector nixl`` over UCX's TCP
 transport, prompts moved after the prefill and layer by layer (``--layerwise-min-tokens 64``),
-token-identical to colocated serving on the default NHD cache; /health reports the layout.
+token-identical to colocated serving on the default NHD cache; /health reports the layout. And
+a mixed pair, a BM_NHD P feeding an NHD D over ``tcp`` (D re-blocks P's frames, which are packed
+per tensor as NHD's: reading them with block-major strides crashed D).
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ def servers():
     try:
         for name, args in (("colocated", ("--mode", "colocated")),
                            ("bm", ("--kv-connector", "nixl", "--kv-layout", "BM_NHD",
-                                   "--layerwise-min-tokens", "64"))):
+                                   "--layerwise-min-tokens", "64")),
+                           ("tcp-bm->nhd", ("--kv-connector", "tcp", "--kv-layout", "BM_NHD",
+                                            "--decode-kv-layout", "NHD"))):
             s[name] = Server(*args)  # one at a time: 2 cores
             s[name].wait_healthy()
         yield s
@@ -48,3 +52,17 @@ def test_block_major_nixl_is_token_identical_to_colocated(servers):
         kv = got.json()["kvflow"]
         assert kv["kv_connector"] == "nixl"
         assert kv["layerwise"] is (n >= 64), kv
+
+
+def test_a_block_major_p_feeds_an_nhd_d_over_tcp(servers):
+    srv = servers["tcp-bm->nhd"]
+    p, d = srv.instance("prefill"), srv.instance("decode")
+    assert (p["spec"]["layout"], d["spec"]["layout"]) == ("BM_NHD", "NHD")
+    assert p["spec_differs"] == {d["id"]: {"layout": ["BM_NHD", "NHD"]}}
+    for n in LENGTHS:
+        want = servers["colocated"].complete(prompt=prompt_of(n), max_tokens=MAX_TOKENS,
+                                             ignore_eos=True)
+        got = srv.complete(prompt=prompt_of(n), max_tokens=MAX_TOKENS, ignore_eos=True)
+        assert got.status_code == 200, got.text
+        assert got.json()["choices"][0]["token_ids"] == want.json()["choices"][0]["token_ids"], \
+            f"prompt of {n} tokens"

@@ -86,6 +86,14 @@ def line_of(argv: list[str]) -> str:
 
 
 @pytest.mark.parametrize("argv, line", [
+    (["--kv-connector", "nixl", "--kv-layout", "BM_NHD", "--decode-kv-layout", "NHD"],
+     "--decode-kv-layout NHD differs from P's BM_NHD, and the nixl connector moves only equal KV "
+     "cache specs (re-blocking connectors: ipc-pull, ipc-push, tcp); leave it out or pick one of "
+     "those"),
+    (["--kv-connector", "nixl", "--decode-block-size", "64"],
+     "--decode-block-size 64 differs from P's 16, and the nixl connector moves only equal KV "
+     "cache specs (re-blocking connectors: ipc-pull, ipc-push, tcp); leave it out or pick one of "
+     "those"),
     (["--kv-connector-config", "{max_ctas: 8}"],
      "--kv-connector-config is not valid JSON (Expecting property name enclosed in double "
      "quotes: line 1 column 2 (char 1)), got '{max_ctas: 8}'; pass an object such as "

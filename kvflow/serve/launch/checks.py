@@ -143,6 +143,18 @@ def _check_connector(cfg: ServeConfig, given: set[str]) -> None:
         kinds.check_options(_kind(cfg).name, cfg.kv_connector_config, where="--kv-connector-config")
     except ValueError as exc:
         raise StartupError(str(exc)) from None
+    kind = _kind(cfg)
+    if cfg.mode != "colocated" and cfg.role == "all" and not kind.reblocks:
+        for name, mine in (("decode_block_size", cfg.block_size),
+                           ("decode_kv_layout", cfg.kv_layout),
+                           ("decode_kv_dtype", cfg.kv_dtype or cfg.dtype)):
+            value = getattr(cfg, name)
+            if value is not None and value != mine:
+                raise StartupError(
+                    f"{flag_name(name)} {value} differs from P's {mine}, and the {kind.name} "
+                    f"connector moves only equal KV cache specs (re-blocking connectors: "
+                    f"{', '.join(kinds.with_capability('reblocks'))}); leave it out or pick one "
+                    f"of those")
 
 
 def _kind(cfg: ServeConfig) -> kinds.Kind:
