@@ -38,18 +38,26 @@ def servers():
             srv.stop()
 
 
+def _same_tokens_as_colocated(servers, name: str) -> dict[int, dict]:
+    """Each prompt of LENGTHS through server ``name`` and colocated: equal token ids; returns
+    each response's ``kvflow`` object by prompt length."""
+    kvs = {}
+    for n in LENGTHS:
+        want = servers["colocated"].complete(prompt=prompt_of(n), max_tokens=MAX_TOKENS,
+                                             ignore_eos=True)
+        got = servers[name].complete(prompt=prompt_of(n), max_tokens=MAX_TOKENS, ignore_eos=True)
+        assert got.status_code == 200, got.text
+        assert got.json()["choices"][0]["token_ids"] == want.json()["choices"][0]["token_ids"], \
+            f"{name}: prompt of {n} tokens"
+        kvs[n] = got.json()["kvflow"]
+    return kvs
+
+
 def test_block_major_nixl_is_token_identical_to_colocated(servers):
     bm = servers["bm"]
     assert bm.instance("prefill")["spec"]["layout"] == "BM_NHD"
     assert bm.instance("decode")["spec"]["layout"] == "BM_NHD"
-    for n in LENGTHS:
-        want = servers["colocated"].complete(prompt=prompt_of(n), max_tokens=MAX_TOKENS,
-                                             ignore_eos=True)
-        got = bm.complete(prompt=prompt_of(n), max_tokens=MAX_TOKENS, ignore_eos=True)
-        assert got.status_code == 200, got.text
-        assert got.json()["choices"][0]["token_ids"] == want.json()["choices"][0]["token_ids"], \
-            f"prompt of {n} tokens"
-        kv = got.json()["kvflow"]
+    for n, kv in _same_tokens_as_colocated(servers, "bm").items():
         assert kv["kv_connector"] == "nixl"
         assert kv["layerwise"] is (n >= 64), kv
 
@@ -59,10 +67,5 @@ def test_a_block_major_p_feeds_an_nhd_d_over_tcp(servers):
     p, d = srv.instance("prefill"), srv.instance("decode")
     assert (p["spec"]["layout"], d["spec"]["layout"]) == ("BM_NHD", "NHD")
     assert p["spec_differs"] == {d["id"]: {"layout": ["BM_NHD", "NHD"]}}
-    for n in LENGTHS:
-        want = servers["colocated"].complete(prompt=prompt_of(n), max_tokens=MAX_TOKENS,
-                                             ignore_eos=True)
-        got = srv.complete(prompt=prompt_of(n), max_tokens=MAX_TOKENS, ignore_eos=True)
-        assert got.status_code == 200, got.text
-        assert got.json()["choices"][0]["token_ids"] == want.json()["choices"][0]["token_ids"], \
-            f"prompt of {n} tokens"
+    kvs = _same_tokens_as_colocated(servers, "tcp-bm->nhd")
+    assert {kv["kv_connector"] for kv in kvs.values()} == {"tcp"}
