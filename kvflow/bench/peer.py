@@ -108,8 +108,8 @@ class _Peer:
 
     def serve(self) -> None:
         ops = {"make": self.make, "attach": self.attach, "recv": self.recv, "hold": self.hold,
-               "zero": self.zero,
-               "digest": self.digest, "buffer": self.buffer_, "free": self.free}
+               "zero": self.zero, "digest": self.digest, "buffer": self.buffer_,
+               "free": self.free}
         while True:
             cmd = msgspec.msgpack.decode(self.ctl.recv())
             op = cmd.pop("op")

@@ -20,8 +20,8 @@ from .layer_copy import LAYERS_PER_COPY
 from .nixl_receiver import NixlReceiver, check_mode, peer_info, staging_blocks  # noqa: F401
 from .nixl_writer import NixlPeer, NixlWriter
 from .transport.frames import warm_staging
-from .transport.nixl_agent import Agent, block_descs, mem_type
-from .transport.nixl_plan import DescPlan
+from .transport.nixl_agent import Agent, mem_type
+from .transport.nixl_plan import DescPlan, block_descs
 
 WRITE_TIMEOUT_S = 30.0  # default bound (seconds) on P's wait for a request's WRITEs
 

@@ -138,7 +138,8 @@ def test_prefill_writes_exactly_the_missing_blocks_into_d(mode):
 def test_consecutive_ids_move_as_one_descriptor_per_tensor():
     """NIXL merges the prepared per-block descriptors of consecutive ids: a WRITE of 6 pairs
     forming 2 runs moves 2 x num_tensors descriptors (NIXL's telemetry)."""
-    from kvflow.connector.transport.nixl_agent import Agent, block_descs
+    from kvflow.connector.transport.nixl_agent import Agent
+    from kvflow.connector.transport.nixl_plan import block_descs
     a, b = Agent("t1", telemetry=True), Agent("t2")
     src, dst = torch.ones(SPEC.num_tensors * NUM_BLOCKS * 64, dtype=torch.uint8), \
         torch.zeros(SPEC.num_tensors * NUM_BLOCKS * 64, dtype=torch.uint8)
@@ -250,7 +251,8 @@ class _NullLink:
 # ---- memory types, descriptors, staged slot notices ------------------------------------------
 def test_descriptors_carry_the_device_id_and_the_memory_type_follows_the_tensor():
     from kvflow.bench.nixl import chunk_descs
-    from kvflow.connector.transport.nixl_agent import block_descs, mem_type
+    from kvflow.connector.transport.nixl_agent import mem_type
+    from kvflow.connector.transport.nixl_plan import block_descs
     d = block_descs(1000, 2, 3, 16, device_id=1)
     assert d.tolist() == [[1000 + 16 * i, 16, 1] for i in range(6)]
     assert chunk_descs(64, 40, 16, 2).tolist() == [[64, 16, 2], [80, 16, 2], [96, 8, 2]]

@@ -2,7 +2,7 @@
 its descriptor plan covers exactly the bytes the per-layer views hold, a WRITE of every layer
 names one descriptor per block, a layerwise prefill one per (layer group, block), and both
 modes land P's blocks in D's byte for byte over UCX's TCP transport (the layer-major plan is
-:func:`~kvflow.connector.transport.nixl_agent.block_descs` unchanged).
+:func:`~kvflow.connector.transport.nixl_plan.block_descs` unchanged).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 from kvflow import KVCacheSpec, PagedKVCache
 from kvflow.connector import Peer, PrefillJob, make_receiver, make_sender
 from kvflow.connector.messages import decode
-from kvflow.connector.transport.nixl_agent import block_descs, nixl_available, tcp_tls
-from kvflow.connector.transport.nixl_plan import DescPlan, layer_groups
+from kvflow.connector.transport.nixl_agent import nixl_available, tcp_tls
+from kvflow.connector.transport.nixl_plan import DescPlan, block_descs, layer_groups
 
 os.environ.setdefault("UCX_TLS", tcp_tls())
 needs_nixl = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")

@@ -1,6 +1,6 @@
 """One NIXL agent per instance: register memory once, meet peers from their
 :class:`~kvflow.connector.messages.NixlAgentInfo` metadata (no etcd, no metadata server), prepare
-descriptor lists (:func:`block_descs`) once per peer, post WRITEs (or READs: the vLLM
+descriptor lists (:func:`~.nixl_plan.block_descs`) once per peer, post WRITEs (or READs: the vLLM
 connector's pull) and wait for them with a bound. Progress: :mod:`.nixl_progress`.
 """
 
@@ -49,19 +49,6 @@ def nixl_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def block_descs(base: int, num_tensors: int, num_blocks: int, block_bytes: int,
-                device_id: int = 0) -> np.ndarray:
-    """Descriptors ``(address, bytes, device_id)``, uint64 ``[num_tensors * num_blocks, 3]``,
-    of a :class:`~kvflow.cache.PagedKVCache` laid out from ``base``: row ``t * num_blocks + b``
-    is block ``b`` of tensor ``t`` (``device_id``: 0 on the host, else the CUDA ordinal)."""
-    offs = np.arange(num_tensors * num_blocks, dtype=np.uint64) * np.uint64(block_bytes)
-    out = np.zeros((offs.size, 3), dtype=np.uint64)
-    out[:, 0] = np.uint64(base) + offs
-    out[:, 1] = block_bytes
-    out[:, 2] = device_id
-    return out
 
 
 def mem_type(tensor: Any) -> tuple[str, int]:

@@ -1,7 +1,7 @@
 """Which descriptors a ``nixl`` WRITE names: pure functions over block ids (no NIXL needed).
 
 Layer-major caches (NHD, HND, ...): descriptor ``t * num_blocks + b`` is block ``b`` of tensor
-``t`` (:func:`~kvflow.connector.transport.nixl_agent.block_descs`), so a WRITE of ``n`` blocks
+``t`` (:func:`block_descs`), so a WRITE of ``n`` blocks
 of ``k`` tensors names ``n * k`` descriptors; NIXL merges neighbours adjacent on both sides
 (one per :func:`coalesce` run per tensor). Block-major caches (``BM_NHD``): one descriptor per
 (layer group, block) covering the group's layers of that block (:class:`DescPlan`), so a WRITE
@@ -52,6 +52,18 @@ def desc_indices(ids: Sequence[int], tensors: range, num_blocks: int) -> np.ndar
     return (t * num_blocks + ids[None, :]).reshape(-1).astype(np.int32)
 
 
+def block_descs(base: int, num_tensors: int, num_blocks: int, block_bytes: int,
+                device_id: int = 0) -> np.ndarray:
+    """Descriptors ``(address, bytes, device_id)``, uint64 ``[num_tensors * num_blocks, 3]``,
+    of a :class:`~kvflow.cache.PagedKVCache` laid out from ``base``: row ``t * num_blocks + b``
+    is block ``b`` of tensor ``t`` (``device_id``: 0 on the host, else the CUDA ordinal)."""
+    offs = np.arange(num_tensors * num_blocks, dtype=np.uint64) * np.uint64(block_bytes)
+    out = np.zeros((offs.size, 3), dtype=np.uint64)
+    out[:, 0] = np.uint64(base) + offs
+    out[:, 1] = block_bytes
+    out[:, 2] = device_id
+    return out
+
 
 def layer_groups(num_layers: int, layers_per_copy: int) -> tuple[tuple[int, int], ...]:
     """The layer ranges ``[lo, hi)`` a WRITE may cover: each group of ``layers_per_copy`` layers
@@ -87,14 +99,12 @@ class DescPlan:
         """Descriptors ``(address, bytes, device_id)``, uint64, of the cache at ``base``."""
         spec, n = self.spec, self.num_blocks
         if not spec.block_major:
-            offs = np.arange(spec.num_tensors * n, dtype=np.uint64) * np.uint64(spec.block_bytes)
-            sizes = np.full(offs.size, spec.block_bytes, dtype=np.uint64)
-        else:
-            per_layer = spec.tensors_per_layer * spec.block_bytes
-            blocks = np.arange(n, dtype=np.uint64) * np.uint64(spec.bytes_per_block)
-            offs = np.concatenate([blocks + np.uint64(lo * per_layer) for lo, _ in self.groups])
-            sizes = np.concatenate([np.full(n, (hi - lo) * per_layer, dtype=np.uint64)
-                                    for lo, hi in self.groups])
+            return block_descs(base, spec.num_tensors, n, spec.block_bytes, device_id)
+        per_layer = spec.tensors_per_layer * spec.block_bytes
+        blocks = np.arange(n, dtype=np.uint64) * np.uint64(spec.bytes_per_block)
+        offs = np.concatenate([blocks + np.uint64(lo * per_layer) for lo, _ in self.groups])
+        sizes = np.concatenate([np.full(n, (hi - lo) * per_layer, dtype=np.uint64)
+                                for lo, hi in self.groups])
         out = np.zeros((offs.size, 3), dtype=np.uint64)
         out[:, 0] = np.uint64(base) + offs
         out[:, 1] = sizes

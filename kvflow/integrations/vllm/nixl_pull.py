@@ -12,8 +12,8 @@ import torch
 
 from kvflow.cache import PagedKVCache
 from kvflow.connector import TransferError
-from kvflow.connector.transport.nixl_agent import Agent, block_descs, mem_type
-from kvflow.connector.transport.nixl_plan import coalesce, desc_indices
+from kvflow.connector.transport.nixl_agent import Agent, mem_type
+from kvflow.connector.transport.nixl_plan import block_descs, coalesce, desc_indices
 
 from .link import PeerTimeout, Puller, PullError
 from .messages import NixlHello, NixlInfo, Pull

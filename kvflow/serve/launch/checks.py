@@ -139,22 +139,28 @@ def _check_connector(cfg: ServeConfig, given: set[str]) -> None:
                 where = "--mode colocated" if cfg.mode == "colocated" else "--role colocated"
                 raise StartupError(f"{named} has no effect with {where} (one "
                                    f"instance prefills and decodes: no KV moves); leave it out")
+    kind = _kind(cfg)
     try:
-        kinds.check_options(_kind(cfg).name, cfg.kv_connector_config, where="--kv-connector-config")
+        kinds.check_options(kind.name, cfg.kv_connector_config, where="--kv-connector-config")
     except ValueError as exc:
         raise StartupError(str(exc)) from None
-    kind = _kind(cfg)
     if cfg.mode != "colocated" and cfg.role == "all" and not kind.reblocks:
-        for name, mine in (("decode_block_size", cfg.block_size),
-                           ("decode_kv_layout", cfg.kv_layout),
-                           ("decode_kv_dtype", cfg.kv_dtype or cfg.dtype)):
-            value = getattr(cfg, name)
-            if value is not None and value != mine:
-                raise StartupError(
-                    f"{flag_name(name)} {value} differs from P's {mine}, and the {kind.name} "
-                    f"connector moves only equal KV cache specs (re-blocking connectors: "
-                    f"{', '.join(kinds.with_capability('reblocks'))}); leave it out or pick one "
-                    f"of those")
+        for name, value, mine in _decode_differs(cfg):
+            raise StartupError(
+                f"{flag_name(name)} {value} differs from P's {mine}, and the {kind.name} "
+                f"connector moves only equal KV cache specs (re-blocking connectors: "
+                f"{', '.join(kinds.with_capability('reblocks'))}); leave it out or pick one "
+                f"of those")
+
+
+def _decode_differs(cfg: ServeConfig):
+    """``(field, D's value, P's)`` of each ``--decode-*`` flag given with a value other than
+    P's."""
+    for name, mine in (("decode_block_size", cfg.block_size), ("decode_kv_layout", cfg.kv_layout),
+                       ("decode_kv_dtype", cfg.kv_dtype or cfg.dtype)):
+        value = getattr(cfg, name)
+        if value is not None and value != mine:
+            yield name, value, mine
 
 
 def _kind(cfg: ServeConfig) -> kinds.Kind:
@@ -182,13 +188,10 @@ def _check_verify(cfg: ServeConfig, model_limit: int) -> None:
         raise StartupError(f"--kv-verify does not check layer-by-layer transfers, and prompts "
                            f"from --layerwise-min-tokens {threshold} tokens (<= --max-model-len "
                            f"{max_len}) would move so; set --layerwise-min-tokens above {max_len}")
-    for name, mine in (("decode_block_size", cfg.block_size), ("decode_kv_layout", cfg.kv_layout),
-                       ("decode_kv_dtype", cfg.kv_dtype or cfg.dtype)):
-        value = getattr(cfg, name)
-        if value is not None and value != mine:
-            raise StartupError(f"--kv-verify does not check re-blocked transfers: "
-                               f"{flag_name(name)} {value} differs from P's {mine}; leave one "
-                               f"of them out")
+    for name, value, mine in _decode_differs(cfg):
+        raise StartupError(f"--kv-verify does not check re-blocked transfers: "
+                           f"{flag_name(name)} {value} differs from P's {mine}; leave one "
+                           f"of them out")
 
 
 def _check_roles(cfg: ServeConfig) -> None:
